@@ -1,0 +1,370 @@
+"""The ``kvcache`` command: run the daemon, and inspect and trim the cache while it serves."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from . import __version__, keys
+from .client import TIER_NAMES, CacheClient, CacheError, CacheUnavailable
+from .config import default_address, default_dir
+from .v1 import kvcache_pb2 as pb
+
+F = TypeVar("F", bound=Callable[..., Any])
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_bytes(text: str) -> int:
+    """``1024``, ``512M``, ``2G``, ``1.5GiB`` -> bytes."""
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = t[-1] if t and t[-1] in _UNITS else ""
+    try:
+        value = float(t[: len(t) - len(unit)])
+    except ValueError:
+        raise click.BadParameter(f"not a size: {text!r} (e.g. 512M, 2G)") from None
+    if value < 0:
+        raise click.BadParameter(f"a size cannot be negative: {text!r}")
+    return int(value * _UNITS[unit])
+
+
+def parse_duration(text: str) -> float:
+    """``90``, ``90s``, ``15m``, ``2h``, ``7d`` -> seconds."""
+    t = text.strip().lower()
+    unit = t[-1] if t and t[-1] in _SECONDS else "s"
+    try:
+        value = float(t.rstrip("smhdw"))
+    except ValueError:
+        raise click.BadParameter(f"not a duration: {text!r} (e.g. 90s, 15m, 2h, 7d)") from None
+    return value * _SECONDS[unit]
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def human_age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+class SizeType(click.ParamType):
+    name = "size"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        return value if isinstance(value, int) else parse_bytes(str(value))
+
+
+class DurationType(click.ParamType):
+    name = "duration"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        return value if isinstance(value, float) else parse_duration(str(value))
+
+
+SIZE = SizeType()
+DURATION = DurationType()
+
+
+def address_option(f: F) -> F:
+    return click.option("--address", "-a", default=None, envvar="KVCACHE_ADDRESS",
+                        help="Daemon address: unix:/path, a socket path, or host:port "
+                             f"(default: {default_address()}).")(f)
+
+
+def connect(address: str | None) -> CacheClient:
+    client = CacheClient(address, timeout=10.0)
+    try:
+        client.wait_ready(timeout=3.0)
+    except CacheUnavailable:
+        client.close()
+        raise click.ClickException(f"no kvcache daemon at {client.address} "
+                                   "(start one with: kvcache serve)") from None
+    return client
+
+
+def run(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except CacheError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def key_arg(text: str) -> bytes:
+    try:
+        return keys.parse_key(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def entry_dict(e: pb.Entry, now: float) -> dict[str, Any]:
+    return {
+        "key": e.key.hex(), "model": e.model_name, "model_fingerprint": e.model_fingerprint,
+        "tenant_id": e.tenant_id, "tokens": e.n_tokens, "bytes": e.size,
+        "tiers": [TIER_NAMES[t] for t in e.tiers], "reason": e.reason, "codec": e.codec,
+        "created": e.created, "age_seconds": round(now - e.created, 3),
+        "last_used": e.last_used, "hits": e.hits, "pinned": e.pinned,
+    }
+
+
+@click.group()
+@click.version_option(__version__, prog_name="kvcache")
+def main() -> None:
+    """kvcache: a prefix KV-cache daemon for llama.cpp models."""
+
+
+@main.command()
+@click.option("--dir", "data_dir", type=click.Path(path_type=Path), default=None,
+              help=f"Data directory (default: {default_dir()}).")
+@click.option("--socket", "socket_path", type=click.Path(path_type=Path), default=None,
+              help="Unix socket path (default: DIR/kvcache.sock).")
+@click.option("--listen", default=None, metavar="HOST:PORT",
+              help="Also listen on TCP (requires --insecure-tcp until auth is configured).")
+@click.option("--insecure-tcp", is_flag=True,
+              help="Allow TCP without authentication: anyone who can connect can read "
+                   "every cached prompt state.")
+@click.option("--ram-dir", type=click.Path(path_type=Path), default=None,
+              help="RAM tier directory on a memory filesystem (default: under /dev/shm).")
+@click.option("--ram-bytes", type=SIZE, default="2G", show_default=True)
+@click.option("--disk-bytes", type=SIZE, default="50G", show_default=True)
+@click.option("--min-free-bytes", type=SIZE, default="1G", show_default=True,
+              help="Refuse saves that would leave less free space on the disk.")
+@click.option("--block-size", type=click.IntRange(1, 65536), default=256, show_default=True,
+              help="Tokens per hashed block.")
+@click.option("--lease-seconds", type=float, default=30.0, show_default=True,
+              help="A reservation with no traffic for this long is aborted.")
+@click.option("--log-level", default="INFO", show_default=True)
+def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
+          insecure_tcp: bool, ram_dir: Path | None, ram_bytes: int, disk_bytes: int,
+          min_free_bytes: int, block_size: int, lease_seconds: float, log_level: str) -> None:
+    """Run the cache daemon until SIGTERM or SIGINT."""
+    from .server import Daemon
+    from .store import StoreConfig
+
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if listen and not insecure_tcp:
+        raise click.ClickException(
+            f"refusing to listen on TCP {listen} without authentication; pass --insecure-tcp "
+            "to accept that anyone who can connect may read and write the cache")
+    root = (data_dir or default_dir()).expanduser().resolve()
+    config = StoreConfig(root=root, ram_dir=ram_dir, ram_bytes=ram_bytes, disk_bytes=disk_bytes,
+                         min_free_bytes=min_free_bytes, block_size=block_size,
+                         lease_seconds=lease_seconds)
+    try:
+        daemon = Daemon(config, socket_path=socket_path, listen=listen)
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise click.ClickException(str(exc)) from None
+    daemon.serve_forever()
+
+
+@main.command()
+@address_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def stats(address: str | None, as_json: bool) -> None:
+    """Entries, bytes and budgets per tier, and every counter."""
+    with connect(address) as client:
+        s = run(client.stats)
+    data = {
+        "version": s.version, "uptime_seconds": round(s.uptime_seconds, 3),
+        "block_size": s.block_size, "in_flight": s.in_flight, "read_pins": s.read_pins,
+        "tiers": {TIER_NAMES[t.tier]: {"entries": t.entries, "bytes": t.bytes,
+                                       "budget_bytes": t.budget_bytes,
+                                       "reserved_bytes": t.reserved_bytes,
+                                       "directory": t.directory} for t in s.tiers},
+        "counters": dict(sorted(s.counters.items())),
+    }
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    console = Console()
+    tiers = Table(title=f"kvcache {s.version} — up {human_age(s.uptime_seconds)}")
+    for col in ("tier", "entries", "bytes", "budget", "used", "directory"):
+        tiers.add_column(col)
+    for name, t in data["tiers"].items():
+        used = f"{100 * t['bytes'] / t['budget_bytes']:.1f}%" if t["budget_bytes"] else "-"
+        tiers.add_row(name, str(t["entries"]), human_bytes(t["bytes"]),
+                      human_bytes(t["budget_bytes"]), used, t["directory"])
+    console.print(tiers)
+    counters = Table(title="counters")
+    counters.add_column("counter")
+    counters.add_column("value", justify="right")
+    for name, value in data["counters"].items():
+        counters.add_row(name, str(value))
+    console.print(counters)
+
+
+@main.command("ls")
+@address_option
+@click.option("--model", default="", help="Model name or fingerprint prefix.")
+@click.option("--tenant", default="", help="Tenant salt (only its entries are listed).")
+@click.option("--reason", type=click.Choice(["", "cold", "continued", "finish", "evict",
+                                             "shutdown", "manual"]), default="")
+@click.option("--tier", type=click.Choice(["", "ram", "disk"]), default="")
+@click.option("--min-tokens", type=int, default=0)
+@click.option("--sort", "sort_by", type=click.Choice(["used", "age", "size", "tokens", "hits"]),
+              default="used", show_default=True)
+@click.option("--limit", type=int, default=0, help="At most this many rows (0: all).")
+@click.option("--json", "as_json", is_flag=True)
+def ls(address: str | None, model: str, tenant: str, reason: str, tier: str, min_tokens: int,
+       sort_by: str, limit: int, as_json: bool) -> None:
+    """List entries."""
+    with connect(address) as client:
+        entries = run(lambda: client.list_entries(model=model, tenant=tenant, reason=reason,
+                                                  tier=tier, min_tokens=min_tokens))
+    sort_keys: dict[str, Callable[[pb.Entry], float]] = {
+        "used": lambda e: -max(e.last_used, e.created), "age": lambda e: e.created,
+        "size": lambda e: -e.size, "tokens": lambda e: -e.n_tokens, "hits": lambda e: -e.hits,
+    }
+    entries.sort(key=sort_keys[sort_by])
+    if limit:
+        entries = entries[:limit]
+    now = time.time()
+    rows = [entry_dict(e, now) for e in entries]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    table = Table()
+    for col in ("key", "model", "tenant", "tokens", "size", "tier", "reason", "age", "hits",
+                "pinned"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["key"], r["model"], r["tenant_id"] or "-", str(r["tokens"]),
+                      human_bytes(r["bytes"]), "+".join(r["tiers"]), r["reason"],
+                      human_age(r["age_seconds"]), str(r["hits"]), "yes" if r["pinned"] else "")
+    Console().print(table)
+    click.echo(f"{len(rows)} entr{'y' if len(rows) == 1 else 'ies'}")
+
+
+@main.command()
+@address_option
+@click.argument("key")
+@click.option("--model", "model_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="GGUF file: decode the first and last tokens to text.")
+@click.option("--tenant", default="", help="Only show the entry if it is this tenant's.")
+@click.option("--tokens", "show_tokens", type=int, default=32, show_default=True,
+              help="How many tokens to show at each end.")
+@click.option("--json", "as_json", is_flag=True)
+def inspect(address: str | None, key: str, model_path: str | None, tenant: str,
+            show_tokens: int, as_json: bool) -> None:
+    """Full metadata of one entry."""
+    k = key_arg(key)
+    with connect(address) as client:
+        d = run(lambda: client.inspect(k, tenant=tenant))
+    tokens = list(d.tokens)
+    data = entry_dict(d.entry, time.time())
+    data.update(kv_layout=dict(d.kv_layout), format_version=d.format_version,
+                producer=d.producer, payload_bytes=d.payload_size,
+                raw_payload_bytes=d.raw_payload_size, path=d.path,
+                first_tokens=tokens[:show_tokens], last_tokens=tokens[-show_tokens:])
+    if model_path:
+        from model_runtime.llama_backend import LlamaModel
+
+        with LlamaModel(model_path) as m:
+            data["first_text"] = m.detokenize(tokens[:show_tokens])
+            data["last_text"] = m.detokenize(tokens[-show_tokens:])
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    for name, value in data.items():
+        click.echo(f"{name:>18}: {value}")
+
+
+@main.command()
+@address_option
+@click.option("--json", "as_json", is_flag=True)
+def verify(address: str | None, as_json: bool) -> None:
+    """Check every blob's checksums; bad ones are quarantined. Exit 1 if any was bad."""
+    bad: list[dict[str, str]] = []
+    checked = 0
+    with connect(address) as client, Progress(disable=as_json, transient=True) as progress:
+        task = progress.add_task("verifying", total=None)
+
+        def go() -> None:
+            nonlocal checked
+            for result in client.verify():
+                checked += 1
+                progress.update(task, completed=result.done, total=result.total)
+                if not result.ok:
+                    bad.append({"key": result.key.hex(), "error": result.error})
+
+        run(go)
+    if as_json:
+        click.echo(json.dumps({"checked": checked, "bad": bad}, indent=2))
+    else:
+        for b in bad:
+            click.echo(f"BAD {b['key']}: {b['error']} (quarantined)")
+        click.echo(f"{checked} checked, {len(bad)} bad")
+    sys.exit(1 if bad else 0)
+
+
+@main.command()
+@address_option
+@click.option("--max-bytes", type=SIZE, default=None, help="Trim the disk tier to this size.")
+@click.option("--max-ram-bytes", type=SIZE, default=None, help="Trim the RAM tier to this size.")
+@click.option("--older-than", type=DURATION, default=None, help="Created longer ago than this.")
+@click.option("--unused-for", type=DURATION, default=None, help="Not read for this long.")
+@click.option("--model", default="")
+@click.option("--tenant", default="")
+@click.option("--reason", default="")
+@click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
+@click.option("--json", "as_json", is_flag=True)
+def prune(address: str | None, max_bytes: int | None, max_ram_bytes: int | None,
+          older_than: float | None, unused_for: float | None, model: str, tenant: str,
+          reason: str, dry_run: bool, as_json: bool) -> None:
+    """Remove entries by age, use, owner or size. Pinned and in-use entries stay."""
+    with connect(address) as client:
+        r = run(lambda: client.prune(
+            max_disk_bytes=max_bytes or 0, max_ram_bytes=max_ram_bytes or 0,
+            older_than_seconds=older_than or 0.0, unused_for_seconds=unused_for or 0.0,
+            model=model, tenant=tenant, reason=reason, dry_run=dry_run))
+    now = time.time()
+    data = {"dry_run": dry_run, "removed": [entry_dict(e, now) for e in r.removed],
+            "bytes_freed": r.bytes_freed, "skipped_pinned": r.skipped_pinned,
+            "skipped_in_use": r.skipped_in_use}
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    verb = "would remove" if dry_run else "removed"
+    for e in data["removed"]:
+        click.echo(f"{verb} {e['key']} {e['tokens']} tokens {human_bytes(e['bytes'])}")
+    click.echo(f"{verb} {len(r.removed)} entries, {human_bytes(r.bytes_freed)}; kept "
+               f"{r.skipped_pinned} pinned and {r.skipped_in_use} in use")
+
+
+def _key_command(name: str, doc: str, action: Callable[[CacheClient, bytes], None],
+                 done: str) -> None:
+    @main.command(name, help=doc)
+    @address_option
+    @click.argument("key")
+    def command(address: str | None, key: str) -> None:
+        k = key_arg(key)
+        with connect(address) as client:
+            run(lambda: action(client, k))
+        click.echo(f"{done} {key}")
+
+
+_key_command("evict", "Remove one entry (refused while it is pinned or being read).",
+             CacheClient.delete, "evicted")
+_key_command("pin", "Protect an entry from eviction and pruning.", CacheClient.pin, "pinned")
+_key_command("unpin", "Make a pinned entry evictable again.", CacheClient.unpin, "unpinned")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,295 @@
+"""A small typed, synchronous client for the kvcache daemon.
+
+Every call has a deadline, so nothing hangs on a daemon that is gone or stuck; the
+channel reconnects by itself with a short exponential backoff when the daemon returns.
+Callers that must never fail because of the cache (the model runtime) catch
+:class:`CacheUnavailable` and carry on cold.
+
+On a unix socket (same host) blobs move through files instead of gRPC messages: a save
+writes the daemon's reserved temp file directly, a load reads the published file while
+the daemon pins it. Over TCP both stream in chunks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from . import blob as blobfmt
+from . import keys
+from .config import CHUNK_BYTES, MAX_MESSAGE_BYTES, default_address, is_local, normalize_address
+from .v1 import kvcache_pb2 as pb
+from .v1 import kvcache_pb2_grpc as pb_grpc
+
+TIER_NAMES = {pb.TIER_RAM: "ram", pb.TIER_DISK: "disk", pb.TIER_UNSPECIFIED: ""}
+
+
+class CacheError(Exception):
+    """A call the daemon answered with an error status."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class CacheUnavailable(CacheError):
+    """The daemon could not be reached (or did not answer in time)."""
+
+
+class CorruptBlob(CacheError):
+    """A blob failed its checksums; the daemon was told and quarantined it."""
+
+
+_UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.CANCELLED)
+
+
+def _wrap(exc: grpc.RpcError, address: str) -> CacheError:
+    code = exc.code() if hasattr(exc, "code") else None
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    if code == grpc.StatusCode.DATA_LOSS:
+        return CorruptBlob(details, code)
+    if code in _UNAVAILABLE:
+        return CacheUnavailable(f"kvcache daemon at {address}: {details}", code)
+    return CacheError(f"{code.name if code else 'ERROR'}: {details}", code)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a state belongs to. ``tenant`` isolates entries; it is hashed, never stored."""
+
+    model_fingerprint: str
+    kv_layout: Mapping[str, str] = field(default_factory=dict)
+    tenant: str = ""
+    model_name: str = ""
+
+    def message(self) -> pb.Identity:
+        return pb.Identity(model_fingerprint=self.model_fingerprint,
+                           kv_layout={str(k): str(v) for k, v in self.kv_layout.items()},
+                           tenant=self.tenant, model_name=self.model_name)
+
+    @property
+    def namespace(self) -> bytes:
+        return keys.namespace(self.model_fingerprint, self.kv_layout, self.tenant)
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    key: bytes
+    matched_tokens: int
+    tier: str
+    size: int
+    probes: int
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    status: str  # saved | already_present | in_flight
+    key: bytes
+    size: int = 0
+
+
+@dataclass(frozen=True)
+class LoadedBlob:
+    meta: blobfmt.BlobMeta
+    payload: memoryview  # decoded state bytes
+    tier: str
+    size: int  # bytes of the stored blob
+
+
+class CacheClient:
+    def __init__(self, address: str | None = None, *, timeout: float = 10.0,
+                 fast_path: bool | None = None) -> None:
+        self.address = normalize_address(address or default_address())
+        self.timeout = timeout
+        self.fast_path = is_local(self.address) if fast_path is None else fast_path
+        self.channel = grpc.insecure_channel(self.address, options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+        ])
+        self.stub = pb_grpc.KVCacheStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> CacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _rpc(self, method: str, request: object, timeout: float | None = None) -> object:
+        try:
+            return getattr(self.stub, method)(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as exc:
+            raise _wrap(exc, self.address) from None
+
+    # -- cache use --------------------------------------------------------------------------
+
+    def lookup(self, identity: Identity, tokens: Sequence[int], *, max_tokens: int = 0,
+               timeout: float | None = None) -> LookupResult | None:
+        """The longest saved prefix of ``tokens``, or None."""
+        resp = self._rpc("Lookup", pb.LookupRequest(identity=identity.message(), tokens=tokens,
+                                                    max_tokens=max_tokens), timeout)
+        if not resp.found:
+            return None
+        return LookupResult(resp.key, resp.matched_tokens, TIER_NAMES[resp.tier], resp.size,
+                            resp.probes)
+
+    def save(self, identity: Identity, tokens: Sequence[int], payload: bytes | memoryview,
+             reason: str, *, codec: str = "none", timeout: float | None = None) -> SaveResult:
+        """Reserve, write and commit one state. Duplicates are dropped by the daemon."""
+        meta = blobfmt.BlobMeta(
+            namespace=identity.namespace, model_fingerprint=identity.model_fingerprint,
+            kv_layout=dict(identity.kv_layout), tokens=list(tokens), reason=reason,
+            model_name=identity.model_name, tenant_id=keys.tenant_id(identity.tenant))
+        parts = blobfmt.encode_blob(meta, payload, codec)
+        size = blobfmt.blob_size(parts)
+        deadline = time.monotonic() + (timeout or max(self.timeout, 30.0))
+        resp = self._rpc("Reserve", pb.ReserveRequest(identity=identity.message(), tokens=tokens,
+                                                      size=size, reason=reason),
+                         self._left(deadline))
+        if resp.status == pb.ReserveResponse.ALREADY_PRESENT:
+            return SaveResult("already_present", resp.key)
+        if resp.status == pb.ReserveResponse.IN_FLIGHT:
+            return SaveResult("in_flight", resp.key)
+        lease = resp.lease_id
+        try:
+            local = self.fast_path and resp.local_path and os.path.exists(resp.local_path)
+            if local:
+                with open(resp.local_path, "r+b", buffering=0) as f:
+                    for part in parts:
+                        f.write(part)
+            else:
+                self._rpc_stream_write(lease, parts, self._left(deadline))
+            done = self._rpc("Commit", pb.CommitRequest(lease_id=lease, local_write=bool(local)),
+                             self._left(deadline))
+        except BaseException:
+            with contextlib.suppress(CacheError):  # else the lease expires on its own
+                self._rpc("Abort", pb.AbortRequest(lease_id=lease), 2.0)
+            raise
+        return SaveResult("saved", done.key, done.size)
+
+    @staticmethod
+    def _left(deadline: float) -> float:
+        return max(0.05, deadline - time.monotonic())
+
+    def _rpc_stream_write(self, lease: str, parts: list[bytes | memoryview],
+                          timeout: float) -> None:
+        def chunks() -> Iterator[pb.WriteChunk]:
+            offset = 0
+            for part in parts:
+                view = memoryview(part)
+                for start in range(0, len(view), CHUNK_BYTES):
+                    piece = bytes(view[start : start + CHUNK_BYTES])
+                    yield pb.WriteChunk(lease_id=lease, offset=offset, data=piece)
+                    offset += len(piece)
+
+        try:
+            self.stub.Write(chunks(), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise _wrap(exc, self.address) from None
+
+    def load(self, key: bytes, *, prefix_of: Sequence[int] | None = None, wait_ms: int = 0,
+             timeout: float | None = None) -> LoadedBlob:
+        """Fetch and verify a blob. With ``prefix_of``, also prove that its tokens are a
+        prefix of that prompt (the hash is not the proof)."""
+        t = timeout or max(self.timeout, wait_ms / 1000 + 5)
+        load = self._load_local if self.fast_path else self._load_stream
+        blob, tier = load(key, wait_ms, t)
+        tokens = blob.meta.tokens
+        if prefix_of is not None and (len(tokens) > len(prefix_of)
+                                      or list(prefix_of[: len(tokens)]) != list(tokens)):
+            raise CacheError(f"entry {key.hex()} holds tokens that are not a prefix of the "
+                             "prompt (hash collision or wrong key)")
+        return LoadedBlob(blob.meta, memoryview(blob.payload), tier, blob.header.total_size)
+
+    def _load_local(self, key: bytes, wait_ms: int, timeout: float) -> tuple[blobfmt.Blob, str]:
+        resp = self._rpc("OpenRead", pb.OpenReadRequest(key=key, wait_ms=wait_ms), timeout)
+        blob: blobfmt.Blob | None = None
+        try:
+            buf = bytearray(resp.size)
+            with contextlib.suppress(FileNotFoundError), open(resp.path, "rb", buffering=0) as f:
+                if f.readinto(buf) == resp.size and not f.read(1):
+                    blob = blobfmt.decode_blob(buf)
+        except blobfmt.BlobError:
+            blob = None
+        finally:
+            # Release the pin; a bad blob is reported so the daemon verifies and quarantines.
+            with contextlib.suppress(CacheError):
+                self._rpc("ReleaseRead", pb.ReleaseReadRequest(pin_id=resp.pin_id,
+                                                               corrupt=blob is None), 5.0)
+        if blob is None:
+            raise CorruptBlob(f"entry {key.hex()} failed verification; reported for quarantine")
+        return blob, TIER_NAMES[resp.tier]
+
+    def _load_stream(self, key: bytes, wait_ms: int, timeout: float) -> tuple[blobfmt.Blob, str]:
+        buf = bytearray()
+        tier = ""
+        try:
+            for chunk in self.stub.Read(pb.ReadRequest(key=key, wait_ms=wait_ms),
+                                        timeout=timeout):
+                if chunk.offset == 0 and chunk.total_size:
+                    buf = bytearray(chunk.total_size)
+                    tier = TIER_NAMES[chunk.tier]
+                end = chunk.offset + len(chunk.data)
+                if end > len(buf):
+                    raise CacheError(f"daemon sent bytes past the end of {key.hex()}")
+                buf[chunk.offset : end] = chunk.data
+        except grpc.RpcError as exc:
+            raise _wrap(exc, self.address) from None
+        try:
+            return blobfmt.decode_blob(buf), tier
+        except blobfmt.BlobError as exc:
+            raise CorruptBlob(f"entry {key.hex()} arrived corrupt ({exc})") from None
+
+    # -- administration ---------------------------------------------------------------------
+
+    def stats(self) -> pb.StatsResponse:
+        return self._rpc("Stats", pb.StatsRequest())
+
+    def list_entries(self, *, model: str = "", tenant: str = "", reason: str = "",
+                     tier: str = "", min_tokens: int = 0, limit: int = 0) -> list[pb.Entry]:
+        tier_value = {"": 0, "ram": pb.TIER_RAM, "disk": pb.TIER_DISK}[tier]
+        resp = self._rpc("List", pb.ListRequest(model=model, tenant=tenant, reason=reason,
+                                                tier=tier_value, min_tokens=min_tokens,
+                                                limit=limit))
+        return list(resp.entries)
+
+    def inspect(self, key: bytes, *, tenant: str = "") -> pb.EntryDetail:
+        return self._rpc("Inspect", pb.InspectRequest(key=key, tenant=tenant))
+
+    def verify(self, keys_: Sequence[bytes] = (), timeout: float = 3600.0
+               ) -> Iterator[pb.VerifyResult]:
+        try:
+            yield from self.stub.Verify(pb.VerifyRequest(keys=list(keys_)), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise _wrap(exc, self.address) from None
+
+    def prune(self, **criteria: object) -> pb.PruneResponse:
+        return self._rpc("Prune", pb.PruneRequest(**criteria), 300.0)
+
+    def pin(self, key: bytes) -> None:
+        self._rpc("Pin", pb.KeyRequest(key=key))
+
+    def unpin(self, key: bytes) -> None:
+        self._rpc("Unpin", pb.KeyRequest(key=key))
+
+    def delete(self, key: bytes) -> None:
+        self._rpc("Delete", pb.KeyRequest(key=key))
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        """Block until the daemon answers (raises CacheUnavailable after ``timeout``)."""
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise CacheUnavailable(f"no kvcache daemon answered at {self.address} "
+                                   f"within {timeout:.0f} s") from None

@@ -1,0 +1,334 @@
+"""The gRPC service: a thin translation between protobuf messages and the Store."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from . import __version__, keys
+from .config import MAX_MESSAGE_BYTES, MAX_SOCKET_PATH, SOCKET_NAME
+from .errors import InvalidArgument, StoreError
+from .index import Record
+from .store import TIER_DISK, TIER_RAM, Store, StoreConfig
+from .v1 import kvcache_pb2 as pb
+from .v1 import kvcache_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvcache")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCache"].full_name
+T = TypeVar("T")
+
+TIERS = {TIER_RAM: pb.TIER_RAM, TIER_DISK: pb.TIER_DISK}
+
+
+def identity_namespace(identity: pb.Identity) -> bytes:
+    if not identity.model_fingerprint:
+        raise InvalidArgument("identity.model_fingerprint is required")
+    return keys.namespace(identity.model_fingerprint, dict(identity.kv_layout), identity.tenant)
+
+
+def check_key(key: bytes) -> bytes:
+    if len(key) != keys.KEY_BYTES:
+        raise InvalidArgument(f"a key is {keys.KEY_BYTES} bytes, got {len(key)}")
+    return key
+
+
+def entry_message(record: Record) -> pb.Entry:
+    tiers = [pb.TIER_DISK] + ([pb.TIER_RAM] if record.in_ram else [])
+    return pb.Entry(
+        key=record.key, model_name=record.model_name, model_fingerprint=record.model_fingerprint,
+        tenant_id=record.tenant_id, n_tokens=record.n_tokens, size=record.size, tiers=tiers,
+        reason=record.reason, created=record.created, last_used=record.last_used,
+        hits=record.hits, pinned=record.pinned, codec=record.codec, namespace=record.namespace,
+    )
+
+
+def record_filter(model: str = "", tenant: str = "", reason: str = "", tier: int = 0,
+                  min_tokens: int = 0, older_than: float = 0.0, unused_for: float = 0.0,
+                  now: float = 0.0) -> Callable[[Record], bool] | None:
+    """A predicate over records from operator filters (None when no filter is set)."""
+    tenant_id = keys.tenant_id(tenant) if tenant else ""
+    if not any((model, tenant, reason, tier, min_tokens, older_than, unused_for)):
+        return None
+
+    def match(r: Record) -> bool:
+        if model and not (r.model_name == model or r.model_fingerprint.startswith(model)):
+            return False
+        if tenant and r.tenant_id != tenant_id:
+            return False
+        if reason and r.reason != reason:
+            return False
+        if tier == pb.TIER_RAM and not r.in_ram:
+            return False
+        if min_tokens and r.n_tokens < min_tokens:
+            return False
+        if older_than and now - r.created < older_than:
+            return False
+        return not (unused_for and now - r.last_touch < unused_for)
+
+    return match
+
+
+class KVCacheService(pb_grpc.KVCacheServicer):
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def _call(self, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except StoreError as exc:
+            context.abort(exc.code, str(exc))
+        except (ValueError, OverflowError) as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        raise AssertionError("unreachable")  # context.abort raises
+
+    def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
+        def run() -> pb.LookupResponse:
+            ns = identity_namespace(request.identity)
+            raw = keys.tokens_to_bytes(request.tokens)
+            record, probes = self.store.lookup(ns, raw, request.max_tokens)
+            if record is None:
+                return pb.LookupResponse(found=False, probes=probes)
+            return pb.LookupResponse(
+                found=True, key=record.key, matched_tokens=record.n_tokens,
+                tier=pb.TIER_RAM if record.in_ram else pb.TIER_DISK, size=record.size,
+                probes=probes)
+        return self._call(context, run)
+
+    def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:
+        def run() -> pb.ReserveResponse:
+            ns = identity_namespace(request.identity)
+            raw = keys.tokens_to_bytes(request.tokens)
+            result = self.store.reserve(ns, raw, request.size, request.reason,
+                                        request.identity.model_fingerprint)
+            status = {"granted": pb.ReserveResponse.GRANTED,
+                      "already_present": pb.ReserveResponse.ALREADY_PRESENT,
+                      "in_flight": pb.ReserveResponse.IN_FLIGHT}[result.status]
+            return pb.ReserveResponse(status=status, key=result.key, lease_id=result.lease_id,
+                                      lease_seconds=self.store.config.lease_seconds,
+                                      local_path=result.local_path)
+        return self._call(context, run)
+
+    def Write(self, request_iterator: Iterator[pb.WriteChunk], context: Any) -> pb.WriteResponse:
+        lease_id = ""
+        written = 0
+        try:
+            for chunk in request_iterator:
+                if not lease_id:
+                    if not chunk.lease_id:
+                        raise InvalidArgument("the first chunk must carry the lease_id")
+                    lease_id = chunk.lease_id
+                elif chunk.lease_id and chunk.lease_id != lease_id:
+                    raise InvalidArgument("a write stream carries chunks of one lease only")
+                written = self.store.write(lease_id, chunk.offset, chunk.data)
+        except StoreError as exc:
+            context.abort(exc.code, str(exc))
+        except grpc.RpcError:
+            # The writer went away mid-stream: its save cannot complete.
+            if lease_id:
+                self._abort_quietly(lease_id, "saves_disconnected")
+            raise
+        if not lease_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty write stream")
+        return pb.WriteResponse(bytes_written=written)
+
+    def _abort_quietly(self, lease_id: str, counter: str) -> None:
+        with contextlib.suppress(StoreError):
+            self.store.abort(lease_id, counter=counter)
+
+    def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitResponse:
+        record = self._call(context,
+                            lambda: self.store.commit(request.lease_id, request.local_write))
+        return pb.CommitResponse(key=record.key, size=record.size)
+
+    def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:
+        self._call(context, lambda: self.store.abort(request.lease_id))
+        return pb.AbortResponse()
+
+    def Read(self, request: pb.ReadRequest, context: Any) -> Iterator[pb.ReadChunk]:
+        chunk_bytes = min(request.chunk_bytes or (1 << 20), MAX_MESSAGE_BYTES // 2)
+        pin, chunks = self._call(context, lambda: self.store.iter_read(
+            check_key(request.key), request.wait_ms, chunk_bytes))
+        offset = 0
+        try:
+            for data in chunks:
+                msg = pb.ReadChunk(offset=offset, data=bytes(data))
+                if offset == 0:
+                    msg.total_size = pin.size
+                    msg.tier = TIERS[pin.tier]
+                offset += len(data)
+                yield msg
+        except StoreError as exc:
+            context.abort(exc.code, str(exc))
+        finally:
+            chunks.close()  # type: ignore[attr-defined]
+
+    def OpenRead(self, request: pb.OpenReadRequest, context: Any) -> pb.OpenReadResponse:
+        pin = self._call(context, lambda: self.store.open_read(check_key(request.key),
+                                                               request.wait_ms))
+        return pb.OpenReadResponse(path=str(pin.path), size=pin.size, tier=TIERS[pin.tier],
+                                   pin_id=pin.pin_id, pin_seconds=self.store.config.pin_seconds)
+
+    def ReleaseRead(self, request: pb.ReleaseReadRequest, context: Any) -> pb.ReleaseReadResponse:
+        quarantined = self._call(context, lambda: self.store.release_read(request.pin_id,
+                                                                          request.corrupt))
+        return pb.ReleaseReadResponse(quarantined=quarantined)
+
+    def Pin(self, request: pb.KeyRequest, context: Any) -> pb.PinResponse:
+        self._call(context, lambda: self.store.set_pinned(check_key(request.key), True))
+        return pb.PinResponse(pinned=True)
+
+    def Unpin(self, request: pb.KeyRequest, context: Any) -> pb.PinResponse:
+        self._call(context, lambda: self.store.set_pinned(check_key(request.key), False))
+        return pb.PinResponse(pinned=False)
+
+    def Delete(self, request: pb.KeyRequest, context: Any) -> pb.DeleteResponse:
+        self._call(context, lambda: self.store.delete(check_key(request.key)))
+        return pb.DeleteResponse(deleted=True)
+
+    def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
+        s = self.store.stats()
+        n_disk, n_ram = self.store.tier_entry_counts()
+        cfg = self.store.config
+        tiers = [
+            pb.TierStats(tier=pb.TIER_RAM, entries=n_ram, bytes=s["ram_used"],
+                         budget_bytes=cfg.ram_bytes, directory=str(self.store.ram_dir)),
+            pb.TierStats(tier=pb.TIER_DISK, entries=n_disk, bytes=s["disk_used"],
+                         budget_bytes=cfg.disk_bytes, reserved_bytes=s["reserved_bytes"],
+                         directory=str(self.store.root)),
+        ]
+        return pb.StatsResponse(tiers=tiers, counters=s["counters"], block_size=cfg.block_size,
+                                version=__version__, uptime_seconds=s["uptime"],
+                                in_flight=s["in_flight"], read_pins=s["read_pins"])
+
+    def List(self, request: pb.ListRequest, context: Any) -> pb.ListResponse:
+        import time
+
+        predicate = record_filter(request.model, request.tenant, request.reason, request.tier,
+                                  request.min_tokens, now=time.time())
+        records = self.store.list(predicate)
+        records.sort(key=lambda r: r.last_touch, reverse=True)
+        if request.limit:
+            records = records[: request.limit]
+        return pb.ListResponse(entries=[entry_message(r) for r in records])
+
+    def Inspect(self, request: pb.InspectRequest, context: Any) -> pb.EntryDetail:
+        record, header, meta, path = self._call(
+            context, lambda: self.store.inspect(check_key(request.key)))
+        if request.tenant and record.tenant_id != keys.tenant_id(request.tenant):
+            # Same answer as a missing key: a tenant cannot learn that the key exists.
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no entry {request.key.hex()}")
+        record = self.store._with_pending(record)
+        return pb.EntryDetail(
+            entry=entry_message(record), kv_layout=dict(meta.kv_layout), tokens=list(meta.tokens),
+            format_version=header.version, producer=meta.producer,
+            payload_size=header.payload_len, raw_payload_size=header.raw_len, path=str(path))
+
+    def Verify(self, request: pb.VerifyRequest, context: Any) -> Iterator[pb.VerifyResult]:
+        for key in request.keys:
+            self._call(context, lambda k=key: check_key(k))
+        for key, error, done, total in self.store.verify(list(request.keys)):
+            yield pb.VerifyResult(key=key, ok=error is None, error=error or "", done=done,
+                                  total=total)
+
+    def Prune(self, request: pb.PruneRequest, context: Any) -> pb.PruneResponse:
+        import time
+
+        predicate = record_filter(request.model, request.tenant, request.reason,
+                                  older_than=request.older_than_seconds,
+                                  unused_for=request.unused_for_seconds, now=time.time())
+        if predicate is None and not (request.max_disk_bytes or request.max_ram_bytes):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "prune needs a filter or a byte target (refusing to remove everything)")
+        result = self.store.prune(predicate, max_disk_bytes=request.max_disk_bytes,
+                                  max_ram_bytes=request.max_ram_bytes, dry_run=request.dry_run)
+        return pb.PruneResponse(removed=[entry_message(r) for r in result.removed],
+                                bytes_freed=result.bytes_freed,
+                                skipped_pinned=result.skipped_pinned,
+                                skipped_in_use=result.skipped_in_use)
+
+
+def server_options() -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+class Daemon:
+    """A Store served over gRPC on a unix socket (and TCP when asked)."""
+
+    def __init__(self, config: StoreConfig, socket_path: Path | None = None,
+                 listen: str | None = None, workers: int = 32) -> None:
+        self.store = Store(config)
+        self.socket_path = socket_path or (config.root / SOCKET_NAME)
+        if len(str(self.socket_path)) > MAX_SOCKET_PATH:
+            self.store.close()
+            raise ValueError(f"socket path is longer than {MAX_SOCKET_PATH} bytes: "
+                             f"{self.socket_path} (pass a shorter --socket)")
+        self.server = grpc.server(ThreadPoolExecutor(max_workers=workers,
+                                                     thread_name_prefix="kvcache-rpc"),
+                                  options=server_options())
+        pb_grpc.add_KVCacheServicer_to_server(KVCacheService(self.store), self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), self.server)
+        self.socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.socket_path.exists() or self.socket_path.is_symlink():
+            self.socket_path.unlink()
+        self.addresses = [f"unix:{self.socket_path}"]
+        self.server.add_insecure_port(self.addresses[0])
+        if listen:
+            port = self.server.add_insecure_port(listen)
+            host = listen.rsplit(":", 1)[0]
+            self.addresses.append(f"{host}:{port}")
+        self._stopped = threading.Event()
+
+    def start(self) -> None:
+        old_umask = os.umask(0o077)  # the socket file is created owner-only
+        try:
+            self.server.start()
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.socket_path, 0o600)
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait()
+        self.store.close()
+        self.socket_path.unlink(missing_ok=True)
+
+    def serve_forever(self) -> None:
+        """Run until SIGTERM or SIGINT, then shut down cleanly."""
+        done = threading.Event()
+
+        def on_signal(signum: int, frame: object) -> None:
+            log.info("signal %d: shutting down", signum)
+            done.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        self.start()
+        log.info("kvcache %s listening on %s (data %s, ram tier %s)", __version__,
+                 " and ".join(self.addresses), self.store.root, self.store.ram_dir)
+        done.wait()
+        self.stop()
+        log.info("kvcache stopped")

@@ -1,0 +1,827 @@
+"""The store: blob files in a disk tier and a RAM tier, the index, and the
+reservation-then-publish protocol. Thread-safe; the gRPC service is a thin layer on it.
+
+Layout under the data directory (all owner-only)::
+
+    index/            LMDB index
+    blobs/ab/<key>.kvc  published blobs (disk tier); every entry is here (write-through)
+    tmp/<lease>.part  blobs being written; swept at start-up
+    quarantine/       blobs that failed a checksum, kept for post-mortems
+
+The RAM tier is a directory on a memory filesystem (``/dev/shm`` by default) holding
+copies of hot blobs. Being a file system, it lets a same-host reader open the blob
+directly (the fast path) while the entry is pinned by its read.
+
+Publish protocol: reserve (lease) -> write chunks to tmp (verified as they arrive) ->
+commit: verify size and checksums, fsync, rename into blobs/, fsync the directory, one
+LMDB transaction makes it visible, waiters wake. A crash before the LMDB commit leaves at
+worst a tmp file (swept) or an unindexed blob (re-indexed from its header at start-up).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+from . import blob as blobfmt
+from . import keys
+from .errors import (
+    Busy,
+    Corrupt,
+    InvalidArgument,
+    LeaseLost,
+    NotFound,
+    OutOfRange,
+    StoreFull,
+    WaitTimeout,
+)
+from .index import Index, Record, dir_fsync
+from .policy import eviction_order
+
+GiB = 1 << 30
+BLOB_SUFFIX = ".kvc"
+TMP_SUFFIX = ".part"
+TIER_RAM = "ram"
+TIER_DISK = "disk"
+
+
+def default_ram_dir(root: Path) -> Path:
+    shm = Path("/dev/shm")
+    tag = f"kvcache-{os.getuid()}-{keys.tenant_id(str(root.resolve()))[:12]}"
+    return shm / tag if shm.is_dir() else root / "ram"
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    root: Path
+    ram_dir: Path | None = None
+    ram_bytes: int = 2 * GiB
+    disk_bytes: int = 50 * GiB
+    min_free_bytes: int = 1 * GiB
+    block_size: int = 256
+    lease_seconds: float = 30.0
+    pin_seconds: float = 60.0
+    max_tokens: int = 1 << 20
+    max_blob_bytes: int = 16 * GiB
+    usage_flush_seconds: float = 1.0
+
+
+@dataclass
+class Reservation:
+    lease_id: str
+    key: keys.EntryKey
+    namespace: bytes
+    model_fingerprint: str
+    reason: str
+    size: int
+    tmp_path: Path
+    expires: float
+    verifier: blobfmt.StreamVerifier
+    file: object | None = None  # raw file object while streaming
+    written: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class ReadPin:
+    pin_id: str
+    key: bytes
+    path: Path
+    size: int
+    tier: str
+    record: Record
+
+
+@dataclass(frozen=True)
+class ReserveResult:
+    status: str  # granted | already_present | in_flight
+    key: bytes
+    lease_id: str = ""
+    local_path: str = ""
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    removed: list[Record]
+    bytes_freed: int
+    skipped_pinned: int
+    skipped_in_use: int
+
+
+class Store:
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        self.root = config.root
+        self.ram_dir = config.ram_dir or default_ram_dir(config.root)
+        self.blob_dir = self.root / "blobs"
+        self.tmp_dir = self.root / "tmp"
+        self.quarantine_dir = self.root / "quarantine"
+        for d in (self.root, self.blob_dir, self.tmp_dir, self.quarantine_dir, self.ram_dir):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(d, 0o700)
+        self.index = Index(self.root / "index")
+        self.counters: Counter[str] = Counter()
+        self.started = time.time()
+        self._cond = threading.Condition(threading.RLock())
+        self._reservations: dict[str, Reservation] = {}
+        self._in_flight: dict[bytes, str] = {}  # key -> lease_id
+        self._pins: dict[str, tuple[bytes, float]] = {}  # pin_id -> (key, expires)
+        self._in_use: Counter[bytes] = Counter()
+        self._pending_use: dict[bytes, list[float]] = {}  # key -> [hits, last_used]
+        self.disk_used = 0
+        self.ram_used = 0
+        self.reserved_bytes = 0
+        self._closed = threading.Event()
+        self._ram_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcache-ram")
+        self._ram_scheduled: set[bytes] = set()
+        self._reconcile()
+        self._reaper = threading.Thread(target=self._reap_loop, name="kvcache-reaper", daemon=True)
+        self._reaper.start()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._reaper.join(timeout=5)
+        self._ram_worker.shutdown(wait=True, cancel_futures=True)
+        with self._cond:
+            for lease_id in list(self._reservations):
+                self._drop_reservation(lease_id, "saves_aborted")
+        self._flush_usage()
+        self.index.close()
+
+    def _reconcile(self) -> None:
+        """Make index and files agree, reading blob headers only (never whole payloads)."""
+        for orphan in self.tmp_dir.iterdir():
+            orphan.unlink(missing_ok=True)
+            self.counters["orphans_swept"] += 1
+        if self.index.get_setting("block_size") not in (None, str(self.config.block_size)):
+            # Anchors depend on the block size: rebuild the index from the blobs.
+            self.index.clear()
+        self.index.set_setting("block_size", str(self.config.block_size))
+        self.index.set_setting("schema", "1")
+
+        on_disk: dict[bytes, Path] = {}
+        for sub in self.blob_dir.iterdir():
+            if not sub.is_dir():
+                continue
+            for path in sub.iterdir():
+                if path.suffix == BLOB_SUFFIX:
+                    try:
+                        on_disk[keys.parse_key(path.stem)] = path
+                    except ValueError:
+                        self._quarantine_path(path)
+                elif path.suffix == TMP_SUFFIX:
+                    path.unlink(missing_ok=True)
+                    self.counters["orphans_swept"] += 1
+
+        in_ram: dict[bytes, Path] = {}
+        for path in self.ram_dir.iterdir():
+            try:
+                in_ram[keys.parse_key(path.stem)] = path
+            except ValueError:
+                path.unlink(missing_ok=True)
+
+        stale: list[bytes] = []
+        ram_fixes: list[tuple[bytes, bool]] = []
+        for record in self.index.records():
+            path = on_disk.pop(record.key, None)
+            if path is None or path.stat().st_size != record.size:
+                stale.append(record.key)
+                if path is not None:
+                    self._quarantine_path(path)
+                continue
+            self.disk_used += record.size
+            ram_path = in_ram.pop(record.key, None)
+            has_ram = ram_path is not None and ram_path.stat().st_size == record.size
+            if has_ram:
+                self.ram_used += record.size
+            elif ram_path is not None:
+                ram_path.unlink(missing_ok=True)
+            if has_ram != record.in_ram:
+                ram_fixes.append((record.key, has_ram))
+        for key in stale:
+            self.index.delete(key)
+            self.counters["reconcile_removed"] += 1
+        for key, has_ram in ram_fixes:
+            self.index.update(key, in_ram=has_ram)
+        for path in in_ram.values():
+            path.unlink(missing_ok=True)
+
+        # Blob files the index does not know (a crash between rename and index commit, or
+        # a lost index): re-index them from their headers.
+        added = []
+        for key, path in on_disk.items():
+            try:
+                with open(path, "rb") as f:
+                    header, meta = blobfmt.read_header_and_meta(f)
+                entry = keys.entry_key(meta.namespace, meta.tokens, self.config.block_size)
+                if entry.key != key or header.total_size != path.stat().st_size:
+                    raise blobfmt.BlobError("file name or size does not match its header")
+            except (OSError, blobfmt.BlobError):
+                self._quarantine_path(path)
+                continue
+            added.append(self._record_from(entry, header, meta, path.stat().st_size))
+            self.disk_used += header.total_size
+        if added:
+            self.index.put_many(added)
+            self.counters["reconcile_added"] += len(added)
+
+    # -- paths ------------------------------------------------------------------------------
+
+    def blob_path(self, key: bytes) -> Path:
+        hexkey = key.hex()
+        return self.blob_dir / hexkey[:2] / f"{hexkey}{BLOB_SUFFIX}"
+
+    def ram_path(self, key: bytes) -> Path:
+        return self.ram_dir / f"{key.hex()}{BLOB_SUFFIX}"
+
+    # -- lookup -----------------------------------------------------------------------------
+
+    def lookup(self, ns: bytes, raw_tokens: bytes, max_tokens: int = 0) -> tuple[Record | None, int]:
+        self._check_tokens(raw_tokens)
+        hashes = keys.block_hashes(ns, raw_tokens, self.config.block_size)
+        record, probes = self.index.longest_prefix(hashes, raw_tokens, self.config.block_size,
+                                                   max_tokens)
+        with self._cond:
+            self.counters["lookups"] += 1
+            self.counters["lookup_hits" if record else "lookup_misses"] += 1
+        return record, probes
+
+    def _check_tokens(self, raw_tokens: bytes) -> None:
+        n = len(raw_tokens) // 4
+        if n == 0:
+            raise InvalidArgument("empty token list")
+        if n > self.config.max_tokens:
+            raise InvalidArgument(f"{n} tokens exceed the limit of {self.config.max_tokens}")
+
+    # -- publish protocol -------------------------------------------------------------------
+
+    def reserve(self, ns: bytes, raw_tokens: bytes, size: int, reason: str,
+                model_fingerprint: str) -> ReserveResult:
+        self._check_tokens(raw_tokens)
+        if reason not in blobfmt.SAVE_REASONS:
+            raise InvalidArgument(f"unknown save reason {reason!r} "
+                                  f"(one of {', '.join(blobfmt.SAVE_REASONS)})")
+        if size <= blobfmt.HEADER_SIZE:
+            raise InvalidArgument(f"size {size} is too small for a blob")
+        if size > self.config.max_blob_bytes:
+            raise InvalidArgument(f"size {size} exceeds the limit of {self.config.max_blob_bytes}")
+        entry = keys.entry_key(ns, raw_tokens, self.config.block_size)
+        with self._cond:
+            self.counters["reserves"] += 1
+            if entry.key in self._in_flight:
+                self.counters["saves_duplicate"] += 1
+                self.counters["saves_duplicate_in_flight"] += 1
+                return ReserveResult("in_flight", entry.key)
+            if self.index.get(entry.key) is not None:
+                self.counters["saves_duplicate"] += 1
+                self.counters["saves_duplicate_present"] += 1
+                return ReserveResult("already_present", entry.key)
+            self._make_room_on_disk(size)
+            lease_id = secrets.token_hex(16)
+            tmp_path = self.tmp_dir / f"{lease_id}{TMP_SUFFIX}"
+            fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            res = Reservation(
+                lease_id=lease_id, key=entry, namespace=ns, model_fingerprint=model_fingerprint,
+                reason=reason, size=size, tmp_path=tmp_path,
+                expires=time.monotonic() + self.config.lease_seconds,
+                verifier=blobfmt.StreamVerifier(size), file=os.fdopen(fd, "wb", buffering=0),
+            )
+            self._reservations[lease_id] = res
+            self._in_flight[entry.key] = lease_id
+            self.reserved_bytes += size
+            self.counters["saves_granted"] += 1
+            return ReserveResult("granted", entry.key, lease_id, str(tmp_path))
+
+    def _reservation(self, lease_id: str) -> Reservation:
+        with self._cond:
+            res = self._reservations.get(lease_id)
+        if res is None or res.done:
+            raise LeaseLost(f"unknown or expired lease {lease_id!r}")
+        return res
+
+    def write(self, lease_id: str, offset: int, data: bytes | memoryview) -> int:
+        res = self._reservation(lease_id)
+        with res.lock:
+            if res.done:
+                raise LeaseLost(f"lease {lease_id!r} ended while writing")
+            if offset != res.written:
+                raise OutOfRange(f"chunk offset {offset} but {res.written} bytes written so far")
+            if res.written + len(data) > res.size:
+                self.abort(lease_id, _locked=res)
+                raise OutOfRange(f"chunk ends at {res.written + len(data)}, "
+                                 f"beyond the {res.size} bytes reserved (save aborted)")
+            try:
+                res.verifier.feed(data)
+            except blobfmt.BlobError as exc:
+                self.abort(lease_id, _locked=res)
+                raise InvalidArgument(f"malformed blob: {exc} (save aborted)") from None
+            res.file.write(data)  # type: ignore[union-attr]
+            res.written += len(data)
+            res.expires = time.monotonic() + self.config.lease_seconds
+            return res.written
+
+    def commit(self, lease_id: str, local_write: bool = False) -> Record:
+        res = self._reservation(lease_id)
+        with res.lock:
+            if res.done:
+                raise LeaseLost(f"lease {lease_id!r} ended before commit")
+            try:
+                header, meta = self._verify_reserved(res, local_write)
+            except blobfmt.BlobError as exc:
+                self.abort(lease_id, _locked=res)
+                self.counters["saves_invalid"] += 1
+                raise InvalidArgument(f"blob rejected at commit: {exc} (save aborted)") from None
+            f = res.file
+            os.fsync(f.fileno())  # type: ignore[union-attr]
+            f.close()  # type: ignore[union-attr]
+            res.file = None
+            final = self.blob_path(res.key.key)
+            if not final.parent.is_dir():
+                final.parent.mkdir(mode=0o700, exist_ok=True)
+                dir_fsync(self.blob_dir)
+            os.rename(res.tmp_path, final)
+            dir_fsync(final.parent)
+            record = self._record_from(res.key, header, meta, res.size)
+            self.index.put(record)
+            with self._cond:
+                res.done = True
+                self._reservations.pop(lease_id, None)
+                self._in_flight.pop(res.key.key, None)
+                self.reserved_bytes -= res.size
+                self.disk_used += res.size
+                self.counters["saves_committed"] += 1
+                self.counters[f"saves_committed_{meta.reason}"] += 1
+                self.counters["bytes_committed"] += res.size
+                self._cond.notify_all()
+        self._schedule_ram(record.key)
+        return record
+
+    def _verify_reserved(self, res: Reservation,
+                         local_write: bool) -> tuple[blobfmt.BlobHeader, blobfmt.BlobMeta]:
+        if local_write:
+            if res.written:
+                raise blobfmt.BlobError("local commit of a lease that was also streamed")
+            with open(res.tmp_path, "rb") as f:
+                header, meta = blobfmt.verify_file(f)
+        else:
+            header, meta = res.verifier.finish()
+        if header.total_size != res.size:
+            raise blobfmt.BlobError(f"blob is {header.total_size} bytes, {res.size} reserved")
+        if meta.namespace != res.namespace:
+            raise blobfmt.BlobError("blob namespace differs from the reserved identity")
+        if meta.model_fingerprint != res.model_fingerprint:
+            raise blobfmt.BlobError("blob model fingerprint differs from the reserved identity")
+        if keys.entry_key(meta.namespace, meta.tokens, self.config.block_size) != res.key:
+            raise blobfmt.BlobError("blob tokens differ from the reserved tokens")
+        return header, meta
+
+    def abort(self, lease_id: str, *, _locked: Reservation | None = None,
+              counter: str = "saves_aborted") -> None:
+        res = _locked
+        if res is None:
+            res = self._reservation(lease_id)
+            with res.lock:
+                self._finish_abort(res, counter)
+        else:
+            self._finish_abort(res, counter)
+
+    def _finish_abort(self, res: Reservation, counter: str) -> None:
+        with self._cond:
+            if res.done:
+                return
+            self._drop_reservation(res.lease_id, counter)
+
+    def _drop_reservation(self, lease_id: str, counter: str) -> None:
+        """Remove a reservation and its temp file. Caller holds ``self._cond``."""
+        res = self._reservations.pop(lease_id, None)
+        if res is None:
+            return
+        res.done = True
+        self._in_flight.pop(res.key.key, None)
+        self.reserved_bytes -= res.size
+        if res.file is not None:
+            with contextlib.suppress(OSError):
+                res.file.close()  # type: ignore[union-attr]
+        res.tmp_path.unlink(missing_ok=True)
+        self.counters[counter] += 1
+        self._cond.notify_all()
+
+    @staticmethod
+    def _record_from(entry: keys.EntryKey, header: blobfmt.BlobHeader, meta: blobfmt.BlobMeta,
+                     size: int) -> Record:
+        return Record(
+            key=entry.key, namespace=meta.namespace, anchor=entry.anchor, tail=entry.tail,
+            n_tokens=entry.n_tokens, size=size, codec=header.codec, reason=meta.reason,
+            created=meta.created, model_name=meta.model_name,
+            model_fingerprint=meta.model_fingerprint, tenant_id=meta.tenant_id,
+        )
+
+    # -- space ------------------------------------------------------------------------------
+
+    def _disk_free(self) -> int:
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize
+
+    def _make_room_on_disk(self, size: int) -> None:
+        """Evict until a blob of ``size`` fits the disk budget and the free-space watermark.
+        Caller holds ``self._cond``. Raises StoreFull (before anything is written)."""
+        cfg = self.config
+
+        def fits() -> bool:
+            within_budget = self.disk_used + self.reserved_bytes + size <= cfg.disk_bytes
+            above_watermark = self._disk_free() - self.reserved_bytes - size >= cfg.min_free_bytes
+            return within_budget and above_watermark
+
+        if fits():
+            return
+        if size > cfg.disk_bytes:
+            self.counters["saves_refused_full"] += 1
+            raise StoreFull(f"blob of {size} bytes exceeds the disk budget of {cfg.disk_bytes}")
+        for record in self._eviction_candidates():
+            if fits():
+                return
+            self._remove_entry(record, "evictions_disk")
+        if not fits():
+            self.counters["saves_refused_full"] += 1
+            raise StoreFull(
+                f"no room for {size} bytes: disk tier holds {self.disk_used} of "
+                f"{cfg.disk_bytes} budget bytes ({self.reserved_bytes} reserved), "
+                f"{self._disk_free()} bytes free against a watermark of {cfg.min_free_bytes}; "
+                "the rest is pinned or being read"
+            )
+
+    def _eviction_candidates(self, ram_only: bool = False) -> list[Record]:
+        with self._cond:
+            pending = {k: v[1] for k, v in self._pending_use.items()}
+            busy = set(self._in_use)
+        records = [r for r in self.index.records()
+                   if not r.pinned and r.key not in busy and (r.in_ram or not ram_only)]
+        return eviction_order(records, pending)
+
+    def _remove_entry(self, record: Record, counter: str) -> None:
+        """Unpublish an entry: index row first (readers stop finding it), then files."""
+        self.index.delete(record.key)
+        with self._cond:
+            self.disk_used -= record.size
+            if record.in_ram:
+                self.ram_used -= record.size
+            self._pending_use.pop(record.key, None)
+            self.counters[counter] += 1
+        self.ram_path(record.key).unlink(missing_ok=True)
+        path = self.blob_path(record.key)
+        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            dir_fsync(path.parent)
+
+    # -- RAM tier ---------------------------------------------------------------------------
+
+    def _schedule_ram(self, key: bytes) -> None:
+        with self._cond:
+            if key in self._ram_scheduled or self._closed.is_set():
+                return
+            self._ram_scheduled.add(key)
+        with contextlib.suppress(RuntimeError):  # the worker is shutting down
+            self._ram_worker.submit(self._place_in_ram, key)
+
+    def _place_in_ram(self, key: bytes) -> None:
+        try:
+            record = self.index.get(key)
+            if record is None or record.in_ram or record.size > self.config.ram_bytes:
+                return
+            with self._cond:
+                self._in_use[key] += 1  # keep it from being evicted from disk while copying
+                if not self._make_room_in_ram(record.size, exclude=key):
+                    return
+                self.ram_used += record.size
+            ok = False
+            try:
+                tmp = self.ram_dir / f"{key.hex()}{TMP_SUFFIX}"
+                shutil.copyfile(self.blob_path(key), tmp)
+                os.rename(tmp, self.ram_path(key))
+                ok = self.index.update(key, in_ram=True) is not None
+                if ok:
+                    self.counters["ram_placements"] += 1
+            except OSError:
+                pass
+            finally:
+                if not ok:
+                    with self._cond:
+                        self.ram_used -= record.size
+                    self.ram_path(key).unlink(missing_ok=True)
+        finally:
+            with self._cond:
+                self._ram_scheduled.discard(key)
+                self._release_use(key)
+
+    def _make_room_in_ram(self, size: int, exclude: bytes = b"") -> bool:
+        """Drop RAM copies (LRU) until ``size`` more bytes fit. Caller holds ``self._cond``."""
+        if self.ram_used + size <= self.config.ram_bytes:
+            return True
+        for record in self._eviction_candidates(ram_only=True):
+            if record.key == exclude:
+                continue
+            self._drop_ram_copy(record, "evictions_ram")
+            if self.ram_used + size <= self.config.ram_bytes:
+                return True
+        return False
+
+    def _drop_ram_copy(self, record: Record, counter: str) -> None:
+        if self.index.update(record.key, in_ram=False) is None:
+            return
+        self.ram_path(record.key).unlink(missing_ok=True)
+        with self._cond:
+            self.ram_used -= record.size
+            self.counters[counter] += 1
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def open_read(self, key: bytes, wait_ms: int = 0) -> ReadPin:
+        """Pin a published entry for reading and say where its bytes are."""
+        deadline = time.monotonic() + wait_ms / 1000.0
+        waited = False
+        with self._cond:
+            while True:
+                record = self.index.get(key)
+                if record is not None:
+                    break
+                if key not in self._in_flight:
+                    if waited:
+                        self.counters["read_wait_aborted"] += 1
+                        raise NotFound(f"the in-flight save of {key.hex()} was aborted")
+                    self.counters["read_misses"] += 1
+                    raise NotFound(f"no entry {key.hex()}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self.counters["read_wait_timeouts" if waited else "read_misses"] += 1
+                    raise WaitTimeout(f"entry {key.hex()} is still being written")
+                if not waited:
+                    self.counters["read_waits"] += 1
+                waited = True
+                self._cond.wait(remaining)
+            ram_path = self.ram_path(key)
+            if record.in_ram:
+                path, tier = ram_path, TIER_RAM
+            else:
+                path, tier = self.blob_path(key), TIER_DISK
+            pin_id = secrets.token_hex(16)
+            self._pins[pin_id] = (key, time.monotonic() + self.config.pin_seconds)
+            self._in_use[key] += 1
+            usage = self._pending_use.setdefault(key, [0, 0.0])
+            usage[0] += 1
+            usage[1] = time.time()
+            self.counters["reads"] += 1
+            self.counters[f"reads_{tier}"] += 1
+        if tier == TIER_DISK:
+            self._schedule_ram(key)  # promote on a disk hit
+        return ReadPin(pin_id, key, path, record.size, tier, record)
+
+    def release_read(self, pin_id: str, corrupt: bool = False) -> bool:
+        """Unpin a read. With ``corrupt``, re-verify the entry and quarantine it if bad."""
+        with self._cond:
+            pinned = self._pins.pop(pin_id, None)
+            if pinned is None:
+                raise LeaseLost(f"unknown or expired read pin {pin_id!r}")
+            self._release_use(pinned[0])
+        if corrupt:
+            return self.check_entry(pinned[0]) is not None
+        return False
+
+    def _release_use(self, key: bytes) -> None:
+        self._in_use[key] -= 1
+        if self._in_use[key] <= 0:
+            del self._in_use[key]
+
+    def _open_pinned(self, pin: ReadPin) -> BinaryIO:
+        try:
+            return open(pin.path, "rb", buffering=0)  # noqa: SIM115 - returned to the caller
+        except FileNotFoundError:  # its RAM copy was dropped since: the disk copy remains
+            return open(self.blob_path(pin.key), "rb", buffering=0)  # noqa: SIM115
+
+    def iter_read(self, key: bytes, wait_ms: int = 0,
+                  chunk_bytes: int = 1 << 20) -> tuple[ReadPin, Iterator[memoryview]]:
+        """Stream an entry's bytes, verifying them as they go; a bad blob is quarantined
+        and the iterator raises Corrupt at its end."""
+        pin = self.open_read(key, wait_ms)
+
+        def chunks() -> Iterator[memoryview]:
+            corrupt = False
+            try:
+                verifier = blobfmt.StreamVerifier(pin.size)
+                with self._open_pinned(pin) as f:
+                    while True:
+                        buf = f.read(chunk_bytes)
+                        if not buf:
+                            break
+                        verifier.feed(buf)
+                        yield memoryview(buf)
+                verifier.finish()
+            except blobfmt.BlobError as exc:
+                corrupt = True
+                raise Corrupt(f"entry {key.hex()} failed verification ({exc}); quarantined") \
+                    from None
+            finally:
+                with contextlib.suppress(LeaseLost):
+                    self.release_read(pin.pin_id, corrupt=corrupt)
+
+        return pin, chunks()
+
+    # -- verification and quarantine --------------------------------------------------------
+
+    def check_entry(self, key: bytes) -> str | None:
+        """Verify every copy of an entry; quarantine it if any is bad. Returns the error."""
+        record = self.index.get(key)
+        if record is None:
+            return None
+        paths = [self.blob_path(key)] + ([self.ram_path(key)] if record.in_ram else [])
+        for path in paths:
+            try:
+                with open(path, "rb") as f:
+                    header, meta = blobfmt.verify_file(f)
+                if header.total_size != record.size or \
+                        keys.entry_key(meta.namespace, meta.tokens,
+                                       self.config.block_size).key != key:
+                    raise blobfmt.BlobError("blob does not match its index entry")
+            except (OSError, blobfmt.BlobError) as exc:
+                self.quarantine(key)
+                return f"{path.name}: {exc}"
+        return None
+
+    def quarantine(self, key: bytes) -> None:
+        record = self.index.delete(key)
+        if record is None:
+            return
+        with self._cond:
+            self.disk_used -= record.size
+            if record.in_ram:
+                self.ram_used -= record.size
+            self.counters["corrupt_blobs"] += 1
+        self.ram_path(key).unlink(missing_ok=True)
+        self._quarantine_path(self.blob_path(key))
+
+    def _quarantine_path(self, path: Path) -> None:
+        if path.exists():
+            target = self.quarantine_dir / f"{path.name}.{int(time.time() * 1000)}"
+            with contextlib.suppress(OSError):
+                os.replace(path, target)
+        self.counters["quarantined_files"] += 1
+
+    def verify(self, keys_: list[bytes] | None = None) -> Iterator[tuple[bytes, str | None, int, int]]:
+        todo = keys_ if keys_ else [r.key for r in self.index.records()]
+        for i, key in enumerate(todo, 1):
+            if self.index.get(key) is None:
+                yield key, "no such entry", i, len(todo)
+                continue
+            yield key, self.check_entry(key), i, len(todo)
+
+    # -- admin ------------------------------------------------------------------------------
+
+    def get(self, key: bytes) -> Record:
+        record = self.index.get(key)
+        if record is None:
+            raise NotFound(f"no entry {key.hex()}")
+        return record
+
+    def set_pinned(self, key: bytes, pinned: bool) -> Record:
+        record = self.index.update(key, pinned=pinned)
+        if record is None:
+            raise NotFound(f"no entry {key.hex()}")
+        self.counters["pins" if pinned else "unpins"] += 1
+        return record
+
+    def delete(self, key: bytes) -> Record:
+        with self._cond:
+            record = self.get(key)
+            if record.pinned:
+                raise Busy(f"entry {key.hex()} is pinned; unpin it first")
+            if self._in_use.get(key):
+                raise Busy(f"entry {key.hex()} is being read")
+            self._remove_entry(record, "deletes")
+            return record
+
+    def inspect(self, key: bytes) -> tuple[Record, blobfmt.BlobHeader, blobfmt.BlobMeta, Path]:
+        record = self.get(key)
+        path = self.blob_path(key)
+        try:
+            with open(path, "rb") as f:
+                header, meta = blobfmt.read_header_and_meta(f)
+        except (OSError, blobfmt.BlobError) as exc:
+            self.quarantine(key)
+            raise Corrupt(f"entry {key.hex()} is unreadable ({exc}); quarantined") from None
+        return record, header, meta, path
+
+    def list(self, predicate: Callable[[Record], bool] | None = None) -> list[Record]:
+        return [self._with_pending(r) for r in self.index.records() if not predicate or predicate(r)]
+
+    def _with_pending(self, record: Record) -> Record:
+        with self._cond:
+            usage = self._pending_use.get(record.key)
+        if not usage:
+            return record
+        from dataclasses import replace
+
+        return replace(record, hits=record.hits + int(usage[0]),
+                       last_used=max(record.last_used, usage[1]))
+
+    def prune(self, predicate: Callable[[Record], bool] | None = None, *,
+              max_disk_bytes: int = 0, max_ram_bytes: int = 0,
+              dry_run: bool = False) -> PruneResult:
+        """Remove entries matching ``predicate`` and/or LRU entries down to byte targets.
+        Never touches pinned entries or entries being read."""
+        removed: list[Record] = []
+        freed = skipped_pinned = skipped_in_use = 0
+        with self._cond:
+            busy = set(self._in_use)
+            ordered = eviction_order(self.index.records(),
+                                     {k: v[1] for k, v in self._pending_use.items()})
+            disk_after = self.disk_used
+            for record in ordered:
+                selected = predicate is not None and predicate(record)
+                over = max_disk_bytes > 0 and disk_after > max_disk_bytes
+                if not (selected or over):
+                    continue
+                if record.pinned:
+                    skipped_pinned += 1
+                    continue
+                if record.key in busy:
+                    skipped_in_use += 1
+                    continue
+                removed.append(record)
+                freed += record.size
+                disk_after -= record.size
+                if not dry_run:
+                    self._remove_entry(record, "prune_removed")
+            if max_ram_bytes and not dry_run:
+                for record in self._eviction_candidates(ram_only=True):
+                    if self.ram_used <= max_ram_bytes:
+                        break
+                    self._drop_ram_copy(record, "prune_ram_dropped")
+        return PruneResult(removed, freed, skipped_pinned, skipped_in_use)
+
+    def stats(self) -> dict[str, object]:
+        with self._cond:
+            return {
+                "counters": dict(self.counters),
+                "disk_used": self.disk_used,
+                "ram_used": self.ram_used,
+                "reserved_bytes": self.reserved_bytes,
+                "in_flight": len(self._in_flight),
+                "read_pins": len(self._pins),
+                "uptime": time.time() - self.started,
+            }
+
+    def tier_entry_counts(self) -> tuple[int, int]:
+        disk = ram = 0
+        for record in self.index.records():
+            disk += 1
+            ram += record.in_ram
+        return disk, ram
+
+    # -- background -------------------------------------------------------------------------
+
+    def _reap_loop(self) -> None:
+        last_flush = time.monotonic()
+        while not self._closed.wait(0.2):
+            self.reap_expired()
+            if time.monotonic() - last_flush >= self.config.usage_flush_seconds:
+                self._flush_usage()
+                last_flush = time.monotonic()
+
+    def reap_expired(self) -> None:
+        now = time.monotonic()
+        with self._cond:
+            expired = [r for r in self._reservations.values() if r.expires < now]
+            for key_pin, (key, expires) in list(self._pins.items()):
+                if expires < now:
+                    del self._pins[key_pin]
+                    self._release_use(key)
+                    self.counters["read_pins_expired"] += 1
+        for res in expired:
+            # A writer busy with a chunk holds the lock and renews the lease: skip it.
+            if res.lock.acquire(blocking=False):
+                try:
+                    if res.expires < time.monotonic():
+                        self._finish_abort(res, "leases_expired")
+                finally:
+                    res.lock.release()
+
+    def _flush_usage(self) -> None:
+        with self._cond:
+            pending, self._pending_use = self._pending_use, {}
+        # Usage counts are best-effort: losing one second of them on a crash is harmless.
+        with contextlib.suppress(Exception):
+            self.index.record_usage({k: (int(v[0]), v[1]) for k, v in pending.items()})
