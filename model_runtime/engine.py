@@ -1,0 +1,647 @@
+"""The scheduler: one model thread owns the llama.cpp context and its sequences.
+
+A request's life (see DESIGN.md, "Runtime request lifecycle"):
+
+1. admission (model thread): a free sequence, or its session's pinned one (busy ->
+   ``sticky_busy``); with none free, the least recently used idle session is saved
+   (``evict``) and released; otherwise the request waits for a sequence.
+2. cache resolution (a resolver thread, so cache I/O never stalls decoding):
+   ``parent_key``, then the session's in-flight save, then the longest-prefix lookup.
+   A live sequence that already holds a prefix of the prompt skips this (``sticky``).
+3. restore (set state, drop the last cell, re-decode that token: a restored sequence has
+   no logits) or cold prefill, in chunks, split at the ``cold`` save boundary.
+4. decode: every active sequence advances in one batched ``llama_decode`` per tick.
+5. completion: ``finish`` save, record with hit kind, cache delta and timings.
+
+Only ``state_seq_get`` runs on the model thread for a save; the bytes go to the
+background :class:`~model_runtime.saver.Saver`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvcache import keys
+from kvcache.client import (
+    CacheClient,
+    CacheError,
+    CacheUnavailable,
+    CorruptBlob,
+    Identity,
+    LoadedBlob,
+)
+
+from .config import RuntimeConfig
+from .llama_backend import LlamaContext, LlamaDecodeError, LlamaModel
+from .sampling import SamplingParams, find_stop, sample
+from .saver import SaveJob, Saver
+
+log = logging.getLogger("model_runtime")
+
+HIT_EXACT, HIT_PARTIAL, HIT_COLD, HIT_STICKY = "exact", "partial", "cold", "sticky"
+
+
+class RuntimeError_(Exception):
+    """A request the runtime refuses, with a machine-readable ``code``."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Completion:
+    text: str
+    tokens: list[int]
+    finish_reason: str  # stop | length | shutdown
+    finish_key: str  # hex key of the finish save ("" when none was made)
+    cache_hit_kind: str  # exact | partial | cold | sticky
+    cache_delta: dict[str, int]  # tokens_read, tokens_saved
+    timings: dict[str, float]  # milliseconds: ttft, restore, prefill, decode, total
+    prompt_tokens: int
+    session_id: str = ""
+    saves: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason,
+            "finish_key": self.finish_key, "cache_hit_kind": self.cache_hit_kind,
+            "cache_delta": self.cache_delta, "timings": self.timings,
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
+            "session_id": self.session_id, "saves": self.saves,
+        }
+
+
+@dataclass
+class TokenEvent:
+    token: int
+    text: str
+
+
+@dataclass
+class Request:
+    id: int
+    tokens: list[int]
+    sampling: SamplingParams
+    session_id: str = ""
+    parent_key: bytes = b""
+    boundary: int = 0  # explicit cold save boundary (end of the system message)
+    events: queue.Queue[Any] = field(default_factory=queue.Queue)
+    arrived: float = field(default_factory=time.perf_counter)
+    # Filled in along the way
+    seq: Seq | None = None
+    phase: str = "admit"  # admit | resolve | prefill | decode | done
+    hit_kind: str = HIT_COLD
+    tokens_read: int = 0
+    tokens_saved: int = 0
+    n_past: int = 0  # prompt tokens in the sequence so far
+    save_at: int = 0  # cold save boundary still to take (0: none)
+    generated: list[int] = field(default_factory=list)
+    pending: int = -1  # sampled, not yet decoded
+    text_bytes: bytearray = field(default_factory=bytearray)
+    emitted_chars: int = 0
+    rng: np.random.Generator | None = None
+    t_restore: float = 0.0
+    t_prefill: float = 0.0
+    t_decode: float = 0.0
+    t_first: float = 0.0
+    saves: list[dict[str, Any]] = field(default_factory=list)
+    cancelled: bool = False
+
+
+@dataclass
+class Seq:
+    id: int
+    tokens: list[int] = field(default_factory=list)  # exactly what the KV cells hold
+    session: str = ""
+    request: Request | None = None
+    last_used: float = 0.0
+    saved_len: int = 0  # length of the last state saved from this sequence
+    restored: bool = False  # holds a restored state (matters for SWA/recurrent models)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Engine:
+    def __init__(self, model: LlamaModel, ctx: LlamaContext, identity: Identity,
+                 cache: CacheClient | None, config: RuntimeConfig) -> None:
+        self.model = model
+        self.ctx = ctx
+        self.identity = identity
+        self.cache = cache
+        self.config = config
+        self.counters: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self.saver = Saver(cache, self.counters, self._lock, config.max_pending_saves)
+        self.seqs = [Seq(i) for i in range(ctx.n_seq_max)]
+        self.sessions: dict[str, Seq] = {}
+        self.session_last_key: dict[str, tuple[bytes, int]] = {}  # session -> (key, n_tokens)
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._waiting: list[Request] = []  # admitted requests wait here for a sequence
+        self._active: list[Request] = []
+        self._ids = itertools.count(1)
+        self._block_size: int | None = None
+        self._resolver = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-resolve")
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="model", daemon=True)
+        self._thread.start()
+
+    # -- public (any thread) ----------------------------------------------------------------
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def submit(self, tokens: list[int], sampling: SamplingParams, *, session_id: str = "",
+               parent_key: bytes = b"", boundary: int = 0) -> Request:
+        if not tokens:
+            raise RuntimeError_("invalid_argument", "empty prompt")
+        if len(tokens) + 1 > self.ctx.n_ctx:
+            raise RuntimeError_("prompt_too_long",
+                                f"prompt of {len(tokens)} tokens does not fit the context of "
+                                f"{self.ctx.n_ctx} tokens per sequence")
+        if self._stopping.is_set():
+            raise RuntimeError_("unavailable", "the runtime is shutting down")
+        req = Request(next(self._ids), list(tokens), sampling, session_id, parent_key,
+                      boundary if 0 < boundary < len(tokens) else 0)
+        req.rng = np.random.default_rng(sampling.seed)
+        self._inbox.put(("new", req))
+        return req
+
+    def cancel(self, req: Request) -> None:
+        self._inbox.put(("cancel", req))
+
+    def close(self) -> None:
+        """Finish: stop admitting, save every live sequence (``shutdown``), flush saves."""
+        if self._stopping.is_set():
+            return
+        done = threading.Event()
+        self._inbox.put(("shutdown", done))
+        done.wait(self.config.shutdown_deadline_s + 5)
+        self._stopping.set()
+        self._thread.join(timeout=5)
+        self._resolver.shutdown(wait=False, cancel_futures=True)
+        self.saver.close(timeout=self.config.shutdown_deadline_s)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counters)
+
+    # -- keys -------------------------------------------------------------------------------
+
+    def block_size(self) -> int | None:
+        """The daemon's block size (keys depend on it); None while it is unreachable."""
+        if self._block_size is None and self.cache is not None:
+            with contextlib.suppress(CacheError):
+                self._block_size = int(self.cache.stats().block_size) or None
+        return self._block_size
+
+    def key_of(self, tokens: Sequence[int]) -> bytes:
+        bs = self.block_size()
+        if bs is None:
+            return b""
+        return keys.entry_key(self.identity.namespace, tokens, bs).key
+
+    # -- model thread -----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                # Block only when there is no work; otherwise just pick up what arrived.
+                kind, item = self._inbox.get_nowait() if self._active else self._inbox.get()
+            except queue.Empty:
+                kind = ""
+            if kind:
+                if kind == "shutdown":
+                    self._shutdown(item)
+                    return
+                self._handle(kind, item)
+                # drain everything that arrived before running a tick
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        kind, item = self._inbox.get_nowait()
+                        if kind == "shutdown":
+                            self._shutdown(item)
+                            return
+                        self._handle(kind, item)
+            if self._active:
+                self._tick()
+
+    def _handle(self, kind: str, item: Any) -> None:
+        if kind == "new":
+            self._admit(item)
+        elif kind == "resolved":
+            req, blob = item
+            self._start(req, blob)
+        elif kind == "cancel":
+            item.cancelled = True
+        elif kind == "call":  # run a function on the model thread (tests, tools)
+            fn, result = item
+            try:
+                result.put((True, fn()))
+            except Exception as exc:  # handed back to the caller
+                result.put((False, exc))
+
+    def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
+        """Run ``fn`` on the model thread (the only thread that may touch the context)."""
+        result: queue.Queue[tuple[bool, Any]] = queue.Queue()
+        self._inbox.put(("call", (fn, result)))
+        ok, value = result.get(timeout=timeout)
+        if not ok:
+            raise value
+        return value
+
+    # admission -----------------------------------------------------------------------------
+
+    def _admit(self, req: Request) -> None:
+        if req.session_id and req.session_id in self.sessions:
+            seq = self.sessions[req.session_id]
+            if seq.request is not None:
+                self._fail(req, RuntimeError_("sticky_busy",
+                                              f"session {req.session_id!r} has a request running"))
+                return
+            self._bind(req, seq)
+            return
+        if req.session_id and any(r.session_id == req.session_id for r in self._waiting):
+            self._fail(req, RuntimeError_("sticky_busy",
+                                          f"session {req.session_id!r} has a request waiting"))
+            return
+        seq = self._free_seq()
+        if seq is None:
+            self._waiting.append(req)
+            self.count("admission_waits")
+            return
+        self._bind(req, seq)
+
+    def _free_seq(self) -> Seq | None:
+        free = [s for s in self.seqs if s.request is None and not s.session]
+        if free:
+            return free[0]
+        idle = [s for s in self.seqs if s.request is None and s.session]
+        if not idle:
+            return None
+        victim = min(idle, key=lambda s: s.last_used)
+        if self.config.save_evict:
+            self._save(victim, "evict", None)
+        self.count("sessions_evicted")
+        del self.sessions[victim.session]
+        victim.session = ""
+        self._clear(victim)
+        return victim
+
+    def _bind(self, req: Request, seq: Seq) -> None:
+        req.seq = seq
+        seq.request = req
+        seq.last_used = time.monotonic()
+        if req.session_id:
+            seq.session = req.session_id
+            self.sessions[req.session_id] = seq
+        # Sticky: the live sequence already holds a prefix of this prompt.
+        live = common_prefix(seq.tokens, req.tokens)
+        if live > 0 and (live == len(seq.tokens) or self._can_truncate(seq)):
+            keep = min(live, len(req.tokens) - 1) if live == len(req.tokens) else live
+            if keep < len(seq.tokens) and not self._truncate(seq, keep):
+                self._clear(seq)
+            else:
+                req.hit_kind = HIT_STICKY
+                req.tokens_read = keep
+                req.n_past = keep
+                self._plan_cold_save(req)
+                req.phase = "prefill"
+                self._active.append(req)
+                return
+        self._clear(seq)
+        req.phase = "resolve"
+        self._resolver.submit(self._resolve, req)
+
+    def _can_truncate(self, seq: Seq) -> bool:
+        return self.ctx.can_truncate_restored() or not seq.restored
+
+    def _truncate(self, seq: Seq, n_keep: int) -> bool:
+        if not self.ctx.seq_truncate(seq.id, n_keep):
+            return False
+        del seq.tokens[n_keep:]
+        return True
+
+    def _clear(self, seq: Seq) -> None:
+        self.ctx.seq_clear(seq.id)
+        seq.tokens.clear()
+        seq.saved_len = 0
+        seq.restored = False
+
+    # resolution (resolver thread: cache I/O only, never the context) --------------------------
+
+    def _resolve(self, req: Request) -> None:
+        blob = None
+        try:
+            blob = self._find_state(req)
+        except Exception:  # a cache problem must never fail the request
+            log.exception("cache resolution failed; going cold")
+            self.count("cache_errors")
+        self._inbox.put(("resolved", (req, blob)))
+
+    def _find_state(self, req: Request) -> LoadedBlob | None:
+        if self.cache is None:
+            return None
+        tokens = req.tokens
+        # A restored state needs its last cell dropped to get fresh logits; where that
+        # is impossible (SWA/recurrent), only strictly shorter states are usable.
+        limit = len(tokens) if self.ctx.can_truncate_restored() else len(tokens) - 1
+        timeout = self.config.cache_timeout_s
+        wait_ms = self.config.session_resume_wait_ms
+        candidates: list[tuple[str, bytes]] = []
+        if req.parent_key:
+            candidates.append(("parent", req.parent_key))
+        last = self.session_last_key.get(req.session_id) if req.session_id else None
+        if last and last[1] <= limit:
+            candidates.append(("session", last[0]))
+        for source, key in candidates:
+            event = self.saver.in_flight(key)
+            if event is not None:  # still being sent from this process
+                event.wait(wait_ms / 1000)
+            try:
+                blob = self.cache.load(key, prefix_of=tokens, wait_ms=wait_ms,
+                                       timeout=timeout + wait_ms / 1000)
+            except CacheUnavailable:
+                self.count("cache_unavailable")
+                return None
+            except CacheError as exc:
+                self.count(f"{source}_key_unusable")
+                log.info("%s key %s unusable: %s", source, key.hex(), exc)
+                continue
+            if len(blob.meta.tokens) <= limit:
+                self.count(f"resolved_by_{source}")
+                return blob
+        for _attempt in range(2):  # a corrupt hit is quarantined: look again, once
+            try:
+                hit = self.cache.lookup(self.identity, tokens, max_tokens=limit, timeout=timeout)
+                if hit is None:
+                    return None
+                blob = self.cache.load(hit.key, prefix_of=tokens, timeout=timeout * 4)
+                self.count(f"restored_from_{blob.tier or 'cache'}")
+                return blob
+            except CacheUnavailable:
+                self.count("cache_unavailable")
+                return None
+            except CorruptBlob:
+                self.count("corrupt_blobs")
+            except CacheError as exc:
+                self.count("cache_errors")
+                log.warning("cache lookup failed: %s", exc)
+                return None
+        return None
+
+    # restore / prefill (model thread) ---------------------------------------------------------
+
+    def _start(self, req: Request, blob: LoadedBlob | None) -> None:
+        seq = req.seq
+        assert seq is not None
+        if req.cancelled:
+            self._finish(req, "cancelled")
+            return
+        if blob is not None:
+            t0 = time.perf_counter()
+            n = len(blob.meta.tokens)
+            ok = self.ctx.state_seq_set(seq.id, blob.payload) > 0
+            if ok:
+                seq.tokens = list(req.tokens[:n])
+                seq.restored = True
+                seq.saved_len = n
+                keep = n - 1 if n == len(req.tokens) else n
+                if keep < n and not self._truncate(seq, keep):
+                    ok = False
+            if ok:
+                req.hit_kind = HIT_EXACT if n == len(req.tokens) else HIT_PARTIAL
+                req.tokens_read = n
+                req.n_past = len(seq.tokens)
+                self.count(f"restores_{req.hit_kind}")
+            else:
+                self._clear(seq)
+                self.count("restore_failed")
+            req.t_restore = time.perf_counter() - t0
+        if req.hit_kind == HIT_COLD:
+            self.count("cold_prefills")
+        self._plan_cold_save(req)
+        req.phase = "prefill"
+        self._active.append(req)
+
+    def _plan_cold_save(self, req: Request) -> None:
+        """Where prefill must stop to save a reusable prefix (0: nowhere)."""
+        cfg = self.config
+        at = req.boundary or (len(req.tokens) - cfg.trim) // cfg.save_block * cfg.save_block
+        if at >= cfg.min_save_tokens and at > req.n_past and at > req.tokens_read:
+            req.save_at = at
+
+    # one tick: a batch over every active sequence -----------------------------------------------
+
+    def _tick(self) -> None:
+        tokens: list[int] = []
+        positions: list[int] = []
+        seq_ids: list[int] = []
+        logits: list[bool] = []
+        plan: list[tuple[Request, int, int]] = []  # (request, first batch index, n tokens)
+        budget = self.ctx.n_batch
+        for req in list(self._active):
+            if req.cancelled:
+                self._finish(req, "cancelled")
+        decoding = [r for r in self._active if r.phase == "decode"]
+        prefilling = [r for r in self._active if r.phase == "prefill"]
+        for req in decoding:
+            if budget == 0:
+                break
+            seq = req.seq
+            assert seq is not None
+            plan.append((req, len(tokens), 1))
+            tokens.append(req.pending)
+            positions.append(len(seq.tokens))
+            seq_ids.append(seq.id)
+            logits.append(True)
+            budget -= 1
+        for req in prefilling:
+            if budget == 0:
+                break
+            seq = req.seq
+            assert seq is not None
+            stop = req.save_at if req.save_at > req.n_past else len(req.tokens)
+            n = min(self.config.prefill_chunk, budget, stop - req.n_past)
+            chunk = req.tokens[req.n_past : req.n_past + n]
+            plan.append((req, len(tokens), n))
+            tokens.extend(chunk)
+            positions.extend(range(req.n_past, req.n_past + n))
+            seq_ids.extend([seq.id] * n)
+            logits.extend([False] * (n - 1) + [req.n_past + n == len(req.tokens)])
+            budget -= n
+        if not plan:
+            return
+        t0 = time.perf_counter()
+        try:
+            self.ctx.decode(tokens, positions, seq_ids, logits)
+        except (LlamaDecodeError, ValueError) as exc:
+            for req, _, _ in plan:
+                self._fail(req, RuntimeError_("decode_failed", f"llama_decode failed: {exc}"))
+            return
+        elapsed = time.perf_counter() - t0
+        n_total = len(tokens)
+        for req, start, n in plan:
+            share = elapsed * n / n_total
+            seq = req.seq
+            assert seq is not None
+            if req.phase == "decode":
+                req.t_decode += share
+                seq.tokens.append(req.pending)
+                self._after_sample(req, self._sample(req, start))
+                continue
+            req.t_prefill += share
+            seq.tokens.extend(req.tokens[req.n_past : req.n_past + n])
+            req.n_past += n
+            if req.save_at and req.n_past == req.save_at:
+                self._save(seq, "cold", req)
+                req.save_at = 0
+            if req.n_past == len(req.tokens):
+                req.phase = "decode"
+                req.t_first = time.perf_counter()
+                self._after_sample(req, self._sample(req, start + n - 1))
+
+    def _sample(self, req: Request, batch_index: int) -> int:
+        assert req.rng is not None
+        return sample(self.ctx.logits(batch_index), req.sampling, req.rng)
+
+    def _after_sample(self, req: Request, token: int) -> None:
+        seq = req.seq
+        assert seq is not None
+        if self.model.is_eog(token):
+            self._finish(req, "stop")
+            return
+        req.generated.append(token)
+        req.pending = token
+        req.text_bytes += self.model.token_to_piece(token)
+        text = req.text_bytes.decode("utf-8", errors="ignore")
+        stop_at = find_stop(text, req.sampling.stop)
+        if stop_at >= 0:
+            self._emit(req, text[:stop_at], token)
+            self._finish(req, "stop", text[:stop_at])
+            return
+        # Hold back text that might be the start of a stop string.
+        hold = max((len(s) - 1 for s in req.sampling.stop), default=0)
+        self._emit(req, text[: max(req.emitted_chars, len(text) - hold)], token)
+        interval = self.config.continued_interval
+        if interval and len(req.generated) % interval == 0:
+            self._save(seq, "continued", req)
+        if len(req.generated) >= req.sampling.max_tokens or len(seq.tokens) + 1 >= self.ctx.n_ctx:
+            self._finish(req, "length")
+
+    def _emit(self, req: Request, text: str, token: int) -> None:
+        piece = text[req.emitted_chars:]
+        req.emitted_chars = max(req.emitted_chars, len(text))
+        req.events.put(TokenEvent(token, piece))
+
+    # saves ---------------------------------------------------------------------------------------
+
+    def _save(self, seq: Seq, reason: str, req: Request | None) -> bytes:
+        """Copy a sequence's state out (model thread) and queue it for the daemon."""
+        n = len(seq.tokens)
+        if n < self.config.min_save_tokens or n == seq.saved_len or self.cache is None:
+            return b""
+        key = self.key_of(seq.tokens)
+        if not key:
+            self.count("saves_dropped")
+            self.count("saves_dropped_unavailable")
+            return b""
+        t0 = time.perf_counter()
+        state = self.ctx.state_seq_get(seq.id)
+        self.count("state_get_ms", int((time.perf_counter() - t0) * 1000))
+        seq.saved_len = n
+        job = SaveJob(self.identity, tuple(seq.tokens), state, reason, key)
+        if self.saver.submit(job) and req is not None:
+            req.tokens_saved = max(req.tokens_saved, n - req.tokens_read)
+            req.saves.append({"reason": reason, "tokens": n, "key": key.hex()})
+        return key
+
+    # completion ----------------------------------------------------------------------------------
+
+    def _finish(self, req: Request, reason: str, text: str | None = None) -> None:
+        seq = req.seq
+        finish_key = b""
+        if seq is not None and reason not in ("cancelled",):
+            save_reason = "shutdown" if reason == "shutdown" else "finish"
+            if self.config.save_finish or save_reason == "shutdown":
+                finish_key = self._save(seq, save_reason, req) or (
+                    self.key_of(seq.tokens) if seq.saved_len == len(seq.tokens) else b"")
+            if req.session_id and finish_key:
+                self.session_last_key[req.session_id] = (finish_key, len(seq.tokens))
+        now = time.perf_counter()
+        full_text = req.text_bytes.decode("utf-8", errors="replace") if text is None else text
+        completion = Completion(
+            text=full_text, tokens=list(req.generated), finish_reason=reason,
+            finish_key=finish_key.hex(), cache_hit_kind=req.hit_kind,
+            cache_delta={"tokens_read": req.tokens_read, "tokens_saved": req.tokens_saved},
+            timings={
+                "ttft_ms": round(((req.t_first or now) - req.arrived) * 1000, 3),
+                "restore_ms": round(req.t_restore * 1000, 3),
+                "prefill_ms": round(req.t_prefill * 1000, 3),
+                "decode_ms": round(req.t_decode * 1000, 3),
+                "total_ms": round((now - req.arrived) * 1000, 3),
+            },
+            prompt_tokens=len(req.tokens), session_id=req.session_id, saves=req.saves)
+        self.count(f"hits_{req.hit_kind}")
+        self.count("requests_completed")
+        self._release(req)
+        req.events.put(completion)
+
+    def _fail(self, req: Request, exc: Exception) -> None:
+        self.count("requests_failed")
+        if req.seq is not None:
+            self._clear(req.seq)
+        self._release(req)
+        req.events.put(exc)
+
+    def _release(self, req: Request) -> None:
+        req.phase = "done"
+        if req in self._active:
+            self._active.remove(req)
+        if req in self._waiting:
+            self._waiting.remove(req)
+        seq = req.seq
+        if seq is not None:
+            seq.request = None
+            seq.last_used = time.monotonic()
+            if not seq.session:
+                self._clear(seq)
+        while self._waiting:
+            nxt = self._free_seq()
+            if nxt is None:
+                break
+            self._bind(self._waiting.pop(0), nxt)
+
+    def _shutdown(self, done: threading.Event) -> None:
+        deadline = time.monotonic() + self.config.shutdown_deadline_s
+        for req in list(self._active) + list(self._waiting):
+            if req.seq is not None and req.phase in ("prefill", "decode"):
+                self._finish(req, "shutdown")
+            else:
+                self._fail(req, RuntimeError_("unavailable", "the runtime is shutting down"))
+        if self.config.save_shutdown:
+            for seq in self.seqs:
+                if time.monotonic() > deadline:
+                    self.count("shutdown_saves_skipped")
+                    continue
+                self._save(seq, "shutdown", None)
+        done.set()

