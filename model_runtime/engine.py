@@ -72,6 +72,7 @@ class Completion:
     timings: dict[str, float]  # milliseconds: ttft, restore, prefill, decode, total
     prompt_tokens: int
     session_id: str = ""
+    cache_tier: str = ""  # where a restored state came from: ram | disk ("" if none)
     saves: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -80,7 +81,7 @@ class Completion:
             "finish_key": self.finish_key, "cache_hit_kind": self.cache_hit_kind,
             "cache_delta": self.cache_delta, "timings": self.timings,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
-            "session_id": self.session_id, "saves": self.saves,
+            "session_id": self.session_id, "cache_tier": self.cache_tier, "saves": self.saves,
         }
 
 
@@ -106,6 +107,7 @@ class Request:
     hit_kind: str = HIT_COLD
     tokens_read: int = 0
     tokens_saved: int = 0
+    tier: str = ""
     n_past: int = 0  # prompt tokens in the sequence so far
     save_at: int = 0  # cold save boundary still to take (0: none)
     generated: list[int] = field(default_factory=list)
@@ -431,6 +433,7 @@ class Engine:
             if ok:
                 req.hit_kind = HIT_EXACT if n == len(req.tokens) else HIT_PARTIAL
                 req.tokens_read = n
+                req.tier = blob.tier
                 req.n_past = len(seq.tokens)
                 self.count(f"restores_{req.hit_kind}")
             else:
@@ -600,7 +603,8 @@ class Engine:
                 "decode_ms": round(req.t_decode * 1000, 3),
                 "total_ms": round((now - req.arrived) * 1000, 3),
             },
-            prompt_tokens=len(req.tokens), session_id=req.session_id, saves=req.saves)
+            prompt_tokens=len(req.tokens), session_id=req.session_id, cache_tier=req.tier,
+            saves=req.saves)
         self.count(f"hits_{req.hit_kind}")
         self.count("requests_completed")
         self._release(req)

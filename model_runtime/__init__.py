@@ -1,0 +1,1 @@
+"""llama-cpp-python model runtime: contexts, sequences, scheduler, restore and save points."""

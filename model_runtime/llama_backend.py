@@ -1,0 +1,770 @@
+"""The one module that calls into llama.cpp (through llama-cpp-python's ctypes bindings).
+
+Everything above this module works with Python ints, bytes and numpy arrays; nothing
+else in the project imports ``llama_cpp``.  The high-level ``llama_cpp.Llama`` class is
+deliberately not used: its ``save_state`` copies the whole logits array and is 10-50x
+slower than the per-sequence state API, and it owns exactly one sequence.
+
+Objects:
+
+* :class:`LlamaModel` owns a ``llama_model*`` (weights, vocabulary, chat template).
+* :class:`LlamaContext` owns a ``llama_context*`` (the KV cache of ``n_seq_max``
+  sequences) plus a reusable batch, and exposes decode, logits, per-sequence KV edits and
+  the per-sequence state API (``llama_state_seq_*``).
+
+Neither is thread-safe: one thread (the model thread) drives a context.
+
+Logging: llama.cpp's log output is silenced by default (a no-op callback).  Set the
+environment variable ``KVCACHE_LLAMA_LOG=1`` (read at first model load) or call
+:func:`set_llama_logging` / pass ``LlamaModel(..., verbose=True)`` to send it to stderr.
+The setting is process-wide, as llama.cpp's logger is.
+
+Facts about llama.cpp 0.3.36 (vendored llama.cpp) this module is built around:
+
+* Per-sequence capacity.  With ``kv_unified=false`` (llama.cpp's default) the KV cache has
+  one *stream* per sequence, each of ``n_ctx / n_seq_max`` cells (rounded up to 256).
+  With ``kv_unified=true`` all sequences share one stream of ``n_ctx`` cells.
+  :class:`ContextParams` ``n_ctx`` means *per sequence*; see its docstring.
+* State format.  A sequence state is ``magic u32, seq_id i32, n_stream u32`` followed by
+  one ``cell_count u32`` per stream (and that stream's cells when non-zero).  So the raw
+  bytes depend on ``n_stream`` (= ``n_seq_max`` unless unified) and a state taken from a
+  context with a different stream count is rejected ("n_stream mismatch").  For plain
+  attention models this module stores states in a canonical single-stream form (see
+  :meth:`LlamaContext.state_seq_get`), so cached states do not depend on ``n_seq_max`` or
+  ``kv_unified``.  ``n_ctx`` never changes the format; it only bounds how many cells fit.
+* ``llama_state_seq_set_data`` never raises: it returns 0 on any rejection (bad magic,
+  n_stream mismatch, K/V type or row size mismatch, V-transposition (flash attention)
+  mismatch, layer count mismatch, not enough free cells) and clears the sequence.  It does
+  *not* detect a state from a different model of the same shape.
+* A restored sequence has no logits: re-decode its last token (after dropping that cell)
+  to get fresh logits.  Sliding-window and recurrent models cannot be truncated after a
+  restore (see :meth:`LlamaContext.can_truncate_restored`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import struct
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import llama_cpp as _lc
+import numpy as np
+
+__all__ = [
+    "KV_CACHE_TYPES",
+    "LOG_ENV",
+    "ContextParams",
+    "LlamaContext",
+    "LlamaDecodeError",
+    "LlamaError",
+    "LlamaLoadError",
+    "LlamaModel",
+    "set_llama_logging",
+]
+
+LOG_ENV = "KVCACHE_LLAMA_LOG"
+
+#: KV cache element types accepted for ``type_k`` / ``type_v`` (ggml type ids).
+KV_CACHE_TYPES: Mapping[str, int] = {
+    "f32": _lc.GGML_TYPE_F32,
+    "f16": _lc.GGML_TYPE_F16,
+    "bf16": 30,  # GGML_TYPE_BF16; not exported by the bindings
+    "q8_0": _lc.GGML_TYPE_Q8_0,
+    "q4_0": _lc.GGML_TYPE_Q4_0,
+    "q4_1": _lc.GGML_TYPE_Q4_1,
+    "q5_0": _lc.GGML_TYPE_Q5_0,
+    "q5_1": _lc.GGML_TYPE_Q5_1,
+    "iq4_nl": _lc.GGML_TYPE_IQ4_NL,
+}
+
+# Header of a llama.cpp sequence state: magic, source seq_id, n_stream.
+_STATE_MAGIC = 0xAF143CD8
+_STATE_HEADER = struct.Struct("<IiI")
+_U32 = struct.Struct("<I")
+
+
+class LlamaError(RuntimeError):
+    """A llama.cpp call failed."""
+
+
+class LlamaLoadError(LlamaError):
+    """A model or context could not be created."""
+
+
+class LlamaDecodeError(LlamaError):
+    """``llama_decode`` returned non-zero.
+
+    Codes: 1 = no KV slot for the batch (cache full), 2 = aborted, -1 = invalid batch
+    (e.g. positions not consecutive with the sequence's cells), < -1 = fatal.
+    On error the memory is restored to its state before the call.
+    """
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"llama_decode failed with code {code}")
+        self.code = code
+
+
+# --------------------------------------------------------------------------- backend
+
+
+@_lc.llama_log_callback
+def _silent_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    """No-op logger; a module global so the C callback outlives every caller."""
+
+
+_NULL_LOG = _lc.llama_log_callback()
+_backend_lock = threading.Lock()
+_backend_ready = False
+
+
+def set_llama_logging(enabled: bool) -> None:
+    """Send llama.cpp/ggml logs to stderr (``True``) or drop them (``False``). Process-wide."""
+    # A NULL callback restores llama.cpp's default (stderr); the bindings' argtypes need
+    # a typed NULL function pointer rather than None.
+    _lc.llama_log_set(_NULL_LOG if enabled else _silent_log, ctypes.c_void_p(0))
+
+
+def _ensure_backend(verbose: bool) -> None:
+    global _backend_ready
+    with _backend_lock:
+        if not _backend_ready:
+            env = os.environ.get(LOG_ENV, "").strip().lower()
+            set_llama_logging(env not in ("", "0", "false", "no", "off"))
+            _lc.llama_backend_init()
+            _backend_ready = True
+    if verbose:
+        set_llama_logging(True)
+
+
+# --------------------------------------------------------------------------- params
+
+
+@dataclass(frozen=True)
+class ContextParams:
+    """Settings of a :class:`LlamaContext`.
+
+    ``n_ctx`` is the capacity of *each* sequence, in tokens.  With ``kv_unified=False``
+    (the default) llama.cpp gives every sequence its own KV stream, so the context is
+    created with ``n_ctx * n_seq_max`` cells and each sequence can always hold ``n_ctx``
+    tokens regardless of the others (a restore never fails because another sequence is
+    long).  Attention of a sequence then only scans its own stream.  With
+    ``kv_unified=True`` all sequences share one stream of ``n_ctx`` cells: less memory,
+    but the *sum* of all sequences is bounded by ``n_ctx`` and attention scans the shared
+    buffer.  llama.cpp rounds per-stream sizes up to a multiple of 256.
+
+    ``n_batch`` bounds the tokens of one :meth:`LlamaContext.decode` call; ``n_ubatch``
+    the tokens of one physical compute step.  ``type_k``/``type_v`` are keys of
+    :data:`KV_CACHE_TYPES`; quantized V needs ``flash_attn=True``.
+    """
+
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_seq_max: int = 4
+    n_threads: int = 1
+    type_k: str = "f16"
+    type_v: str = "f16"
+    flash_attn: bool = False
+    kv_unified: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max", "n_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.n_seq_max > _lc.llama_max_parallel_sequences():
+            raise ValueError(f"n_seq_max > {_lc.llama_max_parallel_sequences()}")
+        for name in ("type_k", "type_v"):
+            if getattr(self, name) not in KV_CACHE_TYPES:
+                raise ValueError(f"{name} must be one of {sorted(KV_CACHE_TYPES)}")
+
+
+# --------------------------------------------------------------------------- model
+
+
+def _read_string(fn: Any, *args: Any, initial: int = 256) -> str:
+    """Call a llama.cpp ``(…, char *buf, size)`` string getter, growing the buffer."""
+    size = initial
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = fn(*args, buf, size)
+        if n < 0:
+            return ""
+        if n < size:
+            return buf.raw[:n].decode("utf-8", errors="replace")
+        size = n + 1
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise_exception(message: str) -> None:
+    raise ValueError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class LlamaModel:
+    """A loaded GGUF model: weights, vocabulary and metadata. Owns ``llama_model*``.
+
+    Loaded on CPU with mmap; the weights are shared by every context made from it.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, verbose: bool = False) -> None:
+        _ensure_backend(verbose)
+        self.path = Path(path)
+        self._model: Any = None
+        if not self.path.is_file():
+            raise FileNotFoundError(self.path)
+        mparams = _lc.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        model = _lc.llama_model_load_from_file(os.fsencode(self.path), mparams)
+        if not model:
+            raise LlamaLoadError(f"llama.cpp could not load {self.path}")
+        self._model = model
+        self._vocab = _lc.llama_model_get_vocab(model)
+        self.n_layer: int = _lc.llama_model_n_layer(model)
+        self.n_embd: int = _lc.llama_model_n_embd(model)
+        self.n_head: int = _lc.llama_model_n_head(model)
+        self.n_head_kv: int = _lc.llama_model_n_head_kv(model)
+        self.n_ctx_train: int = _lc.llama_model_n_ctx_train(model)
+        self.n_vocab: int = _lc.llama_vocab_n_tokens(self._vocab)
+        self.n_swa: int = _lc.llama_model_n_swa(model)
+        # Hybrid models (attention + recurrent layers) carry recurrent state too: their
+        # restored states can no more be truncated than a pure recurrent model's.
+        self.is_recurrent: bool = bool(
+            _lc.llama_model_is_recurrent(model) or _lc.llama_model_is_hybrid(model)
+        )
+        self.rope_type: int = _lc.llama_model_rope_type(model)
+        self.rope_freq_scale_train: float = _lc.llama_model_rope_freq_scale_train(model)
+        self.description: str = _read_string(_lc.llama_model_desc, model)
+        self.bos_token: int = _lc.llama_vocab_bos(self._vocab)
+        self.eos_token: int = _lc.llama_vocab_eos(self._vocab)
+        self.add_bos: bool = bool(_lc.llama_vocab_get_add_bos(self._vocab))
+        self._template_src: str | None = None
+        self._template: Any = None
+        raw = _lc.llama_model_chat_template(model, None)
+        if raw:
+            self._template_src = raw.decode("utf-8", errors="replace")
+
+    # -- lifetime
+    def close(self) -> None:
+        """Free the model. Contexts made from it must be closed first."""
+        if self._model is not None:
+            _lc.llama_model_free(self._model)
+            self._model = None
+            self._vocab = None
+
+    def __enter__(self) -> LlamaModel:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # last resort; prefer close()
+        with contextlib.suppress(Exception):  # e.g. during interpreter shutdown
+            self.close()
+
+    @property
+    def handle(self) -> Any:
+        """The raw ``llama_model*``; raises if closed. For this module's use."""
+        if self._model is None:
+            raise LlamaError("model is closed")
+        return self._model
+
+    # -- metadata
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value rendered as a string by llama.cpp, or None if absent."""
+        k = key.encode()
+        buf = ctypes.create_string_buffer(256)
+        n = _lc.llama_model_meta_val_str(self.handle, k, buf, 256)
+        if n < 0:
+            return None
+        if n >= 256:
+            buf = ctypes.create_string_buffer(n + 1)
+            n = _lc.llama_model_meta_val_str(self.handle, k, buf, n + 1)
+        return buf.raw[:n].decode("utf-8", errors="replace")
+
+    # -- vocabulary
+    def tokenize(
+        self, text: str, *, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
+        """Text to token ids. ``add_special`` adds BOS (if the model wants it);
+        ``parse_special`` turns texts like ``<|im_start|>`` into their control token."""
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        while True:
+            arr = (_lc.llama_token * cap)()
+            n = _lc.llama_tokenize(
+                self._vocab_h(), data, len(data), arr, cap, add_special, parse_special
+            )
+            if n >= 0:
+                return arr[:n]
+            if -n <= cap:  # should not happen; avoid looping forever
+                raise LlamaError(f"llama_tokenize failed ({n})")
+            cap = -n
+
+    def token_to_piece(self, token: int, *, render_special: bool = False) -> bytes:
+        """The raw bytes of one token (may be a partial UTF-8 sequence).
+
+        Control tokens (BOS, ``<|im_end|>``, ...) render as ``b""`` unless
+        ``render_special``.
+        """
+        self._check_token(token)
+        buf = ctypes.create_string_buffer(64)
+        n = _lc.llama_token_to_piece(self._vocab_h(), token, buf, 64, 0, render_special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = _lc.llama_token_to_piece(self._vocab_h(), token, buf, -n, 0, render_special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: Sequence[int], *, render_special: bool = False) -> str:
+        """Token ids to text (UTF-8, invalid sequences replaced).
+
+        Uses ``llama_detokenize`` so tokenizer-specific rules (leading-space removal,
+        space cleaning) are applied exactly as llama.cpp does.  BOS/EOS are not stripped;
+        control tokens render as nothing unless ``render_special``.
+        """
+        n = len(tokens)
+        if n == 0:
+            return ""
+        for t in tokens:
+            self._check_token(t)
+        arr = (_lc.llama_token * n)(*tokens)
+        cap = max(64, n * 8)
+        while True:
+            buf = ctypes.create_string_buffer(cap)
+            k = _lc.llama_detokenize(self._vocab_h(), arr, n, buf, cap, False, render_special)
+            if k >= 0:
+                return buf.raw[:k].decode("utf-8", errors="replace")
+            cap = -k
+
+    def is_eog(self, token: int) -> bool:
+        """True for end-of-generation tokens (EOS, EOT, ``<|im_end|>``, ...)."""
+        return bool(_lc.llama_vocab_is_eog(self._vocab_h(), token))
+
+    def is_control(self, token: int) -> bool:
+        return bool(_lc.llama_vocab_is_control(self._vocab_h(), token))
+
+    def token_text(self, token: int) -> str:
+        """The vocabulary entry of a token as stored in the GGUF (e.g. ``<|im_end|>``)."""
+        self._check_token(token)
+        raw = _lc.llama_vocab_get_text(self._vocab_h(), token)
+        return raw.decode("utf-8", errors="replace") if raw else ""
+
+    def _vocab_h(self) -> Any:
+        if self._model is None:
+            raise LlamaError("model is closed")
+        return self._vocab
+
+    def _check_token(self, token: int) -> None:
+        # llama.cpp indexes its vocabulary without bounds checks (it would abort/crash).
+        if not 0 <= token < self.n_vocab:
+            raise ValueError(f"token {token} outside vocabulary [0, {self.n_vocab})")
+
+    # -- chat template
+    def chat_template(self) -> str | None:
+        """The GGUF's ``tokenizer.chat_template`` (jinja source), or None."""
+        return self._template_src
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True
+    ) -> str:
+        """Render ``messages`` with the model's jinja chat template.
+
+        Same environment as llama-cpp-python's ``Jinja2ChatFormatter`` (and HF
+        transformers): sandboxed, ``trim_blocks``/``lstrip_blocks``, ``loopcontrols``, a
+        ``tojson`` filter, and the variables ``bos_token``, ``eos_token``,
+        ``raise_exception``, ``strftime_now``, ``add_generation_prompt``.
+        The result contains special-token *texts*; tokenize it with
+        ``add_special=False, parse_special=True`` when the template emits BOS itself.
+        """
+        if self._template_src is None:
+            raise LlamaError(f"{self.path.name} has no chat template")
+        if self._template is None:
+            import jinja2
+            import jinja2.ext
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(
+                loader=jinja2.BaseLoader(),
+                trim_blocks=True,
+                lstrip_blocks=True,
+                extensions=[jinja2.ext.loopcontrols],
+            )
+            env.filters["tojson"] = _tojson
+            self._template = env.from_string(self._template_src)
+        return str(
+            self._template.render(
+                messages=messages,
+                bos_token=self.token_text(self.bos_token) if self.bos_token >= 0 else "",
+                eos_token=self.token_text(self.eos_token) if self.eos_token >= 0 else "",
+                raise_exception=_raise_exception,
+                strftime_now=_strftime_now,
+                add_generation_prompt=add_generation_prompt,
+            )
+        )
+
+
+# --------------------------------------------------------------------------- context
+
+
+class LlamaContext:
+    """A llama.cpp context: the KV cache of ``n_seq_max`` sequences and a decode batch.
+
+    Sequence ids are ``0 .. n_seq_max-1``; anything else raises ``ValueError`` here
+    (llama.cpp would abort the process on some paths).
+    """
+
+    def __init__(self, model: LlamaModel, params: ContextParams) -> None:
+        self.model = model
+        self.params = params
+        self._ctx: Any = None
+        self._plain_kv = model.n_swa == 0 and not model.is_recurrent
+        cp = _lc.llama_context_default_params()
+        n_seq = params.n_seq_max
+        cp.n_ctx = params.n_ctx if params.kv_unified else params.n_ctx * n_seq
+        cp.n_batch = params.n_batch
+        cp.n_ubatch = min(params.n_ubatch, params.n_batch)
+        cp.n_seq_max = n_seq
+        cp.n_threads = params.n_threads
+        cp.n_threads_batch = params.n_threads
+        cp.type_k = KV_CACHE_TYPES[params.type_k]
+        cp.type_v = KV_CACHE_TYPES[params.type_v]
+        cp.flash_attn_type = (
+            _lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if params.flash_attn
+            else _lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        cp.kv_unified = params.kv_unified
+        cp.no_perf = True
+        cp.embeddings = False
+        ctx = _lc.llama_init_from_model(model.handle, cp)
+        if not ctx:
+            raise LlamaLoadError(f"llama.cpp could not create a context with {params}")
+        self._ctx = ctx
+        self._mem = _lc.llama_get_memory(ctx)
+        self.n_seq_max: int = _lc.llama_n_seq_max(ctx)
+        #: Tokens one sequence can hold (llama.cpp's n_ctx_seq).
+        self.n_ctx: int = _lc.llama_n_ctx_seq(ctx)
+        #: Cells of the whole KV cache (all sequences).
+        self.n_ctx_total: int = _lc.llama_n_ctx(ctx)
+        self.n_batch: int = _lc.llama_n_batch(ctx)
+        # Number of KV streams, which is part of llama.cpp's raw state format.
+        self._n_stream = 1 if params.kv_unified else self.n_seq_max
+        self._alloc_batch(self.n_batch)
+        self._want: np.ndarray = np.zeros(0, dtype=bool)
+
+    def _alloc_batch(self, n: int) -> None:
+        """A llama_batch whose arrays are numpy buffers owned by this object.
+
+        Filling numpy slices is ~100x faster than per-token ctypes assignment, and owning
+        the memory means nothing needs ``llama_batch_free``.  Every token belongs to
+        exactly one sequence, so ``seq_id[i]`` points at ``_seq[i]``.
+        """
+        self._tok = np.zeros(n, dtype=np.int32)
+        self._pos = np.zeros(n, dtype=np.int32)
+        self._nseq = np.ones(n, dtype=np.int32)
+        self._seq = np.zeros(n, dtype=np.int32)
+        self._out = np.zeros(n, dtype=np.int8)
+        i32p = ctypes.POINTER(ctypes.c_int32)
+        base = self._seq.ctypes.data
+        self._seq_ptrs = (i32p * n)(*(ctypes.cast(base + 4 * i, i32p) for i in range(n)))
+        b = _lc.llama_batch()
+        b.n_tokens = 0
+        b.token = self._tok.ctypes.data_as(i32p)
+        b.embd = ctypes.POINTER(ctypes.c_float)()
+        b.pos = self._pos.ctypes.data_as(i32p)
+        b.n_seq_id = self._nseq.ctypes.data_as(i32p)
+        b.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(i32p))
+        b.logits = self._out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self._batch = b
+
+    # -- lifetime
+    def close(self) -> None:
+        if self._ctx is not None:
+            _lc.llama_free(self._ctx)
+            self._ctx = None
+            self._mem = None
+
+    def __enter__(self) -> LlamaContext:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # last resort; prefer close()
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def _h(self) -> Any:
+        if self._ctx is None:
+            raise LlamaError("context is closed")
+        return self._ctx
+
+    def _check_seq(self, seq_id: int) -> None:
+        if not 0 <= seq_id < self.n_seq_max:
+            raise ValueError(f"seq_id {seq_id} outside [0, {self.n_seq_max})")
+
+    # -- decode
+    def decode(
+        self,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        seq_ids: Sequence[int],
+        want_logits: Sequence[bool],
+    ) -> None:
+        """One ``llama_decode`` over a batch that may mix sequences.
+
+        Entry ``i`` is token ``tokens[i]`` at ``positions[i]`` of sequence ``seq_ids[i]``.
+        Per sequence, positions must continue the sequence (``seq_pos_max + 1`` onwards,
+        consecutive).  Logits are kept for the entries with ``want_logits[i]`` and read
+        with :meth:`logits` (batch index ``i``) until the next decode.
+
+        Raises ValueError for malformed input (including more than ``n_batch`` tokens)
+        and :class:`LlamaDecodeError` when llama.cpp fails (e.g. code 1: cache full).
+        """
+        ctx = self._h()
+        n = len(tokens)
+        if not (len(positions) == len(seq_ids) == len(want_logits) == n):
+            raise ValueError("tokens, positions, seq_ids and want_logits differ in length")
+        if n == 0:
+            raise ValueError("empty batch")
+        if n > self.n_batch:
+            raise ValueError(f"batch of {n} tokens exceeds n_batch={self.n_batch}")
+        tok = np.asarray(tokens, dtype=np.int64)
+        seq = np.asarray(seq_ids, dtype=np.int64)
+        if tok.min() < 0 or tok.max() >= self.model.n_vocab:
+            raise ValueError("token id outside the vocabulary")
+        if seq.min() < 0 or seq.max() >= self.n_seq_max:
+            raise ValueError(f"seq_id outside [0, {self.n_seq_max})")
+        self._tok[:n] = tok
+        self._pos[:n] = np.asarray(positions, dtype=np.int32)
+        self._seq[:n] = seq
+        want = np.asarray(want_logits, dtype=bool)
+        self._out[:n] = want
+        self._batch.n_tokens = n
+        self._want = np.zeros(0, dtype=bool)
+        rc = _lc.llama_decode(ctx, self._batch)
+        if rc != 0:
+            raise LlamaDecodeError(rc)
+        self._want = want.copy()
+
+    def logits(self, batch_index: int) -> np.ndarray:
+        """A float32 copy of the logits of entry ``batch_index`` of the last decode."""
+        if not (0 <= batch_index < len(self._want) and self._want[batch_index]):
+            raise IndexError(f"no logits for batch index {batch_index} in the last decode")
+        ptr = _lc.llama_get_logits_ith(self._h(), batch_index)
+        if not ptr:
+            raise LlamaError(f"llama.cpp has no logits for batch index {batch_index}")
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,)).copy()
+
+    # -- KV edits
+    def clear(self) -> None:
+        """Empty every sequence."""
+        _lc.llama_memory_clear(self._mem_h(), True)
+
+    def seq_clear(self, seq_id: int) -> None:
+        """Remove every cell of ``seq_id`` (never fails)."""
+        self._check_seq(seq_id)
+        _lc.llama_memory_seq_rm(self._mem_h(), seq_id, -1, -1)
+
+    def seq_truncate(self, seq_id: int, n_keep: int) -> bool:
+        """Keep positions ``[0, n_keep)`` of ``seq_id``; False if llama.cpp refuses.
+
+        Recurrent models refuse partial removal.  Sliding-window models *accept* it even
+        for a restored sequence, which holds only the last window of positions: the
+        result is silently wrong (the window is short of the dropped position's
+        predecessors; on Gemma-3 the sequence was seen to end up empty).  Check
+        :meth:`can_truncate_restored` first.
+        """
+        self._check_seq(seq_id)
+        if n_keep < 0:
+            raise ValueError("n_keep must be >= 0")
+        return bool(_lc.llama_memory_seq_rm(self._mem_h(), seq_id, n_keep, -1))
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        """Smallest position held for ``seq_id``, -1 when empty (> 0 after SWA pruning)."""
+        self._check_seq(seq_id)
+        return int(_lc.llama_memory_seq_pos_min(self._mem_h(), seq_id))
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        """Largest position held for ``seq_id``, -1 when empty."""
+        self._check_seq(seq_id)
+        return int(_lc.llama_memory_seq_pos_max(self._mem_h(), seq_id))
+
+    def _mem_h(self) -> Any:
+        self._h()
+        return self._mem
+
+    # -- state
+    def _canonical(self) -> bool:
+        """Whether states are converted to/from the single-stream form (see state_seq_get)."""
+        return self._plain_kv and self._n_stream > 1
+
+    def state_seq_size(self, seq_id: int) -> int:
+        """Size in bytes of what :meth:`state_seq_get` returns for ``seq_id`` now."""
+        self._check_seq(seq_id)
+        n = int(_lc.llama_state_seq_get_size(self._h(), seq_id))
+        if n == 0:
+            raise LlamaError("llama_state_seq_get_size failed")
+        return n - 4 * (self._n_stream - 1) if self._canonical() else n
+
+    def state_seq_get(self, seq_id: int) -> bytes:
+        """The KV state of ``seq_id`` as bytes, restorable with :meth:`state_seq_set`.
+
+        llama.cpp writes one cell count per KV stream; with a split (non-unified) cache
+        every stream but the sequence's own holds a zero count.  For plain attention
+        models those zero words are dropped and the header says ``n_stream = 1``: the
+        result is byte-for-byte what a unified / single-sequence context would produce,
+        and restores into any context of the same KV layout.  llama.cpp writes into one
+        uninitialized buffer; the only copy is the final ``bytes``.
+        """
+        self._check_seq(seq_id)
+        ctx = self._h()
+        size = int(_lc.llama_state_seq_get_size(ctx, seq_id))
+        if size == 0:
+            raise LlamaError("llama_state_seq_get_size failed")
+        buf = np.empty(size, dtype=np.uint8)
+        got = int(
+            _lc.llama_state_seq_get_data(
+                ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, seq_id
+            )
+        )
+        if got != size:
+            raise LlamaError(f"llama_state_seq_get_data wrote {got} of {size} bytes")
+        if not self._canonical():
+            return buf.tobytes()
+        return self._to_canonical(memoryview(buf))
+
+    def _to_canonical(self, raw: memoryview) -> bytes:
+        magic, src_seq, n_stream = _STATE_HEADER.unpack_from(raw, 0)
+        if magic != _STATE_MAGIC or n_stream != self._n_stream:
+            raise LlamaError(f"unexpected state header {magic:#x} n_stream={n_stream}")
+        words = np.frombuffer(raw, dtype="<u4", count=n_stream, offset=_STATE_HEADER.size)
+        nonzero = np.flatnonzero(words)
+        k = int(nonzero[0]) if len(nonzero) else n_stream  # stream holding the cells
+        body_start = _STATE_HEADER.size + 4 * k
+        tail = 4 * (n_stream - 1 - k) if k < n_stream else 0
+        body_end = len(raw) - tail
+        if k < n_stream and tail and np.frombuffer(raw, dtype="<u4", offset=body_end).any():
+            raise LlamaError("state holds cells in more than one KV stream")
+        header = _STATE_HEADER.pack(magic, src_seq, 1)
+        if k == n_stream:  # empty sequence
+            return header + _U32.pack(0)
+        return b"".join((header, raw[body_start:body_end]))
+
+    def state_seq_set(self, seq_id: int, data: bytes | bytearray | memoryview) -> int:
+        """Replace ``seq_id`` with a state from :meth:`state_seq_get`.
+
+        Returns the number of bytes llama.cpp consumed, or 0 when it rejected the state
+        (llama.cpp logs and returns 0 rather than raising).  The sequence is cleared
+        first and stays empty on rejection.  (llama.cpp itself leaves the old cells in
+        place for an empty state or a bad header, and clears them otherwise.)  The
+        sequence has no logits afterwards: drop its last cell and re-decode that token.
+
+        ``data`` is handed to llama.cpp without copying (it only reads it), except that
+        a canonical single-stream state is widened to this context's stream count first
+        (one copy) when the cache is split into several streams.
+        """
+        self._check_seq(seq_id)
+        ctx = self._h()
+        _lc.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
+        src = np.frombuffer(data, dtype=np.uint8)
+        if len(src) < _STATE_HEADER.size:
+            return 0
+        extra = 0
+        if self._canonical():
+            magic, src_seq, n_stream = _STATE_HEADER.unpack_from(src, 0)
+            if magic == _STATE_MAGIC and n_stream == 1:
+                # Put the cells in stream 0 and append n_stream-1 empty streams: llama.cpp
+                # restores the cells into seq_id's own stream whatever their position.
+                extra = 4 * (self._n_stream - 1)
+                wide = np.empty(len(src) + extra, dtype=np.uint8)
+                wide[: len(src)] = src
+                wide[len(src) :] = 0
+                _STATE_HEADER.pack_into(wide, 0, magic, src_seq, self._n_stream)
+                src = wide
+        n = int(
+            _lc.llama_state_seq_set_data(
+                ctx, src.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), len(src), seq_id
+            )
+        )
+        if n == 0:
+            _lc.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
+            return 0
+        return n - extra
+
+    # -- compatibility
+    def kv_layout(self) -> dict[str, str]:
+        """Every setting that decides whether a saved state is valid in this context.
+
+        Part of the cache namespace.  Included: the KV element types; flash attention
+        (it transposes V); the layer and KV-head geometry (row sizes); RoPE settings
+        (K is cached *after* RoPE, and llama.cpp does not check them); SWA and
+        recurrence; the llama.cpp build.  Not included: ``n_ctx`` (only bounds how many
+        cells fit; an oversized state is rejected), ``n_batch``/threads, and — for
+        plain attention models, whose states are canonicalized — ``n_seq_max`` and
+        ``kv_unified``.  The model's identity (its weights) is not here: llama.cpp
+        accepts a state from any model of the same shape, so the caller must add a
+        fingerprint of the file.
+        """
+        m = self.model
+        arch = m.meta("general.architecture") or ""
+        n_embd_head_k = m.meta(f"{arch}.attention.key_length")
+        n_embd_head_v = m.meta(f"{arch}.attention.value_length")
+        head = m.n_embd // m.n_head if m.n_head else 0
+        layout = {
+            "arch": arch,
+            "type_k": self.params.type_k,
+            "type_v": self.params.type_v,
+            "flash_attn": str(self.params.flash_attn).lower(),
+            "n_layer": str(m.n_layer),
+            "n_head_kv": str(m.n_head_kv),
+            "n_embd_head_k": n_embd_head_k or str(head),
+            "n_embd_head_v": n_embd_head_v or str(head),
+            "rope_type": str(m.rope_type),
+            "rope_freq_base": m.meta(f"{arch}.rope.freq_base") or "",
+            "rope_freq_scale_train": repr(m.rope_freq_scale_train),
+            "rope_dimension_count": m.meta(f"{arch}.rope.dimension_count") or "",
+            "rope_scaling_type": m.meta(f"{arch}.rope.scaling.type") or "",
+            "n_swa": str(m.n_swa),
+            "is_recurrent": str(m.is_recurrent).lower(),
+            "state_streams": "1"
+            if (self._plain_kv or self._n_stream == 1)
+            else f"split:{self._n_stream}",
+            "llama_cpp_python": _lc.__version__,
+        }
+        return layout
+
+    def can_truncate_restored(self) -> bool:
+        """Whether a restored sequence may be shortened with :meth:`seq_truncate`.
+
+        False for sliding-window models (a restored state holds only the last window;
+        ``seq_rm`` then silently empties it) and for recurrent/hybrid models (their
+        state is a summary of the whole prefix and cannot be cut).
+        """
+        return self._plain_kv

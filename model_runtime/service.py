@@ -1,0 +1,134 @@
+"""The runtime's gRPC service: streaming completions, health and reflection."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .engine import Completion, RuntimeError_, TokenEvent
+from .runtime import Runtime
+from .v1 import runtime_pb2 as pb
+from .v1 import runtime_pb2_grpc as pb_grpc
+
+log = logging.getLogger("model_runtime")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ModelRuntime"].full_name
+
+ERROR_CODES = {
+    "sticky_busy": grpc.StatusCode.FAILED_PRECONDITION,
+    "prompt_too_long": grpc.StatusCode.INVALID_ARGUMENT,
+    "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "decode_failed": grpc.StatusCode.INTERNAL,
+}
+
+
+def completion_message(c: Completion) -> pb.Completion:
+    return pb.Completion(
+        text=c.text, tokens=c.tokens, finish_reason=c.finish_reason, finish_key=c.finish_key,
+        cache_hit_kind=c.cache_hit_kind,
+        cache_delta=pb.CacheDelta(**c.cache_delta),
+        timings=pb.Timings(**c.timings), prompt_tokens=c.prompt_tokens,
+        session_id=c.session_id, cache_tier=c.cache_tier)
+
+
+def request_kwargs(request: pb.CompleteRequest) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "max_tokens": request.max_tokens or 128, "temperature": request.temperature,
+        "top_p": request.top_p or 1.0, "top_k": request.top_k, "stop": list(request.stop),
+        "session_id": request.session_id, "parent_key": request.parent_key,
+        "prefix_tokens": request.prefix_tokens,
+        "seed": request.seed if request.HasField("seed") else None,
+    }
+    which = request.WhichOneof("input")
+    if which == "prompt":
+        kwargs["prompt"] = request.prompt
+        if request.system:
+            kwargs["system"] = request.system
+    elif which == "tokens":
+        kwargs["tokens"] = list(request.tokens.ids)
+    elif which == "chat":
+        kwargs["messages"] = [{"role": m.role, "content": m.content}
+                              for m in request.chat.messages]
+    return kwargs
+
+
+class RuntimeService(pb_grpc.ModelRuntimeServicer):
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    def Complete(self, request: pb.CompleteRequest, context: Any) -> Iterator[pb.CompleteEvent]:
+        try:
+            events = self.runtime.complete(stream=True, **request_kwargs(request))
+            for event in events:  # type: ignore[union-attr]
+                if isinstance(event, TokenEvent):
+                    if event.text:
+                        yield pb.CompleteEvent(text=event.text, token=event.token)
+                else:
+                    yield pb.CompleteEvent(done=completion_message(event))
+        except RuntimeError_ as exc:
+            context.abort(ERROR_CODES.get(exc.code, grpc.StatusCode.UNKNOWN),
+                          f"{exc.code}: {exc}")
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid_argument: {exc}")
+
+    def Stats(self, request: pb.RuntimeStatsRequest, context: Any) -> pb.RuntimeStatsResponse:
+        rt = self.runtime
+        return pb.RuntimeStatsResponse(
+            counters=rt.stats(), model_path=str(rt.model_path),
+            model_fingerprint=rt.identity.model_fingerprint, kv_layout=rt.identity.kv_layout,
+            n_seq_max=rt.ctx.n_seq_max, n_ctx=rt.ctx.n_ctx, cache_reachable=rt.cache_reachable())
+
+
+class RuntimeServer:
+    def __init__(self, runtime: Runtime, socket_path: Path | None, listen: str | None) -> None:
+        self.runtime = runtime
+        self.server = grpc.server(ThreadPoolExecutor(max_workers=16),
+                                  options=[("grpc.max_receive_message_length", 16 << 20)])
+        pb_grpc.add_ModelRuntimeServicer_to_server(RuntimeService(runtime), self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), self.server)
+        self.addresses: list[str] = []
+        self.socket_path = socket_path
+        if socket_path:
+            socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            socket_path.unlink(missing_ok=True)
+            self.addresses.append(f"unix:{socket_path}")
+            self.server.add_insecure_port(self.addresses[-1])
+        if listen:
+            port = self.server.add_insecure_port(listen)
+            self.addresses.append(f"{listen.rsplit(':', 1)[0]}:{port}")
+
+    def serve_forever(self) -> None:
+        done = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: done.set())
+        signal.signal(signal.SIGINT, lambda *_: done.set())
+        old = os.umask(0o077)
+        try:
+            self.server.start()
+        finally:
+            os.umask(old)
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("model runtime (%s) listening on %s", self.runtime.model_path.name,
+                 " and ".join(self.addresses))
+        done.wait()
+        log.info("shutting down: saving live sequences")
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace=2).wait()
+        self.runtime.close()
+        if self.socket_path:
+            self.socket_path.unlink(missing_ok=True)
+        log.info("model runtime stopped")
