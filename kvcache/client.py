@@ -215,18 +215,26 @@ class CacheClient:
     def _load_local(self, key: bytes, wait_ms: int, timeout: float) -> tuple[blobfmt.Blob, str]:
         resp = self._rpc("OpenRead", pb.OpenReadRequest(key=key, wait_ms=wait_ms), timeout)
         blob: blobfmt.Blob | None = None
+        unreadable = False
         try:
             buf = bytearray(resp.size)
-            with contextlib.suppress(FileNotFoundError), open(resp.path, "rb", buffering=0) as f:
+            with open(resp.path, "rb", buffering=0) as f:
                 if f.readinto(buf) == resp.size and not f.read(1):
                     blob = blobfmt.decode_blob(buf)
+        except FileNotFoundError:
+            blob = None  # the daemon vouched for a file that is gone: let it check
+        except OSError:
+            unreadable = True  # e.g. another user's daemon: stream instead
         except blobfmt.BlobError:
             blob = None
         finally:
             # Release the pin; a bad blob is reported so the daemon verifies and quarantines.
             with contextlib.suppress(CacheError):
-                self._rpc("ReleaseRead", pb.ReleaseReadRequest(pin_id=resp.pin_id,
-                                                               corrupt=blob is None), 5.0)
+                self._rpc("ReleaseRead", pb.ReleaseReadRequest(
+                    pin_id=resp.pin_id, corrupt=blob is None and not unreadable), 5.0)
+        if unreadable:
+            self.fast_path = False
+            return self._load_stream(key, wait_ms, timeout)
         if blob is None:
             raise CorruptBlob(f"entry {key.hex()} failed verification; reported for quarantine")
         return blob, TIER_NAMES[resp.tier]
