@@ -91,7 +91,7 @@ class TokenEvent:
     text: str
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     id: int
     tokens: list[int]
@@ -159,6 +159,7 @@ class Engine:
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._waiting: list[Request] = []  # admitted requests wait here for a sequence
         self._active: list[Request] = []
+        self._resolving: set[Request] = set()  # waiting for cache I/O on a resolver thread
         self._ids = itertools.count(1)
         self._block_size: int | None = None
         self._resolver = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-resolve")
@@ -235,7 +236,7 @@ class Engine:
                 if kind == "shutdown":
                     self._shutdown(item)
                     return
-                self._handle(kind, item)
+                self._guarded(self._handle, kind, item)
                 # drain everything that arrived before running a tick
                 with contextlib.suppress(queue.Empty):
                     while True:
@@ -243,15 +244,27 @@ class Engine:
                         if kind == "shutdown":
                             self._shutdown(item)
                             return
-                        self._handle(kind, item)
+                        self._guarded(self._handle, kind, item)
             if self._active:
-                self._tick()
+                self._guarded(self._tick)
+
+    def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
+        """A bug in one step must not kill the model thread and strand every caller:
+        fail the requests in flight and keep serving."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            log.exception("model thread step failed")
+            self.count("internal_errors")
+            for req in list(self._active):
+                self._fail(req, RuntimeError_("internal", f"internal error: {exc!r}"))
 
     def _handle(self, kind: str, item: Any) -> None:
         if kind == "new":
             self._admit(item)
         elif kind == "resolved":
             req, blob = item
+            self._resolving.discard(req)
             self._start(req, blob)
         elif kind == "cancel":
             item.cancelled = True
@@ -302,7 +315,9 @@ class Engine:
             return None
         victim = min(idle, key=lambda s: s.last_used)
         if self.config.save_evict:
-            self._save(victim, "evict", None)
+            key = self._save(victim, "evict", None)
+            if key:  # the session's next request resumes from it
+                self.session_last_key[victim.session] = (key, len(victim.tokens))
         self.count("sessions_evicted")
         del self.sessions[victim.session]
         victim.session = ""
@@ -318,8 +333,10 @@ class Engine:
             self.sessions[req.session_id] = seq
         # Sticky: the live sequence already holds a prefix of this prompt.
         live = common_prefix(seq.tokens, req.tokens)
-        if live > 0 and (live == len(seq.tokens) or self._can_truncate(seq)):
-            keep = min(live, len(req.tokens) - 1) if live == len(req.tokens) else live
+        # The last prompt token must be decoded again for fresh logits, so at most L-1
+        # live tokens are kept; cutting a restored SWA/recurrent state is never safe.
+        keep = min(live, len(req.tokens) - 1)
+        if keep > 0 and (keep == len(seq.tokens) or self._can_truncate(seq)):
             if keep < len(seq.tokens) and not self._truncate(seq, keep):
                 self._clear(seq)
             else:
@@ -332,6 +349,7 @@ class Engine:
                 return
         self._clear(seq)
         req.phase = "resolve"
+        self._resolving.add(req)
         self._resolver.submit(self._resolve, req)
 
     def _can_truncate(self, seq: Seq) -> bool:
@@ -637,7 +655,7 @@ class Engine:
 
     def _shutdown(self, done: threading.Event) -> None:
         deadline = time.monotonic() + self.config.shutdown_deadline_s
-        for req in list(self._active) + list(self._waiting):
+        for req in list(self._active) + list(self._waiting) + list(self._resolving):
             if req.seq is not None and req.phase in ("prefill", "decode"):
                 self._finish(req, "shutdown")
             else:
