@@ -149,10 +149,13 @@ def main() -> None:
               help="Tokens per hashed block.")
 @click.option("--lease-seconds", type=float, default=30.0, show_default=True,
               help="A reservation with no traffic for this long is aborted.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+              help="Serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: any free port).")
 @click.option("--log-level", default="INFO", show_default=True)
 def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
           insecure_tcp: bool, ram_dir: Path | None, ram_bytes: int, disk_bytes: int,
-          min_free_bytes: int, block_size: int, lease_seconds: float, log_level: str) -> None:
+          min_free_bytes: int, block_size: int, lease_seconds: float,
+          metrics_port: int | None, log_level: str) -> None:
     """Run the cache daemon until SIGTERM or SIGINT."""
     from .server import Daemon
     from .store import StoreConfig
@@ -168,7 +171,8 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
                          min_free_bytes=min_free_bytes, block_size=block_size,
                          lease_seconds=lease_seconds)
     try:
-        daemon = Daemon(config, socket_path=socket_path, listen=listen)
+        daemon = Daemon(config, socket_path=socket_path, listen=listen,
+                        metrics_port=metrics_port)
     except (ValueError, OSError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from None
     daemon.serve_forever()

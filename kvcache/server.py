@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +21,7 @@ from . import __version__, keys
 from .config import MAX_MESSAGE_BYTES, MAX_SOCKET_PATH, SOCKET_NAME
 from .errors import InvalidArgument, StoreError
 from .index import Record
+from .metrics import Metrics
 from .store import TIER_DISK, TIER_RAM, Store, StoreConfig
 from .v1 import kvcache_pb2 as pb
 from .v1 import kvcache_pb2_grpc as pb_grpc
@@ -79,9 +81,35 @@ def record_filter(model: str = "", tenant: str = "", reason: str = "", tier: int
     return match
 
 
+def store_gauges(store: Store) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    s = store.stats()
+    n_disk, n_ram = store.tier_entry_counts()
+    cfg = store.config
+    return {
+        ("tier_entries", (("tier", "ram"),)): n_ram,
+        ("tier_entries", (("tier", "disk"),)): n_disk,
+        ("tier_bytes", (("tier", "ram"),)): s["ram_used"],
+        ("tier_bytes", (("tier", "disk"),)): s["disk_used"],
+        ("tier_budget_bytes", (("tier", "ram"),)): cfg.ram_bytes,
+        ("tier_budget_bytes", (("tier", "disk"),)): cfg.disk_bytes,
+        ("reserved_bytes", ()): s["reserved_bytes"],
+        ("in_flight", ()): s["in_flight"],
+        ("read_pins", ()): s["read_pins"],
+    }
+
+
 class KVCacheService(pb_grpc.KVCacheServicer):
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, metrics: Metrics | None = None) -> None:
         self.store = store
+        self.metrics = metrics or Metrics("kvcache")
+        self.lookup_seconds = self.metrics.histogram(
+            "lookup_seconds", "Longest-prefix lookup latency", ("result",))
+        self.read_seconds = self.metrics.histogram(
+            "read_seconds", "Time to open (same host) or stream a blob", ("tier", "path"))
+        self.commit_seconds = self.metrics.histogram(
+            "commit_seconds", "Commit latency: verify, fsync, rename, publish", ("reason",))
+        self.write_seconds = self.metrics.histogram(
+            "write_stream_seconds", "Duration of a streamed write")
 
     def _call(self, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
         try:
@@ -96,7 +124,10 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         def run() -> pb.LookupResponse:
             ns = identity_namespace(request.identity)
             raw = keys.tokens_to_bytes(request.tokens)
+            t0 = time.perf_counter()
             record, probes = self.store.lookup(ns, raw, request.max_tokens)
+            self.lookup_seconds.labels("hit" if record else "miss").observe(
+                time.perf_counter() - t0)
             if record is None:
                 return pb.LookupResponse(found=False, probes=probes)
             return pb.LookupResponse(
@@ -122,6 +153,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
     def Write(self, request_iterator: Iterator[pb.WriteChunk], context: Any) -> pb.WriteResponse:
         lease_id = ""
         written = 0
+        t0 = time.perf_counter()
         try:
             for chunk in request_iterator:
                 if not lease_id:
@@ -140,6 +172,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             raise
         if not lease_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty write stream")
+        self.write_seconds.observe(time.perf_counter() - t0)
         return pb.WriteResponse(bytes_written=written)
 
     def _abort_quietly(self, lease_id: str, counter: str) -> None:
@@ -147,8 +180,10 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             self.store.abort(lease_id, counter=counter)
 
     def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitResponse:
+        t0 = time.perf_counter()
         record = self._call(context,
                             lambda: self.store.commit(request.lease_id, request.local_write))
+        self.commit_seconds.labels(record.reason).observe(time.perf_counter() - t0)
         return pb.CommitResponse(key=record.key, size=record.size)
 
     def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:
@@ -157,6 +192,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
 
     def Read(self, request: pb.ReadRequest, context: Any) -> Iterator[pb.ReadChunk]:
         chunk_bytes = min(request.chunk_bytes or (1 << 20), MAX_MESSAGE_BYTES // 2)
+        t0 = time.perf_counter()
         pin, chunks = self._call(context, lambda: self.store.iter_read(
             check_key(request.key), request.wait_ms, chunk_bytes))
         offset = 0
@@ -168,14 +204,17 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                     msg.tier = TIERS[pin.tier]
                 offset += len(data)
                 yield msg
+            self.read_seconds.labels(pin.tier, "stream").observe(time.perf_counter() - t0)
         except StoreError as exc:
             context.abort(exc.code, str(exc))
         finally:
             chunks.close()  # type: ignore[attr-defined]
 
     def OpenRead(self, request: pb.OpenReadRequest, context: Any) -> pb.OpenReadResponse:
+        t0 = time.perf_counter()
         pin = self._call(context, lambda: self.store.open_read(check_key(request.key),
                                                                request.wait_ms))
+        self.read_seconds.labels(pin.tier, "local").observe(time.perf_counter() - t0)
         return pb.OpenReadResponse(path=str(pin.path), size=pin.size, tier=TIERS[pin.tier],
                                    pin_id=pin.pin_id, pin_seconds=self.store.config.pin_seconds)
 
@@ -212,8 +251,6 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                                 in_flight=s["in_flight"], read_pins=s["read_pins"])
 
     def List(self, request: pb.ListRequest, context: Any) -> pb.ListResponse:
-        import time
-
         predicate = record_filter(request.model, request.tenant, request.reason, request.tier,
                                   request.min_tokens, now=time.time())
         records = self.store.list(predicate)
@@ -242,8 +279,6 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                                   total=total)
 
     def Prune(self, request: pb.PruneRequest, context: Any) -> pb.PruneResponse:
-        import time
-
         predicate = record_filter(request.model, request.tenant, request.reason,
                                   older_than=request.older_than_seconds,
                                   unused_for=request.unused_for_seconds, now=time.time())
@@ -270,8 +305,13 @@ class Daemon:
     """A Store served over gRPC on a unix socket (and TCP when asked)."""
 
     def __init__(self, config: StoreConfig, socket_path: Path | None = None,
-                 listen: str | None = None, workers: int = 32) -> None:
+                 listen: str | None = None, workers: int = 32,
+                 metrics_port: int | None = None) -> None:
         self.store = Store(config)
+        self.metrics = Metrics("kvcache")
+        self.metrics.add_snapshot(lambda: self.store.stats()["counters"],  # type: ignore[arg-type,return-value]
+                                  lambda: store_gauges(self.store))
+        self.metrics_port = metrics_port
         self.socket_path = socket_path or (config.root / SOCKET_NAME)
         if len(str(self.socket_path)) > MAX_SOCKET_PATH:
             self.store.close()
@@ -280,7 +320,8 @@ class Daemon:
         self.server = grpc.server(ThreadPoolExecutor(max_workers=workers,
                                                      thread_name_prefix="kvcache-rpc"),
                                   options=server_options())
-        pb_grpc.add_KVCacheServicer_to_server(KVCacheService(self.store), self.server)
+        pb_grpc.add_KVCacheServicer_to_server(KVCacheService(self.store, self.metrics),
+                                              self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -304,6 +345,9 @@ class Daemon:
         finally:
             os.umask(old_umask)
         os.chmod(self.socket_path, 0o600)
+        if self.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.metrics_port)
+            self.addresses.append(f"metrics http://127.0.0.1:{self.metrics_port}/metrics")
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 

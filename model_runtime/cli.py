@@ -64,8 +64,11 @@ def main() -> None:
 @click.option("--socket", "socket_path", type=click.Path(path_type=Path), default=None,
               help="Unix socket to serve on.")
 @click.option("--listen", default=None, metavar="HOST:PORT", help="TCP address to serve on.")
-def serve(socket_path: Path | None, listen: str | None, model_path: str | None,
-          cache_address: str | None, verbose: bool, **settings: Any) -> None:
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+              help="Serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: any free port).")
+def serve(socket_path: Path | None, listen: str | None, metrics_port: int | None,
+          model_path: str | None, cache_address: str | None, verbose: bool,
+          **settings: Any) -> None:
     """Serve completions over gRPC until SIGTERM (live sequences are saved first)."""
     from .service import RuntimeServer
 
@@ -74,7 +77,11 @@ def serve(socket_path: Path | None, listen: str | None, model_path: str | None,
     if not socket_path and not listen:
         raise click.UsageError("give --socket PATH and/or --listen HOST:PORT")
     runtime = build_runtime(model_path, cache_address, verbose, **settings)
-    RuntimeServer(runtime, socket_path, listen).serve_forever()
+    server = RuntimeServer(runtime, socket_path, listen)
+    if metrics_port is not None:
+        port = runtime.metrics.serve(metrics_port)
+        server.addresses.append(f"metrics http://127.0.0.1:{port}/metrics")
+    server.serve_forever()
 
 
 @main.command()

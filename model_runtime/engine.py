@@ -162,6 +162,8 @@ class Engine:
         self._resolving: set[Request] = set()  # waiting for cache I/O on a resolver thread
         self._ids = itertools.count(1)
         self._block_size: int | None = None
+        self.observers: list[Callable[[Completion], None]] = []  # e.g. metrics
+        self.on_latency: Callable[[str, float], None] = lambda name, seconds: None
         self._resolver = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-resolve")
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="model", daemon=True)
@@ -207,6 +209,18 @@ class Engine:
     def stats(self) -> dict[str, int]:
         with self._lock:
             return dict(self.counters)
+
+    def gauges(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        busy = sum(s.request is not None for s in self.seqs)
+        return {
+            ("sequences", (("state", "busy"),)): busy,
+            ("sequences", (("state", "idle_session"),)): sum(
+                s.request is None and bool(s.session) for s in self.seqs),
+            ("sequences", (("state", "free"),)): sum(
+                s.request is None and not s.session for s in self.seqs),
+            ("requests_waiting", ()): len(self._waiting),
+            ("save_queue", ()): self.saver.pending(),
+        }
 
     # -- keys -------------------------------------------------------------------------------
 
@@ -588,7 +602,7 @@ class Engine:
             return b""
         t0 = time.perf_counter()
         state = self.ctx.state_seq_get(seq.id)
-        self.count("state_get_ms", int((time.perf_counter() - t0) * 1000))
+        self.on_latency("state_get", time.perf_counter() - t0)
         seq.saved_len = n
         job = SaveJob(self.identity, tuple(seq.tokens), state, reason, key)
         if self.saver.submit(job) and req is not None:
@@ -626,6 +640,11 @@ class Engine:
         self.count(f"hits_{req.hit_kind}")
         self.count("requests_completed")
         self._release(req)
+        for observe in self.observers:
+            try:
+                observe(completion)
+            except Exception:  # an observer must never break a request
+                log.exception("completion observer failed")
         req.events.put(completion)
 
     def _fail(self, req: Request, exc: Exception) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcache.client import CacheClient, CacheUnavailable
+from kvcache.metrics import Metrics
 
 from .config import RuntimeConfig
 from .engine import Completion, Engine, Request, RuntimeError_, TokenEvent, common_prefix
@@ -61,6 +62,7 @@ class Runtime:
             cache = CacheClient(cache_address, timeout=self.config.cache_timeout_s)
         self.cache = cache
         self.engine = Engine(self.model, self.ctx, self.identity, cache, self.config)
+        self.metrics = runtime_metrics(self.engine)
         self._closed = False
 
     # -- prompts ----------------------------------------------------------------------------
@@ -176,6 +178,24 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def runtime_metrics(engine: Engine) -> Metrics:
+    """Engine counters and gauges, plus latency histograms per hit kind."""
+    metrics = Metrics("model_runtime")
+    metrics.add_snapshot(engine.stats, engine.gauges)
+    phases = {name: metrics.histogram(f"{name}_seconds", f"{name} per request", ("hit_kind",))
+              for name in ("ttft", "restore", "prefill", "decode")}
+
+    def observe(c: Completion) -> None:
+        for name, hist in phases.items():
+            hist.labels(c.cache_hit_kind).observe(c.timings[f"{name}_ms"] / 1000)
+
+    engine.observers.append(observe)
+    state_get = metrics.histogram("state_get_seconds",
+                                  "llama_state_seq_get_data on the model thread")
+    engine.on_latency = lambda name, seconds: state_get.observe(seconds)
+    return metrics
 
 
 def with_overrides(config: RuntimeConfig, **overrides: Any) -> RuntimeConfig:

@@ -61,6 +61,9 @@ class Saver:
         self._count(f"saves_queued_{job.reason}")
         return True
 
+    def pending(self) -> int:
+        return self._queue.qsize()
+
     def in_flight(self, key: bytes) -> threading.Event | None:
         """An event set when the save of ``key`` (queued here) has finished, or None."""
         with self._lock:
