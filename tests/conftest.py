@@ -4,7 +4,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
 from daemon_proc import DaemonProcess
 
 
