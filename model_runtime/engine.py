@@ -19,6 +19,7 @@ background :class:`~model_runtime.saver.Saver`.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import itertools
 import logging
@@ -87,7 +88,7 @@ class Completion:
 
 @dataclass
 class TokenEvent:
-    token: int
+    token: int  # the sampled token, or -1: text flushed when the request ends (see _finish)
     text: str
 
 
@@ -112,7 +113,11 @@ class Request:
     save_at: int = 0  # cold save boundary still to take (0: none)
     generated: list[int] = field(default_factory=list)
     pending: int = -1  # sampled, not yet decoded
-    text_bytes: bytearray = field(default_factory=bytearray)
+    # Generated text, decoded incrementally: an incomplete UTF-8 sequence waits in the
+    # decoder for its next bytes, invalid bytes become U+FFFD as in the final text.
+    text: str = ""
+    decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
     emitted_chars: int = 0
     rng: np.random.Generator | None = None
     t_restore: float = 0.0
@@ -166,6 +171,7 @@ class Engine:
         self.on_latency: Callable[[str, float], None] = lambda name, seconds: None
         self._resolver = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-resolve")
         self._stopping = threading.Event()
+        self._submit_lock = threading.Lock()  # orders submits against close()
         self._thread = threading.Thread(target=self._loop, name="model", daemon=True)
         self._thread.start()
 
@@ -183,12 +189,16 @@ class Engine:
             raise RuntimeError_("prompt_too_long",
                                 f"prompt of {len(tokens)} tokens does not fit the context of "
                                 f"{self.ctx.n_ctx} tokens per sequence")
-        if self._stopping.is_set():
-            raise RuntimeError_("unavailable", "the runtime is shutting down")
         req = Request(next(self._ids), list(tokens), sampling, session_id, parent_key,
                       boundary if 0 < boundary < len(tokens) else 0)
         req.rng = np.random.default_rng(sampling.seed)
-        self._inbox.put(("new", req))
+        # Checked and queued under the lock close() takes to set _stopping: a request is
+        # either refused here or queued before the shutdown message (which answers it).
+        # Queued after it, nothing would ever answer it and its caller would hang.
+        with self._submit_lock:
+            if self._stopping.is_set():
+                raise RuntimeError_("unavailable", "the runtime is shutting down")
+            self._inbox.put(("new", req))
         return req
 
     def cancel(self, req: Request) -> None:
@@ -196,12 +206,13 @@ class Engine:
 
     def close(self) -> None:
         """Finish: stop admitting, save every live sequence (``shutdown``), flush saves."""
-        if self._stopping.is_set():
-            return
+        with self._submit_lock:
+            if self._stopping.is_set():
+                return
+            self._stopping.set()  # submit() refuses from here on
         done = threading.Event()
         self._inbox.put(("shutdown", done))
         done.wait(self.config.shutdown_deadline_s + 5)
-        self._stopping.set()
         self._thread.join(timeout=5)
         self._resolver.shutdown(wait=False, cancel_futures=True)
         self.saver.close(timeout=self.config.shutdown_deadline_s)
@@ -225,11 +236,25 @@ class Engine:
     # -- keys -------------------------------------------------------------------------------
 
     def block_size(self) -> int | None:
-        """The daemon's block size (keys depend on it); None while it is unreachable."""
+        """The daemon's block size (keys depend on it); None while it is unknown.
+
+        On the model thread this never waits for the daemon: an unknown block size is
+        fetched in the background and the caller goes without a key this time."""
+        if self._block_size is None and self.cache is not None:
+            if threading.current_thread() is self._thread:
+                self._fetch_block_size_later()
+            else:
+                self._fetch_block_size()
+        return self._block_size
+
+    def _fetch_block_size(self) -> None:
         if self._block_size is None and self.cache is not None:
             with contextlib.suppress(CacheError):
                 self._block_size = int(self.cache.stats().block_size) or None
-        return self._block_size
+
+    def _fetch_block_size_later(self) -> None:
+        with contextlib.suppress(RuntimeError):  # the resolver pool is shutting down
+            self._resolver.submit(self._fetch_block_size)
 
     def key_of(self, tokens: Sequence[int]) -> bytes:
         bs = self.block_size()
@@ -282,6 +307,11 @@ class Engine:
             self._start(req, blob)
         elif kind == "cancel":
             item.cancelled = True
+            if item in self._active or item in self._waiting:
+                # End it now rather than at the next tick: a request queued right behind
+                # the cancel (the same session's next turn) must find the session free,
+                # not fail with sticky_busy.
+                self._finish(item, "cancelled")
         elif kind == "call":  # run a function on the model thread (tests, tools)
             fn, result = item
             try:
@@ -373,6 +403,11 @@ class Engine:
         if not self.ctx.seq_truncate(seq.id, n_keep):
             return False
         del seq.tokens[n_keep:]
+        if n_keep < seq.saved_len:
+            # The last save no longer matches this sequence. Left as it was, a later state
+            # of the same length but other tokens would be taken as saved: its save skipped
+            # and its key reported as finish_key although no such entry exists.
+            seq.saved_len = 0
         return True
 
     def _clear(self, seq: Seq) -> None:
@@ -395,6 +430,7 @@ class Engine:
     def _find_state(self, req: Request) -> LoadedBlob | None:
         if self.cache is None:
             return None
+        self._fetch_block_size()  # off the model thread: later saves need it for keys
         tokens = req.tokens
         # A restored state needs its last cell dropped to get fresh logits; where that
         # is impossible (SWA/recurrent), only strictly shorter states are usable.
@@ -471,12 +507,30 @@ class Engine:
             else:
                 self._clear(seq)
                 self.count("restore_failed")
+                # llama.cpp refused it: keeping it would make every later request retry
+                # it, and its key would stop a good state from ever being saved.
+                self._forget_later(blob)
             req.t_restore = time.perf_counter() - t0
         if req.hit_kind == HIT_COLD:
             self.count("cold_prefills")
         self._plan_cold_save(req)
         req.phase = "prefill"
         self._active.append(req)
+
+    def _forget_later(self, blob: LoadedBlob) -> None:
+        cache, tokens = self.cache, list(blob.meta.tokens)
+        if cache is None:
+            return
+
+        def forget() -> None:
+            key = self.key_of(tokens)
+            with contextlib.suppress(CacheError):
+                if key:
+                    cache.delete(key)
+                    self.count("rejected_states_deleted")
+
+        with contextlib.suppress(RuntimeError):
+            self._resolver.submit(forget)
 
     def _plan_cold_save(self, req: Request) -> None:
         """Where prefill must stop to save a reusable prefix (0: nowhere)."""
@@ -567,8 +621,8 @@ class Engine:
             return
         req.generated.append(token)
         req.pending = token
-        req.text_bytes += self.model.token_to_piece(token)
-        text = req.text_bytes.decode("utf-8", errors="ignore")
+        req.text += req.decoder.decode(self.model.token_to_piece(token))
+        text = req.text
         stop_at = find_stop(text, req.sampling.stop)
         if stop_at >= 0:
             self._emit(req, text[:stop_at], token)
@@ -623,7 +677,11 @@ class Engine:
             if req.session_id and finish_key:
                 self.session_last_key[req.session_id] = (finish_key, len(seq.tokens))
         now = time.perf_counter()
-        full_text = req.text_bytes.decode("utf-8", errors="replace") if text is None else text
+        full_text = req.text + req.decoder.decode(b"", final=True) if text is None else text
+        if len(full_text) > req.emitted_chars:
+            # Text held back while it could have started a stop string (or an incomplete
+            # UTF-8 sequence) is streamed now: the pieces always add up to the final text.
+            self._emit(req, full_text, -1)
         completion = Completion(
             text=full_text, tokens=list(req.generated), finish_reason=reason,
             finish_key=finish_key.hex(), cache_hit_kind=req.hit_kind,

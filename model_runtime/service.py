@@ -71,8 +71,8 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
             events = self.runtime.complete(stream=True, **request_kwargs(request))
             for event in events:  # type: ignore[union-attr]
                 if isinstance(event, TokenEvent):
-                    if event.text:
-                        yield pb.CompleteEvent(text=event.text, token=event.token)
+                    if event.text:  # token -1: held-back text flushed at the end
+                        yield pb.CompleteEvent(text=event.text, token=max(event.token, 0))
                 else:
                     yield pb.CompleteEvent(done=completion_message(event))
         except RuntimeError_ as exc:
@@ -127,6 +127,11 @@ class RuntimeServer:
         done.wait()
         log.info("shutting down: saving live sequences")
         self.health.enter_graceful_shutdown()
+        # Stop the engine before the server: running requests then end with finish_reason
+        # "shutdown", their sequences get the `shutdown` save and their streams the final
+        # record. Stopping the server first cancelled them after the grace period, which
+        # dropped their state (and the clients got UNAVAILABLE instead of a record).
+        self.runtime.engine.close()
         self.server.stop(grace=2).wait()
         self.runtime.close()
         if self.socket_path:

@@ -25,3 +25,45 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
 @pytest.fixture
 def daemon(daemon_factory: Callable[..., DaemonProcess]) -> DaemonProcess:
     return daemon_factory()
+
+
+# --------------------------------------------------------------------------- tiny models
+# Session-scoped GGUF files for the model-runtime tests (see tests/conftest_llama.py).
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random-weight llama GGUF (2 layers, n_embd 64)."""
+    from conftest_llama import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_swa_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny sliding-window model (window 32, 4 layers)."""
+    from conftest_llama import make_tiny_swa_model
+
+    return make_tiny_swa_model(tmp_path_factory, sliding_window=32)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_no_eog(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama model with its end-of-generation tokens made unreachable.
+
+    The output rows of EOS and ``<|im_end|>`` are zeroed, so their logit is always 0
+    while the best of the ~400 random logits is far above it: greedy generation only
+    ends at ``max_tokens`` or the context's end. For tests that need a request to be
+    still running (sticky_busy, shutdown mid-decode).
+    """
+    import gguf
+    from make_tiny_gguf import write_tiny_llama_gguf
+
+    path = write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny_no_eog") / "tiny-no-eog.gguf")
+    reader = gguf.GGUFReader(path, "r+")
+    (output,) = [t for t in reader.tensors if t.name == "output.weight"]
+    for token in (2, 4):  # </s>, <|im_end|>: the model's only EOG tokens
+        output.data[token, :] = 0.0
+    output.data.flush()
+    del reader
+    return path
