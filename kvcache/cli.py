@@ -157,6 +157,7 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
           min_free_bytes: int, block_size: int, lease_seconds: float,
           metrics_port: int | None, log_level: str) -> None:
     """Run the cache daemon until SIGTERM or SIGINT."""
+    from .errors import StoreError
     from .server import Daemon
     from .store import StoreConfig
 
@@ -173,7 +174,7 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
     try:
         daemon = Daemon(config, socket_path=socket_path, listen=listen,
                         metrics_port=metrics_port)
-    except (ValueError, OSError, RuntimeError) as exc:
+    except (ValueError, OSError, RuntimeError, StoreError) as exc:
         raise click.ClickException(str(exc)) from None
     daemon.serve_forever()
 

@@ -112,7 +112,9 @@ class CacheClient:
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
+            # Not grpc.min_reconnect_backoff_ms: gRPC core uses it as the minimum *connect
+            # timeout*, so at 100 ms every connection attempt to a daemon that is briefly
+            # busy (a loaded machine, a start-up) failed at once with UNAVAILABLE.
             ("grpc.max_reconnect_backoff_ms", 2000),
         ])
         self.stub = pb_grpc.KVCacheStub(self.channel)

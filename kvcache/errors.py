@@ -43,3 +43,7 @@ class LeaseLost(StoreError):
     """Unknown, expired or already finished lease."""
 
     code = grpc.StatusCode.NOT_FOUND
+
+
+class DirectoryInUse(StoreError):
+    code = grpc.StatusCode.FAILED_PRECONDITION

@@ -172,6 +172,18 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             raise
         if not lease_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty write stream")
+        # A writer that cancels or dies mid-stream does not always surface as an RpcError:
+        # depending on which of gRPC's two completion events lands first, the request
+        # iterator may just stop. A stream must carry the whole blob, so one that ends short
+        # is a lost writer: abort now instead of holding the key in flight (and its temp
+        # file) until the lease expires.
+        with contextlib.suppress(StoreError):  # LeaseLost: committed or aborted meanwhile
+            written, size = self.store.lease_progress(lease_id)
+            if written < size:
+                self._abort_quietly(lease_id, "saves_disconnected")
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"write stream ended after {written} of {size} reserved bytes "
+                              "(save aborted)")
         self.write_seconds.observe(time.perf_counter() - t0)
         return pb.WriteResponse(bytes_written=written)
 
@@ -260,11 +272,10 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         return pb.ListResponse(entries=[entry_message(r) for r in records])
 
     def Inspect(self, request: pb.InspectRequest, context: Any) -> pb.EntryDetail:
+        # With a tenant, another tenant's entry gets the answer of a missing key.
+        tenant_id = keys.tenant_id(request.tenant) if request.tenant else None
         record, header, meta, path = self._call(
-            context, lambda: self.store.inspect(check_key(request.key)))
-        if request.tenant and record.tenant_id != keys.tenant_id(request.tenant):
-            # Same answer as a missing key: a tenant cannot learn that the key exists.
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no entry {request.key.hex()}")
+            context, lambda: self.store.inspect(check_key(request.key), tenant_id))
         record = self.store._with_pending(record)
         return pb.EntryDetail(
             entry=entry_message(record), kv_layout=dict(meta.kv_layout), tokens=list(meta.tokens),

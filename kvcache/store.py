@@ -21,6 +21,7 @@ worst a tmp file (swept) or an unindexed blob (re-indexed from its header at sta
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import secrets
 import shutil
@@ -38,6 +39,7 @@ from . import keys
 from .errors import (
     Busy,
     Corrupt,
+    DirectoryInUse,
     InvalidArgument,
     LeaseLost,
     NotFound,
@@ -130,6 +132,7 @@ class Store:
         for d in (self.root, self.blob_dir, self.tmp_dir, self.quarantine_dir, self.ram_dir):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.chmod(d, 0o700)
+        self._lock_file = self._lock_data_dir()
         self.index = Index(self.root / "index")
         self.counters: Counter[str] = Counter()
         self.started = time.time()
@@ -162,6 +165,18 @@ class Store:
                 self._drop_reservation(lease_id, "saves_aborted")
         self._flush_usage()
         self.index.close()
+        self._lock_file.close()  # releases the data directory lock
+
+    def _lock_data_dir(self) -> BinaryIO:
+        """One daemon per data directory: a second one would sweep the first one's
+        in-flight temp files and take over its socket."""
+        f = open(self.root / "daemon.lock", "a+b")  # noqa: SIM115 - held for our lifetime
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise DirectoryInUse(f"another kvcache daemon is using {self.root}") from None
+        return f
 
     def _reconcile(self) -> None:
         """Make index and files agree, reading blob headers only (never whole payloads)."""
@@ -191,6 +206,11 @@ class Store:
         in_ram: dict[bytes, Path] = {}
         for path in self.ram_dir.iterdir():
             try:
+                # Only <key>.kvc is a RAM copy. A <key>.part is a copy cut short by a crash;
+                # taken for the copy, it marked the entry in_ram with no file at ram_path,
+                # and the first fast-path read then quarantined the (good) entry.
+                if path.suffix != BLOB_SUFFIX:
+                    raise ValueError(path.name)
                 in_ram[keys.parse_key(path.stem)] = path
             except ValueError:
                 path.unlink(missing_ok=True)
@@ -229,8 +249,19 @@ class Store:
                 with open(path, "rb") as f:
                     header, meta = blobfmt.read_header_and_meta(f)
                 entry = keys.entry_key(meta.namespace, meta.tokens, self.config.block_size)
-                if entry.key != key or header.total_size != path.stat().st_size:
-                    raise blobfmt.BlobError("file name or size does not match its header")
+                if header.total_size != path.stat().st_size:
+                    raise blobfmt.BlobError("file size does not match its header")
+                if entry.key != key:
+                    # Keyed under another block size (the index was cleared above for it):
+                    # the checksummed metadata gives the key, so move the file there rather
+                    # than quarantine every entry longer than a block.
+                    target = self.blob_path(entry.key)
+                    if target.exists():
+                        raise blobfmt.BlobError("file name does not match its header")
+                    target.parent.mkdir(mode=0o700, exist_ok=True)
+                    os.rename(path, target)
+                    dir_fsync(target.parent)
+                    path = target
             except (OSError, blobfmt.BlobError):
                 self._quarantine_path(path)
                 continue
@@ -313,6 +344,11 @@ class Store:
         if res is None or res.done:
             raise LeaseLost(f"unknown or expired lease {lease_id!r}")
         return res
+
+    def lease_progress(self, lease_id: str) -> tuple[int, int]:
+        """``(bytes written, bytes reserved)`` of an open lease (LeaseLost if it is gone)."""
+        res = self._reservation(lease_id)
+        return res.written, res.size
 
     def write(self, lease_id: str, offset: int, data: bytes | memoryview) -> int:
         res = self._reservation(lease_id)
@@ -442,9 +478,10 @@ class Store:
         Caller holds ``self._cond``. Raises StoreFull (before anything is written)."""
         cfg = self.config
 
-        def fits() -> bool:
-            within_budget = self.disk_used + self.reserved_bytes + size <= cfg.disk_bytes
-            above_watermark = self._disk_free() - self.reserved_bytes - size >= cfg.min_free_bytes
+        def fits(freed: int = 0) -> bool:
+            within_budget = self.disk_used - freed + self.reserved_bytes + size <= cfg.disk_bytes
+            above_watermark = (self._disk_free() + freed - self.reserved_bytes - size
+                               >= cfg.min_free_bytes)
             return within_budget and above_watermark
 
         if fits():
@@ -452,10 +489,14 @@ class Store:
         if size > cfg.disk_bytes:
             self.counters["saves_refused_full"] += 1
             raise StoreFull(f"blob of {size} bytes exceeds the disk budget of {cfg.disk_bytes}")
-        for record in self._eviction_candidates():
-            if fits():
-                return
-            self._remove_entry(record, "evictions_disk")
+        candidates = self._eviction_candidates()
+        # When evicting every candidate would still not make room (the rest is pinned or
+        # being read), refuse now: evicting first emptied the cache for a refused save.
+        if fits(sum(r.size for r in candidates)):
+            for record in candidates:
+                if fits():
+                    return
+                self._remove_entry(record, "evictions_disk")
         if not fits():
             self.counters["saves_refused_full"] += 1
             raise StoreFull(
@@ -499,12 +540,17 @@ class Store:
             self._ram_worker.submit(self._place_in_ram, key)
 
     def _place_in_ram(self, key: bytes) -> None:
+        # Release only a use we took: the early return below used to release one anyway,
+        # taking away a reader's pin (a disk read of a blob too big for RAM left the entry
+        # evictable and deletable while it was being read).
+        held = False
         try:
             record = self.index.get(key)
             if record is None or record.in_ram or record.size > self.config.ram_bytes:
                 return
             with self._cond:
                 self._in_use[key] += 1  # keep it from being evicted from disk while copying
+                held = True
                 if not self._make_room_in_ram(record.size, exclude=key):
                     return
                 self.ram_used += record.size
@@ -526,7 +572,8 @@ class Store:
         finally:
             with self._cond:
                 self._ram_scheduled.discard(key)
-                self._release_use(key)
+                if held:
+                    self._release_use(key)
 
     def _make_room_in_ram(self, size: int, exclude: bytes = b"") -> bool:
         """Drop RAM copies (LRU) until ``size`` more bytes fit. Caller holds ``self._cond``."""
@@ -713,8 +760,13 @@ class Store:
             self._remove_entry(record, "deletes")
             return record
 
-    def inspect(self, key: bytes) -> tuple[Record, blobfmt.BlobHeader, blobfmt.BlobMeta, Path]:
+    def inspect(self, key: bytes, tenant_id: str | None = None
+                ) -> tuple[Record, blobfmt.BlobHeader, blobfmt.BlobMeta, Path]:
+        """Metadata of an entry; with ``tenant_id``, another tenant's entry is reported
+        missing before its file is touched (so not even its corruption shows)."""
         record = self.get(key)
+        if tenant_id is not None and record.tenant_id != tenant_id:
+            raise NotFound(f"no entry {key.hex()}")
         path = self.blob_path(key)
         try:
             with open(path, "rb") as f:

@@ -1,0 +1,484 @@
+"""The Store in-process, with a real LMDB index and real files under tmp_path.
+
+For behaviour that is slow or awkward to provoke over gRPC: lease and pin expiry with
+short timeouts, eviction order, RAM placement, start-up reconciliation details.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvcache import blob as blobfmt
+from kvcache import keys
+from kvcache.errors import (
+    Busy,
+    DirectoryInUse,
+    InvalidArgument,
+    LeaseLost,
+    NotFound,
+    StoreFull,
+    WaitTimeout,
+)
+from kvcache.index import Record
+from kvcache.store import Store, StoreConfig
+
+FP = "fp-test"
+LAYOUT = {"type_k": "f16"}
+NS = keys.namespace(FP, LAYOUT)
+BLOCK = 16
+
+
+def blob_bytes(tokens: list[int], payload: bytes, reason: str = "cold", ns: bytes = NS) -> bytes:
+    meta = blobfmt.BlobMeta(namespace=ns, model_fingerprint=FP, kv_layout=LAYOUT,
+                            tokens=tokens, reason=reason)
+    return b"".join(bytes(p) for p in blobfmt.encode_blob(meta, payload))
+
+
+def payload_for(tokens: list[int], size: int) -> bytes:
+    """A payload determined by the tokens, so any entry can be checked on its own."""
+    return random.Random(keys.tokens_to_bytes(tokens)).randbytes(size)
+
+
+def raw(tokens: list[int]) -> bytes:
+    return keys.tokens_to_bytes(tokens)
+
+
+def put(store: Store, tokens: list[int], size: int = 1000, reason: str = "cold") -> Record:
+    """Reserve, write (in two chunks) and commit one entry."""
+    data = blob_bytes(tokens, payload_for(tokens, size), reason)
+    res = store.reserve(NS, raw(tokens), len(data), reason, FP)
+    assert res.status == "granted", res
+    half = len(data) // 2
+    store.write(res.lease_id, 0, data[:half])
+    store.write(res.lease_id, half, data[half:])
+    return store.commit(res.lease_id)
+
+
+def read_all(store: Store, key: bytes) -> bytes:
+    pin, chunks = store.iter_read(key)
+    return b"".join(bytes(c) for c in chunks)
+
+
+def ram_settled(store: Store) -> None:
+    """Wait for the (single) RAM placement worker to finish what was queued."""
+    store._ram_worker.submit(lambda: None).result(timeout=30)
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for: {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def make_store(tmp_path: Path) -> Iterator[Callable[..., Store]]:
+    stores: list[Store] = []
+
+    def make(**overrides: object) -> Store:
+        settings: dict[str, object] = {"min_free_bytes": 0, "block_size": BLOCK, **overrides}
+        config = StoreConfig(root=tmp_path / "data", ram_dir=tmp_path / "ram",
+                             **settings)  # type: ignore[arg-type]
+        store = Store(config)
+        stores.append(store)
+        return store
+
+    yield make
+    for s in stores:
+        s.close()
+
+
+def entry_size(tokens: list[int], size: int = 1000) -> int:
+    return len(blob_bytes(tokens, payload_for(tokens, size)))
+
+
+def present(store: Store, *token_lists: list[int]) -> list[bool]:
+    return [store.index.get(keys.entry_key(NS, t, BLOCK).key) is not None for t in token_lists]
+
+
+# -- publish protocol -----------------------------------------------------------------------
+
+
+def test_publish_round_trip_and_duplicates(make_store: Callable[..., Store]) -> None:
+    store = make_store()
+    tokens = list(range(40))
+    record = put(store, tokens)
+    assert record.n_tokens == 40
+    data = read_all(store, record.key)
+    assert bytes(blobfmt.decode_blob(data).payload) == payload_for(tokens, 1000)
+    again = store.reserve(NS, raw(tokens), record.size, "cold", FP)
+    assert again.status == "already_present"
+    assert store.stats()["counters"]["saves_duplicate_present"] == 1
+    assert os.listdir(store.tmp_dir) == []
+
+
+def test_a_second_writer_of_an_in_flight_key_is_told_so(make_store: Callable[..., Store]) -> None:
+    store = make_store()
+    tokens = list(range(20))
+    data = blob_bytes(tokens, payload_for(tokens, 100))
+    first = store.reserve(NS, raw(tokens), len(data), "cold", FP)
+    second = store.reserve(NS, raw(tokens), len(data), "cold", FP)
+    assert (first.status, second.status) == ("granted", "in_flight")
+    assert second.lease_id == ""
+    store.abort(first.lease_id)
+    assert store.reserve(NS, raw(tokens), len(data), "cold", FP).status == "granted"
+
+
+def test_lease_expiry_removes_the_temp_file_and_frees_the_key(
+        make_store: Callable[..., Store]) -> None:
+    store = make_store(lease_seconds=0.3)
+    tokens = list(range(20))
+    data = blob_bytes(tokens, payload_for(tokens, 5000))
+    res = store.reserve(NS, raw(tokens), len(data), "cold", FP)  # then silence
+    tmp = Path(res.local_path)
+    assert tmp.parent == store.tmp_dir
+    wait_for(lambda: not tmp.exists(), "the expired lease's temp file to go")
+    wait_for(lambda: store.stats()["counters"].get("leases_expired") == 1, "the count")
+    stats = store.stats()
+    assert stats["in_flight"] == 0 and stats["reserved_bytes"] == 0
+    with pytest.raises(LeaseLost):
+        store.write(res.lease_id, 0, data)
+    with pytest.raises(LeaseLost):
+        store.commit(res.lease_id)
+    assert store.index.get(res.key) is None
+    assert store.reserve(NS, raw(tokens), len(data), "cold", FP).status == "granted"
+
+
+def test_waiting_reader_times_out_then_sees_the_commit(make_store: Callable[..., Store]) -> None:
+    store = make_store()
+    tokens = list(range(20))
+    data = blob_bytes(tokens, payload_for(tokens, 100))
+    res = store.reserve(NS, raw(tokens), len(data), "cold", FP)
+    with pytest.raises(WaitTimeout):
+        store.open_read(res.key, wait_ms=50)
+    store.write(res.lease_id, 0, data)
+    store.commit(res.lease_id)
+    pin = store.open_read(res.key, wait_ms=50)
+    assert pin.size == len(data)
+    store.release_read(pin.pin_id)
+    with pytest.raises(NotFound):
+        store.open_read(keys.entry_key(NS, [1, 2, 3], BLOCK).key, wait_ms=50)
+
+
+def test_close_drops_open_reservations(make_store: Callable[..., Store]) -> None:
+    store = make_store()
+    tokens = list(range(20))
+    res = store.reserve(NS, raw(tokens), 500, "cold", FP)
+    store.close()
+    assert not Path(res.local_path).exists()
+
+
+@pytest.mark.parametrize("tokens,reason,size,match", [
+    ([], "cold", 500, "empty token list"),
+    ([1, 2], "sometime", 500, "unknown save reason"),
+    ([1, 2], "cold", 10, "too small"),
+])
+def test_reserve_refuses_bad_requests(make_store: Callable[..., Store], tokens: list[int],
+                                      reason: str, size: int, match: str) -> None:
+    store = make_store()
+    with pytest.raises(InvalidArgument, match=match):
+        store.reserve(NS, raw(tokens), size, reason, FP)
+    assert os.listdir(store.tmp_dir) == []
+
+
+def test_token_limit(make_store: Callable[..., Store]) -> None:
+    store = make_store(max_tokens=100)
+    with pytest.raises(InvalidArgument, match="exceed the limit"):
+        store.lookup(NS, raw(list(range(101))))
+    with pytest.raises(InvalidArgument, match="exceed the limit"):
+        store.reserve(NS, raw(list(range(101))), 1000, "cold", FP)
+    assert store.lookup(NS, raw(list(range(100))))[0] is None
+
+
+# -- lookup ---------------------------------------------------------------------------------
+
+
+def test_longest_prefix_over_aligned_and_unaligned_entries(
+        make_store: Callable[..., Store]) -> None:
+    store = make_store()
+    prompt = [random.Random(7).randrange(50_000) for _ in range(100)]
+    lengths = [3, 16, 20, 32, 47, 48, 64, 70]
+    for n in lengths:
+        put(store, prompt[:n], size=50)
+    for q in range(1, 101):
+        record, probes = store.lookup(NS, raw(prompt[:q]))
+        expected = max((n for n in lengths if n <= q), default=None)
+        got = record.n_tokens if record else None
+        assert got == expected, f"query of {q} tokens matched {got}, expected {expected}"
+        assert probes <= q // BLOCK + 1
+        if record:
+            assert record.key == keys.entry_key(NS, prompt[:expected], BLOCK).key
+    # A prompt that diverges inside the tail of an entry falls back to a shorter one.
+    diverging = prompt[:45] + [999_999, *prompt[46:]]
+    assert store.lookup(NS, raw(diverging))[0].n_tokens == 32
+    # max_tokens caps the answer.
+    assert store.lookup(NS, raw(prompt), max_tokens=40)[0].n_tokens == 32
+    # Another namespace sees nothing.
+    other = keys.namespace(FP, LAYOUT, "tenant-b")
+    assert store.lookup(other, raw(prompt))[0] is None
+
+
+# -- space ----------------------------------------------------------------------------------
+
+A, B, C, D, E = ([i * 1000 + j for j in range(20)] for i in range(1, 6))
+
+
+def test_disk_eviction_is_least_recently_used_first(make_store: Callable[..., Store]) -> None:
+    size = entry_size(A)
+    store = make_store(disk_bytes=3 * size + size // 2, ram_bytes=0)
+    for tokens in (A, B, C):
+        put(store, tokens)
+    # Read A: it becomes the most recently used, so B is now the oldest.
+    pin = store.open_read(keys.entry_key(NS, A, BLOCK).key)
+    store.release_read(pin.pin_id)
+    put(store, D)
+    assert present(store, A, B, C, D) == [True, False, True, True]
+    put(store, E)
+    assert present(store, A, B, C, D, E) == [True, False, False, True, True]
+    assert store.stats()["counters"]["evictions_disk"] == 2
+    assert store.disk_used == 3 * size
+    assert sorted(p.name for p in store.blob_dir.rglob("*.kvc")) == sorted(
+        f"{keys.entry_key(NS, t, BLOCK).key.hex()}.kvc" for t in (A, D, E))
+
+
+def test_eviction_never_takes_pinned_or_in_use_entries(make_store: Callable[..., Store]) -> None:
+    size = entry_size(A)
+    store = make_store(disk_bytes=3 * size + size // 2, ram_bytes=0)
+    for tokens in (A, B, C):
+        put(store, tokens)
+    key_a, key_b = (keys.entry_key(NS, t, BLOCK).key for t in (A, B))
+    store.set_pinned(key_a, True)
+    pin_b = store.open_read(key_b)  # held: B is being read
+    put(store, D)  # A and B are older than C, but protected
+    assert present(store, A, B, C, D) == [True, True, False, True]
+    put(store, E)
+    assert present(store, A, B, C, D, E) == [True, True, False, False, True]
+    # Protect the last one too: nothing can go, the save is refused before any write.
+    store.set_pinned(keys.entry_key(NS, E, BLOCK).key, True)
+    more = [9] * 20
+    with pytest.raises(StoreFull, match="pinned or being read"):
+        store.reserve(NS, raw(more), size, "cold", FP)
+    assert os.listdir(store.tmp_dir) == []
+    assert store.stats()["counters"]["saves_refused_full"] == 1
+    with pytest.raises(Busy):
+        store.delete(key_a)
+    with pytest.raises(Busy):
+        store.delete(key_b)
+    store.release_read(pin_b.pin_id)
+    put(store, more)  # B is readable-and-unpinned again: it goes
+    assert present(store, A, B, E, more) == [True, False, True, True]
+
+
+def test_a_save_larger_than_the_disk_budget_is_refused_up_front(
+        make_store: Callable[..., Store]) -> None:
+    store = make_store(disk_bytes=10_000)
+    put(store, A)
+    used = store.disk_used
+    with pytest.raises(StoreFull, match="exceeds the disk budget"):
+        store.reserve(NS, raw(B), 10_001, "cold", FP)
+    assert os.listdir(store.tmp_dir) == []
+    assert store.disk_used == used and present(store, A) == [True]
+
+
+def test_a_save_that_cannot_fit_evicts_nothing(make_store: Callable[..., Store]) -> None:
+    """When even evicting every evictable entry would not make room (the rest is pinned),
+    the save is refused up front instead of emptying the cache for nothing."""
+    size = entry_size(A)
+    store = make_store(disk_bytes=2 * size + size // 2, ram_bytes=0)
+    put(store, A)
+    put(store, B)
+    store.set_pinned(keys.entry_key(NS, A, BLOCK).key, True)
+    with pytest.raises(StoreFull, match="pinned or being read"):
+        store.reserve(NS, raw(C), 2 * size, "cold", FP)  # A alone leaves only 1.5 sizes
+    assert present(store, A, B) == [True, True], "B was evicted for a save that was refused"
+    assert store.stats()["counters"].get("evictions_disk", 0) == 0
+    put(store, C)  # a save that fits once B goes still evicts B
+    assert present(store, A, B, C) == [True, False, True]
+
+
+def test_ram_copies_are_dropped_lru_and_the_entry_stays_on_disk(
+        make_store: Callable[..., Store]) -> None:
+    size = entry_size(A)
+    store = make_store(ram_bytes=2 * size + size // 2)
+    keys_ = {}
+    for name, tokens in (("A", A), ("B", B), ("C", C)):
+        keys_[name] = put(store, tokens).key
+        ram_settled(store)
+
+    def in_ram() -> dict[str, bool]:
+        return {n: store.index.get(k).in_ram for n, k in keys_.items()}
+
+    assert in_ram() == {"A": False, "B": True, "C": True}
+    assert not store.ram_path(keys_["A"]).exists()
+    assert store.blob_path(keys_["A"]).exists()
+    assert store.ram_used == 2 * size
+    assert store.stats()["counters"]["evictions_ram"] == 1
+    # A is still served, from disk, and the disk hit promotes it (dropping B, now the LRU).
+    pin, chunks = store.iter_read(keys_["A"])
+    assert pin.tier == "disk"
+    assert bytes(blobfmt.decode_blob(b"".join(bytes(c) for c in chunks)).payload) == \
+        payload_for(A, 1000)
+    ram_settled(store)
+    assert in_ram() == {"A": True, "B": False, "C": True}
+    pin = store.open_read(keys_["A"])
+    assert pin.tier == "ram" and pin.path == store.ram_path(keys_["A"])
+    store.release_read(pin.pin_id)
+
+
+def test_read_pins_expire(make_store: Callable[..., Store]) -> None:
+    store = make_store(pin_seconds=1.5)
+    key = put(store, A).key
+    pin = store.open_read(key)
+    with pytest.raises(Busy, match="being read"):
+        store.delete(key)
+    wait_for(lambda: store.stats()["read_pins"] == 0, "the read pin to expire")
+    assert store.stats()["counters"]["read_pins_expired"] == 1
+    with pytest.raises(LeaseLost):
+        store.release_read(pin.pin_id)
+    store.delete(key)
+    assert present(store, A) == [False]
+
+
+def test_prune_targets_and_protection(make_store: Callable[..., Store]) -> None:
+    store = make_store(ram_bytes=0)
+    records = [put(store, t, reason="finish" if t in (C, D) else "cold") for t in (A, B, C, D)]
+    key_a, key_c = (keys.entry_key(NS, t, BLOCK).key for t in (A, C))
+    store.set_pinned(key_c, True)
+    dry = store.prune(lambda r: r.reason == "finish", dry_run=True)
+    assert [r.n_tokens for r in dry.removed] == [20] and dry.skipped_pinned == 1
+    assert present(store, A, B, C, D) == [True] * 4
+    result = store.prune(lambda r: r.reason == "finish")
+    assert present(store, A, B, C, D) == [True, True, True, False]
+    assert result.bytes_freed == records[3].size
+    # A byte target removes LRU entries (A first), never the pinned one.
+    pin = store.open_read(key_a)
+    result = store.prune(max_disk_bytes=1)
+    assert present(store, A, B, C) == [True, False, True]
+    assert (result.skipped_pinned, result.skipped_in_use) == (1, 1)
+    store.release_read(pin.pin_id)
+
+
+# -- persistence and reconciliation ---------------------------------------------------------
+
+
+def test_usage_is_written_to_the_index(make_store: Callable[..., Store],
+                                       tmp_path: Path) -> None:
+    store = make_store()
+    key = put(store, A).key
+    for _ in range(3):
+        store.release_read(store.open_read(key).pin_id)
+    assert store.list()[0].hits == 3  # pending usage is already visible
+    store.close()
+    reopened = make_store()
+    record = reopened.index.get(key)
+    assert record.hits == 3 and record.last_used >= record.created
+
+
+def test_start_up_sweeps_orphan_temp_files(make_store: Callable[..., Store],
+                                           tmp_path: Path) -> None:
+    store = make_store()
+    key = put(store, A).key
+    store.close()
+    (store.tmp_dir / "deadbeef.part").write_bytes(b"half a blob")
+    (store.blob_path(key).parent / "cafe.part").write_bytes(b"x")
+    reopened = make_store()
+    assert os.listdir(reopened.tmp_dir) == []
+    assert [p.name for p in reopened.blob_dir.rglob("*.part")] == []
+    assert reopened.stats()["counters"]["orphans_swept"] == 2
+    assert present(reopened, A) == [True]
+
+
+def test_a_ram_copy_cut_short_by_a_crash_is_not_taken_for_the_copy(
+        make_store: Callable[..., Store]) -> None:
+    """A crash between copying a blob into the RAM tier and renaming it into place leaves
+    <key>.part there. It must be swept, not treated as the entry's RAM copy (which would
+    send readers to a file that does not exist and then quarantine the good entry)."""
+    store = make_store()
+    key = put(store, A).key
+    ram_settled(store)
+    assert store.index.get(key).in_ram
+    store.close()
+    os.rename(store.ram_path(key), store.ram_dir / f"{key.hex()}.part")
+    reopened = make_store()
+    assert os.listdir(reopened.ram_dir) == []
+    assert reopened.index.get(key).in_ram is False
+    assert reopened.ram_used == 0
+    pin = reopened.open_read(key)
+    assert pin.path.exists(), f"the daemon sends readers to a missing file: {pin.path}"
+    assert reopened.release_read(pin.pin_id, corrupt=True) is False  # it checks out fine
+    assert present(reopened, A) == [True]
+
+
+def test_a_new_block_size_rekeys_the_entries(make_store: Callable[..., Store]) -> None:
+    store = make_store()
+    prompt = list(range(100, 200))
+    for n in (5, 20, 32, 47):
+        put(store, prompt[:n])
+    store.close()
+    reopened = make_store(block_size=8)
+    assert reopened.stats()["counters"].get("quarantined_files", 0) == 0
+    assert os.listdir(reopened.quarantine_dir) == []
+    assert reopened.index.count() == 4
+    for n in (5, 20, 32, 47):
+        record, _ = reopened.lookup(NS, raw(prompt[: n + 2]))
+        assert record is not None and record.n_tokens == n, f"entry of {n} tokens lost"
+        assert record.key == keys.entry_key(NS, prompt[:n], 8).key
+        data = read_all(reopened, record.key)
+        assert bytes(blobfmt.decode_blob(data).payload) == payload_for(prompt[:n], 1000)
+
+
+def test_index_rows_and_files_are_reconciled(make_store: Callable[..., Store]) -> None:
+    store = make_store()
+    gone = put(store, A)
+    kept = put(store, B)
+    truncated = put(store, C)
+    store.close()
+    store.blob_path(gone.key).unlink()
+    with open(store.blob_path(truncated.key), "r+b") as f:
+        f.truncate(truncated.size - 10)
+    # A valid blob with no index row (a crash between rename and index commit).
+    orphan = keys.entry_key(NS, D, BLOCK)
+    path = store.blob_path(orphan.key)
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(blob_bytes(D, payload_for(D, 1000)))
+    reopened = make_store()
+    counters = reopened.stats()["counters"]
+    assert counters["reconcile_removed"] == 2, counters
+    assert counters["reconcile_added"] == 1, counters
+    assert present(reopened, A, B, C, D) == [False, True, False, True]
+    assert reopened.disk_used == kept.size + len(path.read_bytes())
+    assert len(os.listdir(reopened.quarantine_dir)) == 1  # the truncated file, kept
+
+
+def test_config_is_a_frozen_dataclass() -> None:
+    config = StoreConfig(root=Path("/nonexistent"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.block_size = 3  # type: ignore[misc]
+
+
+def test_one_store_per_data_directory(make_store: Callable[..., Store], tmp_path: Path) -> None:
+    """A second daemon on the same directory would sweep the first one's temp files."""
+    first = make_store()
+    with pytest.raises(DirectoryInUse, match="another kvcache daemon"):
+        Store(StoreConfig(root=first.root, ram_dir=first.ram_dir, min_free_bytes=0))
+    first.close()
+    again = Store(StoreConfig(root=first.root, ram_dir=first.ram_dir, min_free_bytes=0))
+    again.close()
+
+
+def test_inspect_for_another_tenant_is_not_found_even_when_unreadable(
+        make_store: Callable[..., Store]) -> None:
+    store = make_store()
+    record = put(store, list(range(40)))
+    store.blob_path(record.key).write_bytes(b"garbage")  # would be DATA_LOSS for its owner
+    with pytest.raises(NotFound):
+        store.inspect(record.key, tenant_id=keys.tenant_id("someone-else"))
+    assert store.index.get(record.key) is not None  # not quarantined by the probe
