@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kvcache.client import CacheClient
@@ -92,3 +93,14 @@ class DaemonProcess:
         self.kill()
         shutil.rmtree(self._sock_dir, ignore_errors=True)
         shutil.rmtree(self.ram_dir, ignore_errors=True)
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
+    """Poll ``predicate`` until it holds; fail the test saying what did not happen."""
+    import pytest
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for: {what}")
+        time.sleep(0.02)

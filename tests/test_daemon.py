@@ -20,7 +20,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from daemon_proc import DaemonProcess
+from daemon_proc import DaemonProcess, wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -67,14 +67,6 @@ def client_for(d: DaemonProcess, path: str) -> CacheClient:
 
 def counters(client: CacheClient) -> dict[str, int]:
     return dict(client.stats().counters)
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for: {what}")
-        time.sleep(0.02)
 
 
 def wait_counter(client: CacheClient, name: str, at_least: int, timeout: float = 15.0) -> None:

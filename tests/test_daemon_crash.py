@@ -7,13 +7,12 @@ import os
 import random
 import shutil
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from daemon_proc import DaemonProcess
+from daemon_proc import DaemonProcess, wait_for
 
 from kvcache import blob as blobfmt
 from kvcache import keys
@@ -61,14 +60,6 @@ def counters(c: CacheClient) -> dict[str, int]:
 def leftovers(d: DaemonProcess) -> list[str]:
     """Temp files anywhere in the data directory."""
     return sorted(str(p.relative_to(d.data_dir)) for p in d.data_dir.rglob("*.part"))
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for: {what}")
-        time.sleep(0.02)
 
 
 def check_every_entry(d: DaemonProcess, c: CacheClient) -> int:

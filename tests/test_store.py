@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from daemon_proc import wait_for
 
 from kvcache import blob as blobfmt
 from kvcache import keys
@@ -69,14 +69,6 @@ def read_all(store: Store, key: bytes) -> bytes:
 def ram_settled(store: Store) -> None:
     """Wait for the (single) RAM placement worker to finish what was queued."""
     store._ram_worker.submit(lambda: None).result(timeout=30)
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for: {what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture
