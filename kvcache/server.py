@@ -384,6 +384,9 @@ class Daemon:
         self.start()
         log.info("kvcache %s listening on %s (data %s, ram tier %s)", __version__,
                  " and ".join(self.addresses), self.store.root, self.store.ram_dir)
-        done.wait()
+        # Wake up regularly: a signal delivered to another thread (llama.cpp's, gRPC's)
+        # only runs its Python handler once the main thread executes bytecode again.
+        while not done.wait(0.2):
+            pass
         self.stop()
         log.info("kvcache stopped")

@@ -124,7 +124,10 @@ class RuntimeServer:
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("model runtime (%s) listening on %s", self.runtime.model_path.name,
                  " and ".join(self.addresses))
-        done.wait()
+        # Wake up regularly: a signal delivered to another thread (llama.cpp's, gRPC's)
+        # only runs its Python handler once the main thread executes bytecode again.
+        while not done.wait(0.2):
+            pass
         log.info("shutting down: saving live sequences")
         self.health.enter_graceful_shutdown()
         # Stop the engine before the server: running requests then end with finish_reason
