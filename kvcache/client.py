@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 
 from . import blob as blobfmt
 from . import keys
@@ -219,7 +220,8 @@ class CacheClient:
         blob: blobfmt.Blob | None = None
         unreadable = False
         try:
-            buf = bytearray(resp.size)
+            # Not a bytearray: zero-filling tens of MB first costs as much as reading them.
+            buf = memoryview(np.empty(resp.size, dtype=np.uint8))
             with open(resp.path, "rb", buffering=0) as f:
                 if f.readinto(buf) == resp.size and not f.read(1):
                     blob = blobfmt.decode_blob(buf)

@@ -633,8 +633,9 @@ class LlamaContext:
             raise LlamaError("llama_state_seq_get_size failed")
         return n - 4 * (self._n_stream - 1) if self._canonical() else n
 
-    def state_seq_get(self, seq_id: int) -> bytes:
-        """The KV state of ``seq_id`` as bytes, restorable with :meth:`state_seq_set`.
+    def state_seq_get(self, seq_id: int) -> memoryview:
+        """The KV state of ``seq_id`` (read-only bytes-like), restorable with
+        :meth:`state_seq_set`.
 
         llama.cpp writes one cell count per KV stream; with a split (non-unified) cache
         every stream but the sequence's own holds a zero count.  For plain attention
@@ -657,10 +658,13 @@ class LlamaContext:
         if got != size:
             raise LlamaError(f"llama_state_seq_get_data wrote {got} of {size} bytes")
         if not self._canonical():
-            return buf.tobytes()
-        return self._to_canonical(memoryview(buf))
+            return memoryview(buf).toreadonly()
+        return self._to_canonical(memoryview(buf)).toreadonly()
 
-    def _to_canonical(self, raw: memoryview) -> bytes:
+    def _to_canonical(self, raw: memoryview) -> memoryview:
+        """The single-stream form of ``raw``, made in place (no copy of the cells): the
+        header is rewritten just before the owning stream's cells, over words that are
+        no longer needed, and the result is a slice of ``raw``."""
         magic, src_seq, n_stream = _STATE_HEADER.unpack_from(raw, 0)
         if magic != _STATE_MAGIC or n_stream != self._n_stream:
             raise LlamaError(f"unexpected state header {magic:#x} n_stream={n_stream}")
@@ -672,10 +676,11 @@ class LlamaContext:
         body_end = len(raw) - tail
         if k < n_stream and tail and np.frombuffer(raw, dtype="<u4", offset=body_end).any():
             raise LlamaError("state holds cells in more than one KV stream")
-        header = _STATE_HEADER.pack(magic, src_seq, 1)
         if k == n_stream:  # empty sequence
-            return header + _U32.pack(0)
-        return b"".join((header, raw[body_start:body_end]))
+            return memoryview(_STATE_HEADER.pack(magic, src_seq, 1) + _U32.pack(0))
+        start = body_start - _STATE_HEADER.size
+        _STATE_HEADER.pack_into(raw, start, magic, src_seq, 1)
+        return raw[start:body_end]
 
     def state_seq_set(self, seq_id: int, data: bytes | bytearray | memoryview) -> int:
         """Replace ``seq_id`` with a state from :meth:`state_seq_get`.

@@ -25,7 +25,7 @@ log = logging.getLogger("model_runtime.saver")
 class SaveJob:
     identity: Identity
     tokens: tuple[int, ...]
-    state: bytes
+    state: bytes | memoryview  # the sequence state as llama.cpp wrote it
     reason: str
     key: bytes  # the key the daemon will give it (computed locally for finish_key)
 
