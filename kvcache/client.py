@@ -140,8 +140,9 @@ class CacheClient:
     def lookup(self, identity: Identity, tokens: Sequence[int], *, max_tokens: int = 0,
                timeout: float | None = None) -> LookupResult | None:
         """The longest saved prefix of ``tokens``, or None."""
-        resp = self._rpc("Lookup", pb.LookupRequest(identity=identity.message(), tokens=tokens,
-                                                    max_tokens=max_tokens), timeout)
+        resp = self._rpc("Lookup", pb.LookupRequest(
+            identity=identity.message(), packed_tokens=keys.tokens_to_bytes(tokens),
+            max_tokens=max_tokens), timeout)
         if not resp.found:
             return None
         return LookupResult(resp.key, resp.matched_tokens, TIER_NAMES[resp.tier], resp.size,
@@ -157,7 +158,8 @@ class CacheClient:
         parts = blobfmt.encode_blob(meta, payload, codec)
         size = blobfmt.blob_size(parts)
         deadline = time.monotonic() + (timeout or max(self.timeout, 30.0))
-        resp = self._rpc("Reserve", pb.ReserveRequest(identity=identity.message(), tokens=tokens,
+        resp = self._rpc("Reserve", pb.ReserveRequest(identity=identity.message(),
+                                                      packed_tokens=keys.tokens_to_bytes(tokens),
                                                       size=size, reason=reason),
                          self._left(deadline))
         if resp.status == pb.ReserveResponse.ALREADY_PRESENT:

@@ -39,6 +39,17 @@ def identity_namespace(identity: pb.Identity) -> bytes:
     return keys.namespace(identity.model_fingerprint, dict(identity.kv_layout), identity.tenant)
 
 
+def request_tokens(request: pb.LookupRequest | pb.ReserveRequest) -> bytes:
+    """The request's tokens as packed u32 LE, from whichever field carries them."""
+    if request.packed_tokens:
+        if len(request.tokens):
+            raise InvalidArgument("give tokens or packed_tokens, not both")
+        if len(request.packed_tokens) % 4:
+            raise InvalidArgument("packed_tokens is not a whole number of u32 values")
+        return request.packed_tokens
+    return keys.tokens_to_bytes(request.tokens)
+
+
 def check_key(key: bytes) -> bytes:
     if len(key) != keys.KEY_BYTES:
         raise InvalidArgument(f"a key is {keys.KEY_BYTES} bytes, got {len(key)}")
@@ -123,7 +134,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
     def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         def run() -> pb.LookupResponse:
             ns = identity_namespace(request.identity)
-            raw = keys.tokens_to_bytes(request.tokens)
+            raw = request_tokens(request)
             t0 = time.perf_counter()
             record, probes = self.store.lookup(ns, raw, request.max_tokens)
             self.lookup_seconds.labels("hit" if record else "miss").observe(
@@ -139,7 +150,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
     def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:
         def run() -> pb.ReserveResponse:
             ns = identity_namespace(request.identity)
-            raw = keys.tokens_to_bytes(request.tokens)
+            raw = request_tokens(request)
             result = self.store.reserve(ns, raw, request.size, request.reason,
                                         request.identity.model_fingerprint)
             status = {"granted": pb.ReserveResponse.GRANTED,

@@ -664,6 +664,11 @@ def test_bad_identity_tokens_and_reasons_are_refused(shared: DaemonProcess) -> N
             pb.LookupRequest(identity=ident, tokens=too_many), timeout=30),
         "too many tokens (Reserve)": lambda: reserve(c, too_many, 1000),
         "prune without criteria": lambda: s.Prune(pb.PruneRequest(), timeout=10),
+        "packed tokens not a multiple of 4 bytes": lambda: s.Lookup(
+            pb.LookupRequest(identity=ident, packed_tokens=b"\x01\x00\x00"), timeout=10),
+        "both tokens and packed_tokens": lambda: s.Lookup(
+            pb.LookupRequest(identity=ident, tokens=tokens,
+                             packed_tokens=keys.tokens_to_bytes(tokens)), timeout=10),
     }
     for what, call in cases.items():
         err = rpc_error(call)
@@ -671,6 +676,11 @@ def test_bad_identity_tokens_and_reasons_are_refused(shared: DaemonProcess) -> N
     assert tmp_files(shared) == []
     assert c.stats().in_flight == 0
     assert c.lookup(IDENT, [1] * (1 << 20)) is None  # exactly the limit is fine
+    # Both token encodings name the same entry.
+    saved = c.save(IDENT, tokens, b"p" * 100, "cold")
+    for request in (pb.LookupRequest(identity=ident, tokens=tokens),
+                    pb.LookupRequest(identity=ident, packed_tokens=keys.tokens_to_bytes(tokens))):
+        assert s.Lookup(request, timeout=10).key == saved.key
     c.close()
     assert_serving(shared)
 
