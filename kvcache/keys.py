@@ -92,14 +92,18 @@ class EntryKey:
     n_tokens: int
 
 
+def key_under(anchor: bytes, tail: bytes) -> bytes:
+    """The key of the entry hanging under ``anchor`` with ``tail`` (packed u32 LE)."""
+    return anchor if not tail else xxhash.xxh3_128_digest(anchor + tail)
+
+
 def entry_key(ns: bytes, tokens: Sequence[int] | bytes, block_size: int) -> EntryKey:
     raw = tokens if isinstance(tokens, bytes) else tokens_to_bytes(tokens)
     n_tokens = len(raw) // 4
     hashes = block_hashes(ns, raw, block_size)
     anchor = hashes[-1]
     tail = raw[(len(hashes) - 1) * block_size * 4 :]
-    key = anchor if not tail else xxhash.xxh3_128_digest(anchor + tail)
-    return EntryKey(key=key, anchor=anchor, tail=tail, n_tokens=n_tokens)
+    return EntryKey(key=key_under(anchor, tail), anchor=anchor, tail=tail, n_tokens=n_tokens)
 
 
 def parse_key(text: str) -> bytes:

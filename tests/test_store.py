@@ -218,6 +218,44 @@ def test_longest_prefix_over_aligned_and_unaligned_entries(
     assert store.lookup(other, raw(prompt))[0] is None
 
 
+def test_longest_prefix_with_more_entries_under_one_block_than_it_scans(
+        make_store: Callable[..., Store]) -> None:
+    """Past SCAN_LIMIT rows under one anchor the index probes candidate keys instead of
+    reading every row; the answers must not change."""
+    from kvcache.index import SCAN_LIMIT
+
+    block = 64
+    assert block - 1 > SCAN_LIMIT
+    store = make_store(block_size=block)
+    rng = random.Random(11)
+    prompt = [rng.randrange(50_000) for _ in range(2 * block - 1)]
+
+    def put_tokens(tokens: list[int]) -> None:
+        data = blob_bytes(tokens, payload_for(tokens, 20))
+        res = store.reserve(NS, raw(tokens), len(data), "cold", FP)
+        store.write(res.lease_id, 0, data)
+        store.commit(res.lease_id)
+
+    # Under the namespace anchor: many short entries that diverge at once, and one that
+    # is a prefix of the prompt. Under the first block's anchor: every longer prefix.
+    for i in range(SCAN_LIMIT + 5):
+        put_tokens([900_000 + i, *prompt[1:5]])
+    put_tokens(prompt[:10])
+    for n in range(block + 1, 2 * block):
+        put_tokens(prompt[:n])
+    for q in (block + 1, block + 5, 2 * block - 1):
+        record, _ = store.lookup(NS, raw(prompt[:q]))
+        assert record is not None and record.n_tokens == q
+    record, _ = store.lookup(NS, raw(prompt), max_tokens=block + 3)
+    assert record is not None and record.n_tokens == block + 3
+    # Shorter than one block: found among the many rows of the namespace anchor.
+    for q in (10, 12, block - 1):
+        record, _ = store.lookup(NS, raw(prompt[:q]))
+        assert record is not None and record.n_tokens == 10, q
+    assert store.lookup(NS, raw(prompt[:9]))[0] is None
+    assert store.lookup(NS, raw([1, 2, 3]))[0] is None
+
+
 # -- space ----------------------------------------------------------------------------------
 
 A, B, C, D, E = ([i * 1000 + j for j in range(20)] for i in range(1, 6))
