@@ -10,12 +10,13 @@ from typing import Any
 
 import click
 
-from kvcache.config import default_address
+from kvcache.config import default_address, default_dir
 
 from .config import RuntimeConfig
 from .engine import RuntimeError_
 
 _DEFAULTS = RuntimeConfig()
+RUNTIME_SOCKET = "model-runtime.sock"
 
 
 def runtime_options(f: Any) -> Any:
@@ -62,7 +63,8 @@ def main() -> None:
 @main.command()
 @runtime_options
 @click.option("--socket", "socket_path", type=click.Path(path_type=Path), default=None,
-              help="Unix socket to serve on.")
+              help=f"Unix socket to serve on (default: {default_dir() / RUNTIME_SOCKET}, "
+                   "unless --listen is given).")
 @click.option("--listen", default=None, metavar="HOST:PORT", help="TCP address to serve on.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="Serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: any free port).")
@@ -75,7 +77,7 @@ def serve(socket_path: Path | None, listen: str | None, metrics_port: int | None
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not socket_path and not listen:
-        raise click.UsageError("give --socket PATH and/or --listen HOST:PORT")
+        socket_path = default_dir() / RUNTIME_SOCKET
     runtime = build_runtime(model_path, cache_address, verbose, **settings)
     server = RuntimeServer(runtime, socket_path, listen)
     if metrics_port is not None:
