@@ -475,6 +475,7 @@ class LlamaContext:
         self._n_stream = 1 if params.kv_unified else self.n_seq_max
         self._alloc_batch(self.n_batch)
         self._want: np.ndarray = np.zeros(0, dtype=bool)
+        self._scratch_buf = np.empty(0, dtype=np.uint8)
 
     def _alloc_batch(self, n: int) -> None:
         """A llama_batch whose arrays are numpy buffers owned by this object.
@@ -682,6 +683,13 @@ class LlamaContext:
         _STATE_HEADER.pack_into(raw, start, magic, src_seq, 1)
         return raw[start:body_end]
 
+    def _scratch(self, size: int) -> np.ndarray:
+        """A reused buffer for widening states: a fresh one per restore costs more than
+        the copy itself (new pages fault in, and on a VM may come back from the host)."""
+        if len(self._scratch_buf) < size:
+            self._scratch_buf = np.empty(size + size // 8, dtype=np.uint8)
+        return self._scratch_buf[:size]
+
     def state_seq_set(self, seq_id: int, data: bytes | bytearray | memoryview) -> int:
         """Replace ``seq_id`` with a state from :meth:`state_seq_get`.
 
@@ -708,7 +716,7 @@ class LlamaContext:
                 # Put the cells in stream 0 and append n_stream-1 empty streams: llama.cpp
                 # restores the cells into seq_id's own stream whatever their position.
                 extra = 4 * (self._n_stream - 1)
-                wide = np.empty(len(src) + extra, dtype=np.uint8)
+                wide = self._scratch(len(src) + extra)
                 wide[: len(src)] = src
                 wide[len(src) :] = 0
                 _STATE_HEADER.pack_into(wide, 0, magic, src_seq, self._n_stream)
