@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import llama_cpp as _lc
 import numpy as np
@@ -223,7 +223,29 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-class LlamaModel:
+class _Owner:
+    """Owns a llama.cpp object: ``close()`` frees it; usable as a context manager."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _O) -> _O:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # last resort; prefer close()
+        with contextlib.suppress(Exception):  # e.g. during interpreter shutdown
+            self.close()
+
+
+_O = TypeVar("_O", bound=_Owner)
+
+
+class LlamaModel(_Owner):
     """A loaded GGUF model: weights, vocabulary and metadata. Owns ``llama_model*``.
 
     Loaded on CPU with mmap; the weights are shared by every context made from it.
@@ -273,18 +295,6 @@ class LlamaModel:
             _lc.llama_model_free(self._model)
             self._model = None
             self._vocab = None
-
-    def __enter__(self) -> LlamaModel:
-        return self
-
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-    def __del__(self) -> None:  # last resort; prefer close()
-        with contextlib.suppress(Exception):  # e.g. during interpreter shutdown
-            self.close()
 
     @property
     def handle(self) -> Any:
@@ -430,7 +440,7 @@ class LlamaModel:
 # --------------------------------------------------------------------------- context
 
 
-class LlamaContext:
+class LlamaContext(_Owner):
     """A llama.cpp context: the KV cache of ``n_seq_max`` sequences and a decode batch.
 
     Sequence ids are ``0 .. n_seq_max-1``; anything else raises ``ValueError`` here
@@ -508,18 +518,6 @@ class LlamaContext:
             _lc.llama_free(self._ctx)
             self._ctx = None
             self._mem = None
-
-    def __enter__(self) -> LlamaContext:
-        return self
-
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-    def __del__(self) -> None:  # last resort; prefer close()
-        with contextlib.suppress(Exception):
-            self.close()
 
     def _h(self) -> Any:
         if self._ctx is None:
