@@ -16,7 +16,6 @@ is durable (``sync=True``), so an entry is either fully visible or absent after 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -219,10 +218,6 @@ class Index:
             if txn.get(key, db=self._entries) is not None:
                 return key
         return None
-
-
-def now() -> float:
-    return time.time()
 
 
 def dir_fsync(path: Path) -> None:

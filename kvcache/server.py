@@ -287,7 +287,6 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         tenant_id = keys.tenant_id(request.tenant) if request.tenant else None
         record, header, meta, path = self._call(
             context, lambda: self.store.inspect(check_key(request.key), tenant_id))
-        record = self.store._with_pending(record)
         return pb.EntryDetail(
             entry=entry_message(record), kv_layout=dict(meta.kv_layout), tokens=list(meta.tokens),
             format_version=header.version, producer=meta.producer,

@@ -30,7 +30,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -774,7 +774,7 @@ class Store:
         except (OSError, blobfmt.BlobError) as exc:
             self.quarantine(key)
             raise Corrupt(f"entry {key.hex()} is unreadable ({exc}); quarantined") from None
-        return record, header, meta, path
+        return self._with_pending(record), header, meta, path
 
     def list(self, predicate: Callable[[Record], bool] | None = None) -> list[Record]:
         return [self._with_pending(r) for r in self.index.records() if not predicate or predicate(r)]
@@ -784,8 +784,6 @@ class Store:
             usage = self._pending_use.get(record.key)
         if not usage:
             return record
-        from dataclasses import replace
-
         return replace(record, hits=record.hits + int(usage[0]),
                        last_used=max(record.last_used, usage[1]))
 

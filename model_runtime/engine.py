@@ -136,6 +136,7 @@ class Seq:
     request: Request | None = None
     last_used: float = 0.0
     saved_len: int = 0  # length of the last state saved from this sequence
+    saved_key: bytes = b""  # its key, when this process computed it
     restored: bool = False  # holds a restored state (matters for SWA/recurrent models)
 
 
@@ -407,13 +408,13 @@ class Engine:
             # The last save no longer matches this sequence. Left as it was, a later state
             # of the same length but other tokens would be taken as saved: its save skipped
             # and its key reported as finish_key although no such entry exists.
-            seq.saved_len = 0
+            seq.saved_len, seq.saved_key = 0, b""
         return True
 
     def _clear(self, seq: Seq) -> None:
         self.ctx.seq_clear(seq.id)
         seq.tokens.clear()
-        seq.saved_len = 0
+        seq.saved_len, seq.saved_key = 0, b""
         seq.restored = False
 
     # resolution (resolver thread: cache I/O only, never the context) --------------------------
@@ -645,10 +646,14 @@ class Engine:
     # saves ---------------------------------------------------------------------------------------
 
     def _save(self, seq: Seq, reason: str, req: Request | None) -> bytes:
-        """Copy a sequence's state out (model thread) and queue it for the daemon."""
+        """Copy a sequence's state out (model thread) and queue it for the daemon.
+        Returns the key of the sequence's saved state (also when it was saved before, or
+        restored as it is), or b"" when there is none."""
         n = len(seq.tokens)
-        if n < self.config.min_save_tokens or n == seq.saved_len or self.cache is None:
+        if n < self.config.min_save_tokens or self.cache is None:
             return b""
+        if n == seq.saved_len:
+            return seq.saved_key or self.key_of(seq.tokens)
         key = self.key_of(seq.tokens)
         if not key:
             self.count("saves_dropped")
@@ -657,7 +662,7 @@ class Engine:
         t0 = time.perf_counter()
         state = self.ctx.state_seq_get(seq.id)
         self.on_latency("state_get", time.perf_counter() - t0)
-        seq.saved_len = n
+        seq.saved_len, seq.saved_key = n, key
         job = SaveJob(self.identity, tuple(seq.tokens), state, reason, key)
         if self.saver.submit(job) and req is not None:
             req.tokens_saved = max(req.tokens_saved, n - req.tokens_read)
@@ -672,8 +677,7 @@ class Engine:
         if seq is not None and reason not in ("cancelled",):
             save_reason = "shutdown" if reason == "shutdown" else "finish"
             if self.config.save_finish or save_reason == "shutdown":
-                finish_key = self._save(seq, save_reason, req) or (
-                    self.key_of(seq.tokens) if seq.saved_len == len(seq.tokens) else b"")
+                finish_key = self._save(seq, save_reason, req)
             if req.session_id and finish_key:
                 self.session_last_key[req.session_id] = (finish_key, len(seq.tokens))
         now = time.perf_counter()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -196,7 +195,3 @@ def runtime_metrics(engine: Engine) -> Metrics:
                                   "llama_state_seq_get_data on the model thread")
     engine.on_latency = lambda name, seconds: state_get.observe(seconds)
     return metrics
-
-
-def with_overrides(config: RuntimeConfig, **overrides: Any) -> RuntimeConfig:
-    return replace(config, **{k: v for k, v in overrides.items() if v is not None})

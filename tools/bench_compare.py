@@ -71,7 +71,7 @@ sys.path.insert(0, str(TOOLS))
 sys.path.insert(0, str(TOOLS.parent))
 
 import llama_cpp  # noqa: E402
-from procs import Proc, short_workdir  # noqa: E402
+from procs import Proc, short_workdir, start_daemon  # noqa: E402
 from system_prompt import USER_MESSAGES, build_system_prompt  # noqa: E402
 
 from kvcache.client import CacheClient  # noqa: E402
@@ -460,18 +460,7 @@ class KvStack:
         self.runtime: Runtime | None = None
 
     def start(self) -> None:
-        self.daemon.start()
-        deadline = time.monotonic() + 120
-        with CacheClient(self.address, timeout=2.0) as probe:
-            while True:
-                self.daemon.check_alive()
-                try:
-                    probe.stats()
-                    break
-                except Exception:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
+        start_daemon(self.daemon, self.address, time.monotonic() + 120)
         self.runtime = new_runtime(self.model, self.settings, self.address)
 
     def stop(self) -> None:

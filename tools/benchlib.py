@@ -26,6 +26,7 @@ from typing import Any
 
 import grpc
 
+from kvcache.index import dir_fsync
 from kvcache.v1 import kvcache_pb2 as pb
 from kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 
@@ -172,14 +173,6 @@ def read_file_into_new_buffer(path: Path, size: int) -> bytearray:
     return buf
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_file(path: Path, data: bytes | memoryview, *, fsync: bool = True,
                rename_to: Path | None = None) -> None:
     """open + write + (fsync) + close; with ``rename_to`` also rename and fsync the
@@ -192,7 +185,7 @@ def write_file(path: Path, data: bytes | memoryview, *, fsync: bool = True,
             os.fsync(f.fileno())
     if rename_to is not None:
         os.rename(path, rename_to)
-        fsync_dir(rename_to.parent)
+        dir_fsync(rename_to.parent)
 
 
 # -- machine ---------------------------------------------------------------------------------

@@ -42,6 +42,21 @@ class Proc:
         self.proc = None
 
 
+def start_daemon(daemon: Proc, address: str, deadline: float) -> None:
+    """Start a daemon process and wait until it answers a Stats call."""
+    daemon.start()
+    with CacheClient(address, timeout=2.0) as cache:
+        while True:
+            daemon.check_alive()
+            try:
+                cache.stats()
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+
 class Stack:
     """A kvcache daemon and a model runtime serving on unix sockets under ``workdir``."""
 
@@ -63,18 +78,8 @@ class Stack:
             "--threads", str(threads), *runtime_args], workdir / "runtime.log")
 
     def start(self, timeout: float = 120.0) -> RuntimeClient:
-        self.daemon.start()
         deadline = time.monotonic() + timeout
-        with CacheClient(f"unix:{self.cache_socket}", timeout=2.0) as cache:
-            while True:
-                self.daemon.check_alive()
-                try:
-                    cache.stats()
-                    break
-                except Exception:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
+        start_daemon(self.daemon, f"unix:{self.cache_socket}", deadline)
         self.runtime.start()
         client = RuntimeClient(f"unix:{self.runtime_socket}")
         while True:
