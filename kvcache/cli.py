@@ -16,6 +16,17 @@ from rich.progress import Progress
 from rich.table import Table
 
 from . import __version__, keys
+from .auth import (
+    ENV_TLS_CA,
+    ENV_TLS_CERT,
+    ENV_TLS_KEY,
+    ENV_TLS_SERVER_NAME,
+    ENV_TOKEN_FILE,
+    AuthConfigError,
+    ClientAuth,
+    ServerAuth,
+    refuse_unprotected_tcp,
+)
 from .client import TIER_NAMES, CacheClient, CacheError, CacheUnavailable
 from .config import default_address, default_dir
 from .v1 import kvcache_pb2 as pb
@@ -82,20 +93,51 @@ SIZE = SizeType()
 DURATION = DurationType()
 
 
+# Client credentials for a daemon's TCP port; options or the environment, never a token
+# on the command line (other users can read it in ps).
+_AUTH_OPTIONS = (
+    ("token_file", ENV_TOKEN_FILE, "File holding the daemon's shared token."),
+    ("tls_ca", ENV_TLS_CA, "CA certificate to trust for the daemon's TLS (PEM)."),
+    ("tls_cert", ENV_TLS_CERT, "Client certificate for mutual TLS (PEM)."),
+    ("tls_key", ENV_TLS_KEY, "The client certificate's private key (PEM)."),
+    ("tls_server_name", ENV_TLS_SERVER_NAME, "Host name the daemon's certificate names, "
+                                             "when it differs from the address."),
+)
+
+
+def _remember(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    if value is not None:
+        ctx.meta[f"kvcache.{param.name}"] = value
+    return value
+
+
 def address_option(f: F) -> F:
+    for name, env, text in reversed(_AUTH_OPTIONS):
+        f = click.option(f"--{name.replace('_', '-')}", name, envvar=env, default=None,
+                         expose_value=False, callback=_remember, help=text)(f)
     return click.option("--address", "-a", default=None, envvar="KVCACHE_ADDRESS",
                         help="Daemon address: unix:/path, a socket path, or host:port "
                              f"(default: {default_address()}).")(f)
 
 
+def client_auth() -> ClientAuth:
+    meta = click.get_current_context().meta
+    try:
+        return ClientAuth.load(*(meta.get(f"kvcache.{name}") for name, _, _ in _AUTH_OPTIONS))
+    except AuthConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 def connect(address: str | None) -> CacheClient:
-    client = CacheClient(address, timeout=10.0)
+    auth = client_auth()
+    client = CacheClient(address, timeout=10.0, auth=auth)
     try:
         client.wait_ready(timeout=3.0)
     except CacheUnavailable:
         client.close()
-        raise click.ClickException(f"no kvcache daemon at {client.address} "
-                                   "(start one with: kvcache serve)") from None
+        hint = (" or the TLS handshake failed (check --tls-ca, --tls-cert, --tls-key)"
+                if auth.uses_tls else " (start one with: kvcache serve)")
+        raise click.ClickException(f"no kvcache daemon at {client.address}{hint}") from None
     return client
 
 
@@ -123,6 +165,46 @@ def entry_dict(e: pb.Entry, now: float) -> dict[str, Any]:
     }
 
 
+def tcp_listen_options(f: F) -> F:
+    """``--listen`` and what protects it; shared by ``kvcache serve`` and the runtime's."""
+    path = click.Path(dir_okay=False, path_type=Path)
+    options = [
+        click.option("--listen", default=None, metavar="HOST:PORT",
+                     help="Also listen on TCP; needs --token-file or --tls-client-ca (or "
+                          "--insecure-tcp)."),
+        click.option("--token-file", type=path, default=None,
+                     help="TCP callers must send the token in this owner-only file."),
+        click.option("--tls-cert", type=path, default=None,
+                     help="Serve TCP over TLS with this certificate (PEM)."),
+        click.option("--tls-key", type=path, default=None,
+                     help="The TLS certificate's private key (PEM)."),
+        click.option("--tls-client-ca", type=path, default=None,
+                     help="Mutual TLS: TCP callers must present a certificate signed by "
+                          "this CA."),
+        click.option("--insecure-tcp", is_flag=True,
+                     help="Allow TCP without authentication: anyone who can connect may "
+                          "use the service (and read every cached prompt state)."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def server_auth(listen: str | None, token_file: Path | None, tls_cert: Path | None,
+                tls_key: Path | None, tls_client_ca: Path | None,
+                insecure_tcp: bool) -> ServerAuth:
+    """The TCP listener's protection, or a clear refusal."""
+    try:
+        auth = ServerAuth.load(token_file, tls_cert, tls_key, tls_client_ca)
+        if (auth.token or auth.tls_cert) and not listen:
+            raise AuthConfigError("--token-file and --tls-* protect a TCP listener: "
+                                  "give --listen HOST:PORT too")
+        refuse_unprotected_tcp(listen, auth, insecure_tcp)
+    except AuthConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    return auth
+
+
 @click.group()
 @click.version_option(__version__, prog_name="kvcache")
 def main() -> None:
@@ -134,11 +216,7 @@ def main() -> None:
               help=f"Data directory (default: {default_dir()}).")
 @click.option("--socket", "socket_path", type=click.Path(path_type=Path), default=None,
               help="Unix socket path (default: DIR/kvcache.sock).")
-@click.option("--listen", default=None, metavar="HOST:PORT",
-              help="Also listen on TCP (requires --insecure-tcp until auth is configured).")
-@click.option("--insecure-tcp", is_flag=True,
-              help="Allow TCP without authentication: anyone who can connect can read "
-                   "every cached prompt state.")
+@tcp_listen_options
 @click.option("--ram-dir", type=click.Path(path_type=Path), default=None,
               help="RAM tier directory on a memory filesystem (default: under /dev/shm).")
 @click.option("--ram-bytes", type=SIZE, default="2G", show_default=True)
@@ -153,9 +231,10 @@ def main() -> None:
               help="Serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: any free port).")
 @click.option("--log-level", default="INFO", show_default=True)
 def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
-          insecure_tcp: bool, ram_dir: Path | None, ram_bytes: int, disk_bytes: int,
-          min_free_bytes: int, block_size: int, lease_seconds: float,
-          metrics_port: int | None, log_level: str) -> None:
+          token_file: Path | None, tls_cert: Path | None, tls_key: Path | None,
+          tls_client_ca: Path | None, insecure_tcp: bool, ram_dir: Path | None,
+          ram_bytes: int, disk_bytes: int, min_free_bytes: int, block_size: int,
+          lease_seconds: float, metrics_port: int | None, log_level: str) -> None:
     """Run the cache daemon until SIGTERM or SIGINT."""
     from .errors import StoreError
     from .server import Daemon
@@ -163,17 +242,15 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
 
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if listen and not insecure_tcp:
-        raise click.ClickException(
-            f"refusing to listen on TCP {listen} without authentication; pass --insecure-tcp "
-            "to accept that anyone who can connect may read and write the cache")
+    # Checked before the data directory is created.
+    auth = server_auth(listen, token_file, tls_cert, tls_key, tls_client_ca, insecure_tcp)
     root = (data_dir or default_dir()).expanduser().resolve()
     config = StoreConfig(root=root, ram_dir=ram_dir, ram_bytes=ram_bytes, disk_bytes=disk_bytes,
                          min_free_bytes=min_free_bytes, block_size=block_size,
                          lease_seconds=lease_seconds)
     try:
         daemon = Daemon(config, socket_path=socket_path, listen=listen,
-                        metrics_port=metrics_port)
+                        metrics_port=metrics_port, auth=auth, insecure_tcp=insecure_tcp)
     except (ValueError, OSError, RuntimeError, StoreError) as exc:
         raise click.ClickException(str(exc)) from None
     daemon.serve_forever()

@@ -24,6 +24,7 @@ import grpc
 
 from . import blob as blobfmt
 from . import keys
+from .auth import ClientAuth
 from .config import CHUNK_BYTES, MAX_MESSAGE_BYTES, default_address, is_local, normalize_address
 from .v1 import kvcache_pb2 as pb
 from .v1 import kvcache_pb2_grpc as pb_grpc
@@ -118,11 +119,14 @@ def map_file(f: BinaryIO, size: int) -> memoryview:
 
 class CacheClient:
     def __init__(self, address: str | None = None, *, timeout: float = 10.0,
-                 fast_path: bool | None = None) -> None:
+                 fast_path: bool | None = None, auth: ClientAuth | None = None) -> None:
+        """``auth`` defaults to the credentials named by ``KVCACHE_TOKEN_FILE`` and
+        ``KVCACHE_TLS_*`` (none when they are unset)."""
         self.address = normalize_address(address or default_address())
         self.timeout = timeout
         self.fast_path = is_local(self.address) if fast_path is None else fast_path
-        self.channel = grpc.insecure_channel(self.address, options=[
+        self.auth = ClientAuth.from_env() if auth is None else auth
+        self.channel = self.auth.channel(self.address, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.initial_reconnect_backoff_ms", 100),

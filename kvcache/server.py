@@ -18,6 +18,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from . import __version__, keys
+from .auth import (
+    AuthConfigError,
+    ServerAuth,
+    add_tcp_port,
+    refuse_unprotected_tcp,
+    tcp_security,
+)
 from .config import MAX_MESSAGE_BYTES, MAX_SOCKET_PATH, SOCKET_NAME
 from .errors import InvalidArgument, StoreError
 from .index import Record
@@ -323,46 +330,62 @@ def server_options() -> list[tuple[str, int]]:
 
 
 class Daemon:
-    """A Store served over gRPC on a unix socket (and TCP when asked)."""
+    """A Store served over gRPC on a unix socket, and on TCP when asked.
+
+    The two listeners are separate gRPC servers over one service: the unix socket is
+    private to its owner by file permissions, while the TCP one checks ``auth`` on every
+    call (a token interceptor, TLS credentials).
+    """
 
     def __init__(self, config: StoreConfig, socket_path: Path | None = None,
                  listen: str | None = None, workers: int = 32,
-                 metrics_port: int | None = None) -> None:
+                 metrics_port: int | None = None, auth: ServerAuth | None = None,
+                 insecure_tcp: bool = False) -> None:
+        self.auth = auth or ServerAuth()
+        refuse_unprotected_tcp(listen, self.auth, insecure_tcp)
+        self.socket_path = socket_path or (config.root / SOCKET_NAME)
+        if len(str(self.socket_path)) > MAX_SOCKET_PATH:
+            raise ValueError(f"socket path is longer than {MAX_SOCKET_PATH} bytes: "
+                             f"{self.socket_path} (pass a shorter --socket)")
         self.store = Store(config)
         self.metrics = Metrics("kvcache")
         self.metrics.add_snapshot(lambda: self.store.stats()["counters"],  # type: ignore[arg-type,return-value]
                                   lambda: store_gauges(self.store))
         self.metrics_port = metrics_port
-        self.socket_path = socket_path or (config.root / SOCKET_NAME)
-        if len(str(self.socket_path)) > MAX_SOCKET_PATH:
-            self.store.close()
-            raise ValueError(f"socket path is longer than {MAX_SOCKET_PATH} bytes: "
-                             f"{self.socket_path} (pass a shorter --socket)")
-        self.server = grpc.server(ThreadPoolExecutor(max_workers=workers,
-                                                     thread_name_prefix="kvcache-rpc"),
-                                  options=server_options())
-        pb_grpc.add_KVCacheServicer_to_server(KVCacheService(self.store, self.metrics),
-                                              self.server)
+        self.service = KVCacheService(self.store, self.metrics)
         self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), self.server)
+        self.servers = [self._server(workers, [])]
         self.socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if self.socket_path.exists() or self.socket_path.is_symlink():
             self.socket_path.unlink()
         self.addresses = [f"unix:{self.socket_path}"]
-        self.server.add_insecure_port(self.addresses[0])
+        self.servers[0].add_insecure_port(self.addresses[0])
         if listen:
-            port = self.server.add_insecure_port(listen)
-            host = listen.rsplit(":", 1)[0]
-            self.addresses.append(f"{host}:{port}")
+            tcp = self._server(workers, self.auth.interceptors())
+            try:
+                self.addresses.append(add_tcp_port(tcp, listen, self.auth))
+            except AuthConfigError:
+                self.store.close()
+                raise
+            self.servers.append(tcp)
         self._stopped = threading.Event()
+
+    def _server(self, workers: int, interceptors: list[grpc.ServerInterceptor]) -> grpc.Server:
+        server = grpc.server(ThreadPoolExecutor(max_workers=workers,
+                                                thread_name_prefix="kvcache-rpc"),
+                             options=server_options(), interceptors=interceptors)
+        pb_grpc.add_KVCacheServicer_to_server(self.service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), server)
+        return server
 
     def start(self) -> None:
         old_umask = os.umask(0o077)  # the socket file is created owner-only
         try:
-            self.server.start()
+            for server in self.servers:
+                server.start()
         finally:
             os.umask(old_umask)
         os.chmod(self.socket_path, 0o600)
@@ -377,7 +400,9 @@ class Daemon:
             return
         self._stopped.set()
         self.health.enter_graceful_shutdown()
-        self.server.stop(grace).wait()
+        stopping = [server.stop(grace) for server in self.servers]
+        for event in stopping:
+            event.wait()
         self.store.close()
         self.socket_path.unlink(missing_ok=True)
 
@@ -394,6 +419,10 @@ class Daemon:
         self.start()
         log.info("kvcache %s listening on %s (data %s, ram tier %s)", __version__,
                  " and ".join(self.addresses), self.store.root, self.store.ram_dir)
+        if len(self.servers) > 1:
+            safe, how = tcp_security(self.auth)
+            log.log(logging.INFO if safe else logging.WARNING, "TCP %s: %s",
+                    self.addresses[1], how)
         # Wake up regularly: a signal delivered to another thread (llama.cpp's, gRPC's)
         # only runs its Python handler once the main thread executes bytecode again.
         while not done.wait(0.2):

@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from kvcache.cli import server_auth, tcp_listen_options
 from kvcache.config import default_address, default_dir
 
 from .config import RuntimeConfig
@@ -65,12 +66,13 @@ def main() -> None:
 @click.option("--socket", "socket_path", type=click.Path(path_type=Path), default=None,
               help=f"Unix socket to serve on (default: {default_dir() / RUNTIME_SOCKET}, "
                    "unless --listen is given).")
-@click.option("--listen", default=None, metavar="HOST:PORT", help="TCP address to serve on.")
+@tcp_listen_options
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="Serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: any free port).")
-def serve(socket_path: Path | None, listen: str | None, metrics_port: int | None,
-          model_path: str | None, cache_address: str | None, verbose: bool,
-          **settings: Any) -> None:
+def serve(socket_path: Path | None, listen: str | None, token_file: Path | None,
+          tls_cert: Path | None, tls_key: Path | None, tls_client_ca: Path | None,
+          insecure_tcp: bool, metrics_port: int | None, model_path: str | None,
+          cache_address: str | None, verbose: bool, **settings: Any) -> None:
     """Serve completions over gRPC until SIGTERM (live sequences are saved first)."""
     from .service import RuntimeServer
 
@@ -78,8 +80,9 @@ def serve(socket_path: Path | None, listen: str | None, metrics_port: int | None
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not socket_path and not listen:
         socket_path = default_dir() / RUNTIME_SOCKET
+    auth = server_auth(listen, token_file, tls_cert, tls_key, tls_client_ca, insecure_tcp)
     runtime = build_runtime(model_path, cache_address, verbose, **settings)
-    server = RuntimeServer(runtime, socket_path, listen)
+    server = RuntimeServer(runtime, socket_path, listen, auth, insecure_tcp)
     if metrics_port is not None:
         port = runtime.metrics.serve(metrics_port)
         server.addresses.append(f"metrics http://127.0.0.1:{port}/metrics")

@@ -8,6 +8,7 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from kvcache.auth import ClientAuth
 from kvcache.config import normalize_address
 
 from .v1 import runtime_pb2 as pb
@@ -15,10 +16,11 @@ from .v1 import runtime_pb2_grpc as pb_grpc
 
 
 class RuntimeClient:
-    def __init__(self, address: str, timeout: float = 300.0) -> None:
+    def __init__(self, address: str, timeout: float = 300.0,
+                 auth: ClientAuth | None = None) -> None:
         self.address = normalize_address(address)
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = (auth or ClientAuth()).channel(self.address, options=[])
         self.stub = pb_grpc.ModelRuntimeStub(self.channel)
 
     def wait_ready(self, timeout: float = 60.0) -> None:

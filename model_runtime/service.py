@@ -15,6 +15,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvcache.auth import ServerAuth, add_tcp_port, refuse_unprotected_tcp, tcp_security
+
 from .engine import Completion, RuntimeError_, TokenEvent
 from .runtime import Runtime
 from .v1 import runtime_pb2 as pb
@@ -90,26 +92,40 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
 
 
 class RuntimeServer:
-    def __init__(self, runtime: Runtime, socket_path: Path | None, listen: str | None) -> None:
+    """The runtime service on a unix socket and/or TCP. As with the cache daemon, TCP needs
+    ``auth`` (a token or client certificates) unless ``insecure_tcp``; the unix socket is
+    owner-only and goes without."""
+
+    def __init__(self, runtime: Runtime, socket_path: Path | None, listen: str | None,
+                 auth: ServerAuth | None = None, insecure_tcp: bool = False) -> None:
         self.runtime = runtime
-        self.server = grpc.server(ThreadPoolExecutor(max_workers=16),
-                                  options=[("grpc.max_receive_message_length", 16 << 20)])
-        pb_grpc.add_ModelRuntimeServicer_to_server(RuntimeService(runtime), self.server)
+        self.auth = auth or ServerAuth()
+        refuse_unprotected_tcp(listen, self.auth, insecure_tcp)
+        self.service = RuntimeService(runtime)
         self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), self.server)
+        self.servers: list[grpc.Server] = []
         self.addresses: list[str] = []
         self.socket_path = socket_path
         if socket_path:
             socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             socket_path.unlink(missing_ok=True)
             self.addresses.append(f"unix:{socket_path}")
-            self.server.add_insecure_port(self.addresses[-1])
+            self.servers.append(self._server([]))
+            self.servers[-1].add_insecure_port(self.addresses[-1])
         if listen:
-            port = self.server.add_insecure_port(listen)
-            self.addresses.append(f"{listen.rsplit(':', 1)[0]}:{port}")
+            self.servers.append(self._server(self.auth.interceptors()))
+            self.addresses.append(add_tcp_port(self.servers[-1], listen, self.auth))
+
+    def _server(self, interceptors: list[grpc.ServerInterceptor]) -> grpc.Server:
+        server = grpc.server(ThreadPoolExecutor(max_workers=16),
+                             options=[("grpc.max_receive_message_length", 16 << 20)],
+                             interceptors=interceptors)
+        pb_grpc.add_ModelRuntimeServicer_to_server(self.service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), server)
+        return server
 
     def serve_forever(self) -> None:
         done = threading.Event()
@@ -117,13 +133,17 @@ class RuntimeServer:
         signal.signal(signal.SIGINT, lambda *_: done.set())
         old = os.umask(0o077)
         try:
-            self.server.start()
+            for server in self.servers:
+                server.start()
         finally:
             os.umask(old)
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("model runtime (%s) listening on %s", self.runtime.model_path.name,
                  " and ".join(self.addresses))
+        if self.servers and len(self.servers) > (1 if self.socket_path else 0):
+            safe, how = tcp_security(self.auth)
+            log.log(logging.INFO if safe else logging.WARNING, "TCP: %s", how)
         # Wake up regularly: a signal delivered to another thread (llama.cpp's, gRPC's)
         # only runs its Python handler once the main thread executes bytecode again.
         while not done.wait(0.2):
@@ -135,7 +155,8 @@ class RuntimeServer:
         # record. Stopping the server first cancelled them after the grace period, which
         # dropped their state (and the clients got UNAVAILABLE instead of a record).
         self.runtime.engine.close()
-        self.server.stop(grace=2).wait()
+        for stopping in [server.stop(grace=2) for server in self.servers]:
+            stopping.wait()
         self.runtime.close()
         if self.socket_path:
             self.socket_path.unlink(missing_ok=True)
