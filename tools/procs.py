@@ -41,6 +41,15 @@ class Proc:
                 self.proc.wait()
         self.proc = None
 
+    def kill(self) -> None:
+        """SIGKILL and reap: a crash at an arbitrary instant (no shutdown code runs)."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
 
 def start_daemon(daemon: Proc, address: str, deadline: float) -> None:
     """Start a daemon process and wait until it answers a Stats call."""

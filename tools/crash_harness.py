@@ -1,0 +1,822 @@
+"""Crash anywhere: SIGKILL the kvcache daemon at random moments under a mixed load.
+
+    python tools/crash_harness.py --kills 100 --seconds 240 --json
+
+A real daemon runs as a subprocess on a temp data directory (block size 16, a short
+lease, budgets far above what the run writes, so nothing is ever evicted). Each cycle
+starts client threads that save (same-host fast path and streamed), look up, load (both
+paths), pin, unpin, verify and prune, then kills the daemon with SIGKILL a random
+20-400 ms later and restarts it. Prunes and deletes only target a separate
+"disposable" model, so an acknowledged entry is never legitimately removed.
+
+Now and then the kill lands while the daemon is still starting (reconciling) or in the
+middle of a graceful shutdown (SIGTERM, then SIGKILL up to 50 ms later).
+
+After every restart, before any client touches the daemon:
+
+* no ``*.part`` file anywhere under the data or RAM directory;
+* index and files agree: every listed entry has its blob file of the right size (and
+  its RAM copy when it says it has one), and every blob or RAM file is listed; no new
+  file in quarantine;
+* every acknowledged entry (its Commit answered OK, status ``saved``) is listed with its
+  size, and pinned as its last answered Pin/Unpin said; no entry whose prune or delete
+  was answered is back;
+* the Verify RPC passes for every entry that is new or changed tier since the last
+  check, and for a rotating tenth of the rest (all of them every tenth restart);
+* the entries acknowledged since the last restart, a random sample of older ones, and
+  every listed entry never checked before are found by lookup and loaded (alternating
+  both load paths), and their bytes are exactly the ones saved.
+
+At the end the daemon is stopped cleanly (no temp file may remain), started again, and
+the same check runs over every acknowledged entry with Verify over everything. During
+the run every load that returned data is compared with the saved bytes, and lookups,
+loads, pins and duplicate saves of acknowledged entries must find them. Payloads follow
+from the tokens, so any entry found can be checked on its own.
+
+Prints one JSON object (``--json``) or a short summary. Exit status 1 if anything was
+lost, wrong, orphaned, unverified or unexpected. ``--seconds`` bounds the kill phase
+(the final check and shutdown come after it); when it runs out the harness stops
+killing and reports the kills done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from procs import Proc  # tools/ is on the path: the script's directory, or pytest's pythonpath
+
+from kvcache import blob as blobfmt
+from kvcache import keys
+from kvcache.client import (
+    CacheClient,
+    CacheError,
+    CacheUnavailable,
+    CorruptBlob,
+    Identity,
+    SaveResult,
+)
+from kvcache.config import CHUNK_BYTES
+from kvcache.v1 import kvcache_pb2 as pb
+
+BLOCK = 16
+KEPT = Identity("fp-crash-kept", {"type_k": "f16"}, model_name="kept.gguf")
+# Another fingerprint, so a disposable entry never shares a key with a kept one: prunes
+# by this model name are the only removals in the run.
+DISPOSABLE = Identity("fp-crash-disposable", {"type_k": "f16"}, model_name="disposable.gguf")
+FAMILY_TOKENS = 120
+MAX_PROBLEMS = 40
+
+# Operation mix of a client thread (weights).
+OPS: dict[str, int] = {
+    "save_kept": 30, "save_disposable": 10, "save_duplicate": 5, "read_kept": 25,
+    "read_disposable": 6, "pin": 6, "unpin": 5, "verify_one": 3, "prune": 4, "delete": 2,
+    "miss": 4,
+}
+
+
+def payload_size(tokens: list[int]) -> int:
+    """Mostly small blobs (the checks stay cheap); some of a few hundred kB, and a few
+    over the 1 MiB chunk size, so that streamed saves and reads span several messages and
+    a kill can land between them."""
+    rng = random.Random(b"size" + keys.tokens_to_bytes(tokens))
+    draw = rng.random()
+    if draw < 0.02:
+        return rng.randrange(CHUNK_BYTES + 50_000, 2 * CHUNK_BYTES + 500_000)
+    if draw < 0.07:
+        return rng.randrange(100_000, 400_000)
+    return rng.randrange(200, 16_000)
+
+
+def payload_for(tokens: list[int]) -> bytes:
+    """Size and bytes follow from the tokens alone: any entry found can be checked."""
+    return random.Random(keys.tokens_to_bytes(tokens)).randbytes(payload_size(tokens))
+
+
+def entry_key(identity: Identity, tokens: list[int]) -> bytes:
+    return keys.entry_key(identity.namespace, tokens, BLOCK).key
+
+
+@dataclass
+class Settings:
+    kills: int = 100
+    seconds: float = 240.0
+    seed: int = 0
+    workers: int = 4
+    min_delay_ms: float = 20.0
+    max_delay_ms: float = 400.0
+    lease_seconds: float = 2.0
+    startup_kill_p: float = 0.05
+    shutdown_kill_p: float = 0.08
+    sample: int = 20
+    workdir: Path | None = None
+    keep: bool = False
+
+
+@dataclass
+class Ledger:
+    """What the clients were told, shared by the client threads and the checker."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    acked: dict[bytes, tuple[int, ...]] = field(default_factory=dict)  # key -> tokens
+    acked_size: dict[bytes, int] = field(default_factory=dict)  # key -> committed bytes
+    acked_keys: list[bytes] = field(default_factory=list)
+    since_check: list[bytes] = field(default_factory=list)
+    disposable: dict[bytes, tuple[int, ...]] = field(default_factory=dict)
+    # Disposable entries whose prune or delete was answered: gone for good. Disposable
+    # tokens are never saved twice, so none of these may be listed again.
+    removed: set[bytes] = field(default_factory=set)
+    # Acknowledged key -> pinned as last answered (None: the answer was cut off). Each key
+    # is pinned and unpinned by one client thread only, so answers arrive in order.
+    pin_state: dict[bytes, bool | None] = field(default_factory=dict)
+    byte_checked: set[bytes] = field(default_factory=set)
+    lost: set[bytes] = field(default_factory=set)
+    counts: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self.lock:
+            self.counts[name] += n
+
+    def error(self, code: str) -> None:
+        with self.lock:
+            self.errors[code] += 1
+
+    def problem(self, counter: str, message: str) -> None:
+        with self.lock:
+            self.counts[counter] += 1
+            if len(self.problems) < MAX_PROBLEMS:
+                self.problems.append(f"{counter}: {message}")
+
+    def lose(self, key: bytes, message: str) -> None:
+        """An acknowledged entry is gone (counted once per entry, however often seen)."""
+        with self.lock:
+            first = key not in self.lost
+            self.lost.add(key)
+        if first:
+            self.problem("lost_reports", f"{key.hex()}: {message}")
+        else:
+            self.count("lost_reports")
+
+    def ack(self, key: bytes, tokens: list[int], size: int) -> None:
+        with self.lock:
+            if key not in self.acked:
+                self.acked[key] = tuple(tokens)
+                self.acked_size[key] = size
+                self.acked_keys.append(key)
+                self.since_check.append(key)
+            self.counts["saves_acknowledged"] += 1
+
+    def random_acked(self, rng: random.Random) -> tuple[bytes, list[int]] | None:
+        with self.lock:
+            if not self.acked_keys:
+                return None
+            key = rng.choice(self.acked_keys)
+            return key, list(self.acked[key])
+
+    def forget(self, removed: list[bytes]) -> None:
+        with self.lock:
+            for key in removed:
+                self.disposable.pop(key, None)
+                self.removed.add(key)
+
+    def random_disposable(self, rng: random.Random) -> tuple[bytes, list[int]] | None:
+        with self.lock:
+            if not self.disposable:
+                return None
+            key = rng.choice(list(self.disposable))
+            return key, list(self.disposable[key])
+
+
+class Worker:
+    """One client thread's stream of operations against the live daemon of one cycle."""
+
+    def __init__(self, harness: CrashHarness, wid: int, cycle: int, fast: bool) -> None:
+        self.h = harness
+        self.wid = wid
+        self.ledger = harness.ledger
+        self.fast = fast
+        self.rng = random.Random(f"{harness.settings.seed}/{cycle}/{wid}")
+        self.families: list[list[int]] = []
+
+    def run(self, address: str, stop: threading.Event) -> None:
+        ops, weights = list(OPS), list(OPS.values())
+        with CacheClient(address, timeout=5.0, fast_path=self.fast) as client:
+            while not stop.is_set():
+                op = self.rng.choices(ops, weights)[0]
+                try:
+                    getattr(self, f"op_{op}")(client)
+                except CacheUnavailable:
+                    # The daemon was just killed (or is being killed): the cycle ends.
+                    self.ledger.error("UNAVAILABLE")
+                    stop.wait(0.005)
+                except CorruptBlob as exc:
+                    # Nothing in this run corrupts a blob: a published entry that fails its
+                    # checksums is a product bug even though it was not served.
+                    self.ledger.problem("corrupt_reported", f"{op}: {exc}")
+                except CacheError as exc:
+                    code = exc.code.name if exc.code else "ERROR"
+                    self.ledger.error(code)
+                    if code in ("UNKNOWN", "INTERNAL"):  # the daemon raised: a product bug
+                        self.ledger.problem("server_errors", f"{op}: {exc}")
+                except Exception as exc:  # a client call that broke its contract
+                    self.ledger.problem("unexpected_errors", f"{op} ({'fast' if self.fast else 'stream'}):"
+                                        f" {exc!r}\n{traceback.format_exc(limit=6)}")
+
+    # -- token families: entries that are prefixes of one another ---------------------------
+
+    def new_tokens(self) -> list[int]:
+        if not self.families or self.rng.random() < 0.4:
+            self.families.append([self.rng.randrange(1, 60_000) for _ in range(FAMILY_TOKENS)])
+        base = self.rng.choice(self.families)
+        return base[: self.rng.randrange(1, FAMILY_TOKENS + 1)]
+
+    # -- operations ---------------------------------------------------------------------------
+
+    def _save(self, client: CacheClient, identity: Identity, tokens: list[int]) -> SaveResult:
+        reason = self.rng.choice(blobfmt.SAVE_REASONS)
+        codec = "zstd" if self.rng.random() < 0.1 else "none"  # both codecs' blobs verify
+        result = client.save(identity, tokens, payload_for(tokens), reason, codec=codec)
+        self.ledger.count(f"saves_{result.status}")
+        if result.status == "saved" and result.key != entry_key(identity, tokens):
+            self.ledger.problem("wrong_keys", f"commit answered key {result.key.hex()}")
+        return result
+
+    def op_save_kept(self, client: CacheClient) -> None:
+        tokens = self.new_tokens()
+        result = self._save(client, KEPT, tokens)
+        if result.status == "saved":  # Commit answered OK: this entry must survive anything
+            self.ledger.ack(result.key, tokens, result.size)
+
+    def op_save_disposable(self, client: CacheClient) -> None:
+        # Tokens of their own every time, so a removed entry can never come back legitimately.
+        tokens = [self.rng.randrange(1, 60_000) for _ in range(self.rng.randrange(1, 80))]
+        if self._save(client, DISPOSABLE, tokens).status == "saved":
+            with self.ledger.lock:
+                self.ledger.disposable[entry_key(DISPOSABLE, tokens)] = tuple(tokens)
+
+    def op_save_duplicate(self, client: CacheClient) -> None:
+        """Saving an acknowledged entry again must be answered ``already_present``: a grant
+        would mean the daemon no longer has it."""
+        picked = self.ledger.random_acked(self.rng)
+        if picked is None:
+            return
+        key, tokens = picked
+        if self._save(client, KEPT, tokens).status == "saved":
+            self.ledger.lose(key, "a second save of it was granted and committed")
+
+    def _check_loaded(self, client: CacheClient, key: bytes, query: list[int]) -> bool:
+        """Load ``key`` and compare with the saved bytes. False when it is missing."""
+        try:
+            loaded = client.load(key, prefix_of=query)
+        except CacheError as exc:
+            if exc.code is not None and exc.code.name == "NOT_FOUND":
+                return False
+            raise
+        self.ledger.count("loads_fast" if self.fast else "loads_stream")
+        tokens = list(loaded.meta.tokens)
+        identity = KEPT if loaded.meta.namespace == KEPT.namespace else DISPOSABLE
+        if entry_key(identity, tokens) != key or bytes(loaded.payload) != payload_for(tokens):
+            self.ledger.problem("wrong_bytes_served",
+                                f"load of {key.hex()} ({'fast' if self.fast else 'stream'}) "
+                                f"returned other bytes than were saved")
+        return True
+
+    def op_read_kept(self, client: CacheClient) -> None:
+        picked = self.ledger.random_acked(self.rng)
+        if picked is None:
+            return
+        key, tokens = picked
+        query = tokens + [self.rng.randrange(1, 60_000) for _ in range(self.rng.randrange(0, 20))]
+        hit = client.lookup(KEPT, query)
+        if hit is None or hit.matched_tokens < len(tokens):
+            self.ledger.lose(key, f"lookup during the run answered {hit}")
+            return
+        # The hit may be a longer member of the family; load it, and now and then the
+        # acknowledged key itself.
+        target = key if self.rng.random() < 0.3 else hit.key
+        if not self._check_loaded(client, target, query):
+            if target == key:
+                self.ledger.lose(key, "load during the run answered NOT_FOUND")
+            else:  # a kept entry, acknowledged or not: nothing removes those either
+                self.ledger.problem("vanished_entries", f"{target.hex()}: found by lookup, "
+                                    "then NOT_FOUND by its load")
+
+    def op_read_disposable(self, client: CacheClient) -> None:
+        picked = self.ledger.random_disposable(self.rng)
+        if picked is None:
+            return
+        _, tokens = picked
+        hit = client.lookup(DISPOSABLE, tokens)
+        if hit is not None:  # it may have been pruned meanwhile: NOT_FOUND is fine
+            self._check_loaded(client, hit.key, tokens)
+
+    def op_miss(self, client: CacheClient) -> None:
+        tokens = [self.rng.randrange(1, 60_000) for _ in range(self.rng.randrange(1, 60))]
+        if client.lookup(KEPT, tokens) is not None:
+            self.ledger.problem("wrong_bytes_served", "a random prompt matched an entry")
+
+    def _pick_any(self) -> tuple[bytes, bool] | None:
+        if self.rng.random() < 0.7:
+            for _ in range(8):  # an acknowledged key this thread owns for pinning
+                picked = self.ledger.random_acked(self.rng)
+                if picked is None:
+                    return None
+                if picked[0][0] % self.h.settings.workers == self.wid:
+                    return picked[0], True
+            return None
+        picked = self.ledger.random_disposable(self.rng)
+        return None if picked is None else (picked[0], False)
+
+    def _pin(self, client: CacheClient, pin: bool) -> None:
+        picked = self._pick_any()
+        if picked is None:
+            return
+        key, acked = picked
+        if acked:
+            with self.ledger.lock:
+                self.ledger.pin_state[key] = None  # unknown until answered
+        try:
+            client.pin(key) if pin else client.unpin(key)
+            self.ledger.count("pins" if pin else "unpins")
+            if acked:
+                with self.ledger.lock:
+                    self.ledger.pin_state[key] = pin
+        except CacheError as exc:
+            if acked and exc.code is not None and exc.code.name == "NOT_FOUND":
+                self.ledger.lose(key, f"{'pin' if pin else 'unpin'} answered NOT_FOUND")
+            else:
+                raise
+
+    def op_pin(self, client: CacheClient) -> None:
+        self._pin(client, True)
+
+    def op_unpin(self, client: CacheClient) -> None:
+        self._pin(client, False)
+
+    def op_verify_one(self, client: CacheClient) -> None:
+        picked = self.ledger.random_acked(self.rng)
+        if picked is None:
+            return
+        for result in client.verify([picked[0]], timeout=10.0):
+            if not result.ok:
+                self.ledger.problem("unverified", f"{result.key.hex()}: {result.error}")
+
+    def op_prune(self, client: CacheClient) -> None:
+        # Now and then also trim the RAM tier: it only drops copies, never entries.
+        ram = 1 if self.rng.random() < 0.3 else 0
+        resp = client.prune(model=DISPOSABLE.model_name, max_ram_bytes=ram)
+        self.ledger.count("prunes")
+        self.ledger.count("pruned_entries", len(resp.removed))
+        for entry in resp.removed:
+            if entry.model_name != DISPOSABLE.model_name:
+                self.ledger.lose(entry.key, "a prune by another model removed it")
+        self.ledger.forget([e.key for e in resp.removed])
+
+    def op_delete(self, client: CacheClient) -> None:
+        picked = self.ledger.random_disposable(self.rng)
+        if picked is None:
+            return
+        with contextlib.suppress(CacheError):  # gone, pinned or being read: all fine
+            client.delete(picked[0])
+            self.ledger.count("deletes")
+            self.ledger.forget([picked[0]])
+
+
+class CrashHarness:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.rng = random.Random(settings.seed)
+        self.ledger = Ledger()
+        self.own_workdir = settings.workdir is None
+        # A short path: unix socket paths are limited to 107 bytes.
+        self.workdir = settings.workdir or Path(tempfile.mkdtemp(prefix="kvcrash", dir="/tmp"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.data_dir = self.workdir / "data"
+        shm = Path("/dev/shm")
+        # The RAM tier on a memory filesystem, as in production (it survives the kills).
+        self.ram_dir = (Path(tempfile.mkdtemp(prefix="kvcrash-", dir=shm)) if shm.is_dir()
+                        else self.workdir / "ram")
+        self.socket = self.workdir / "kv.sock"
+        self.address = f"unix:{self.socket}"
+        self.daemon = Proc("kvcache daemon", [
+            sys.executable, "-m", "kvcache.cli", "serve", "--dir", str(self.data_dir),
+            "--socket", str(self.socket), "--ram-dir", str(self.ram_dir),
+            "--block-size", str(BLOCK), "--lease-seconds", str(settings.lease_seconds),
+            "--ram-bytes", "1G", "--disk-bytes", "100G", "--min-free-bytes", "0",
+            "--log-level", "WARNING"], self.workdir / "daemon.log")
+        self.kills = self.kills_under_load = self.startup_kills = self.restarts = 0
+        self.shutdown_kills = self.clean_stops = 0
+        self.restart_seconds: list[float] = []
+        self.daemon_counters: Counter[str] = Counter()
+        self.quarantined_seen = 0
+        self.verified_state: dict[bytes, tuple[int, bool]] = {}
+        self.check_seconds = 0.0
+        # The checker's clients live across restarts: closing a connected gRPC channel
+        # takes ~200 ms, and a channel whose daemon died just reconnects on its next call.
+        self.fast = CacheClient(self.address, timeout=30.0, fast_path=True)
+        self.stream = CacheClient(self.address, timeout=30.0, fast_path=False)
+
+    # -- the daemon ---------------------------------------------------------------------------
+
+    def start_daemon(self, timeout: float = 60.0) -> None:
+        """Start the daemon and wait until it answers. The stale socket of a killed daemon
+        is removed first, so the socket appearing means the new one has bound it."""
+        t0 = time.monotonic()
+        self.socket.unlink(missing_ok=True)
+        self.daemon.start()
+        deadline = t0 + timeout
+        while not self.socket.exists():
+            self.daemon.check_alive()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the daemon did not bind {self.socket} in {timeout} s")
+            time.sleep(0.005)
+        while True:
+            self.daemon.check_alive()
+            try:
+                self.fast.wait_ready(timeout=max(0.1, deadline - time.monotonic()))
+                self.fast.stats()
+                break
+            except CacheError as exc:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the daemon did not answer in {timeout} s: {exc}") from None
+                time.sleep(0.01)
+        self.restart_seconds.append(time.monotonic() - t0)
+
+    def kill_during_startup(self) -> None:
+        """Kill a daemon that is still importing, sweeping or reconciling."""
+        self.socket.unlink(missing_ok=True)
+        self.daemon.start()
+        time.sleep(self.rng.uniform(0.1, 0.5))
+        self.daemon.kill()
+        self.kills += 1
+        self.startup_kills += 1
+
+    # -- checks after a restart -------------------------------------------------------------
+
+    def orphans(self) -> list[Path]:
+        found = [p for root in (self.data_dir, self.ram_dir) for p in root.rglob("*.part")]
+        found += [p for p in (self.data_dir / "tmp").iterdir() if p not in found]
+        return found
+
+    def check(self, final: bool = False) -> None:
+        t0 = time.monotonic()
+        ledger = self.ledger
+        for path in self.orphans():
+            ledger.problem("orphans_found", str(path))
+        quarantine = self.data_dir / "quarantine"
+        n_quarantined = len(list(quarantine.iterdir())) if quarantine.is_dir() else 0
+        if n_quarantined > self.quarantined_seen:
+            ledger.problem("quarantined_files", f"{n_quarantined - self.quarantined_seen} new "
+                           f"file(s) in {quarantine} after restart {self.restarts}")
+            self.quarantined_seen = n_quarantined
+
+        fast, stream = self.fast, self.stream
+        stats = fast.stats()
+        # What start-up found: temp files swept, blobs re-indexed, rows dropped.
+        for name in ("orphans_swept", "reconcile_added", "reconcile_removed"):
+            self.daemon_counters[name] += stats.counters.get(name, 0)
+        disk = next(t for t in stats.tiers if t.tier == pb.TIER_DISK)
+        if stats.in_flight or disk.reserved_bytes:
+            ledger.problem("index_file_mismatches", f"a fresh daemon has {stats.in_flight} "
+                           f"saves in flight, {disk.reserved_bytes} bytes reserved")
+        # Index against files, before any load can schedule a RAM copy.
+        listed = {e.key: e for e in fast.list_entries()}
+        self.check_index_against_files(listed)
+        with ledger.lock:
+            back = [k for k in ledger.removed if k in listed]
+        for key in back:  # removed for good: it is gone again, and counted once
+            ledger.problem("resurrected", f"{key.hex()}: pruned or deleted (answered OK), "
+                           f"listed again after restart {self.restarts}")
+            with contextlib.suppress(CacheError):
+                fast.delete(key)
+            with ledger.lock:
+                ledger.removed.discard(key)
+
+        with ledger.lock:
+            acked = dict(ledger.acked)
+            sizes = dict(ledger.acked_size)
+            fresh, ledger.since_check = ledger.since_check, []
+            lost_already = set(ledger.lost)
+        for key in acked:
+            entry = listed.get(key)
+            if (entry is None or entry.size != sizes[key]) and key not in lost_already:
+                ledger.lose(key, f"not listed after restart {self.restarts}"
+                            if entry is None else f"listed with size {entry.size}")
+        ledger.count("presence_checks", len(acked))
+
+        with ledger.lock:
+            pins = {k: v for k, v in ledger.pin_state.items() if v is not None}
+        for key, pinned in pins.items():
+            entry = listed.get(key)
+            if entry is not None and entry.pinned != pinned:
+                ledger.problem("pin_state_lost", f"{key.hex()}: {'pin' if pinned else 'unpin'} "
+                               f"was answered, listed with pinned={entry.pinned} after restart "
+                               f"{self.restarts}")
+        self.verify_entries(listed, everything=final or self.restarts % 10 == 0)
+
+        # Full checks: lookup + load + bytes, on both paths.
+        if final:
+            todo = list(acked)
+        else:
+            fresh_keys = set(fresh)
+            older = [k for k in acked if k not in fresh_keys]
+            todo = fresh + self.rng.sample(older, min(self.settings.sample, len(older)))
+        for i, key in enumerate(todo):
+            if key in lost_already or key in ledger.lost:
+                continue
+            client = fast if i % 2 == 0 else stream
+            if self.full_check(client, key, list(acked[key])):
+                ledger.count("entries_checked")
+                ledger.byte_checked.add(key)
+        # Entries nobody was told about (a Commit whose answer the kill cut off, the
+        # disposable ones) must be whole too: check each once.
+        for i, (key, entry) in enumerate(listed.items()):
+            if key in ledger.byte_checked or key in acked:
+                continue
+            client = fast if i % 2 == 0 else stream
+            if self.check_unacknowledged(client, key, entry):
+                ledger.byte_checked.add(key)
+        self.check_seconds += time.monotonic() - t0
+
+    def verify_entries(self, listed: dict[bytes, pb.Entry], everything: bool) -> None:
+        """Verify RPC over the entries that are new or changed tier since the last check
+        and a tenth of the others (each at least every ten restarts), or over everything:
+        a published blob is never rewritten, so an entry that verified and has not changed
+        since is re-read only in rotation (re-reading all ~1,000 every restart was a third of
+        the run)."""
+        ledger = self.ledger
+        state = {k: (e.size, pb.TIER_RAM in e.tiers) for k, e in listed.items()}
+        if everything:
+            wanted = list(listed)
+        else:
+            turn = self.restarts % 10
+            wanted = [k for k in listed
+                      if self.verified_state.get(k) != state[k] or k[1] % 10 == turn]
+        results = list(self.fast.verify(wanted, timeout=600.0)) if wanted else []
+        ledger.count("verified_entries", len(results))
+        for r in results:
+            if not r.ok:
+                ledger.problem("unverified", f"{r.key.hex()}: {r.error}")
+        if {r.key for r in results} != set(wanted):
+            ledger.problem("index_file_mismatches", "Verify and List saw other entries")
+        self.verified_state = state
+
+    def check_index_against_files(self, listed: dict[bytes, pb.Entry]) -> None:
+        ledger = self.ledger
+        on_disk: dict[bytes, int] = {}
+        for path in (self.data_dir / "blobs").glob("*/*"):
+            if path.suffix != ".kvc":
+                if path.suffix != ".part":  # .part files are counted as orphans
+                    ledger.problem("index_file_mismatches", f"stray file {path}")
+                continue
+            on_disk[bytes.fromhex(path.stem)] = path.stat().st_size
+        in_ram: dict[bytes, int] = {}
+        for path in self.ram_dir.iterdir():
+            if path.suffix == ".kvc":
+                in_ram[bytes.fromhex(path.stem)] = path.stat().st_size
+            elif path.suffix != ".part":
+                ledger.problem("index_file_mismatches", f"stray file {path}")
+        for key, entry in listed.items():
+            size = on_disk.pop(key, None)
+            if size != entry.size:
+                ledger.problem("index_file_mismatches", f"{key.hex()}: indexed with "
+                               f"{entry.size} bytes, blob file has {size}")
+            ram_size = in_ram.pop(key, None)
+            if pb.TIER_RAM in entry.tiers and ram_size != entry.size:
+                ledger.problem("index_file_mismatches", f"{key.hex()}: indexed in RAM, "
+                               f"RAM copy has {ram_size} bytes")
+            elif pb.TIER_RAM not in entry.tiers and ram_size is not None:
+                ledger.problem("index_file_mismatches", f"{key.hex()}: a RAM copy the "
+                               "index does not know")
+        for key in on_disk:
+            ledger.problem("index_file_mismatches", f"{key.hex()}: blob file not indexed")
+        for key in in_ram:
+            ledger.problem("index_file_mismatches", f"{key.hex()}: RAM file not indexed")
+
+    def full_check(self, client: CacheClient, key: bytes, tokens: list[int]) -> bool:
+        hit = client.lookup(KEPT, tokens)
+        if hit is None or hit.key != key or hit.matched_tokens != len(tokens):
+            self.ledger.lose(key, f"lookup after restart {self.restarts} answered {hit}")
+            return False
+        try:
+            loaded = client.load(key, prefix_of=tokens)
+        except CacheError as exc:
+            self.ledger.lose(key, f"load after restart {self.restarts}: {exc}")
+            return False
+        if list(loaded.meta.tokens) != tokens or bytes(loaded.payload) != payload_for(tokens):
+            self.ledger.problem("wrong_bytes_served", f"{key.hex()} after restart "
+                                f"{self.restarts} holds other bytes than were saved")
+            return False
+        return True
+
+    def check_unacknowledged(self, client: CacheClient, key: bytes, entry: pb.Entry) -> bool:
+        try:
+            loaded = client.load(key)
+        except CacheError as exc:
+            self.ledger.problem("unverified", f"listed entry {key.hex()} does not load: {exc}")
+            return False
+        tokens = list(loaded.meta.tokens)
+        identity = KEPT if entry.model_name == KEPT.model_name else DISPOSABLE
+        if entry_key(identity, tokens) != key or bytes(loaded.payload) != payload_for(tokens):
+            self.ledger.problem("wrong_bytes_served", f"unacknowledged entry {key.hex()} "
+                                "holds other bytes than were saved")
+            return False
+        self.ledger.count("unacknowledged_entries_checked")
+        return True
+
+    # -- the run ------------------------------------------------------------------------------
+
+    def cycle(self, index: int) -> None:
+        """Load the live daemon from fresh client threads, then kill it mid-flight."""
+        stop = threading.Event()
+        workers = [Worker(self, w, index, fast=w % 2 == 0) for w in range(self.settings.workers)]
+        threads = [threading.Thread(target=w.run, args=(self.address, stop), daemon=True)
+                   for w in workers]
+        for t in threads:
+            t.start()
+        delay = self.rng.uniform(self.settings.min_delay_ms, self.settings.max_delay_ms)
+        time.sleep(delay / 1000.0)
+        proc = self.daemon.proc
+        assert proc is not None
+        if self.rng.random() < self.settings.shutdown_kill_p:
+            # A crash in the middle of a graceful shutdown (reservations being aborted,
+            # usage flushed, the index closed) is a crash too.
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(self.rng.uniform(0.0, 0.05))
+            shutdown = True
+        else:
+            shutdown = False
+        if proc.poll() is None:
+            self.daemon.kill()
+            self.kills += 1
+            self.kills_under_load += 1
+            self.shutdown_kills += shutdown
+        else:  # it finished shutting down first: no kill this time
+            self.daemon.kill()
+            self.clean_stops += 1
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+            if t.is_alive():
+                self.ledger.problem("hangs", "a client thread did not return after the kill")
+
+    def run(self) -> dict[str, object]:
+        s = self.settings
+        t0 = time.monotonic()
+        kill_phase = 0.0
+        budget_hit = False
+        try:
+            self.start_daemon()
+            index = 0
+            while self.kills_under_load < s.kills:
+                if time.monotonic() - t0 >= s.seconds:
+                    budget_hit = True
+                    break
+                self.cycle(index)
+                index += 1
+                if self.rng.random() < s.startup_kill_p:
+                    self.kill_during_startup()
+                self.start_daemon()
+                self.restarts += 1
+                self.check()
+            kill_phase = time.monotonic() - t0
+            # A clean stop after all that leaves nothing behind either. The final check
+            # then runs on a fresh start: on the same daemon, RAM copies scheduled by the
+            # last check's loads were still being made while it compared index and files.
+            self.daemon.stop()
+            for path in self.orphans():
+                self.ledger.problem("orphans_found", f"after a clean stop: {path}")
+            self.start_daemon()
+            self.check(final=True)
+            self.daemon.stop()
+        except RuntimeError as exc:  # the daemon did not come back: the worst outcome
+            kill_phase = kill_phase or time.monotonic() - t0
+            self.ledger.problem("restart_failures", str(exc)[-2000:])
+        finally:
+            self.daemon.kill()
+        return self.report(time.monotonic() - t0, kill_phase, budget_hit)
+
+    def report(self, seconds: float, kill_phase: float, budget_hit: bool) -> dict[str, object]:
+        n = self.ledger.counts
+        failures = ("lost_reports", "wrong_bytes_served", "orphans_found",
+                    "index_file_mismatches", "unverified", "quarantined_files",
+                    "corrupt_reported", "unexpected_errors", "wrong_keys", "hangs",
+                    "resurrected", "pin_state_lost", "server_errors", "vanished_entries",
+                    "restart_failures")
+        ok = not self.ledger.lost and not any(n[f] for f in failures)
+        restarts = sorted(self.restart_seconds)
+        return {
+            "ok": ok,
+            "kills": self.kills,
+            "kills_under_load": self.kills_under_load,
+            "kills_during_startup": self.startup_kills,
+            "kills_during_shutdown": self.shutdown_kills,
+            "clean_stops_before_kill": self.clean_stops,
+            "restarts": self.restarts,
+            "saves_acknowledged": n["saves_acknowledged"],
+            "entries_acknowledged": len(self.ledger.acked),
+            "entries_checked": n["entries_checked"],
+            "presence_checks": n["presence_checks"],
+            "verified_entries": n["verified_entries"],
+            "unacknowledged_entries_checked": n["unacknowledged_entries_checked"],
+            "entries_lost": len(self.ledger.lost),
+            "wrong_bytes_served": n["wrong_bytes_served"],
+            "orphans_found": n["orphans_found"],
+            "index_file_mismatches": n["index_file_mismatches"],
+            "unverified": n["unverified"],
+            "quarantined_files": n["quarantined_files"],
+            "corrupt_reported": n["corrupt_reported"],
+            "unexpected_errors": n["unexpected_errors"],
+            "resurrected": n["resurrected"],
+            "pin_state_lost": n["pin_state_lost"],
+            "server_errors": n["server_errors"],
+            "vanished_entries": n["vanished_entries"],
+            "restart_failures": n["restart_failures"],
+            "loads_during_run": {"fast": n["loads_fast"], "stream": n["loads_stream"]},
+            "saves": {k[6:]: v for k, v in sorted(n.items()) if k.startswith("saves_")
+                      and k != "saves_acknowledged"},
+            "pins": n["pins"], "unpins": n["unpins"], "prunes": n["prunes"],
+            "pruned_entries": n["pruned_entries"], "deletes": n["deletes"],
+            "client_errors": dict(self.ledger.errors),
+            "daemon_recovery": dict(self.daemon_counters),
+            "restart_seconds": {"median": round(restarts[len(restarts) // 2], 3),
+                                "max": round(restarts[-1], 3)} if restarts else {},
+            "check_seconds": round(self.check_seconds, 1),
+            "budget_hit": budget_hit,
+            "kill_phase_seconds": round(kill_phase, 1),
+            "seconds": round(seconds, 1),
+            "seed": self.settings.seed,
+            "workdir": str(self.workdir),
+            "ram_dir": str(self.ram_dir),
+            "problems": self.ledger.problems,
+        }
+
+    def cleanup(self, keep: bool) -> None:
+        self.daemon.kill()
+        self.fast.close()
+        self.stream.close()
+        if not keep:
+            shutil.rmtree(self.ram_dir, ignore_errors=True)
+            if self.own_workdir:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def run(settings: Settings) -> dict[str, object]:
+    """Run the harness; the work directory is kept when something failed."""
+    harness = CrashHarness(settings)
+    result: dict[str, object] = {}
+    try:
+        result = harness.run()
+        return result
+    finally:
+        harness.cleanup(keep=settings.keep or not result.get("ok", False))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kills", type=int, default=100, help="SIGKILLs under load to deliver")
+    ap.add_argument("--seconds", type=float, default=240.0,
+                    help="stop killing after this long (the final check comes after)")
+    ap.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+    ap.add_argument("--workers", type=int, default=4, help="client threads per cycle")
+    ap.add_argument("--min-delay-ms", type=float, default=20.0)
+    ap.add_argument("--max-delay-ms", type=float, default=400.0)
+    ap.add_argument("--lease-seconds", type=float, default=2.0)
+    ap.add_argument("--workdir", type=Path, default=None, help="default: a new /tmp dir")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--json", dest="as_json", action="store_true", help="one JSON object")
+    args = ap.parse_args(argv)
+    settings = Settings(
+        kills=args.kills, seconds=args.seconds,
+        seed=args.seed if args.seed is not None else random.randrange(1 << 31),
+        workers=args.workers, min_delay_ms=args.min_delay_ms, max_delay_ms=args.max_delay_ms,
+        lease_seconds=args.lease_seconds, workdir=args.workdir, keep=args.keep)
+    result = run(settings)
+    if args.as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        for name, value in result.items():
+            if name != "problems":
+                print(f"{name:32} {value}")
+        for line in result["problems"]:  # type: ignore[union-attr]
+            print(f"PROBLEM {line}")
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
