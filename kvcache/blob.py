@@ -100,6 +100,11 @@ class BlobMeta:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> BlobMeta:
+        # bytes() of an int allocates that many zero bytes: a crafted blob whose namespace
+        # or tokens is 2**40 made every reader allocate a terabyte (or die on OverflowError).
+        for name in ("namespace", "tokens"):
+            if not isinstance(d.get(name), bytes):
+                raise BlobError(f"bad blob metadata: {name} is not a byte string")
         try:
             return cls(
                 namespace=bytes(d["namespace"]),
@@ -129,13 +134,35 @@ def decode_payload(stored: bytes | memoryview, codec: str, raw_len: int) -> byte
         return stored
     if codec == "zstd":
         try:
-            out = zstandard.ZstdDecompressor().decompress(stored, max_output_size=raw_len)
+            out, n = _zstd_decode(stored, raw_len)
         except zstandard.ZstdError as exc:
             raise BlobError(f"zstd payload does not decode: {exc}") from None
-        if len(out) != raw_len:
-            raise BlobError(f"payload decoded to {len(out)} bytes, header says {raw_len}")
-        return out
+        if n != raw_len:
+            got = f"more than {raw_len}" if n > raw_len else str(n)
+            raise BlobError(f"payload decoded to {got} bytes, header says {raw_len}")
+        return memoryview(out)[:n]
     raise BlobError(f"unknown codec {codec!r}")
+
+
+def _zstd_decode(stored: bytes | memoryview, raw_len: int) -> tuple[bytearray, int]:
+    """Decode into a buffer that grows with the bytes actually produced, stopping one byte
+    past ``raw_len``. ``decompress(max_output_size=raw_len)`` allocated raw_len up front
+    for a frame without a content size: a crafted header claiming 2^34 bytes allocated
+    16 GiB, 2^60 raised MemoryError."""
+    out = bytearray(min(raw_len + 1, max(8 * len(stored), 1 << 20)))
+    n = 0
+    with zstandard.ZstdDecompressor().stream_reader(stored, read_across_frames=True) as reader:
+        while True:
+            if n == len(out):
+                if n > raw_len:
+                    break
+                out += bytes(min(len(out), raw_len + 1 - n))
+            with memoryview(out) as whole, whole[n:] as free:
+                got = reader.readinto(free)
+            if not got:
+                break
+            n += got
+    return out, n
 
 
 def pack_header_and_meta(meta: BlobMeta, stored_payload: bytes | memoryview, codec: str,
@@ -183,6 +210,11 @@ def parse_header(data: bytes | memoryview) -> BlobHeader:
         raise BlobError(f"unknown codec id {codec}")
     if meta_len > MAX_META_BYTES:
         raise BlobError(f"metadata length {meta_len} exceeds {MAX_META_BYTES}")
+    # A stored payload is its own decoding: a lie here passed every check at commit, and
+    # then every load of the entry failed.
+    if codec == CODECS["none"] and raw_len != payload_len:
+        raise BlobError(f"codec none, yet raw_len {raw_len} differs from payload_len "
+                        f"{payload_len}")
     return BlobHeader(version, CODEC_NAMES[codec], meta_len, payload_len, raw_len, meta_sum,
                       payload_sum)
 

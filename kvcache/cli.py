@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from .auth import (
     ServerAuth,
     refuse_unprotected_tcp,
 )
+from .blob import SAVE_REASONS
 from .client import TIER_NAMES, CacheClient, CacheError, CacheUnavailable
 from .config import default_address, default_dir
 from .v1 import kvcache_pb2 as pb
@@ -44,6 +46,8 @@ def parse_bytes(text: str) -> int:
         value = float(t[: len(t) - len(unit)])
     except ValueError:
         raise click.BadParameter(f"not a size: {text!r} (e.g. 512M, 2G)") from None
+    if not math.isfinite(value):  # float() takes "nan" and "inf"; int() then raised
+        raise click.BadParameter(f"not a size: {text!r} (e.g. 512M, 2G)")
     if value < 0:
         raise click.BadParameter(f"a size cannot be negative: {text!r}")
     return int(value * _UNITS[unit])
@@ -57,6 +61,9 @@ def parse_duration(text: str) -> float:
         value = float(t.rstrip("smhdw"))
     except ValueError:
         raise click.BadParameter(f"not a duration: {text!r} (e.g. 90s, 15m, 2h, 7d)") from None
+    # A NaN or negative age matched every entry: `prune --older-than nan` removed them all.
+    if not math.isfinite(value) or value < 0:
+        raise click.BadParameter(f"a duration is a finite number >= 0: {text!r}")
     return value * _SECONDS[unit]
 
 
@@ -90,7 +97,20 @@ class DurationType(click.ParamType):
 
 
 SIZE = SizeType()
+class PeriodType(DurationType):
+    """A timeout: a duration above zero (a NaN lease would never expire)."""
+
+    name = "period"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        seconds = super().convert(value, param, ctx)
+        if not 0 < seconds <= 7 * 86400:
+            self.fail(f"must be above 0 and at most 7d, got {value!r}", param, ctx)
+        return seconds
+
+
 DURATION = DurationType()
+PERIOD = PeriodType()
 
 
 # Client credentials for a daemon's TCP port; options or the environment, never a token
@@ -131,6 +151,11 @@ def client_auth() -> ClientAuth:
 def connect(address: str | None) -> CacheClient:
     auth = client_auth()
     client = CacheClient(address, timeout=10.0, auth=auth)
+    socket_path = Path(client.address.removeprefix("unix:"))
+    if client.address.startswith("unix:") and not socket_path.exists():
+        client.close()  # nothing to wait for
+        raise click.ClickException(f"no kvcache daemon at {client.address} (no such socket; "
+                                   "start one with: kvcache serve)")
     try:
         client.wait_ready(timeout=3.0)
     except CacheUnavailable:
@@ -225,8 +250,11 @@ def main() -> None:
               help="Refuse saves that would leave less free space on the disk.")
 @click.option("--block-size", type=click.IntRange(1, 65536), default=256, show_default=True,
               help="Tokens per hashed block.")
-@click.option("--lease-seconds", type=float, default=30.0, show_default=True,
+@click.option("--lease-seconds", type=PERIOD, default=30.0, show_default=True,
               help="A reservation with no traffic for this long is aborted.")
+@click.option("--pin-seconds", type=PERIOD, default=60.0,
+              show_default=True,
+              help="A same-host read pin not released within this long is dropped.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="Serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: any free port).")
 @click.option("--log-level", default="INFO", show_default=True)
@@ -234,7 +262,8 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
           token_file: Path | None, tls_cert: Path | None, tls_key: Path | None,
           tls_client_ca: Path | None, insecure_tcp: bool, ram_dir: Path | None,
           ram_bytes: int, disk_bytes: int, min_free_bytes: int, block_size: int,
-          lease_seconds: float, metrics_port: int | None, log_level: str) -> None:
+          lease_seconds: float, pin_seconds: float, metrics_port: int | None,
+          log_level: str) -> None:
     """Run the cache daemon until SIGTERM or SIGINT."""
     from .errors import StoreError
     from .server import Daemon
@@ -247,7 +276,7 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
     root = (data_dir or default_dir()).expanduser().resolve()
     config = StoreConfig(root=root, ram_dir=ram_dir, ram_bytes=ram_bytes, disk_bytes=disk_bytes,
                          min_free_bytes=min_free_bytes, block_size=block_size,
-                         lease_seconds=lease_seconds)
+                         lease_seconds=lease_seconds, pin_seconds=pin_seconds)
     try:
         daemon = Daemon(config, socket_path=socket_path, listen=listen,
                         metrics_port=metrics_port, auth=auth, insecure_tcp=insecure_tcp)
@@ -260,7 +289,9 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
 @address_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def stats(address: str | None, as_json: bool) -> None:
-    """Entries, bytes and budgets per tier, and every counter."""
+    """Entries, bytes and budgets per tier, every counter, and latency percentiles."""
+    from .counters import SECTIONS
+
     with connect(address) as client:
         s = run(client.stats)
     data = {
@@ -271,38 +302,63 @@ def stats(address: str | None, as_json: bool) -> None:
                                        "reserved_bytes": t.reserved_bytes,
                                        "directory": t.directory} for t in s.tiers},
         "counters": dict(sorted(s.counters.items())),
+        "latencies": {name: {"count": v.count, "window": v.window, "p50_ms": v.p50_ms,
+                             "p90_ms": v.p90_ms, "p99_ms": v.p99_ms}
+                      for name, v in sorted(s.latencies.items())},
     }
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
     console = Console()
-    tiers = Table(title=f"kvcache {s.version} — up {human_age(s.uptime_seconds)}")
-    for col in ("tier", "entries", "bytes", "budget", "used", "directory"):
-        tiers.add_column(col)
+    tiers = Table(title=f"kvcache {s.version} — up {human_age(s.uptime_seconds)}, "
+                        f"block size {s.block_size}, {s.in_flight} saves in flight, "
+                        f"{s.read_pins} read pins")
+    for col in ("tier", "entries", "bytes", "budget", "used", "reserved", "directory"):
+        tiers.add_column(col, justify="left" if col in ("tier", "directory") else "right")
     for name, t in data["tiers"].items():
         used = f"{100 * t['bytes'] / t['budget_bytes']:.1f}%" if t["budget_bytes"] else "-"
         tiers.add_row(name, str(t["entries"]), human_bytes(t["bytes"]),
-                      human_bytes(t["budget_bytes"]), used, t["directory"])
+                      human_bytes(t["budget_bytes"]), used,
+                      human_bytes(t["reserved_bytes"]) if t["reserved_bytes"] else "-",
+                      t["directory"])
     console.print(tiers)
+    # Counters by topic, in declaration order; a newer daemon's extra ones come last.
     counters = Table(title="counters")
-    counters.add_column("counter")
-    counters.add_column("value", justify="right")
-    for name, value in data["counters"].items():
-        counters.add_row(name, str(value))
+    for col in ("section", "counter", "value", "meaning"):
+        counters.add_column(col, justify="right" if col == "value" else "left")
+    known = {name for section in SECTIONS.values() for name in section}
+    other = {n: "" for n in data["counters"] if n not in known}
+    for title, section in [*SECTIONS.items(), ("other", other)]:
+        rows = [(n, help_text) for n, help_text in section.items() if n in data["counters"]]
+        for i, (name, help_text) in enumerate(rows):
+            counters.add_row(title if i == 0 else "", name, str(data["counters"][name]),
+                             help_text, end_section=i == len(rows) - 1)
     console.print(counters)
+    latencies = Table(title="latencies (ms, over the most recent samples)")
+    for col in ("series", "count", "window", "p50", "p90", "p99"):
+        latencies.add_column(col, justify="left" if col == "series" else "right")
+    for name, v in data["latencies"].items():
+        latencies.add_row(name, str(v["count"]), str(v["window"]), f"{v['p50_ms']:.3f}",
+                          f"{v['p90_ms']:.3f}", f"{v['p99_ms']:.3f}")
+    if not data["latencies"]:
+        latencies.add_row("(none observed yet)", "", "", "", "", "")
+    console.print(latencies)
 
 
 @main.command("ls")
 @address_option
 @click.option("--model", default="", help="Model name or fingerprint prefix.")
 @click.option("--tenant", default="", help="Tenant salt (only its entries are listed).")
-@click.option("--reason", type=click.Choice(["", "cold", "continued", "finish", "evict",
-                                             "shutdown", "manual"]), default="")
-@click.option("--tier", type=click.Choice(["", "ram", "disk"]), default="")
-@click.option("--min-tokens", type=int, default=0)
+@click.option("--reason", type=click.Choice(["", *SAVE_REASONS]), default="")
+@click.option("--tier", type=click.Choice(["", "ram", "disk"]), default="",
+              help="ram: entries with a RAM copy; disk: all (every entry is on disk).")
+@click.option("--min-tokens", type=click.IntRange(min=0), default=0)
 @click.option("--sort", "sort_by", type=click.Choice(["used", "age", "size", "tokens", "hits"]),
-              default="used", show_default=True)
-@click.option("--limit", type=int, default=0, help="At most this many rows (0: all).")
+              default="used", show_default=True,
+              help="used: most recently used first; age: oldest first; size, tokens, "
+                   "hits: largest first.")
+@click.option("--limit", type=click.IntRange(min=0), default=0,
+              help="At most this many rows (0: all).")
 @click.option("--json", "as_json", is_flag=True)
 def ls(address: str | None, model: str, tenant: str, reason: str, tier: str, min_tokens: int,
        sort_by: str, limit: int, as_json: bool) -> None:
@@ -402,24 +458,31 @@ def verify(address: str | None, as_json: bool) -> None:
 @click.option("--max-ram-bytes", type=SIZE, default=None, help="Trim the RAM tier to this size.")
 @click.option("--older-than", type=DURATION, default=None, help="Created longer ago than this.")
 @click.option("--unused-for", type=DURATION, default=None, help="Not read for this long.")
-@click.option("--model", default="")
-@click.option("--tenant", default="")
-@click.option("--reason", default="")
+@click.option("--model", default="", help="Model name or fingerprint prefix.")
+@click.option("--tenant", default="", help="Tenant salt (only its entries).")
+@click.option("--reason", type=click.Choice(["", *SAVE_REASONS]), default="")
 @click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
 @click.option("--json", "as_json", is_flag=True)
 def prune(address: str | None, max_bytes: int | None, max_ram_bytes: int | None,
           older_than: float | None, unused_for: float | None, model: str, tenant: str,
           reason: str, dry_run: bool, as_json: bool) -> None:
     """Remove entries by age, use, owner or size. Pinned and in-use entries stay."""
+    # 0 on the wire means "no byte target" (and alone the daemon refuses the prune), but
+    # `--max-bytes 0` asks to trim to nothing: a 1-byte target removes every entry that
+    # may go, as every blob is larger.
+    def target(value: int | None) -> int:
+        return 0 if value is None else max(value, 1)
+
     with connect(address) as client:
         r = run(lambda: client.prune(
-            max_disk_bytes=max_bytes or 0, max_ram_bytes=max_ram_bytes or 0,
+            max_disk_bytes=target(max_bytes), max_ram_bytes=target(max_ram_bytes),
             older_than_seconds=older_than or 0.0, unused_for_seconds=unused_for or 0.0,
             model=model, tenant=tenant, reason=reason, dry_run=dry_run))
     now = time.time()
     data = {"dry_run": dry_run, "removed": [entry_dict(e, now) for e in r.removed],
             "bytes_freed": r.bytes_freed, "skipped_pinned": r.skipped_pinned,
-            "skipped_in_use": r.skipped_in_use}
+            "skipped_in_use": r.skipped_in_use, "ram_dropped": r.ram_dropped,
+            "ram_bytes_freed": r.ram_bytes_freed}
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
@@ -428,6 +491,9 @@ def prune(address: str | None, max_bytes: int | None, max_ram_bytes: int | None,
         click.echo(f"{verb} {e['key']} {e['tokens']} tokens {human_bytes(e['bytes'])}")
     click.echo(f"{verb} {len(r.removed)} entries, {human_bytes(r.bytes_freed)}; kept "
                f"{r.skipped_pinned} pinned and {r.skipped_in_use} in use")
+    if max_ram_bytes is not None:
+        click.echo(f"{'would drop' if dry_run else 'dropped'} {r.ram_dropped} RAM copies, "
+                   f"{human_bytes(r.ram_bytes_freed)} (their entries stay on disk)")
 
 
 @main.command()

@@ -13,6 +13,7 @@ the daemon pins it. Over TCP both stream in chunks.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import time
@@ -187,9 +188,7 @@ class CacheClient:
         try:
             local = self.fast_path and resp.local_path and os.path.exists(resp.local_path)
             if local:
-                with open(resp.local_path, "r+b", buffering=0) as f:
-                    for part in parts:
-                        f.write(part)
+                self._write_local(resp.local_path, parts)
             else:
                 self._rpc_stream_write(lease, parts, self._left(deadline))
             done = self._rpc("Commit", pb.CommitRequest(lease_id=lease, local_write=bool(local)),
@@ -203,6 +202,30 @@ class CacheClient:
     @staticmethod
     def _left(deadline: float) -> float:
         return max(0.05, deadline - time.monotonic())
+
+    @staticmethod
+    def _write_local(path: str, parts: list[bytes | memoryview]) -> None:
+        """Write the blob into the daemon's reserved temp file (same host)."""
+        try:
+            with open(path, "r+b", buffering=0) as f:
+                for part in parts:
+                    view = memoryview(part)
+                    while view:
+                        # A raw write is short when the disk fills: unchecked, it left a
+                        # truncated file that the commit then blamed on the blob.
+                        n = f.write(view)
+                        if not n:
+                            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                        view = view[n:]
+        except OSError as exc:
+            # Raised as is, an OSError escaped callers that expect CacheError (the
+            # runtime's saver thread died of it). The caller aborts the lease.
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            raise CacheError(
+                f"writing the reserved file {path} failed: {exc.strerror or exc} "
+                "(save aborted)",
+                grpc.StatusCode.RESOURCE_EXHAUSTED if full else grpc.StatusCode.INTERNAL,
+            ) from None
 
     def _rpc_stream_write(self, lease: str, parts: list[bytes | memoryview],
                           timeout: float) -> None:
@@ -242,6 +265,13 @@ class CacheClient:
             with open(resp.path, "rb", buffering=0) as f:
                 if os.fstat(f.fileno()).st_size == resp.size:
                     blob = blobfmt.decode_blob(map_file(f, resp.size))
+            # Checksums pass any valid blob, and one of another entry (same size: same
+            # prompt length and model shape) would restore another prompt's, tenant's or
+            # model's state. The blob's own namespace and tokens must give the key asked
+            # for. (The streamed path is checked by the daemon.)
+            if blob is not None and resp.block_size and keys.entry_key(
+                    blob.meta.namespace, blob.meta.tokens, resp.block_size).key != key:
+                blob = None  # a swapped or misplaced file
         except FileNotFoundError:
             blob = None  # the daemon vouched for a file that is gone: let it check
         except OSError:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import lmdb
 import msgpack
+import xxhash
 
 from .keys import key_under
 
@@ -53,6 +54,18 @@ class Record:
         return msgpack.packb({name: getattr(self, name) for name in _RECORD_FIELDS},
                              use_bin_type=True)
 
+    def seal(self) -> bytes:
+        """xxh3_64 of the fields its blob vouches for, kept in the ``seals`` database at
+        publish: a row whose size, n_tokens, tail, namespace, reason... changed on disk no
+        longer matches it. (Not a field: older versions reject rows with unknown fields.)"""
+        return xxhash.xxh3_64_digest(
+            msgpack.packb([getattr(self, name) for name in _SEALED_FIELDS], use_bin_type=True))
+
+    @property
+    def usage_ok(self) -> bool:
+        return (type(self.in_ram) is bool and type(self.pinned) is bool
+                and type(self.hits) is int and type(self.last_used) is float)
+
     @classmethod
     def unpack(cls, data: bytes) -> Record:
         return cls(**msgpack.unpackb(data, raw=False))
@@ -64,6 +77,9 @@ class Record:
 
 
 _RECORD_FIELDS = tuple(f.name for f in fields(Record))
+# What a blob's header and metadata determine; the rest (tier, usage, pin) changes in place.
+_SEALED_FIELDS = tuple(name for name in _RECORD_FIELDS
+                       if name not in ("in_ram", "hits", "last_used", "pinned"))
 # An anchor with more rows than this is probed by key instead of scanned (see below).
 SCAN_LIMIT = 32
 
@@ -79,6 +95,7 @@ class Index:
         self._entries = self.env.open_db(b"entries")
         self._anchors = self.env.open_db(b"anchors")
         self._meta = self.env.open_db(b"meta")
+        self._seals = self.env.open_db(b"seals")  # key -> Record.seal() (see audit)
 
     def close(self) -> None:
         self.env.close()
@@ -106,6 +123,7 @@ class Index:
         with self.env.begin(write=True) as txn:
             txn.put(record.key, record.pack(), db=self._entries)
             txn.put(record.anchor + record.key, record.tail, db=self._anchors)
+            txn.put(record.key, record.seal(), db=self._seals)
 
     def delete(self, key: bytes) -> Record | None:
         with self.env.begin(write=True) as txn:
@@ -114,6 +132,7 @@ class Index:
                 return None
             record = Record.unpack(data)
             txn.delete(record.anchor + record.key, db=self._anchors)
+            txn.delete(key, db=self._seals)
             return record
 
     def update(self, key: bytes, **changes: object) -> Record | None:
@@ -144,6 +163,50 @@ class Index:
             for _, data in txn.cursor():
                 yield Record.unpack(data)
 
+    def audit(self) -> tuple[list[Record], dict[bytes, dict[str, object]]]:
+        """Check every row without reading a blob (start-up): the records that hold
+        together, and the keys of those that do not (undecodable, not matching their seal,
+        filed under another key, with a missing or different anchor row), each with its
+        well-typed usage fields, so that re-indexing its blob from the header keeps hits
+        and pin."""
+        good: list[Record] = []
+        bad: dict[bytes, dict[str, object]] = {}
+        with self.env.begin() as txn:
+            for key, data in txn.cursor(db=self._entries):
+                try:
+                    raw = msgpack.unpackb(data, raw=False)
+                    # Every field, as pack() writes them: a missing one would take a default.
+                    if set(raw) != set(_RECORD_FIELDS):
+                        raise ValueError(f"fields {sorted(raw)}")
+                    record = Record(**raw)
+                except Exception:  # garbled bytes: msgpack and the constructor raise many types
+                    bad[key] = {}
+                    continue
+                # (A row an older version published has no seal: re-indexed, usage kept.)
+                if (record.usage_ok and record.key == key
+                        and txn.get(key, db=self._seals) == record.seal()
+                        and txn.get(record.anchor + key, db=self._anchors) == record.tail):
+                    good.append(record)
+                    continue
+                usage = {"hits": record.hits, "last_used": record.last_used,
+                         "pinned": record.pinned}
+                bad[key] = {k: v for k, v in usage.items()
+                            if type(v) is type(getattr(Record, k))}
+        return good, bad
+
+    def drop_rows(self, keys_: Iterable[bytes]) -> None:
+        """Delete entry rows without decoding them, then every anchor row left pointing at
+        no entry (a garbled row's anchor cannot be read back; a stale anchor row would
+        shadow the valid entries under the same anchor in longest_prefix)."""
+        with self.env.begin(write=True) as txn:
+            for key in keys_:
+                txn.delete(key, db=self._entries)
+                txn.delete(key, db=self._seals)
+            orphans = [composite for composite, _ in txn.cursor(db=self._anchors)
+                       if txn.get(composite[KEY_LEN:], db=self._entries) is None]
+            for composite in orphans:
+                txn.delete(composite, db=self._anchors)
+
     def count(self) -> int:
         with self.env.begin() as txn:
             return txn.stat(self._entries)["entries"]
@@ -152,12 +215,14 @@ class Index:
         with self.env.begin(write=True) as txn:
             txn.drop(self._entries, delete=False)
             txn.drop(self._anchors, delete=False)
+            txn.drop(self._seals, delete=False)
 
     def put_many(self, records: Iterable[Record]) -> None:
         with self.env.begin(write=True) as txn:
             for record in records:
                 txn.put(record.key, record.pack(), db=self._entries)
                 txn.put(record.anchor + record.key, record.tail, db=self._anchors)
+                txn.put(record.key, record.seal(), db=self._seals)
 
     # -- lookup -----------------------------------------------------------------------------
 

@@ -7,8 +7,12 @@ Each process uses its own registry, so several servers in one process never coll
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Callable, Iterator, Mapping
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -31,15 +35,17 @@ class SnapshotCollector(Collector):
     """
 
     def __init__(self, prefix: str, counters: Callable[[], Mapping[str, int]],
-                 gauges: Callable[[], Mapping[tuple[str, tuple[tuple[str, str], ...]], float]]
-                 ) -> None:
+                 gauges: Callable[[], Mapping[tuple[str, tuple[tuple[str, str], ...]], float]],
+                 counter_help: Mapping[str, str] | None = None) -> None:
         self.prefix = prefix
         self.counters = counters
         self.gauges = gauges
+        self.counter_help = counter_help if counter_help is not None else {}
 
     def collect(self) -> Iterator[Metric]:
         for name, value in sorted(self.counters().items()):
-            family = CounterMetricFamily(metric_name(self.prefix, name), f"{name} (count)")
+            family = CounterMetricFamily(metric_name(self.prefix, name),
+                                         self.counter_help.get(name, f"{name} (count)"))
             family.add_metric([], float(value))
             yield family
         grouped: dict[str, GaugeMetricFamily] = {}
@@ -58,11 +64,18 @@ class Metrics:
         self.prefix = prefix
         self.registry = CollectorRegistry()
         self._histograms: dict[str, Histogram] = {}
+        # Filled by the counters' owner (describe_counters), read at every scrape.
+        self.counter_help: dict[str, str] = {}
+
+    def describe_counters(self, help_texts: Mapping[str, str]) -> None:
+        """HELP texts of the snapshot's counters (kvcache.counters, model_runtime.counters)."""
+        self.counter_help.update(help_texts)
 
     def add_snapshot(self, counters: Callable[[], Mapping[str, int]],
                      gauges: Callable[[], Mapping[tuple[str, tuple[tuple[str, str], ...]],
                                                   float]]) -> None:
-        self.registry.register(SnapshotCollector(self.prefix, counters, gauges))
+        self.registry.register(SnapshotCollector(self.prefix, counters, gauges,
+                                                 self.counter_help))
 
     def histogram(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Histogram:
         if name not in self._histograms:
@@ -75,3 +88,50 @@ class Metrics:
         """Serve /metrics on ``addr:port`` (port 0: any free port); returns the port."""
         server, _thread = start_http_server(port, addr=addr, registry=self.registry)
         return int(server.server_port)
+
+
+def percentile(ordered: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..100) of samples sorted ascending; 0 if none."""
+    if not ordered:
+        return 0.0
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+@dataclass(frozen=True)
+class LatencySummary:
+    count: int  # observations since start
+    window: int  # recent observations the percentiles are computed from
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+
+
+class LatencyWindows:
+    """The last ``size`` latencies of each named series, for percentiles in ``stats``.
+
+    Prometheus histograms are cumulative and bucketed; an operator reading ``stats``
+    wants recent percentiles, so a bounded window of raw samples is kept beside them.
+    """
+
+    def __init__(self, size: int = 2048) -> None:
+        self.size = size
+        self._lock = threading.Lock()
+        self._samples: dict[str, deque[float]] = {}
+        self._counts: dict[str, int] = {}
+
+    def observe(self, series: str, seconds: float) -> None:
+        with self._lock:
+            window = self._samples.get(series)
+            if window is None:
+                window = self._samples[series] = deque(maxlen=self.size)
+            window.append(seconds)
+            self._counts[series] = self._counts.get(series, 0) + 1
+
+    def summaries(self) -> dict[str, LatencySummary]:
+        with self._lock:
+            snapshot = {name: (sorted(w), self._counts[name]) for name, w in self._samples.items()}
+        return {name: LatencySummary(count, len(ordered),
+                                     *(round(percentile(ordered, q) * 1000, 3)
+                                       for q in (50, 90, 99)))
+                for name, (ordered, count) in sorted(snapshot.items())}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import threading
@@ -26,9 +27,10 @@ from .auth import (
     tcp_security,
 )
 from .config import MAX_MESSAGE_BYTES, MAX_SOCKET_PATH, SOCKET_NAME
+from .counters import COUNTERS
 from .errors import InvalidArgument, StoreError
 from .index import Record
-from .metrics import Metrics
+from .metrics import LatencyWindows, Metrics
 from .store import TIER_DISK, TIER_RAM, Store, StoreConfig
 from .v1 import kvcache_pb2 as pb
 from .v1 import kvcache_pb2_grpc as pb_grpc
@@ -61,6 +63,29 @@ def check_key(key: bytes) -> bytes:
     if len(key) != keys.KEY_BYTES:
         raise InvalidArgument(f"a key is {keys.KEY_BYTES} bytes, got {len(key)}")
     return key
+
+
+# Status details travel percent-encoded in a trailer, and clients drop trailers over 8 KiB:
+# an error echoing a 10 kB lease id or reason reached the caller as RESOURCE_EXHAUSTED
+# "Stream removed" instead of its own status. 500 characters stay under the limit even
+# when every one is a 4-byte UTF-8 sequence.
+MAX_DETAILS = 500
+
+
+def details(exc: Exception) -> str:
+    text = str(exc)
+    return text if len(text) <= MAX_DETAILS else text[: MAX_DETAILS - 3] + "..."
+
+
+def wait_budget_ms(wait_ms: int, context: Any) -> int:
+    """``wait_ms`` cut to the call's deadline. A reader waiting for an in-flight key holds
+    one of the server's threads: past its caller's deadline it waited on for nobody (until
+    the key was published or aborted, which a trickling writer can put off indefinitely),
+    and enough such readers stalled every other RPC."""
+    remaining = context.time_remaining()  # without a deadline: None, or a huge number
+    if remaining is None:
+        return wait_ms
+    return max(0, int(min(wait_ms, remaining * 1000)))
 
 
 def entry_message(record: Record) -> pb.Entry:
@@ -120,6 +145,9 @@ class KVCacheService(pb_grpc.KVCacheServicer):
     def __init__(self, store: Store, metrics: Metrics | None = None) -> None:
         self.store = store
         self.metrics = metrics or Metrics("kvcache")
+        self.metrics.describe_counters(COUNTERS)
+        # Recent samples per series, for the percentiles of `kvcache stats`.
+        self.latencies = LatencyWindows()
         self.lookup_seconds = self.metrics.histogram(
             "lookup_seconds", "Longest-prefix lookup latency", ("result",))
         self.read_seconds = self.metrics.histogram(
@@ -133,9 +161,9 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         try:
             return fn()
         except StoreError as exc:
-            context.abort(exc.code, str(exc))
+            context.abort(exc.code, details(exc))
         except (ValueError, OverflowError) as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, details(exc))
         raise AssertionError("unreachable")  # context.abort raises
 
     def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
@@ -144,8 +172,9 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             raw = request_tokens(request)
             t0 = time.perf_counter()
             record, probes = self.store.lookup(ns, raw, request.max_tokens)
-            self.lookup_seconds.labels("hit" if record else "miss").observe(
-                time.perf_counter() - t0)
+            elapsed = time.perf_counter() - t0
+            self.lookup_seconds.labels("hit" if record else "miss").observe(elapsed)
+            self.latencies.observe("lookup", elapsed)
             if record is None:
                 return pb.LookupResponse(found=False, probes=probes)
             return pb.LookupResponse(
@@ -159,7 +188,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             ns = identity_namespace(request.identity)
             raw = request_tokens(request)
             result = self.store.reserve(ns, raw, request.size, request.reason,
-                                        request.identity.model_fingerprint)
+                                        request.identity.model_fingerprint,
+                                        tenant_id=keys.tenant_id(request.identity.tenant))
             status = {"granted": pb.ReserveResponse.GRANTED,
                       "already_present": pb.ReserveResponse.ALREADY_PRESENT,
                       "in_flight": pb.ReserveResponse.IN_FLIGHT}[result.status]
@@ -182,7 +212,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                     raise InvalidArgument("a write stream carries chunks of one lease only")
                 written = self.store.write(lease_id, chunk.offset, chunk.data)
         except StoreError as exc:
-            context.abort(exc.code, str(exc))
+            context.abort(exc.code, details(exc))
         except grpc.RpcError:
             # The writer went away mid-stream: its save cannot complete.
             if lease_id:
@@ -202,7 +232,9 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"write stream ended after {written} of {size} reserved bytes "
                               "(save aborted)")
-        self.write_seconds.observe(time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        self.write_seconds.observe(elapsed)
+        self.latencies.observe("write_stream", elapsed)
         return pb.WriteResponse(bytes_written=written)
 
     def _abort_quietly(self, lease_id: str, counter: str) -> None:
@@ -213,7 +245,9 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         t0 = time.perf_counter()
         record = self._call(context,
                             lambda: self.store.commit(request.lease_id, request.local_write))
-        self.commit_seconds.labels(record.reason).observe(time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        self.commit_seconds.labels(record.reason).observe(elapsed)
+        self.latencies.observe("commit", elapsed)
         return pb.CommitResponse(key=record.key, size=record.size)
 
     def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:
@@ -224,7 +258,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         chunk_bytes = min(request.chunk_bytes or (1 << 20), MAX_MESSAGE_BYTES // 2)
         t0 = time.perf_counter()
         pin, chunks = self._call(context, lambda: self.store.iter_read(
-            check_key(request.key), request.wait_ms, chunk_bytes))
+            check_key(request.key), wait_budget_ms(request.wait_ms, context), chunk_bytes))
         offset = 0
         try:
             for data in chunks:
@@ -234,19 +268,24 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                     msg.tier = TIERS[pin.tier]
                 offset += len(data)
                 yield msg
-            self.read_seconds.labels(pin.tier, "stream").observe(time.perf_counter() - t0)
+            elapsed = time.perf_counter() - t0
+            self.read_seconds.labels(pin.tier, "stream").observe(elapsed)
+            self.latencies.observe(f"read_{pin.tier}_stream", elapsed)
         except StoreError as exc:
-            context.abort(exc.code, str(exc))
+            context.abort(exc.code, details(exc))
         finally:
             chunks.close()  # type: ignore[attr-defined]
 
     def OpenRead(self, request: pb.OpenReadRequest, context: Any) -> pb.OpenReadResponse:
         t0 = time.perf_counter()
-        pin = self._call(context, lambda: self.store.open_read(check_key(request.key),
-                                                               request.wait_ms))
-        self.read_seconds.labels(pin.tier, "local").observe(time.perf_counter() - t0)
+        pin = self._call(context, lambda: self.store.open_read(
+            check_key(request.key), wait_budget_ms(request.wait_ms, context)))
+        elapsed = time.perf_counter() - t0
+        self.read_seconds.labels(pin.tier, "local").observe(elapsed)
+        self.latencies.observe(f"read_{pin.tier}_local", elapsed)
         return pb.OpenReadResponse(path=str(pin.path), size=pin.size, tier=TIERS[pin.tier],
-                                   pin_id=pin.pin_id, pin_seconds=self.store.config.pin_seconds)
+                                   pin_id=pin.pin_id, pin_seconds=self.store.config.pin_seconds,
+                                   block_size=self.store.config.block_size)
 
     def ReleaseRead(self, request: pb.ReleaseReadRequest, context: Any) -> pb.ReleaseReadResponse:
         quarantined = self._call(context, lambda: self.store.release_read(request.pin_id,
@@ -278,7 +317,10 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         ]
         return pb.StatsResponse(tiers=tiers, counters=s["counters"], block_size=cfg.block_size,
                                 version=__version__, uptime_seconds=s["uptime"],
-                                in_flight=s["in_flight"], read_pins=s["read_pins"])
+                                in_flight=s["in_flight"], read_pins=s["read_pins"],
+                                latencies={name: pb.LatencySummary(**vars(summary))
+                                           for name, summary in
+                                           self.latencies.summaries().items()})
 
     def List(self, request: pb.ListRequest, context: Any) -> pb.ListResponse:
         predicate = record_filter(request.model, request.tenant, request.reason, request.tier,
@@ -307,6 +349,12 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                                   total=total)
 
     def Prune(self, request: pb.PruneRequest, context: Any) -> pb.PruneResponse:
+        # NaN or a negative age matched every entry: a bogus filter removed everything.
+        for name in ("older_than_seconds", "unused_for_seconds"):
+            value = getattr(request, name)
+            if not (math.isfinite(value) and value >= 0):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"{name} must be a finite number >= 0, got {value}")
         predicate = record_filter(request.model, request.tenant, request.reason,
                                   older_than=request.older_than_seconds,
                                   unused_for=request.unused_for_seconds, now=time.time())
@@ -318,7 +366,9 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         return pb.PruneResponse(removed=[entry_message(r) for r in result.removed],
                                 bytes_freed=result.bytes_freed,
                                 skipped_pinned=result.skipped_pinned,
-                                skipped_in_use=result.skipped_in_use)
+                                skipped_in_use=result.skipped_in_use,
+                                ram_dropped=result.ram_dropped,
+                                ram_bytes_freed=result.ram_bytes_freed)
 
 
 def server_options() -> list[tuple[str, int]]:

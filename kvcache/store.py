@@ -21,6 +21,7 @@ worst a tmp file (swept) or an unindexed blob (re-indexed from its header at sta
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import secrets
@@ -34,8 +35,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO
 
+import lmdb
+
 from . import blob as blobfmt
 from . import keys
+from .counters import COUNTERS
 from .errors import (
     Busy,
     Corrupt,
@@ -44,6 +48,7 @@ from .errors import (
     LeaseLost,
     NotFound,
     OutOfRange,
+    StoreError,
     StoreFull,
     WaitTimeout,
 )
@@ -93,6 +98,7 @@ class Reservation:
     written: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     done: bool = False
+    tenant_id: str | None = None  # the reserving identity's; None: not checked
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,8 @@ class PruneResult:
     bytes_freed: int
     skipped_pinned: int
     skipped_in_use: int
+    ram_dropped: int = 0  # RAM copies dropped (or, in a dry run, that would be)
+    ram_bytes_freed: int = 0
 
 
 class Store:
@@ -215,9 +223,17 @@ class Store:
             except ValueError:
                 path.unlink(missing_ok=True)
 
+        # A damaged row (undecodable: iterating it crashed start-up; or a changed size,
+        # n_tokens, tail, namespace, reason... that nothing else checks) is dropped, and its
+        # blob file, left in on_disk, is re-indexed from its checksummed header below: a
+        # good entry is not lost to its index row, and no row is served that its blob denies.
+        good, bad = self.index.audit()
+        if bad:
+            self.index.drop_rows(bad)
+            self.counters["reconcile_removed"] += len(bad)
         stale: list[bytes] = []
         ram_fixes: list[tuple[bytes, bool]] = []
-        for record in self.index.records():
+        for record in good:
             path = on_disk.pop(record.key, None)
             if path is None or path.stat().st_size != record.size:
                 stale.append(record.key)
@@ -265,7 +281,8 @@ class Store:
             except (OSError, blobfmt.BlobError):
                 self._quarantine_path(path)
                 continue
-            added.append(self._record_from(entry, header, meta, path.stat().st_size))
+            added.append(replace(self._record_from(entry, header, meta, path.stat().st_size),
+                                 **bad.get(entry.key, {})))  # a damaged row's hits and pin
             self.disk_used += header.total_size
         if added:
             self.index.put_many(added)
@@ -287,9 +304,14 @@ class Store:
         hashes = keys.block_hashes(ns, raw_tokens, self.config.block_size)
         record, probes = self.index.longest_prefix(hashes, raw_tokens, self.config.block_size,
                                                    max_tokens)
+        n = len(raw_tokens) // 4
+        wanted = min(n, max_tokens) if max_tokens else n
         with self._cond:
             self.counters["lookups"] += 1
             self.counters["lookup_hits" if record else "lookup_misses"] += 1
+            if record:
+                exact = record.n_tokens == wanted
+                self.counters["lookup_hits_exact" if exact else "lookup_hits_partial"] += 1
         return record, probes
 
     def _check_tokens(self, raw_tokens: bytes) -> None:
@@ -302,7 +324,7 @@ class Store:
     # -- publish protocol -------------------------------------------------------------------
 
     def reserve(self, ns: bytes, raw_tokens: bytes, size: int, reason: str,
-                model_fingerprint: str) -> ReserveResult:
+                model_fingerprint: str, *, tenant_id: str | None = None) -> ReserveResult:
         self._check_tokens(raw_tokens)
         if reason not in blobfmt.SAVE_REASONS:
             raise InvalidArgument(f"unknown save reason {reason!r} "
@@ -331,6 +353,7 @@ class Store:
                 reason=reason, size=size, tmp_path=tmp_path,
                 expires=time.monotonic() + self.config.lease_seconds,
                 verifier=blobfmt.StreamVerifier(size), file=os.fdopen(fd, "wb", buffering=0),
+                tenant_id=tenant_id,
             )
             self._reservations[lease_id] = res
             self._in_flight[entry.key] = lease_id
@@ -366,7 +389,20 @@ class Store:
             except blobfmt.BlobError as exc:
                 self.abort(lease_id, _locked=res)
                 raise InvalidArgument(f"malformed blob: {exc} (save aborted)") from None
-            res.file.write(data)  # type: ignore[union-attr]
+            try:
+                view = memoryview(data)
+                while view:
+                    # A raw write is short when the disk fills: counted as whole, the
+                    # last chunk's missing bytes went unnoticed and a truncated blob
+                    # could be published (the stream verifier had seen every byte).
+                    n = res.file.write(view)  # type: ignore[union-attr]
+                    if not n:
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                    view = view[n:]
+            except OSError as exc:
+                error = self._save_io_error(exc, res, "writing")  # free space before cleanup
+                self.abort(lease_id, _locked=res)
+                raise error from None
             res.written += len(data)
             res.expires = time.monotonic() + self.config.lease_seconds
             return res.written
@@ -383,17 +419,28 @@ class Store:
                 self.counters["saves_invalid"] += 1
                 raise InvalidArgument(f"blob rejected at commit: {exc} (save aborted)") from None
             f = res.file
-            os.fsync(f.fileno())  # type: ignore[union-attr]
-            f.close()  # type: ignore[union-attr]
-            res.file = None
             final = self.blob_path(res.key.key)
-            if not final.parent.is_dir():
-                final.parent.mkdir(mode=0o700, exist_ok=True)
-                dir_fsync(self.blob_dir)
-            os.rename(res.tmp_path, final)
-            dir_fsync(final.parent)
-            record = self._record_from(res.key, header, meta, res.size)
-            self.index.put(record)
+            renamed = False
+            try:
+                os.fsync(f.fileno())  # type: ignore[union-attr]
+                f.close()  # type: ignore[union-attr]
+                res.file = None
+                if not final.parent.is_dir():
+                    final.parent.mkdir(mode=0o700, exist_ok=True)
+                    dir_fsync(self.blob_dir)
+                os.rename(res.tmp_path, final)
+                renamed = True
+                dir_fsync(final.parent)
+                record = self._record_from(res.key, header, meta, res.size)
+                self.index.put(record)
+            except (OSError, lmdb.Error) as exc:
+                # A full disk fails the index commit (LMDB grows its file): unhandled, it
+                # answered UNKNOWN and left an unindexed blob file and the key in flight.
+                error = self._save_io_error(exc, res, "committing")  # free space before cleanup
+                if renamed:
+                    final.unlink(missing_ok=True)
+                self.abort(lease_id, _locked=res)
+                raise error from None
             with self._cond:
                 res.done = True
                 self._reservations.pop(lease_id, None)
@@ -422,9 +469,24 @@ class Store:
             raise blobfmt.BlobError("blob namespace differs from the reserved identity")
         if meta.model_fingerprint != res.model_fingerprint:
             raise blobfmt.BlobError("blob model fingerprint differs from the reserved identity")
+        # The tenant label is what List, Inspect and Prune filter on: a writer must not file
+        # its entry under another tenant (or hide a tenant's entry under none).
+        if res.tenant_id is not None and meta.tenant_id != res.tenant_id:
+            raise blobfmt.BlobError("blob tenant differs from the reserved identity")
         if keys.entry_key(meta.namespace, meta.tokens, self.config.block_size) != res.key:
             raise blobfmt.BlobError("blob tokens differ from the reserved tokens")
         return header, meta
+
+    def _save_io_error(self, exc: BaseException, res: Reservation, doing: str) -> StoreError:
+        """The error for a save that failed on I/O (already aborted): no space left is
+        RESOURCE_EXHAUSTED and says what is free; anything else is INTERNAL."""
+        if isinstance(exc, lmdb.DiskError) or getattr(exc, "errno", None) in (errno.ENOSPC,
+                                                                               errno.EDQUOT):
+            return StoreFull(f"no space left on the disk tier ({self.root}) while {doing} a "
+                             f"blob of {res.size} bytes: {self._disk_free()} bytes free "
+                             "(save aborted)")
+        return StoreError(f"I/O error while {doing} a blob of {res.size} bytes: {exc} "
+                          "(save aborted)")
 
     def abort(self, lease_id: str, *, _locked: Reservation | None = None,
               counter: str = "saves_aborted") -> None:
@@ -503,7 +565,9 @@ class Store:
                 f"no room for {size} bytes: disk tier holds {self.disk_used} of "
                 f"{cfg.disk_bytes} budget bytes ({self.reserved_bytes} reserved), "
                 f"{self._disk_free()} bytes free against a watermark of {cfg.min_free_bytes}; "
-                "the rest is pinned or being read"
+                # Not "the rest is pinned": a disk filled by other files has nothing pinned.
+                f"entries not pinned or being read hold only "
+                f"{sum(r.size for r in self._eviction_candidates())} bytes"
             )
 
     def _eviction_candidates(self, ram_only: bool = False) -> list[Record]:
@@ -587,13 +651,14 @@ class Store:
                 return True
         return False
 
-    def _drop_ram_copy(self, record: Record, counter: str) -> None:
+    def _drop_ram_copy(self, record: Record, counter: str) -> bool:
         if self.index.update(record.key, in_ram=False) is None:
-            return
+            return False
         self.ram_path(record.key).unlink(missing_ok=True)
         with self._cond:
             self.ram_used -= record.size
             self.counters[counter] += 1
+        return True
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -676,8 +741,14 @@ class Store:
                             break
                         verifier.feed(buf)
                         yield memoryview(buf)
-                verifier.finish()
-            except blobfmt.BlobError as exc:
+                _, meta = verifier.finish()
+                # Checksums also pass a valid blob of another entry (a swapped or misplaced
+                # file): its own namespace and tokens must give the key asked for.
+                if keys.entry_key(meta.namespace, meta.tokens, self.config.block_size).key != key:
+                    raise blobfmt.BlobError("the blob holds another entry (its key differs)")
+            except (blobfmt.BlobError, OSError) as exc:
+                # OSError (the file is gone or unreadable) escaped as UNKNOWN and left the
+                # entry published for every later reader to hit: check and quarantine it too.
                 corrupt = True
                 raise Corrupt(f"entry {key.hex()} failed verification ({exc}); quarantined") \
                     from None
@@ -691,6 +762,19 @@ class Store:
 
     def check_entry(self, key: bytes) -> str | None:
         """Verify every copy of an entry; quarantine it if any is bad. Returns the error."""
+        # Held like a read: an eviction, delete or RAM drop in the middle of the check took
+        # a file from under it, and the good entry was reported bad (and quarantined).
+        with self._cond:
+            if self.index.get(key) is None:
+                return None
+            self._in_use[key] += 1
+        try:
+            return self._check_entry_held(key)
+        finally:
+            with self._cond:
+                self._release_use(key)
+
+    def _check_entry_held(self, key: bytes) -> str | None:
         record = self.index.get(key)
         if record is None:
             return None
@@ -704,9 +788,27 @@ class Store:
                                        self.config.block_size).key != key:
                     raise blobfmt.BlobError("blob does not match its index entry")
             except (OSError, blobfmt.BlobError) as exc:
-                self.quarantine(key)
+                if path == paths[0]:
+                    self.quarantine(key)
+                else:
+                    # Only the RAM copy is bad and the disk copy just verified: keep the entry
+                    # (served from disk, promoted again by a later hit), drop the copy.
+                    self._quarantine_ram_copy(key)
                 return f"{path.name}: {exc}"
         return None
+
+    def _quarantine_ram_copy(self, key: bytes) -> None:
+        with self._cond:  # evictions drop copies under it too: ram_used is reduced once
+            record = self.index.get(key)
+            if record is None or not record.in_ram:
+                return
+            self.index.update(key, in_ram=False)
+            self.ram_used -= record.size
+            self.counters["corrupt_blobs"] += 1
+            self._quarantine_path(self.ram_path(key))
+            # /dev/shm is another file system, where the move fails: never leave it there
+            # (a restart would take it for a good copy again).
+            self.ram_path(key).unlink(missing_ok=True)
 
     def quarantine(self, key: bytes) -> None:
         record = self.index.delete(key)
@@ -731,6 +833,10 @@ class Store:
         todo = keys_ if keys_ else [r.key for r in self.index.records()]
         for i, key in enumerate(todo, 1):
             if self.index.get(key) is None:
+                if not keys_:
+                    # Evicted or deleted since the listing: gone, not bad. Reported, it
+                    # failed `kvcache verify` on any cache busy enough to evict.
+                    continue
                 yield key, "no such entry", i, len(todo)
                 continue
             yield key, self.check_entry(key), i, len(todo)
@@ -744,11 +850,14 @@ class Store:
         return record
 
     def set_pinned(self, key: bytes, pinned: bool) -> Record:
-        record = self.index.update(key, pinned=pinned)
-        if record is None:
-            raise NotFound(f"no entry {key.hex()}")
-        self.counters["pins" if pinned else "unpins"] += 1
-        return record
+        # Under the lock evictions, prunes and deletes decide under: a pin landing between
+        # their look at an entry and its removal was answered OK and the entry removed anyway.
+        with self._cond:
+            record = self.index.update(key, pinned=pinned)
+            if record is None:
+                raise NotFound(f"no entry {key.hex()}")
+            self.counters["pins" if pinned else "unpins"] += 1
+            return record
 
     def delete(self, key: bytes) -> Record:
         with self._cond:
@@ -771,6 +880,11 @@ class Store:
         try:
             with open(path, "rb") as f:
                 header, meta = blobfmt.read_header_and_meta(f)
+            # A valid blob of another entry (a swapped file) would show its tokens, perhaps
+            # another tenant's: it must be this entry's before any of it is shown.
+            if header.total_size != record.size or keys.entry_key(
+                    meta.namespace, meta.tokens, self.config.block_size).key != key:
+                raise blobfmt.BlobError("the blob holds another entry")
         except (OSError, blobfmt.BlobError) as exc:
             self.quarantine(key)
             raise Corrupt(f"entry {key.hex()} is unreadable ({exc}); quarantined") from None
@@ -800,7 +914,9 @@ class Store:
                                      {k: v[1] for k, v in self._pending_use.items()})
             disk_after = self.disk_used
             for record in ordered:
-                selected = predicate is not None and predicate(record)
+                # With the reads not yet flushed to the index (once a second): judged on
+                # the index alone, `--unused-for` removed an entry that was just read.
+                selected = predicate is not None and predicate(self._with_pending(record))
                 over = max_disk_bytes > 0 and disk_after > max_disk_bytes
                 if not (selected or over):
                     continue
@@ -815,17 +931,29 @@ class Store:
                 disk_after -= record.size
                 if not dry_run:
                     self._remove_entry(record, "prune_removed")
-            if max_ram_bytes and not dry_run:
+            # Counted (and simulated in a dry run) so the operator sees what the RAM
+            # target did: `prune --max-ram-bytes` used to report nothing at all.
+            ram_dropped = ram_freed = 0
+            if max_ram_bytes:
+                gone = {r.key for r in removed}  # still indexed in a dry run
+                ram_after = self.ram_used - sum(r.size for r in removed if r.in_ram and dry_run)
                 for record in self._eviction_candidates(ram_only=True):
-                    if self.ram_used <= max_ram_bytes:
+                    if ram_after <= max_ram_bytes:
                         break
-                    self._drop_ram_copy(record, "prune_ram_dropped")
-        return PruneResult(removed, freed, skipped_pinned, skipped_in_use)
+                    if record.key in gone:
+                        continue
+                    if dry_run or self._drop_ram_copy(record, "prune_ram_dropped"):
+                        ram_dropped += 1
+                        ram_freed += record.size
+                        ram_after -= record.size
+        return PruneResult(removed, freed, skipped_pinned, skipped_in_use, ram_dropped,
+                           ram_freed)
 
     def stats(self) -> dict[str, object]:
         with self._cond:
             return {
-                "counters": dict(self.counters),
+                # Every declared counter, zeros included (rate() works from the start).
+                "counters": {**dict.fromkeys(COUNTERS, 0), **self.counters},
                 "disk_used": self.disk_used,
                 "ram_used": self.ram_used,
                 "reserved_bytes": self.reserved_bytes,

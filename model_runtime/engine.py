@@ -455,6 +455,8 @@ class Engine:
                 self.count("cache_unavailable")
                 return None
             except CacheError as exc:
+                if isinstance(exc, CorruptBlob):  # quarantined: counted like a lookup hit's
+                    self.count("corrupt_blobs")
                 self.count(f"{source}_key_unusable")
                 log.info("%s key %s unusable: %s", source, key.hex(), exc)
                 continue
@@ -525,10 +527,20 @@ class Engine:
 
         def forget() -> None:
             key = self.key_of(tokens)
-            with contextlib.suppress(CacheError):
-                if key:
-                    cache.delete(key)
-                    self.count("rejected_states_deleted")
+            # The daemon refuses to delete an entry while it is read (by another runtime,
+            # or by its own copy into the RAM tier): that passes in moments, so retry.
+            # Given up at once, the rejected state stayed and every later request with
+            # that prefix tried to restore it again. A pinned entry stays, as it should.
+            for delay in (0.05, 0.2, 0.5, 1.0, 0.0):
+                try:
+                    if key:
+                        cache.delete(key)
+                        self.count("rejected_states_deleted")
+                    return
+                except CacheError as exc:
+                    if not delay or exc.code is None or exc.code.name != "FAILED_PRECONDITION":
+                        return
+                time.sleep(delay)
 
         with contextlib.suppress(RuntimeError):
             self._resolver.submit(forget)

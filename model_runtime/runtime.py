@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from kvcache.client import CacheClient, CacheUnavailable
-from kvcache.metrics import Metrics
+from kvcache.metrics import LatencySummary, LatencyWindows, Metrics
 
 from .config import RuntimeConfig
+from .counters import COUNTERS
 from .engine import Completion, Engine, Request, RuntimeError_, TokenEvent, common_prefix
 from .identity import runtime_identity
 from .llama_backend import ContextParams, LlamaContext, LlamaModel
@@ -61,7 +62,9 @@ class Runtime:
             cache = CacheClient(cache_address, timeout=self.config.cache_timeout_s)
         self.cache = cache
         self.engine = Engine(self.model, self.ctx, self.identity, cache, self.config)
-        self.metrics = runtime_metrics(self.engine)
+        # Recent latencies per series, for the percentiles of the Stats RPC.
+        self.latency_windows = LatencyWindows()
+        self.metrics = runtime_metrics(self.engine, self.latency_windows)
         self._closed = False
 
     # -- prompts ----------------------------------------------------------------------------
@@ -150,7 +153,12 @@ class Runtime:
     # -- lifecycle --------------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
-        return self.engine.stats()
+        """Every declared counter (zeros included) and any other the engine counted."""
+        return {**dict.fromkeys(COUNTERS, 0), **self.engine.stats()}
+
+    def latencies(self) -> dict[str, LatencySummary]:
+        """Percentiles over recent samples: ttft_<hit kind>, restore_<tier>, save_<reason>."""
+        return self.latency_windows.summaries()
 
     def cache_reachable(self) -> bool:
         if self.cache is None:
@@ -179,19 +187,38 @@ class Runtime:
         self.close()
 
 
-def runtime_metrics(engine: Engine) -> Metrics:
-    """Engine counters and gauges, plus latency histograms per hit kind."""
+def runtime_metrics(engine: Engine, windows: LatencyWindows | None = None) -> Metrics:
+    """Engine counters (every declared one, zeros included) and gauges, latency
+    histograms per hit kind, restores per tier, and save latencies per reason."""
     metrics = Metrics("model_runtime")
-    metrics.add_snapshot(engine.stats, engine.gauges)
+    metrics.describe_counters(COUNTERS)
+    metrics.add_snapshot(lambda: {**dict.fromkeys(COUNTERS, 0), **engine.stats()},
+                         engine.gauges)
     phases = {name: metrics.histogram(f"{name}_seconds", f"{name} per request", ("hit_kind",))
               for name in ("ttft", "restore", "prefill", "decode")}
+    restore_tier = metrics.histogram("restore_tier_seconds",
+                                     "Restore of a state, by the daemon tier it came from",
+                                     ("tier",))
+    windows = windows if windows is not None else LatencyWindows()
 
     def observe(c: Completion) -> None:
         for name, hist in phases.items():
             hist.labels(c.cache_hit_kind).observe(c.timings[f"{name}_ms"] / 1000)
+        windows.observe(f"ttft_{c.cache_hit_kind}", c.timings["ttft_ms"] / 1000)
+        if c.cache_tier:  # set only when a state was restored
+            restore_tier.labels(c.cache_tier).observe(c.timings["restore_ms"] / 1000)
+            windows.observe(f"restore_{c.cache_tier}", c.timings["restore_ms"] / 1000)
 
     engine.observers.append(observe)
     state_get = metrics.histogram("state_get_seconds",
                                   "llama_state_seq_get_data on the model thread")
     engine.on_latency = lambda name, seconds: state_get.observe(seconds)
+    save = metrics.histogram("save_seconds", "Reserve, write and commit of a published save",
+                             ("reason",))
+
+    def saved(reason: str, seconds: float) -> None:
+        save.labels(reason).observe(seconds)
+        windows.observe(f"save_{reason}", seconds)
+
+    engine.saver.on_saved = saved
     return metrics

@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvcache.client import CacheClient, CacheError, CacheUnavailable, Identity
@@ -38,6 +39,8 @@ class Saver:
         self._lock = counters_lock
         self._queue: queue.Queue[SaveJob | None] = queue.Queue(maxsize=max_pending)
         self._in_flight: dict[bytes, threading.Event] = {}
+        # (reason, seconds) of every save the daemon published: reserve, write, commit.
+        self.on_saved: Callable[[str, float], None] = lambda reason, seconds: None
         self._thread = threading.Thread(target=self._run, name="kvcache-saver", daemon=True)
         self._thread.start()
 
@@ -82,8 +85,10 @@ class Saver:
                 return
             try:
                 assert self.client is not None
+                t0 = time.perf_counter()
                 result = self.client.save(job.identity, job.tokens, job.state, job.reason)
                 if result.status == "saved":
+                    self.on_saved(job.reason, time.perf_counter() - t0)
                     self._count(f"saves_{job.reason}")
                     self._count("tokens_saved", len(job.tokens))
                 else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import threading
@@ -44,6 +45,10 @@ def completion_message(c: Completion) -> pb.Completion:
 
 
 def request_kwargs(request: pb.CompleteRequest) -> dict[str, Any]:
+    # A NaN temperature passed SamplingParams' `< 0` check and failed the model thread's
+    # next step, answering UNKNOWN to every request decoding at that moment.
+    if not math.isfinite(request.temperature):
+        raise ValueError(f"temperature must be a finite number >= 0, got {request.temperature}")
     kwargs: dict[str, Any] = {
         "max_tokens": request.max_tokens or 128, "temperature": request.temperature,
         "top_p": request.top_p or 1.0, "top_k": request.top_k, "stop": list(request.stop),
@@ -88,7 +93,9 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
         return pb.RuntimeStatsResponse(
             counters=rt.stats(), model_path=str(rt.model_path),
             model_fingerprint=rt.identity.model_fingerprint, kv_layout=rt.identity.kv_layout,
-            n_seq_max=rt.ctx.n_seq_max, n_ctx=rt.ctx.n_ctx, cache_reachable=rt.cache_reachable())
+            n_seq_max=rt.ctx.n_seq_max, n_ctx=rt.ctx.n_ctx, cache_reachable=rt.cache_reachable(),
+            latencies={name: pb.LatencySummary(**vars(summary))
+                       for name, summary in rt.latencies().items()})
 
 
 class RuntimeServer:

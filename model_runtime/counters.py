@@ -1,0 +1,62 @@
+"""Every counter the model runtime keeps, with its meaning: the one list its ``Stats``
+RPC and Prometheus endpoint report (zeros included) and whose help texts become the
+metrics' HELP lines.
+
+Names are counted as literals or f-strings in engine.py and saver.py;
+tests/test_counters.py checks that every name used is declared here (and every declared
+name is used) and provokes each one with a real runtime and a real daemon.
+"""
+
+from __future__ import annotations
+
+# engine.HIT_* (kept literal so this module stays import-light; a test compares them).
+HIT_KINDS = ("exact", "partial", "cold", "sticky")
+RESTORED_KINDS = ("exact", "partial")  # sticky reuses a live sequence, cold restores nothing
+# The save points the engine takes (kvcache's "manual" is for tools, not the runtime).
+SAVE_REASONS = ("cold", "continued", "finish", "evict", "shutdown")
+SKIP_STATUSES = ("already_present", "in_flight")  # CacheClient.save's non-saved results
+KEY_SOURCES = ("parent", "session")  # candidates tried before the longest-prefix lookup
+TIERS = ("ram", "disk")
+
+COUNTERS: dict[str, str] = {
+    # requests
+    "requests_completed": "Requests that completed (any finish reason)",
+    "requests_failed": "Admitted requests that ended in an error (sticky_busy, decode "
+                       "failure, shutdown before they started)",
+    "admission_waits": "Requests that waited for a free sequence",
+    "sessions_evicted": "Idle sessions whose sequence was taken for another request",
+    **{f"hits_{kind}": f"Completed requests with cache hit kind {kind}" for kind in HIT_KINDS},
+    "cold_prefills": "Requests that prefilled their whole prompt (nothing restored)",
+    # cache resolution
+    **{f"resolved_by_{source}": f"States found through the request's {source} key"
+       for source in KEY_SOURCES},
+    **{f"{source}_key_unusable": f"{source.capitalize()} keys that could not be loaded or "
+                                 "did not fit the prompt" for source in KEY_SOURCES},
+    **{f"restored_from_{tier}": f"Longest-prefix hits loaded from the daemon's {tier} tier"
+       for tier in TIERS},
+    "restored_from_cache": "Longest-prefix hits loaded without the daemon naming a tier",
+    **{f"restores_{kind}": f"States restored into a sequence for {kind} hits"
+       for kind in RESTORED_KINDS},
+    "restore_failed": "States llama.cpp rejected on restore (the request went cold)",
+    "rejected_states_deleted": "Rejected states deleted from the cache so no request "
+                               "retries them",
+    "corrupt_blobs": "Hits whose blob failed verification (quarantined by the daemon)",
+    "cache_unavailable": "Cache calls that found the daemon unreachable or too slow",
+    "cache_errors": "Cache calls the daemon answered with an error (the request went cold)",
+    # saves
+    **{f"saves_queued_{reason}": f"{reason.capitalize()} saves queued for the daemon"
+       for reason in SAVE_REASONS},
+    **{f"saves_{reason}": f"{reason.capitalize()} saves the daemon published"
+       for reason in SAVE_REASONS},
+    "tokens_saved": "Tokens in the states the daemon published",
+    **{f"saves_skipped_{status}": f"Saves the daemon skipped as {status.replace('_', ' ')}"
+       for status in SKIP_STATUSES},
+    "saves_dropped": "Saves dropped (backlog, daemon unavailable, or refused)",
+    "saves_dropped_backlog": "Saves dropped because max_pending_saves were already queued",
+    "saves_dropped_unavailable": "Saves dropped because the daemon was unreachable",
+    "saves_failed": "Saves the daemon refused (e.g. no room in its disk budget)",
+    "shutdown_saves_skipped": "Live sequences not saved at shutdown: the deadline had passed",
+    # bugs
+    "internal_errors": "Exceptions that escaped a model-thread step (a bug: requests in "
+                       "flight were failed, serving went on)",
+}
