@@ -6,7 +6,6 @@ only look at answers share one daemon per module and use tokens of their own.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -128,12 +127,6 @@ def flip_payload(path: Path) -> None:
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvcache.cli", *args], capture_output=True,
                           text=True, timeout=timeout)
-
-
-def cli_json(*args: str) -> object:
-    out = cli(*args, "--json")
-    assert out.returncode == 0, f"kvcache {' '.join(args)} failed:\n{out.stdout}{out.stderr}"
-    return json.loads(out.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -865,66 +858,6 @@ def test_verify_finds_a_corrupted_blob(daemon_factory: DaemonFactory) -> None:
         assert len(os.listdir(d.data_dir / "quarantine")) == 1
         only = list(c.verify([k["a"]]))
         assert [(r.key, r.ok) for r in only] == [(k["a"], True)]
-
-
-def test_cli(daemon_factory: DaemonFactory) -> None:
-    d = daemon_factory("--block-size", str(BLOCK), "--ram-bytes", "0")
-    a = ("-a", d.address)
-    c = d.client()
-    t = {n: toks(100 + i, 20) for i, n in enumerate("abc")}
-    k = {
-        "a": c.save(IDENT, t["a"], payload_for(t["a"], 1000), "cold").key,
-        "b": c.save(IDENT, t["b"], payload_for(t["b"], 1000), "finish").key,
-        "c": save_raw(c, IDENT, t["c"], payload_for(t["c"], 1000), "cold",
-                      created=time.time() - 7200),
-    }
-    h = {n: key.hex() for n, key in k.items()}
-
-    def keys_left() -> str:
-        return "".join(sorted(n for n, key in k.items() if key in
-                              {e.key for e in c.list_entries()}))
-
-    stats = cli_json("stats", *a)
-    assert stats["tiers"]["disk"]["entries"] == 3
-    assert stats["counters"]["saves_committed"] == 3
-    assert stats["block_size"] == BLOCK
-    assert [r["key"] for r in cli_json("ls", *a, "--reason", "finish")] == [h["b"]]
-    detail = cli_json("inspect", h["a"], *a)
-    assert detail["first_tokens"] == t["a"] and detail["reason"] == "cold"
-    assert detail["tokens"] == 20 and detail["key"] == h["a"]
-    # pin, then evict is refused; unpin, then evict works
-    assert cli("pin", h["a"], *a).returncode == 0
-    assert [e.pinned for e in c.list_entries() if e.key == k["a"]] == [True]
-    refused = cli("evict", h["a"], *a)
-    assert refused.returncode != 0 and "pinned" in refused.stderr, refused
-    assert keys_left() == "abc"
-    assert cli("unpin", h["a"], *a).returncode == 0
-    assert cli("evict", h["a"], *a).returncode == 0
-    assert keys_left() == "bc"
-    # prune: a dry run lists and removes nothing; then the real thing
-    dry = cli_json("prune", *a, "--older-than", "1h", "--dry-run")
-    assert dry["dry_run"] and [e["key"] for e in dry["removed"]] == [h["c"]]
-    assert keys_left() == "bc"
-    done = cli_json("prune", *a, "--older-than", "1h")
-    assert [e["key"] for e in done["removed"]] == [h["c"]]
-    assert keys_left() == "b"
-    # verify: exit 0 when all is well, 1 when a blob is bad (and it is quarantined)
-    good = cli("verify", *a, "--json")
-    assert good.returncode == 0, good
-    assert json.loads(good.stdout) == {"checked": 1, "bad": []}
-    flip_payload(blob_file(d, k["b"]))
-    bad = cli("verify", *a, "--json")
-    assert bad.returncode == 1, bad
-    assert [b["key"] for b in json.loads(bad.stdout)["bad"]] == [h["b"]]
-    assert keys_left() == ""
-    c.close()
-
-
-def test_cli_against_a_missing_daemon_names_the_address(tmp_path: Path) -> None:
-    address = f"unix:{tmp_path}/nobody.sock"
-    out = cli("stats", "-a", address)
-    assert out.returncode != 0
-    assert address in out.stderr, out.stderr
 
 
 # -- service surface and security -----------------------------------------------------------
