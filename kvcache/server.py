@@ -379,6 +379,23 @@ def server_options() -> list[tuple[str, int]]:
     ]
 
 
+def grpc_server(add_service: Callable[[grpc.Server], None], service_name: str,
+                health_servicer: health.HealthServicer, workers: int,
+                options: list[tuple[str, int]], interceptors: list[grpc.ServerInterceptor],
+                thread_name_prefix: str = "") -> grpc.Server:
+    """A server with the service, the standard health service and reflection (so generic
+    gRPC tools can probe and discover it). Ports are added by the caller."""
+    server = grpc.server(ThreadPoolExecutor(max_workers=workers,
+                                            thread_name_prefix=thread_name_prefix),
+                         options=options, interceptors=interceptors)
+    add_service(server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
+    return server
+
+
 class Daemon:
     """A Store served over gRPC on a unix socket, and on TCP when asked.
 
@@ -421,15 +438,10 @@ class Daemon:
         self._stopped = threading.Event()
 
     def _server(self, workers: int, interceptors: list[grpc.ServerInterceptor]) -> grpc.Server:
-        server = grpc.server(ThreadPoolExecutor(max_workers=workers,
-                                                thread_name_prefix="kvcache-rpc"),
-                             options=server_options(), interceptors=interceptors)
-        pb_grpc.add_KVCacheServicer_to_server(self.service, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), server)
-        return server
+        return grpc_server(
+            lambda server: pb_grpc.add_KVCacheServicer_to_server(self.service, server),
+            SERVICE_NAME, self.health, workers, server_options(), interceptors,
+            thread_name_prefix="kvcache-rpc")
 
     def start(self) -> None:
         old_umask = os.umask(0o077)  # the socket file is created owner-only

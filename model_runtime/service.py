@@ -8,15 +8,14 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 
 from kvcache.auth import ServerAuth, add_tcp_port, refuse_unprotected_tcp, tcp_security
+from kvcache.server import grpc_server
 
 from .engine import Completion, RuntimeError_, TokenEvent
 from .runtime import Runtime
@@ -124,15 +123,10 @@ class RuntimeServer:
             self.addresses.append(add_tcp_port(self.servers[-1], listen, self.auth))
 
     def _server(self, interceptors: list[grpc.ServerInterceptor]) -> grpc.Server:
-        server = grpc.server(ThreadPoolExecutor(max_workers=16),
-                             options=[("grpc.max_receive_message_length", 16 << 20)],
-                             interceptors=interceptors)
-        pb_grpc.add_ModelRuntimeServicer_to_server(self.service, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), server)
-        return server
+        return grpc_server(
+            lambda server: pb_grpc.add_ModelRuntimeServicer_to_server(self.service, server),
+            SERVICE_NAME, self.health, 16, [("grpc.max_receive_message_length", 16 << 20)],
+            interceptors, thread_name_prefix="runtime-rpc")
 
     def serve_forever(self) -> None:
         done = threading.Event()
