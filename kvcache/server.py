@@ -126,11 +126,10 @@ def record_filter(model: str = "", tenant: str = "", reason: str = "", tier: int
 
 def store_gauges(store: Store) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     s = store.stats()
-    n_disk, n_ram = store.tier_entry_counts()
     cfg = store.config
     return {
-        ("tier_entries", (("tier", "ram"),)): n_ram,
-        ("tier_entries", (("tier", "disk"),)): n_disk,
+        ("tier_entries", (("tier", "ram"),)): s["ram_entries"],
+        ("tier_entries", (("tier", "disk"),)): s["disk_entries"],
         ("tier_bytes", (("tier", "ram"),)): s["ram_used"],
         ("tier_bytes", (("tier", "disk"),)): s["disk_used"],
         ("tier_budget_bytes", (("tier", "ram"),)): cfg.ram_bytes,
@@ -306,12 +305,11 @@ class KVCacheService(pb_grpc.KVCacheServicer):
 
     def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
         s = self.store.stats()
-        n_disk, n_ram = self.store.tier_entry_counts()
         cfg = self.store.config
         tiers = [
-            pb.TierStats(tier=pb.TIER_RAM, entries=n_ram, bytes=s["ram_used"],
+            pb.TierStats(tier=pb.TIER_RAM, entries=s["ram_entries"], bytes=s["ram_used"],
                          budget_bytes=cfg.ram_bytes, directory=str(self.store.ram_dir)),
-            pb.TierStats(tier=pb.TIER_DISK, entries=n_disk, bytes=s["disk_used"],
+            pb.TierStats(tier=pb.TIER_DISK, entries=s["disk_entries"], bytes=s["disk_used"],
                          budget_bytes=cfg.disk_bytes, reserved_bytes=s["reserved_bytes"],
                          directory=str(self.store.root)),
         ]

@@ -512,3 +512,46 @@ def test_inspect_for_another_tenant_is_not_found_even_when_unreadable(
     with pytest.raises(NotFound):
         store.inspect(record.key, tenant_id=keys.tenant_id("someone-else"))
     assert store.index.get(record.key) is not None  # not quarantined by the probe
+
+
+def test_tier_counts_follow_every_change(make_store: Callable[..., Store]) -> None:
+    """Stats keeps entries and bytes per tier as they change, instead of reading every
+    index row per call: commits, RAM placements and drops, evictions, deletes, prunes,
+    quarantine and a restart must all leave them equal to what the index says."""
+    size = entry_size(A)
+    store = make_store(ram_bytes=2 * size + size // 2, disk_bytes=4 * size + size // 2)
+
+    def check() -> None:
+        ram_settled(store)
+        records = list(store.index.records())
+        s = store.stats()
+        assert (s["disk_entries"], s["disk_used"]) == (len(records),
+                                                       sum(r.size for r in records))
+        in_ram = [r for r in records if r.in_ram]
+        assert (s["ram_entries"], s["ram_used"]) == (len(in_ram), sum(r.size for r in in_ram))
+
+    lists = [[i] * 20 + list(range(100 + i, 110 + i)) for i in range(1, 8)]
+    for tokens in lists[:5]:  # the fifth evicts the first from disk, RAM copies churn
+        put(store, tokens)
+        check()
+    assert store.stats()["counters"]["evictions_disk"] == 1
+    read_all(store, keys.entry_key(NS, lists[1], BLOCK).key)  # a disk hit: promoted
+    check()
+    store.delete(keys.entry_key(NS, lists[2], BLOCK).key)
+    check()
+    victim = keys.entry_key(NS, lists[3], BLOCK).key
+    with open(store.blob_path(victim), "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        f.write(b"\xff")
+    assert store.check_entry(victim) is not None  # quarantined
+    check()
+    store.prune(max_ram_bytes=1)
+    check()
+    store.prune(lambda r: True)
+    check()
+    for tokens in lists[5:]:
+        put(store, tokens)
+    check()
+    store.close()
+    store = make_store(ram_bytes=2 * size + size // 2)  # start-up counts from the files
+    check()
