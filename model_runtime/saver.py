@@ -97,10 +97,13 @@ class Saver:
                 self._count("saves_dropped")
                 self._count("saves_dropped_unavailable")
                 log.debug("cache unavailable, save dropped: %s", exc)
-            except CacheError as exc:
+            except Exception as exc:  # this thread must outlive any one save
+                # A CacheError is expected (refused, full disk); anything else is a bug worth
+                # a traceback, but it must not end the thread and with it every later save.
                 self._count("saves_dropped")
                 self._count("saves_failed")
-                log.warning("save of %d tokens (%s) failed: %s", len(job.tokens), job.reason, exc)
+                log.warning("save of %d tokens (%s) failed: %s", len(job.tokens), job.reason,
+                            exc, exc_info=not isinstance(exc, CacheError))
             finally:
                 self._finish(job.key)
 

@@ -583,3 +583,24 @@ def test_sticky_truncation_then_finish_key_names_a_real_entry(
     with CacheClient(cache_daemon.address, timeout=10) as c:
         blob = c.load(bytes.fromhex(second.finish_key))
     assert blob.meta.tokens == p[:90] + prompt(rt, 11, TEXT_B)[1:] + second.tokens[:-1]
+
+
+def test_saver_survives_a_save_that_fails_unexpectedly(daemon: DaemonProcess) -> None:
+    """A save that raises something other than a cache error (here, a token id that does
+    not fit the wire format) is counted and logged; the sender thread goes on saving."""
+    from collections import Counter
+
+    from kvcache.client import Identity
+    from model_runtime.saver import SaveJob, Saver
+
+    counters: Counter[str] = Counter()
+    ident = Identity("fp-saver", {"type_k": "f16"})
+    with CacheClient(daemon.address) as client:
+        saver = Saver(client, counters, threading.Lock())
+        saver.submit(SaveJob(ident, (1, 2, 1 << 40), b"x" * 100, "cold", b"k" * 16))
+        good = tuple(range(1, 40))
+        saver.submit(SaveJob(ident, good, b"y" * 100, "cold", b"g" * 16))
+        assert saver.flush(30)
+        saver.close()
+        assert counters["saves_failed"] == 1 and counters["saves_cold"] == 1, counters
+        assert client.lookup(ident, list(good)) is not None
