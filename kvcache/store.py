@@ -150,12 +150,11 @@ class Store:
         self._pins: dict[str, tuple[bytes, float]] = {}  # pin_id -> (key, expires)
         self._in_use: Counter[bytes] = Counter()
         self._pending_use: dict[bytes, list[float]] = {}  # key -> [hits, last_used]
-        # Bytes and entries per tier, kept as they change (Stats and every metrics scrape
+        # Bytes per tier and RAM entries, kept as they change (Stats and every metrics scrape
         # read them; counting index rows each time cost ~20 ms at 10,000 entries).
         self.disk_used = 0
         self.ram_used = 0
-        self.disk_entries = 0
-        self.ram_entries = 0
+        self.ram_entries = 0  # the index counts disk entries itself (every entry is on disk)
         self.reserved_bytes = 0
         self._closed = threading.Event()
         self._ram_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcache-ram")
@@ -232,11 +231,8 @@ class Store:
         # blob file, left in on_disk, is re-indexed from its checksummed header below: a
         # good entry is not lost to its index row, and no row is served that its blob denies.
         good, bad = self.index.audit()
-        if bad:
-            self.index.drop_rows(bad)
-            self.counters["reconcile_removed"] += len(bad)
-        stale: list[bytes] = []
-        ram_fixes: list[tuple[bytes, bool]] = []
+        stale: list[bytes] = list(bad)
+        ram_fixes: list[Record] = []
         for record in good:
             path = on_disk.pop(record.key, None)
             if path is None or path.stat().st_size != record.size:
@@ -245,7 +241,6 @@ class Store:
                     self._quarantine_path(path)
                 continue
             self.disk_used += record.size
-            self.disk_entries += 1
             ram_path = in_ram.pop(record.key, None)
             has_ram = ram_path is not None and ram_path.stat().st_size == record.size
             if has_ram:
@@ -254,12 +249,14 @@ class Store:
             elif ram_path is not None:
                 ram_path.unlink(missing_ok=True)
             if has_ram != record.in_ram:
-                ram_fixes.append((record.key, has_ram))
-        for key in stale:
-            self.index.delete(key)
-            self.counters["reconcile_removed"] += 1
-        for key, has_ram in ram_fixes:
-            self.index.update(key, in_ram=has_ram)
+                ram_fixes.append(replace(record, in_ram=has_ram))
+        # One transaction each: after a reboot empties /dev/shm every entry needs a RAM fix,
+        # and a transaction per row (an fsync each) made start-up take seconds.
+        if stale:
+            self.index.drop_rows(stale)
+            self.counters["reconcile_removed"] += len(stale)
+        if ram_fixes:
+            self.index.put_many(ram_fixes)
         for path in in_ram.values():
             path.unlink(missing_ok=True)
 
@@ -290,7 +287,6 @@ class Store:
             added.append(replace(self._record_from(entry, header, meta, path.stat().st_size),
                                  **bad.get(entry.key, {})))  # a damaged row's hits and pin
             self.disk_used += header.total_size
-            self.disk_entries += 1
         if added:
             self.index.put_many(added)
             self.counters["reconcile_added"] += len(added)
@@ -423,7 +419,8 @@ class Store:
                 header, meta = self._verify_reserved(res, local_write)
             except blobfmt.BlobError as exc:
                 self.abort(lease_id, _locked=res)
-                self.counters["saves_invalid"] += 1
+                with self._cond:
+                    self.counters["saves_invalid"] += 1
                 raise InvalidArgument(f"blob rejected at commit: {exc} (save aborted)") from None
             f = res.file
             final = self.blob_path(res.key.key)
@@ -454,7 +451,6 @@ class Store:
                 self._in_flight.pop(res.key.key, None)
                 self.reserved_bytes -= res.size
                 self.disk_used += res.size
-                self.disk_entries += 1
                 self.counters["saves_committed"] += 1
                 self.counters[f"saves_committed_{meta.reason}"] += 1
                 self.counters["bytes_committed"] += res.size
@@ -560,9 +556,10 @@ class Store:
             self.counters["saves_refused_full"] += 1
             raise StoreFull(f"blob of {size} bytes exceeds the disk budget of {cfg.disk_bytes}")
         candidates = self._eviction_candidates()
+        evictable = sum(r.size for r in candidates)
         # When evicting every candidate would still not make room (the rest is pinned or
         # being read), refuse now: evicting first emptied the cache for a refused save.
-        if fits(sum(r.size for r in candidates)):
+        if fits(evictable):
             for record in candidates:
                 if fits():
                     return
@@ -574,8 +571,7 @@ class Store:
                 f"{cfg.disk_bytes} budget bytes ({self.reserved_bytes} reserved), "
                 f"{self._disk_free()} bytes free against a watermark of {cfg.min_free_bytes}; "
                 # Not "the rest is pinned": a disk filled by other files has nothing pinned.
-                f"entries not pinned or being read hold only "
-                f"{sum(r.size for r in self._eviction_candidates())} bytes"
+                f"entries not pinned or being read hold only {evictable} bytes"
             )
 
     def _eviction_candidates(self, ram_only: bool = False) -> list[Record]:
@@ -594,7 +590,6 @@ class Store:
         record = current  # its tier as it is now, not as when it was chosen
         with self._cond:
             self.disk_used -= record.size
-            self.disk_entries -= 1
             if record.in_ram:
                 self.ram_used -= record.size
                 self.ram_entries -= 1
@@ -658,9 +653,12 @@ class Store:
         """Drop RAM copies (LRU) until ``size`` more bytes fit. Caller holds ``self._cond``."""
         if self.ram_used + size <= self.config.ram_bytes:
             return True
-        for record in self._eviction_candidates(ram_only=True):
-            if record.key == exclude:
-                continue
+        candidates = [r for r in self._eviction_candidates(ram_only=True) if r.key != exclude]
+        # As on disk: when dropping every copy that may go would still not make room, drop
+        # none (dropping first emptied the RAM tier for a copy that was then not placed).
+        if self.ram_used - sum(r.size for r in candidates) + size > self.config.ram_bytes:
+            return False
+        for record in candidates:
             self._drop_ram_copy(record, "evictions_ram")
             if self.ram_used + size <= self.config.ram_bytes:
                 return True
@@ -818,35 +816,27 @@ class Store:
             record = self.index.get(key)
             if record is None or not record.in_ram:
                 return
-            self.index.update(key, in_ram=False)
-            self.ram_used -= record.size
-            self.ram_entries -= 1
-            self.counters["corrupt_blobs"] += 1
+            # /dev/shm is another file system, where the move fails: the drop then unlinks
+            # it (left there, a restart would take it for a good copy again).
             self._quarantine_path(self.ram_path(key))
-            # /dev/shm is another file system, where the move fails: never leave it there
-            # (a restart would take it for a good copy again).
-            self.ram_path(key).unlink(missing_ok=True)
+            self._drop_ram_copy(record, "corrupt_blobs")
 
     def quarantine(self, key: bytes) -> None:
-        record = self.index.delete(key)
+        record = self.index.get(key)
         if record is None:
             return
-        with self._cond:
-            self.disk_used -= record.size
-            self.disk_entries -= 1
-            if record.in_ram:
-                self.ram_used -= record.size
-                self.ram_entries -= 1
-            self.counters["corrupt_blobs"] += 1
-        self.ram_path(key).unlink(missing_ok=True)
-        self._quarantine_path(self.blob_path(key))
+        self._quarantine_path(self.blob_path(key))  # kept for post-mortems
+        self._remove_entry(record, "corrupt_blobs")
 
     def _quarantine_path(self, path: Path) -> None:
-        if path.exists():
-            target = self.quarantine_dir / f"{path.name}.{int(time.time() * 1000)}"
-            with contextlib.suppress(OSError):
-                os.replace(path, target)
-        self.counters["quarantined_files"] += 1
+        """Move a bad file aside (counted only when there was one to move)."""
+        target = self.quarantine_dir / f"{path.name}.{int(time.time() * 1000)}"
+        try:
+            os.replace(path, target)
+        except OSError:
+            return
+        with self._cond:
+            self.counters["quarantined_files"] += 1
 
     def verify(self, keys_: list[bytes] | None = None) -> Iterator[tuple[bytes, str | None, int, int]]:
         todo = keys_ if keys_ else [r.key for r in self.index.records()]
@@ -905,8 +895,15 @@ class Store:
                     meta.namespace, meta.tokens, self.config.block_size).key != key:
                 raise blobfmt.BlobError("the blob holds another entry")
         except (OSError, blobfmt.BlobError) as exc:
-            self.quarantine(key)
-            raise Corrupt(f"entry {key.hex()} is unreadable ({exc}); quarantined") from None
+            # Judged by the full check, which holds the entry: one evicted meanwhile is
+            # missing, not corrupt, and a passing error never quarantines a good blob.
+            error = self.check_entry(key)
+            if error is not None:
+                raise Corrupt(f"entry {key.hex()} is unreadable ({error}); quarantined") \
+                    from None
+            if self.index.get(key) is None:
+                raise NotFound(f"no entry {key.hex()}") from None
+            raise StoreError(f"entry {key.hex()} could not be read: {exc}") from None
         return self._with_pending(record), header, meta, path
 
     def list(self, predicate: Callable[[Record], bool] | None = None) -> list[Record]:
@@ -975,7 +972,7 @@ class Store:
                 "counters": {**dict.fromkeys(COUNTERS, 0), **self.counters},
                 "disk_used": self.disk_used,
                 "ram_used": self.ram_used,
-                "disk_entries": self.disk_entries,
+                "disk_entries": self.index.count(),
                 "ram_entries": self.ram_entries,
                 "reserved_bytes": self.reserved_bytes,
                 "in_flight": len(self._in_flight),

@@ -555,3 +555,20 @@ def test_tier_counts_follow_every_change(make_store: Callable[..., Store]) -> No
     store.close()
     store = make_store(ram_bytes=2 * size + size // 2)  # start-up counts from the files
     check()
+
+
+def test_a_copy_that_cannot_fit_in_ram_drops_no_other_copy(
+        make_store: Callable[..., Store]) -> None:
+    """With A pinned and B evictable in RAM, a larger C fits only if A went too: so C is not
+    placed, and B keeps its copy (dropping it first emptied the RAM tier for nothing)."""
+    small = entry_size(A)
+    big_c = [3000 + j for j in range(20)]
+    store = make_store(ram_bytes=2 * small + small // 2)
+    key_a, key_b = put(store, A).key, put(store, B).key
+    ram_settled(store)
+    store.set_pinned(key_a, True)
+    key_c = put(store, big_c, size=2 * small).key  # larger than the room B's copy frees
+    ram_settled(store)
+    assert [store.index.get(k).in_ram for k in (key_a, key_b, key_c)] == [True, True, False]
+    assert store.stats()["counters"]["evictions_ram"] == 0
+    assert store.ram_used == 2 * small
