@@ -169,15 +169,36 @@ class TokenInterceptor(grpc.ServerInterceptor):
         if hmac.compare_digest(given_bytes, self._expected):
             return handler
         reason = "missing bearer token" if not given else "wrong bearer token"
-        return _refusal(handler, f"{reason} (this daemon's TCP port needs the shared token; "
-                                 f"give the client {ENV_TOKEN_FILE} or --token-file)")
+        return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED,
+                        f"{reason} (this daemon's TCP port needs the shared token; give the "
+                        f"client {ENV_TOKEN_FILE} or --token-file)")
 
 
-def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+class OperatorGate(grpc.ServerInterceptor):
+    """Answers PERMISSION_DENIED to operator calls (``methods``) on a listener whose callers
+    are clients, not operators: a runtime's credentials must not list, inspect or prune
+    every tenant's entries."""
+
+    def __init__(self, methods: frozenset[str]) -> None:
+        self.methods = methods
+
+    def intercept_service(self, continuation: Callable[[Any], Any],
+                          details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(details)
+        if handler is None or details.method not in self.methods:
+            return handler
+        name = details.method.rsplit("/", 1)[-1]
+        return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED,
+                        f"{name} is an operator call: use the unix socket, or start the daemon "
+                        "with --tcp-admin if every TCP client is an operator")
+
+
+def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode,
+             message: str) -> grpc.RpcMethodHandler:
     """A handler of the same shape as ``handler`` that refuses the call."""
 
     def refuse(request: object, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        context.abort(code, message)
 
     kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
              (False, True): grpc.unary_stream_rpc_method_handler,

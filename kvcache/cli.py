@@ -242,6 +242,10 @@ def main() -> None:
 @click.option("--socket", "socket_path", type=click.Path(path_type=Path), default=None,
               help="Unix socket path (default: DIR/kvcache.sock).")
 @tcp_listen_options
+@click.option("--tcp-admin", is_flag=True,
+              help="Let TCP callers make operator calls (ls, inspect, verify, prune, pin, "
+                   "unpin), which see every tenant's entries; by default only the unix "
+                   "socket may.")
 @click.option("--ram-dir", type=click.Path(path_type=Path), default=None,
               help="RAM tier directory on a memory filesystem (default: under /dev/shm).")
 @click.option("--ram-bytes", type=SIZE, default="2G", show_default=True)
@@ -260,7 +264,8 @@ def main() -> None:
 @click.option("--log-level", default="INFO", show_default=True)
 def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
           token_file: Path | None, tls_cert: Path | None, tls_key: Path | None,
-          tls_client_ca: Path | None, insecure_tcp: bool, ram_dir: Path | None,
+          tls_client_ca: Path | None, insecure_tcp: bool, tcp_admin: bool,
+          ram_dir: Path | None,
           ram_bytes: int, disk_bytes: int, min_free_bytes: int, block_size: int,
           lease_seconds: float, pin_seconds: float, metrics_port: int | None,
           log_level: str) -> None:
@@ -279,7 +284,8 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
                          lease_seconds=lease_seconds, pin_seconds=pin_seconds)
     try:
         daemon = Daemon(config, socket_path=socket_path, listen=listen,
-                        metrics_port=metrics_port, auth=auth, insecure_tcp=insecure_tcp)
+                        metrics_port=metrics_port, auth=auth, insecure_tcp=insecure_tcp,
+                        tcp_admin=tcp_admin)
     except (ValueError, OSError, RuntimeError, StoreError) as exc:
         raise click.ClickException(str(exc)) from None
     daemon.serve_forever()

@@ -274,8 +274,13 @@ class CacheClient:
                 blob = None  # a swapped or misplaced file
         except FileNotFoundError:
             blob = None  # the daemon vouched for a file that is gone: let it check
+        except PermissionError:
+            # Another user's daemon: its files will never be ours to read, so stream from
+            # now on (for saves too).
+            self.fast_path = False
+            unreadable = True
         except OSError:
-            unreadable = True  # e.g. another user's daemon: stream instead
+            unreadable = True  # a passing failure (EMFILE, ENOMEM from mmap): stream this one
         except blobfmt.BlobError:
             blob = None
         finally:
@@ -284,7 +289,6 @@ class CacheClient:
                 self._rpc("ReleaseRead", pb.ReleaseReadRequest(
                     pin_id=resp.pin_id, corrupt=blob is None and not unreadable), 5.0)
         if unreadable:
-            self.fast_path = False
             return self._load_stream(key, wait_ms, timeout)
         if blob is None:
             raise CorruptBlob(f"entry {key.hex()} failed verification; reported for quarantine")

@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from . import __version__, keys
 from .auth import (
-    AuthConfigError,
+    OperatorGate,
     ServerAuth,
     add_tcp_port,
     refuse_unprotected_tcp,
@@ -37,6 +37,10 @@ from .v1 import kvcache_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvcache")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCache"].full_name
+# Calls that see every tenant's entries or change what others rely on. The unix socket's
+# owner is the operator; TCP callers get them only with --tcp-admin (see OperatorGate).
+OPERATOR_METHODS = frozenset(f"/{SERVICE_NAME}/{name}" for name in
+                             ("List", "Inspect", "Verify", "Prune", "Pin", "Unpin"))
 T = TypeVar("T")
 
 TIERS = {TIER_RAM: pb.TIER_RAM, TIER_DISK: pb.TIER_DISK}
@@ -156,6 +160,12 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         self.write_seconds = self.metrics.histogram(
             "write_stream_seconds", "Duration of a streamed write")
 
+    def _observe(self, histogram: Any, series: str, t0: float) -> None:
+        """Record the time since ``t0`` in a histogram (Prometheus) and a window (stats)."""
+        elapsed = time.perf_counter() - t0
+        histogram.observe(elapsed)
+        self.latencies.observe(series, elapsed)
+
     def _call(self, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
         try:
             return fn()
@@ -171,9 +181,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             raw = request_tokens(request)
             t0 = time.perf_counter()
             record, probes = self.store.lookup(ns, raw, request.max_tokens)
-            elapsed = time.perf_counter() - t0
-            self.lookup_seconds.labels("hit" if record else "miss").observe(elapsed)
-            self.latencies.observe("lookup", elapsed)
+            self._observe(self.lookup_seconds.labels("hit" if record else "miss"), "lookup", t0)
             if record is None:
                 return pb.LookupResponse(found=False, probes=probes)
             return pb.LookupResponse(
@@ -231,9 +239,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"write stream ended after {written} of {size} reserved bytes "
                               "(save aborted)")
-        elapsed = time.perf_counter() - t0
-        self.write_seconds.observe(elapsed)
-        self.latencies.observe("write_stream", elapsed)
+        self._observe(self.write_seconds, "write_stream", t0)
         return pb.WriteResponse(bytes_written=written)
 
     def _abort_quietly(self, lease_id: str, counter: str) -> None:
@@ -244,9 +250,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         t0 = time.perf_counter()
         record = self._call(context,
                             lambda: self.store.commit(request.lease_id, request.local_write))
-        elapsed = time.perf_counter() - t0
-        self.commit_seconds.labels(record.reason).observe(elapsed)
-        self.latencies.observe("commit", elapsed)
+        self._observe(self.commit_seconds.labels(record.reason), "commit", t0)
         return pb.CommitResponse(key=record.key, size=record.size)
 
     def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:
@@ -267,9 +271,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                     msg.tier = TIERS[pin.tier]
                 offset += len(data)
                 yield msg
-            elapsed = time.perf_counter() - t0
-            self.read_seconds.labels(pin.tier, "stream").observe(elapsed)
-            self.latencies.observe(f"read_{pin.tier}_stream", elapsed)
+            self._observe(self.read_seconds.labels(pin.tier, "stream"), f"read_{pin.tier}_stream",
+                          t0)
         except StoreError as exc:
             context.abort(exc.code, details(exc))
         finally:
@@ -279,9 +282,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         t0 = time.perf_counter()
         pin = self._call(context, lambda: self.store.open_read(
             check_key(request.key), wait_budget_ms(request.wait_ms, context)))
-        elapsed = time.perf_counter() - t0
-        self.read_seconds.labels(pin.tier, "local").observe(elapsed)
-        self.latencies.observe(f"read_{pin.tier}_local", elapsed)
+        self._observe(self.read_seconds.labels(pin.tier, "local"), f"read_{pin.tier}_local", t0)
         return pb.OpenReadResponse(path=str(pin.path), size=pin.size, tier=TIERS[pin.tier],
                                    pin_id=pin.pin_id, pin_seconds=self.store.config.pin_seconds,
                                    block_size=self.store.config.block_size)
@@ -399,13 +400,14 @@ class Daemon:
 
     The two listeners are separate gRPC servers over one service: the unix socket is
     private to its owner by file permissions, while the TCP one checks ``auth`` on every
-    call (a token interceptor, TLS credentials).
+    call (a token interceptor, TLS credentials) and refuses operator calls unless
+    ``tcp_admin``.
     """
 
     def __init__(self, config: StoreConfig, socket_path: Path | None = None,
                  listen: str | None = None, workers: int = 32,
                  metrics_port: int | None = None, auth: ServerAuth | None = None,
-                 insecure_tcp: bool = False) -> None:
+                 insecure_tcp: bool = False, tcp_admin: bool = False) -> None:
         self.auth = auth or ServerAuth()
         refuse_unprotected_tcp(listen, self.auth, insecure_tcp)
         self.socket_path = socket_path or (config.root / SOCKET_NAME)
@@ -413,6 +415,15 @@ class Daemon:
             raise ValueError(f"socket path is longer than {MAX_SOCKET_PATH} bytes: "
                              f"{self.socket_path} (pass a shorter --socket)")
         self.store = Store(config)
+        try:
+            self._listen(listen, workers, metrics_port, tcp_admin)
+        except BaseException:
+            self.store.close()  # releases the data directory for the next attempt
+            raise
+        self._stopped = threading.Event()
+
+    def _listen(self, listen: str | None, workers: int, metrics_port: int | None,
+                tcp_admin: bool) -> None:
         self.metrics = Metrics("kvcache")
         self.metrics.add_snapshot(lambda: self.store.stats()["counters"],  # type: ignore[arg-type,return-value]
                                   lambda: store_gauges(self.store))
@@ -426,14 +437,10 @@ class Daemon:
         self.addresses = [f"unix:{self.socket_path}"]
         self.servers[0].add_insecure_port(self.addresses[0])
         if listen:
-            tcp = self._server(workers, self.auth.interceptors())
-            try:
-                self.addresses.append(add_tcp_port(tcp, listen, self.auth))
-            except AuthConfigError:
-                self.store.close()
-                raise
+            gate = [] if tcp_admin else [OperatorGate(OPERATOR_METHODS)]
+            tcp = self._server(workers, self.auth.interceptors() + gate)
+            self.addresses.append(add_tcp_port(tcp, listen, self.auth))
             self.servers.append(tcp)
-        self._stopped = threading.Event()
 
     def _server(self, workers: int, interceptors: list[grpc.ServerInterceptor]) -> grpc.Server:
         return grpc_server(

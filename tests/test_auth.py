@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -35,7 +36,9 @@ def write_token(path: Path, token: str = TOKEN, mode: int = 0o600) -> Path:
     return path
 
 
-def tcp_address(d: DaemonProcess) -> str:
+def tcp_address(d: DaemonProcess | Any) -> str:
+    """The TCP address a daemon or runtime process logged (it may log it just after it
+    starts answering health checks)."""
     wait_for(lambda: TCP_IN_LOG.search(d.log()) is not None, "the TCP address in the log")
     match = TCP_IN_LOG.search(d.log())
     assert match is not None
@@ -173,9 +176,49 @@ def test_cli_presents_the_token(daemon_factory: DaemonFactory, tmp_path: Path) -
                             "--json")
     assert by_option.returncode == 0, by_option.stderr
     assert '"counters"' in by_option.stdout
-    by_env = kvcache_cli("ls", "--address", address, "--json",
+    by_env = kvcache_cli("stats", "--address", address, "--json",
                          env={"KVCACHE_TOKEN_FILE": str(token_file)})
     assert by_env.returncode == 0, by_env.stderr
+    # Operator commands are the unix socket's unless the daemon says TCP callers are
+    # operators too.
+    listing = kvcache_cli("ls", "--address", address, "--token-file", str(token_file))
+    assert listing.returncode == 1 and "PERMISSION_DENIED" in listing.stderr, listing.stderr
+
+
+OPERATOR_CALLS: dict[str, Callable[[CacheClient, bytes], object]] = {
+    "List": lambda c, k: c.list_entries(),
+    "Inspect": lambda c, k: c.inspect(k),
+    "Verify": lambda c, k: list(c.verify()),
+    "Prune": lambda c, k: c.prune(older_than_seconds=1.0),
+    "Pin": lambda c, k: c.pin(k),
+    "Unpin": lambda c, k: c.unpin(k),
+}
+
+
+@pytest.mark.parametrize("tcp_admin", [False, True], ids=["clients", "operators"])
+def test_tcp_callers_are_clients_unless_the_daemon_says_operators(
+        daemon_factory: DaemonFactory, tmp_path: Path, tcp_admin: bool) -> None:
+    """A runtime's token must not let it list, inspect or prune every tenant's entries:
+    on TCP those calls are refused unless the daemon runs with --tcp-admin."""
+    token_file = write_token(tmp_path / "token")
+    d = daemon_factory("--listen", "127.0.0.1:0", "--token-file", str(token_file),
+                       *(["--tcp-admin"] if tcp_admin else []))
+    with CacheClient(tcp_address(d), auth=ClientAuth.load(token_file=token_file)) as client:
+        tokens = list(range(1, 41))
+        saved = client.save(IDENT, tokens, b"z" * 500, "cold")  # the data path is open
+        assert client.lookup(IDENT, tokens).key == saved.key
+        assert bytes(client.load(saved.key).payload) == b"z" * 500
+        assert client.stats().tiers
+        for name, call in OPERATOR_CALLS.items():
+            if tcp_admin:
+                call(client, saved.key)
+                continue
+            err = status_of(lambda call=call: call(client, saved.key))
+            assert err.code == grpc.StatusCode.PERMISSION_DENIED, (name, err)
+            assert f"{name} is an operator call" in str(err)
+        client.delete(saved.key)  # a runtime deletes the states llama.cpp rejects
+    with d.client(auth=ClientAuth()) as local:  # the unix socket is the operator's
+        assert local.list_entries() == []
 
 
 # -- TLS and mutual TLS -------------------------------------------------------------------
@@ -249,14 +292,13 @@ def test_runtime_tcp_port_and_cache_connection_use_tokens(
     rt = RuntimeProcess(tiny_model, tcp_address(d), tmp_path / "runtime.log", "--listen",
                         "127.0.0.1:0", "--token-file", str(runtime_token)).start()
     try:
-        match = re.search(r"listening on unix:\S+ and (127\.0\.0\.1:\d+)", rt.log())
-        assert match is not None, rt.log()
-        with RuntimeClient(match.group(1), timeout=60) as anonymous:
+        address = tcp_address(rt)
+        with RuntimeClient(address, timeout=60) as anonymous:
             err = pytest.raises(grpc.RpcError, anonymous.complete, prompt="Hello there",
                                 max_tokens=2).value
             assert err.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
         auth = ClientAuth.load(token_file=runtime_token)
-        with RuntimeClient(match.group(1), timeout=120, auth=auth) as client:
+        with RuntimeClient(address, timeout=120, auth=auth) as client:
             prompt = "A prompt long enough to be worth saving in the cache. " * 6
             assert client.complete(prompt=prompt, max_tokens=2)["cache_hit_kind"] == "cold"
             wait_for(lambda: bool(d.client(auth=ClientAuth()).list_entries()),
