@@ -136,7 +136,7 @@ def assert_saves_again(c: CacheClient, tokens: list[int]) -> None:
 
 def test_runtime_killed_mid_fast_path_save_leaves_nothing_after_its_lease(
         daemon_factory: DaemonFactory) -> None:
-    d = daemon_factory("--block-size", str(BLOCK), "--lease-seconds", "1")
+    d = daemon_factory("--block-size", str(BLOCK), "--lease-seconds", "3")
     tokens = toks(7001, 40)
     key = keys.entry_key(IDENT.namespace, tokens, BLOCK).key
     waited: dict[str, object] = {}
@@ -183,7 +183,9 @@ def test_runtime_killed_with_saves_in_flight_on_both_paths(
         daemon_factory: DaemonFactory) -> None:
     """One runtime, two saves half-written at once (its file and its stream): the stream
     is aborted as soon as the daemon sees the writer gone, the file when its lease ends."""
-    d = daemon_factory("--block-size", str(BLOCK), "--lease-seconds", "1")
+    # The trickled stream renews its lease every 0.1 s; 3 s leaves room for a stalled
+    # writer, whose stream lease would otherwise expire and flip the counters below.
+    d = daemon_factory("--block-size", str(BLOCK), "--lease-seconds", "3")
     fast_tokens, stream_tokens = toks(7002, 50), toks(7003, 33)
     writer, held = start_writer(d, fast=fast_tokens, stream=stream_tokens)
     tmps = [Path(held[p][0]) for p in ("fast", "stream")]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import stat
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import pytest
 from daemon_proc import DaemonProcess, wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from test_auth import tcp_address
 
 from kvcache import blob as blobfmt
 from kvcache import keys
@@ -122,11 +122,6 @@ def flip_payload(path: Path) -> None:
     mid = header.payload_offset + header.payload_len // 2
     data[mid : mid + 8] = bytes(b ^ 0x5A for b in data[mid : mid + 8])
     path.write_bytes(bytes(data))
-
-
-def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvcache.cli", *args], capture_output=True,
-                          text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -877,23 +872,11 @@ def test_health_and_reflection(shared: DaemonProcess) -> None:
         assert "grpc.health.v1.Health" in names
 
 
-def test_tcp_needs_the_insecure_flag(tmp_path: Path) -> None:
-    out = cli("serve", "--dir", str(tmp_path / "data"), "--listen", "127.0.0.1:0", timeout=30)
-    assert out.returncode != 0
-    assert "refusing to listen on TCP" in out.stderr and "--insecure-tcp" in out.stderr, \
-        out.stderr
-    assert not (tmp_path / "data").exists(), "it created its data directory anyway"
-
-
 def test_tcp_with_the_insecure_flag_streams(daemon_factory: DaemonFactory) -> None:
     d = daemon_factory("--block-size", str(BLOCK), "--listen", "127.0.0.1:0", "--insecure-tcp")
-    pattern = re.compile(r"listening on unix:\S+ and (127\.0\.0\.1:\d+)")
-    wait_for(lambda: pattern.search(d.log()) is not None, "the TCP address in the log")
-    match = pattern.search(d.log())
-    assert match is not None
     tokens = toks(110, 30)
     payload = payload_for(tokens, 300_000)
-    with CacheClient(match.group(1)) as c:
+    with CacheClient(tcp_address(d)) as c:
         assert not c.fast_path
         saved = c.save(IDENT, tokens, payload, "cold")
         assert bytes(c.load(saved.key).payload) == payload

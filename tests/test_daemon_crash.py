@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 from daemon_proc import DaemonProcess, wait_for
+from test_daemon import blob_file, counters, toks
 
 from kvcache import blob as blobfmt
 from kvcache import keys
@@ -23,11 +24,6 @@ BLOCK = 16
 IDENT = Identity("fp-test", {"type_k": "f16"}, model_name="tiny.gguf")
 
 DaemonFactory = Callable[..., DaemonProcess]
-
-
-def toks(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 60_000) for _ in range(n)]
 
 
 def payload_size(tokens: list[int]) -> int:
@@ -47,14 +43,6 @@ def blob_bytes(identity: Identity, tokens: list[int], payload: bytes,
         kv_layout=dict(identity.kv_layout), tokens=list(tokens), reason=reason,
         model_name=identity.model_name, tenant_id=keys.tenant_id(identity.tenant))
     return b"".join(bytes(p) for p in blobfmt.encode_blob(meta, payload))
-
-
-def blob_file(d: DaemonProcess, key: bytes) -> Path:
-    return d.data_dir / "blobs" / key.hex()[:2] / f"{key.hex()}.kvc"
-
-
-def counters(c: CacheClient) -> dict[str, int]:
-    return dict(c.stats().counters)
 
 
 def leftovers(d: DaemonProcess) -> list[str]:

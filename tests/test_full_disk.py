@@ -28,6 +28,7 @@ from typing import Any
 import grpc
 import pytest
 from daemon_proc import DaemonProcess
+from test_daemon import payload_for
 
 from kvcache import keys
 from kvcache.client import CacheClient, CacheError, Identity
@@ -48,10 +49,6 @@ WATERMARK = 256 << 10  # --min-free-bytes on the tmpfs: headroom for the index t
 def toks(seed: int, n: int = 24) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1, 60_000) for _ in range(n)]
-
-
-def payload_for(tokens: list[int], size: int) -> bytes:
-    return random.Random(keys.tokens_to_bytes(tokens)).randbytes(size)
 
 
 def free_bytes(path: Path) -> int:

@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 import pytest
 from daemon_proc import DaemonProcess, wait_for
+from test_daemon import blob_file
 
 from kvcache import keys
 from kvcache.client import CacheClient, CacheError, Identity, LoadedBlob
@@ -397,10 +398,6 @@ def wait_until_open(pid: int, path: Path, timeout: float = 20.0) -> None:
                 if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
                     return
     pytest.fail(f"the daemon never opened {path}")
-
-
-def blob_file(d: DaemonProcess, key: bytes) -> Path:
-    return d.data_dir / "blobs" / key.hex()[:2] / f"{key.hex()}.kvc"
 
 
 def drop_from_page_cache(path: Path) -> None:
