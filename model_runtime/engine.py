@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -45,6 +45,7 @@ from kvcache.client import (
 )
 
 from .config import RuntimeConfig
+from .counters import COUNTERS
 from .llama_backend import LlamaContext, LlamaDecodeError, LlamaModel
 from .sampling import SamplingParams, find_stop, sample
 from .saver import SaveJob, Saver
@@ -52,6 +53,9 @@ from .saver import SaveJob, Saver
 log = logging.getLogger("model_runtime")
 
 HIT_EXACT, HIT_PARTIAL, HIT_COLD, HIT_STICKY = "exact", "partial", "cold", "sticky"
+# Sessions whose last saved key is remembered (the least recently saved are forgotten):
+# one entry per session id ever seen would grow without bound.
+MAX_SESSION_KEYS = 4096
 
 
 class RuntimeError_(Exception):
@@ -149,11 +153,14 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class Engine:
+    max_session_keys = MAX_SESSION_KEYS
+
     def __init__(self, model: LlamaModel, ctx: LlamaContext, identity: Identity,
                  cache: CacheClient | None, config: RuntimeConfig) -> None:
         self.model = model
         self.ctx = ctx
         self.identity = identity
+        self._namespace = identity.namespace  # computed once: key_of runs on every save
         self.cache = cache
         self.config = config
         self.counters: Counter[str] = Counter()
@@ -161,7 +168,9 @@ class Engine:
         self.saver = Saver(cache, self.counters, self._lock, config.max_pending_saves)
         self.seqs = [Seq(i) for i in range(ctx.n_seq_max)]
         self.sessions: dict[str, Seq] = {}
-        self.session_last_key: dict[str, tuple[bytes, int]] = {}  # session -> (key, n_tokens)
+        # session -> (key, n_tokens), least recently saved first; written on the model
+        # thread only (resolver threads just read it)
+        self.session_last_key: OrderedDict[str, tuple[bytes, int]] = OrderedDict()
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._waiting: list[Request] = []  # admitted requests wait here for a sequence
         self._active: list[Request] = []
@@ -219,8 +228,9 @@ class Engine:
         self.saver.close(timeout=self.config.shutdown_deadline_s)
 
     def stats(self) -> dict[str, int]:
+        """Every declared counter (zeros included) and any other counted."""
         with self._lock:
-            return dict(self.counters)
+            return {**dict.fromkeys(COUNTERS, 0), **self.counters}
 
     def gauges(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         busy = sum(s.request is not None for s in self.seqs)
@@ -261,7 +271,7 @@ class Engine:
         bs = self.block_size()
         if bs is None:
             return b""
-        return keys.entry_key(self.identity.namespace, tokens, bs).key
+        return keys.entry_key(self._namespace, tokens, bs).key
 
     # -- model thread -----------------------------------------------------------------------
 
@@ -362,12 +372,19 @@ class Engine:
         if self.config.save_evict:
             key = self._save(victim, "evict", None)
             if key:  # the session's next request resumes from it
-                self.session_last_key[victim.session] = (key, len(victim.tokens))
+                self._remember_session_key(victim.session, key, len(victim.tokens))
         self.count("sessions_evicted")
         del self.sessions[victim.session]
         victim.session = ""
         self._clear(victim)
         return victim
+
+    def _remember_session_key(self, session: str, key: bytes, n_tokens: int) -> None:
+        last = self.session_last_key
+        last[session] = (key, n_tokens)
+        last.move_to_end(session)
+        while len(last) > self.max_session_keys:
+            last.popitem(last=False)
 
     def _bind(self, req: Request, seq: Seq) -> None:
         req.seq = seq
@@ -463,6 +480,8 @@ class Engine:
             if len(blob.meta.tokens) <= limit:
                 self.count(f"resolved_by_{source}")
                 return blob
+            # The whole prompt, where a restored state cannot be cut (SWA/recurrent).
+            self.count(f"{source}_key_unusable")
         for _attempt in range(2):  # a corrupt hit is quarantined: look again, once
             try:
                 hit = self.cache.lookup(self.identity, tokens, max_tokens=limit, timeout=timeout)
@@ -561,9 +580,6 @@ class Engine:
         logits: list[bool] = []
         plan: list[tuple[Request, int, int]] = []  # (request, first batch index, n tokens)
         budget = self.ctx.n_batch
-        for req in list(self._active):
-            if req.cancelled:
-                self._finish(req, "cancelled")
         decoding = [r for r in self._active if r.phase == "decode"]
         prefilling = [r for r in self._active if r.phase == "prefill"]
         for req in decoding:
@@ -674,9 +690,11 @@ class Engine:
         t0 = time.perf_counter()
         state = self.ctx.state_seq_get(seq.id)
         self.on_latency("state_get", time.perf_counter() - t0)
-        seq.saved_len, seq.saved_key = n, key
         job = SaveJob(self.identity, tuple(seq.tokens), state, reason, key)
-        if self.saver.submit(job) and req is not None:
+        if not self.saver.submit(job):  # dropped (counted): no entry to name or skip
+            return b""
+        seq.saved_len, seq.saved_key = n, key
+        if req is not None:
             req.tokens_saved = max(req.tokens_saved, n - req.tokens_read)
             req.saves.append({"reason": reason, "tokens": n, "key": key.hex()})
         return key
@@ -687,11 +705,14 @@ class Engine:
         seq = req.seq
         finish_key = b""
         if seq is not None and reason not in ("cancelled",):
-            save_reason = "shutdown" if reason == "shutdown" else "finish"
-            if self.config.save_finish or save_reason == "shutdown":
+            if reason == "shutdown":
+                enabled, save_reason = self.config.save_shutdown, "shutdown"
+            else:
+                enabled, save_reason = self.config.save_finish, "finish"
+            if enabled:
                 finish_key = self._save(seq, save_reason, req)
             if req.session_id and finish_key:
-                self.session_last_key[req.session_id] = (finish_key, len(seq.tokens))
+                self._remember_session_key(req.session_id, finish_key, len(seq.tokens))
         now = time.perf_counter()
         full_text = req.text + req.decoder.decode(b"", final=True) if text is None else text
         if len(full_text) > req.emitted_chars:
@@ -748,7 +769,10 @@ class Engine:
 
     def _shutdown(self, done: threading.Event) -> None:
         deadline = time.monotonic() + self.config.shutdown_deadline_s
-        for req in list(self._active) + list(self._waiting) + list(self._resolving):
+        # Requests that have not started are failed first: a running one's end releases
+        # its sequence, which would be handed to a waiting request (evicting an idle
+        # session for it and starting a lookup) only for that request to fail next.
+        for req in list(self._waiting) + list(self._resolving) + list(self._active):
             if req.seq is not None and req.phase in ("prefill", "decode"):
                 self._finish(req, "shutdown")
             else:

@@ -154,7 +154,7 @@ class Runtime:
 
     def stats(self) -> dict[str, int]:
         """Every declared counter (zeros included) and any other the engine counted."""
-        return {**dict.fromkeys(COUNTERS, 0), **self.engine.stats()}
+        return self.engine.stats()
 
     def latencies(self) -> dict[str, LatencySummary]:
         """Percentiles over recent samples: ttft_<hit kind>, restore_<tier>, save_<reason>."""
@@ -192,8 +192,7 @@ def runtime_metrics(engine: Engine, windows: LatencyWindows | None = None) -> Me
     histograms per hit kind, restores per tier, and save latencies per reason."""
     metrics = Metrics("model_runtime")
     metrics.describe_counters(COUNTERS)
-    metrics.add_snapshot(lambda: {**dict.fromkeys(COUNTERS, 0), **engine.stats()},
-                         engine.gauges)
+    metrics.add_snapshot(engine.stats, engine.gauges)
     phases = {name: metrics.histogram(f"{name}_seconds", f"{name} per request", ("hit_kind",))
               for name in ("ttft", "restore", "prefill", "decode")}
     restore_tier = metrics.histogram("restore_tier_seconds",

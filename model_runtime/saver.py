@@ -49,9 +49,8 @@ class Saver:
             self.counters[name] += n
 
     def submit(self, job: SaveJob) -> bool:
-        if self.client is None:
-            self._count("saves_dropped")
-            return False
+        """Queue ``job``; False (counted) when the backlog is full. The engine never
+        submits without a client (it takes no saves then)."""
         with self._lock:
             self._in_flight.setdefault(job.key, threading.Event())
         try:

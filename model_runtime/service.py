@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import threading
@@ -44,10 +43,6 @@ def completion_message(c: Completion) -> pb.Completion:
 
 
 def request_kwargs(request: pb.CompleteRequest) -> dict[str, Any]:
-    # A NaN temperature passed SamplingParams' `< 0` check and failed the model thread's
-    # next step, answering UNKNOWN to every request decoding at that moment.
-    if not math.isfinite(request.temperature):
-        raise ValueError(f"temperature must be a finite number >= 0, got {request.temperature}")
     kwargs: dict[str, Any] = {
         "max_tokens": request.max_tokens or 128, "temperature": request.temperature,
         "top_p": request.top_p or 1.0, "top_k": request.top_k, "stop": list(request.stop),

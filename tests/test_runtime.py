@@ -16,6 +16,8 @@ How hits arise (RuntimeConfig below: save_block 32, trim 8, min_save_tokens 8):
 
 from __future__ import annotations
 
+import math
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,10 +27,11 @@ from typing import Any
 
 import pytest
 from conftest_llama import sample_prompt
-from daemon_proc import DaemonProcess
+from daemon_proc import DaemonProcess, wait_for
 
 from kvcache.client import CacheClient
 from model_runtime.config import RuntimeConfig
+from model_runtime.counters import COUNTERS
 from model_runtime.engine import Completion, RuntimeError_, TokenEvent
 from model_runtime.runtime import Runtime
 
@@ -219,6 +222,21 @@ def test_finish_key_as_parent_key_resumes(make_runtime: Callable[..., Runtime],
     assert delta(before, after, "resolved_by_parent") == 0
 
 
+def test_parent_state_as_long_as_the_prompt_is_unusable_for_sliding_window(
+        make_runtime: Callable[..., Runtime], tiny_swa_model: Path) -> None:
+    rt = make_runtime(tiny_swa_model)
+    p = prompt(rt, 100)
+    first = rt.complete(tokens=p, max_tokens=8)
+    flush(rt)
+    # Exactly the parent's tokens: a restored SWA state would have to be cut by one token
+    # for fresh logits, so the parent is skipped (and counted) for the lookup's 64.
+    again = rt.complete(tokens=p + first.tokens[:-1], max_tokens=4,
+                        parent_key=first.finish_key)
+    assert kinds(again) == ("partial", 64)
+    stats = rt.stats()
+    assert stats["parent_key_unusable"] == 1 and stats["resolved_by_parent"] == 0
+
+
 # --------------------------------------------------------------------------- save points
 
 
@@ -300,6 +318,87 @@ def test_requests_after_close_are_refused(make_runtime: Callable[..., Runtime]) 
     with pytest.raises(RuntimeError_) as err:
         rt.complete(tokens=[1, 5, 6, 7], max_tokens=2)
     assert err.value.code == "unavailable"
+
+
+def test_save_shutdown_off_also_holds_for_requests_running_at_close(
+        make_runtime: Callable[..., Runtime], tiny_model_no_eog: Path) -> None:
+    rt = make_runtime(tiny_model_no_eog, save_shutdown=False, n_ctx=2048)
+    running = rt.complete(tokens=prompt(rt, 20), max_tokens=2000, stream=True)
+    assert isinstance(next(running), TokenEvent)  # type: ignore[call-overload]
+    rt.close()
+    done = list(running)[-1]  # type: ignore[call-overload]
+    assert done.finish_reason == "shutdown"
+    assert done.finish_key == "" and done.saves == []
+    assert rt.stats()["saves_queued_shutdown"] == 0
+
+
+def test_close_fails_waiting_requests_without_evicting_a_session_for_them(
+        make_runtime: Callable[..., Runtime], tiny_model_no_eog: Path) -> None:
+    rt = make_runtime(tiny_model_no_eog, n_ctx=2048)  # two sequences
+    # Session s's request runs first, so it is the first to end at close: its sequence
+    # becomes an idle session, which the waiting request must not take.
+    in_session = rt.complete(tokens=prompt(rt, 30), max_tokens=2000, session_id="s",
+                             stream=True)
+    assert isinstance(next(in_session), TokenEvent)  # type: ignore[call-overload]
+    other = rt.complete(tokens=prompt(rt, 30, TEXT_B), max_tokens=2000, stream=True)
+    assert isinstance(next(other), TokenEvent)  # type: ignore[call-overload]
+    waiting = rt.complete(tokens=prompt(rt, 30, TEXT_C), max_tokens=4, stream=True)
+    wait_for(lambda: rt.stats()["admission_waits"] == 1, "the third request to wait")
+    rt.close()
+    for running in (in_session, other):
+        assert list(running)[-1].finish_reason == "shutdown"  # type: ignore[call-overload]
+    with pytest.raises(RuntimeError_) as err:
+        list(waiting)  # type: ignore[call-overload]
+    assert err.value.code == "unavailable"
+    stats = rt.stats()
+    assert stats["sessions_evicted"] == 0 and stats["saves_queued_evict"] == 0
+    assert stats["saves_queued_shutdown"] == 2 and stats["requests_failed"] == 1
+
+
+def test_a_dropped_save_is_not_reported_nor_taken_as_saved(
+        daemon_factory: Callable[..., DaemonProcess], make_runtime: Callable[..., Runtime],
+        tiny_model_no_eog: Path) -> None:
+    daemon = daemon_factory()
+    rt = make_runtime(tiny_model_no_eog, cache=daemon.address, n_seq_max=1,
+                      max_pending_saves=1, continued_interval=1, cache_timeout_s=2.0)
+    rt.complete(tokens=prompt(rt, 20), max_tokens=1)  # the runtime learns the block size
+    flush(rt)
+    p = prompt(rt, 40, TEXT_B)
+    assert daemon.proc is not None
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        # The lookup times out; the first save blocks the sender, the next one waits in
+        # its queue of one, the later ones (the last continued, the finish) are dropped.
+        done = rt.complete(tokens=p, max_tokens=8, session_id="s")
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert rt.stats()["saves_dropped_backlog"] >= 2
+    assert done.finish_key == "" and "finish" not in [s["reason"] for s in done.saves]
+    flush(rt)
+    # Another session takes the sequence: session s's state is saved now (evict) ...
+    rt.complete(tokens=prompt(rt, 30, TEXT_C), max_tokens=2, session_id="t")
+    assert rt.stats()["saves_queued_evict"] == 1
+    flush(rt)
+    # ... and the session resumes from that save.
+    back = rt.complete(tokens=p + done.tokens + prompt(rt, 6, TEXT_A)[1:], max_tokens=2,
+                       session_id="s")
+    assert kinds(back) == ("partial", len(p) + len(done.tokens) - 1)
+    assert rt.stats()["resolved_by_session"] == 1
+
+
+def test_session_keys_are_kept_for_the_most_recent_sessions_only(
+        make_runtime: Callable[..., Runtime]) -> None:
+    rt = make_runtime(n_seq_max=4)
+    rt.engine.max_session_keys = 2
+    for session in ("a", "b", "c"):
+        assert rt.complete(tokens=prompt(rt, 20), max_tokens=2, session_id=session).finish_key
+    assert list(rt.engine.session_last_key) == ["b", "c"]
+
+
+def test_engine_stats_report_every_declared_counter(plain: Runtime) -> None:
+    stats = plain.engine.stats()
+    assert set(COUNTERS) <= set(stats)
+    assert plain.stats() == stats
 
 
 # --------------------------------------------------------------------------- failures
@@ -542,6 +641,29 @@ def test_seeded_sampling_is_reproducible(plain: Runtime) -> None:
     assert one.tokens == two.tokens and one.text == two.text
     assert other.tokens != one.tokens
     assert one.tokens != greedy.tokens
+
+
+@pytest.mark.parametrize("bad", [{"temperature": math.nan}, {"temperature": math.inf},
+                                 {"temperature": 0.8, "top_k": 2.5},
+                                 {"stop": [7]}])
+def test_bad_sampling_settings_are_refused_and_other_requests_go_on(
+        make_runtime: Callable[..., Runtime], tiny_model_no_eog: Path,
+        bad: dict[str, Any]) -> None:
+    rt = make_runtime(tiny_model_no_eog, cache=None, n_ctx=2048)
+    running = rt.complete(tokens=prompt(rt, 30), max_tokens=400, stream=True)
+    assert isinstance(next(running), TokenEvent)  # type: ignore[call-overload]
+    with pytest.raises(ValueError):
+        rt.complete(tokens=prompt(rt, 20, TEXT_B), max_tokens=4, **bad)
+    done = list(running)[-1]  # type: ignore[call-overload]
+    assert done.finish_reason == "length" and len(done.tokens) == 400
+    stats = rt.stats()
+    assert stats["internal_errors"] == 0 and stats["requests_failed"] == 0
+
+
+def test_a_tiny_temperature_samples_the_greedy_tokens(plain: Runtime) -> None:
+    p = prompt(plain, 40, TEXT_C)
+    tiny = plain.complete(tokens=p, max_tokens=16, temperature=5e-324, seed=3)
+    assert tiny.tokens == plain.complete(tokens=p, max_tokens=16).tokens
 
 
 @pytest.mark.parametrize("stop", [(), ("zzz-never",)])
