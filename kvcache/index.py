@@ -24,10 +24,9 @@ import lmdb
 import msgpack
 import xxhash
 
-from .keys import key_under
+from .keys import KEY_BYTES, key_under
 
 SCHEMA_VERSION = 1
-KEY_LEN = 16
 
 
 @dataclass(frozen=True)
@@ -203,7 +202,7 @@ class Index:
                 txn.delete(key, db=self._entries)
                 txn.delete(key, db=self._seals)
             orphans = [composite for composite, _ in txn.cursor(db=self._anchors)
-                       if txn.get(composite[KEY_LEN:], db=self._entries) is None]
+                       if txn.get(composite[KEY_BYTES:], db=self._entries) is None]
             for composite in orphans:
                 txn.delete(composite, db=self._anchors)
 
@@ -250,7 +249,7 @@ class Index:
                 rows = 0
                 if cursor.set_range(anchor):
                     for composite, tail in cursor:
-                        if composite[:KEY_LEN] != anchor:
+                        if composite[:KEY_BYTES] != anchor:
                             break
                         rows += 1
                         if rows > SCAN_LIMIT:
@@ -260,7 +259,7 @@ class Index:
                             continue
                         start = base * 4
                         if raw_tokens[start : start + len(tail)] == tail:
-                            best_key, best_n = composite[KEY_LEN:], n
+                            best_key, best_n = composite[KEY_BYTES:], n
                 if rows > SCAN_LIMIT:
                     # Many entries share this block (e.g. thousands of short prompts):
                     # instead of reading them all, try the at most B keys the query could

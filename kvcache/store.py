@@ -52,7 +52,7 @@ from .errors import (
     StoreFull,
     WaitTimeout,
 )
-from .index import Index, Record, dir_fsync
+from .index import SCHEMA_VERSION, Index, Record, dir_fsync
 from .policy import eviction_order
 
 GiB = 1 << 30
@@ -108,7 +108,6 @@ class ReadPin:
     path: Path
     size: int
     tier: str
-    record: Record
 
 
 @dataclass(frozen=True)
@@ -198,7 +197,7 @@ class Store:
             # Anchors depend on the block size: rebuild the index from the blobs.
             self.index.clear()
         self.index.set_setting("block_size", str(self.config.block_size))
-        self.index.set_setting("schema", "1")
+        self.index.set_setting("schema", str(SCHEMA_VERSION))
 
         on_disk: dict[bytes, Path] = {}
         for sub in self.blob_dir.iterdir():
@@ -714,7 +713,7 @@ class Store:
             self.counters[f"reads_{tier}"] += 1
         if tier == TIER_DISK:
             self._schedule_ram(key)  # promote on a disk hit
-        return ReadPin(pin_id, key, path, record.size, tier, record)
+        return ReadPin(pin_id, key, path, record.size, tier)
 
     def release_read(self, pin_id: str, corrupt: bool = False) -> bool:
         """Unpin a read. With ``corrupt``, re-verify the entry and quarantine it if bad."""
