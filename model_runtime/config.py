@@ -27,6 +27,9 @@ class RuntimeConfig:
     save_shutdown: bool = True
     shutdown_deadline_s: float = 10.0
     # Cache resolution
+    # A finished sequence keeps its KV; a later prompt sharing a prefix with it reuses it
+    # in place when that covers at least as much as the daemon's best state.
+    reuse_live: bool = True
     session_resume_wait_ms: int = 500  # wait for a session's in-flight save
     cache_timeout_s: float = 2.0  # a cache call slower than this is given up (cold)
     max_pending_saves: int = 8  # saves queued for the sender beyond this are dropped

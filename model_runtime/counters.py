@@ -37,6 +37,8 @@ COUNTERS: dict[str, str] = {
     "restored_from_cache": "Longest-prefix hits loaded without the daemon naming a tier",
     **{f"restores_{kind}": f"States restored into a sequence for {kind} hits"
        for kind in RESTORED_KINDS},
+    "live_reuses": "Requests served in place by an idle sequence's live KV (tier live, "
+                   "no restore)",
     "restore_failed": "States llama.cpp rejected on restore (the request went cold)",
     "rejected_states_deleted": "Rejected states deleted from the cache so no request "
                                "retries them",

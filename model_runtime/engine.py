@@ -53,6 +53,8 @@ from .saver import SaveJob, Saver
 log = logging.getLogger("model_runtime")
 
 HIT_EXACT, HIT_PARTIAL, HIT_COLD, HIT_STICKY = "exact", "partial", "cold", "sticky"
+# cache_tier of a request served by an idle sequence's KV in place (no restore).
+TIER_LIVE = "live"
 # Sessions whose last saved key is remembered (the least recently saved are forgotten):
 # one entry per session id ever seen would grow without bound.
 MAX_SESSION_KEYS = 4096
@@ -77,7 +79,7 @@ class Completion:
     timings: dict[str, float]  # milliseconds: ttft, restore, prefill, decode, total
     prompt_tokens: int
     session_id: str = ""
-    cache_tier: str = ""  # where a restored state came from: ram | disk ("" if none)
+    cache_tier: str = ""  # where reused KV came from: ram | disk | live ("" if none)
     saves: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -130,6 +132,9 @@ class Request:
     t_first: float = 0.0
     saves: list[dict[str, Any]] = field(default_factory=list)
     cancelled: bool = False
+    # Prompt tokens an idle sequence's live KV can serve in place (0: none). Resolution
+    # restores from the daemon only when that covers more; a live sequence wins a tie.
+    live_keep: int = 0
 
 
 @dataclass
@@ -354,17 +359,20 @@ class Engine:
             self._fail(req, RuntimeError_("sticky_busy",
                                           f"session {req.session_id!r} has a request waiting"))
             return
-        seq = self._free_seq()
+        seq = self._free_seq(req)
         if seq is None:
             self._waiting.append(req)
             self.count("admission_waits")
             return
         self._bind(req, seq)
 
-    def _free_seq(self) -> Seq | None:
+    def _free_seq(self, req: Request) -> Seq | None:
         free = [s for s in self.seqs if s.request is None and not s.session]
         if free:
-            return free[0]
+            # The one whose live KV serves the most of the prompt; else the least recently
+            # used, so the most recent finished states stay reusable longest.
+            return max(free, key=lambda s: (self._reusable_prefix(s, req.tokens),
+                                            -s.last_used))
         idle = [s for s in self.seqs if s.request is None and s.session]
         if not idle:
             return None
@@ -387,21 +395,17 @@ class Engine:
             last.popitem(last=False)
 
     def _bind(self, req: Request, seq: Seq) -> None:
+        own_session = bool(req.session_id) and seq.session == req.session_id
         req.seq = seq
         seq.request = req
         seq.last_used = time.monotonic()
         if req.session_id:
             seq.session = req.session_id
             self.sessions[req.session_id] = seq
-        # Sticky: the live sequence already holds a prefix of this prompt.
-        live = common_prefix(seq.tokens, req.tokens)
-        # The last prompt token must be decoded again for fresh logits, so at most L-1
-        # live tokens are kept; cutting a restored SWA/recurrent state is never safe.
-        keep = min(live, len(req.tokens) - 1)
-        if keep > 0 and (keep == len(seq.tokens) or self._can_truncate(seq)):
-            if keep < len(seq.tokens) and not self._truncate(seq, keep):
-                self._clear(seq)
-            else:
+        keep = self._reusable_prefix(seq, req.tokens)
+        if own_session and keep:
+            # Sticky: the session's live sequence already holds a prefix of this prompt.
+            if self._truncate(seq, keep):
                 req.hit_kind = HIT_STICKY
                 req.tokens_read = keep
                 req.n_past = keep
@@ -409,16 +413,34 @@ class Engine:
                 req.phase = "prefill"
                 self._active.append(req)
                 return
-        self._clear(seq)
+            keep = 0
+        if own_session or not keep:
+            self._clear(seq)
+        else:
+            # An idle sequence's KV is kept until resolution knows whether the daemon
+            # covers more of the prompt (see _start).
+            req.live_keep = keep
+            if keep == len(req.tokens) - 1 or self.cache is None:
+                self._start(req, None)  # nothing can cover more
+                return
         req.phase = "resolve"
         self._resolving.add(req)
         self._resolver.submit(self._resolve, req)
+
+    def _reusable_prefix(self, seq: Seq, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` the sequence's live KV can serve in place: the common
+        prefix, less the last prompt token (decoded again for fresh logits), and 0 where
+        cutting the sequence is not safe (a restored SWA/recurrent state)."""
+        keep = min(common_prefix(seq.tokens, tokens), len(tokens) - 1)
+        if keep <= 0 or (keep < len(seq.tokens) and not self._can_truncate(seq)):
+            return 0
+        return keep
 
     def _can_truncate(self, seq: Seq) -> bool:
         return self.ctx.can_truncate_restored() or not seq.restored
 
     def _truncate(self, seq: Seq, n_keep: int) -> bool:
-        if not self.ctx.seq_truncate(seq.id, n_keep):
+        if n_keep < len(seq.tokens) and not self.ctx.seq_truncate(seq.id, n_keep):
             return False
         del seq.tokens[n_keep:]
         if n_keep < seq.saved_len:
@@ -485,8 +507,8 @@ class Engine:
         for _attempt in range(2):  # a corrupt hit is quarantined: look again, once
             try:
                 hit = self.cache.lookup(self.identity, tokens, max_tokens=limit, timeout=timeout)
-                if hit is None:
-                    return None
+                if hit is None or min(hit.matched_tokens, len(tokens) - 1) <= req.live_keep:
+                    return None  # a live sequence serves as much without a restore
                 blob = self.cache.load(hit.key, prefix_of=tokens, timeout=timeout * 4)
                 self.count(f"restored_from_{blob.tier or 'cache'}")
                 return blob
@@ -509,35 +531,56 @@ class Engine:
         if req.cancelled:
             self._finish(req, "cancelled")
             return
+        if blob is not None and min(len(blob.meta.tokens), len(req.tokens) - 1) <= req.live_keep:
+            blob = None  # the live sequence covers as much: a tie goes to it (no restore)
         if blob is not None:
-            t0 = time.perf_counter()
-            n = len(blob.meta.tokens)
-            ok = self.ctx.state_seq_set(seq.id, blob.payload) > 0
-            if ok:
-                seq.tokens = list(req.tokens[:n])
-                seq.restored = True
-                seq.saved_len = n
-                keep = n - 1 if n == len(req.tokens) else n
-                if keep < n and not self._truncate(seq, keep):
-                    ok = False
-            if ok:
-                req.hit_kind = HIT_EXACT if n == len(req.tokens) else HIT_PARTIAL
-                req.tokens_read = n
-                req.tier = blob.tier
-                req.n_past = len(seq.tokens)
-                self.count(f"restores_{req.hit_kind}")
-            else:
-                self._clear(seq)
-                self.count("restore_failed")
-                # llama.cpp refused it: keeping it would make every later request retry
-                # it, and its key would stop a good state from ever being saved.
-                self._forget_later(blob)
-            req.t_restore = time.perf_counter() - t0
+            self._restore(req, seq, blob)
+        elif req.live_keep:
+            self._reuse_live(req, seq)
         if req.hit_kind == HIT_COLD:
             self.count("cold_prefills")
         self._plan_cold_save(req)
         req.phase = "prefill"
         self._active.append(req)
+
+    def _restore(self, req: Request, seq: Seq, blob: LoadedBlob) -> None:
+        t0 = time.perf_counter()
+        n = len(blob.meta.tokens)
+        ok = self.ctx.state_seq_set(seq.id, blob.payload) > 0
+        if ok:
+            seq.tokens = list(req.tokens[:n])
+            seq.restored = True
+            seq.saved_len = n
+            keep = n - 1 if n == len(req.tokens) else n
+            if keep < n and not self._truncate(seq, keep):
+                ok = False
+        if ok:
+            req.hit_kind = HIT_EXACT if n == len(req.tokens) else HIT_PARTIAL
+            req.tokens_read = n
+            req.tier = blob.tier
+            req.n_past = len(seq.tokens)
+            self.count(f"restores_{req.hit_kind}")
+        else:
+            self._clear(seq)
+            self.count("restore_failed")
+            # llama.cpp refused it: keeping it would make every later request retry
+            # it, and its key would stop a good state from ever being saved.
+            self._forget_later(blob)
+        req.t_restore = time.perf_counter() - t0
+
+    def _reuse_live(self, req: Request, seq: Seq) -> None:
+        """Serve the prompt's first ``live_keep`` tokens from the sequence's own KV."""
+        t0 = time.perf_counter()
+        keep = req.live_keep
+        if self._truncate(seq, keep):
+            req.hit_kind = HIT_EXACT if keep == len(req.tokens) - 1 else HIT_PARTIAL
+            req.tokens_read = keep
+            req.tier = TIER_LIVE
+            req.n_past = keep
+            self.count("live_reuses")
+        else:
+            self._clear(seq)
+        req.t_restore = time.perf_counter() - t0
 
     def _forget_later(self, blob: LoadedBlob) -> None:
         cache, tokens = self.cache, list(blob.meta.tokens)
@@ -757,12 +800,14 @@ class Engine:
             self._waiting.remove(req)
         seq = req.seq
         if seq is not None:
+            # A finished sequence keeps its KV: the next request sharing a prefix with it
+            # reuses it in place (_bind), as llama.cpp's server does with its slots.
             seq.request = None
             seq.last_used = time.monotonic()
-            if not seq.session:
+            if not seq.session and not self.config.reuse_live:
                 self._clear(seq)
         while self._waiting:
-            nxt = self._free_seq()
+            nxt = self._free_seq(self._waiting[0])
             if nxt is None:
                 break
             self._bind(self._waiting.pop(0), nxt)
@@ -778,7 +823,8 @@ class Engine:
             else:
                 self._fail(req, RuntimeError_("unavailable", "the runtime is shutting down"))
         if self.config.save_shutdown:
-            for seq in self.seqs:
+            # Idle sessions; every other sequence's state was saved when its request ended.
+            for seq in (s for s in self.seqs if s.session):
                 if time.monotonic() > deadline:
                     self.count("shutdown_saves_skipped")
                     continue

@@ -517,7 +517,8 @@ def check_after_restart(case: Case, d: DaemonProcess, c: CacheClient, other: Cac
 
 CONFIG = RuntimeConfig(n_ctx=512, n_batch=256, n_seq_max=1, n_threads=1, prefill_chunk=128,
                        save_block=32, trim=8, min_save_tokens=8, continued_interval=0,
-                       shutdown_deadline_s=10.0)
+                       shutdown_deadline_s=10.0,
+                       reuse_live=False)  # these tests follow the daemon path
 TEXT_A = "the cat and the dog sat on the mat with a hat, "
 TEXT_B = "in the end it is what it is, or so they say to you. "
 # payload_flip_cold damages the request's only saved prefix (the cold entry): it goes cold.

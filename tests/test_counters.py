@@ -379,7 +379,8 @@ def _daemon_traffic(d: DaemonProcess) -> None:
 
 CONFIG = RuntimeConfig(n_ctx=8192, n_batch=512, n_seq_max=2, n_threads=1, prefill_chunk=512,
                        save_block=32, trim=8, min_save_tokens=8, continued_interval=0,
-                       shutdown_deadline_s=10.0)
+                       shutdown_deadline_s=10.0,
+                       reuse_live=False)  # these tests follow the daemon path
 FLUSH_S = 30.0
 
 
@@ -527,6 +528,14 @@ def _runtime_traffic(d: DaemonProcess, model: Path) -> tuple[dict[str, float], d
         rt.complete(tokens=tokens(22, 7000), max_tokens=2)
         flush(rt)
         assert rt.stats()["saves_failed"] >= 1
+
+        # From here on finished sequences keep their KV: a prompt that extends the last
+        # one is served by that sequence in place (live_reuses).
+        rt.engine.config = replace(rt.engine.config, reuse_live=True)
+        p8 = tokens(24, 50)
+        done = rt.complete(tokens=p8, max_tokens=4)
+        live = rt.complete(tokens=p8 + done.tokens + tokens(25, 5), max_tokens=4)
+        assert (live.cache_hit_kind, live.cache_tier) == ("partial", "live")
 
         # Latencies: Prometheus histograms per hit kind, tier and save reason, and recent
         # percentiles in the runtime's stats (as its Stats RPC answers them).

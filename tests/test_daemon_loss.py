@@ -28,7 +28,8 @@ from model_runtime.runtime import Runtime
 
 CONFIG = RuntimeConfig(n_ctx=1024, n_batch=256, n_seq_max=2, n_threads=1, prefill_chunk=128,
                        save_block=32, trim=8, min_save_tokens=8, continued_interval=0,
-                       cache_timeout_s=1.0, shutdown_deadline_s=10.0)
+                       cache_timeout_s=1.0, shutdown_deadline_s=10.0,
+                       reuse_live=False)  # these tests follow the daemon path
 T = CONFIG.cache_timeout_s
 # The most cache I/O one request can wait for (engine._find_state): the block size (a
 # Stats call, once), then up to two rounds of lookup (T) + load (4 T).

@@ -70,7 +70,7 @@ def test_daemon_metrics_move_with_traffic(daemon_factory: Callable[..., DaemonPr
 
 def test_runtime_metrics_count_hit_kinds(daemon: DaemonProcess, tiny_model: Path) -> None:
     config = RuntimeConfig(n_ctx=1024, n_seq_max=2, n_threads=1, save_block=32,
-                           min_save_tokens=8, trim=4)
+                           min_save_tokens=8, trim=4, reuse_live=False)
     with Runtime(tiny_model, cache_address=daemon.address, config=config) as rt:
         port = rt.metrics.serve(0)
         prompt = "The metrics test prompt. " * 12

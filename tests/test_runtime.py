@@ -32,12 +32,13 @@ from daemon_proc import DaemonProcess, wait_for
 from kvcache.client import CacheClient
 from model_runtime.config import RuntimeConfig
 from model_runtime.counters import COUNTERS
-from model_runtime.engine import Completion, RuntimeError_, TokenEvent
+from model_runtime.engine import Completion, RuntimeError_, TokenEvent, common_prefix
 from model_runtime.runtime import Runtime
 
 CONFIG = RuntimeConfig(n_ctx=1024, n_batch=256, n_seq_max=2, n_threads=1, prefill_chunk=128,
                        save_block=32, trim=8, min_save_tokens=8, continued_interval=0,
-                       shutdown_deadline_s=10.0)
+                       shutdown_deadline_s=10.0,
+                       reuse_live=False)  # these tests follow the daemon path
 FLUSH_S = 30.0  # upper bound for the background saves to reach the daemon
 
 # Text of the tiny model's vocabulary (ASCII and merged pieces).
@@ -193,6 +194,77 @@ def test_warm_greedy_output_equals_cold_greedy_output(
     assert warm.cache_hit_kind == kind and cold.cache_hit_kind == "cold"
     assert warm.tokens == cold.tokens
     assert warm.text == cold.text and warm.finish_reason == cold.finish_reason
+
+
+# --------------------------------------------------------------------------- live sequences
+# With reuse_live (the default; off in CONFIG so the tests above follow the daemon path), a
+# finished sequence keeps its KV and the next prompt sharing a prefix with it is served in
+# place: truncate, prefill the rest, no restore (cache_tier "live").
+
+
+def daemon_reads(rt: Runtime) -> int:
+    counters = daemon_counters(rt.cache.address)  # type: ignore[union-attr]
+    return sum(v for k, v in counters.items() if k.startswith("reads_"))
+
+
+def test_an_idle_sequence_serves_a_shared_prefix_in_place(
+        make_runtime: Callable[..., Runtime], plain: Runtime) -> None:
+    rt = make_runtime(reuse_live=True, n_seq_max=1)
+    p = prompt(rt, 100)
+    first = rt.complete(tokens=p, max_tokens=8)
+    flush(rt)
+    reads = daemon_reads(rt)
+    # Diverges from the live sequence after 90 tokens: truncated there, not restored.
+    other = p[:90] + prompt(rt, 20, TEXT_B)
+    done = rt.complete(tokens=other, max_tokens=8)
+    assert (done.cache_hit_kind, done.cache_tier) == ("partial", "live")
+    assert done.cache_delta["tokens_read"] == common_prefix(p, other) >= 90
+    assert daemon_reads(rt) == reads, "nothing was loaded from the daemon"
+    assert done.tokens == plain.complete(tokens=other, max_tokens=8).tokens
+    # An agent loop's next step extends the sequence: nothing is cut, only new tokens run.
+    step = other + done.tokens + prompt(rt, 12, TEXT_C)
+    nxt = rt.complete(tokens=step, max_tokens=8)
+    assert (nxt.cache_hit_kind, nxt.cache_tier) == ("partial", "live")
+    assert nxt.cache_delta["tokens_read"] == len(other) + len(done.tokens) - 1
+    assert nxt.tokens == plain.complete(tokens=step, max_tokens=8).tokens
+    assert rt.stats()["live_reuses"] == 2
+    assert first.cache_hit_kind == "cold"
+
+
+def test_the_source_that_covers_more_serves_and_a_live_sequence_wins_a_tie(
+        make_runtime: Callable[..., Runtime], plain: Runtime) -> None:
+    rt = make_runtime(reuse_live=True, n_seq_max=1)
+    p = prompt(rt, 100)
+    rt.complete(tokens=p, max_tokens=8)
+    flush(rt)
+    # Another prompt takes the only sequence: p's KV is gone from the context.
+    rt.complete(tokens=prompt(rt, 60, TEXT_C), max_tokens=4)
+    flush(rt)
+    # The daemon's finish entry covers more than the live sequence (nothing in common).
+    longer = p + prompt(rt, 10, TEXT_B)
+    from_daemon = rt.complete(tokens=longer, max_tokens=6)
+    assert from_daemon.cache_hit_kind == "partial"
+    assert from_daemon.cache_tier in ("ram", "disk")
+    assert from_daemon.tokens == plain.complete(tokens=longer, max_tokens=6).tokens
+    flush(rt)
+    # Exactly a saved prompt: the daemon holds all of it and the live sequence all but the
+    # last token, which either way is decoded again: a tie, served live.
+    again = rt.complete(tokens=longer, max_tokens=6)
+    assert (again.cache_hit_kind, again.cache_tier) == ("exact", "live")
+    assert again.tokens == from_daemon.tokens
+
+
+def test_a_session_sequence_is_never_reused_by_another_request(
+        make_runtime: Callable[..., Runtime]) -> None:
+    rt = make_runtime(reuse_live=True, n_seq_max=2)
+    p = prompt(rt, 80)
+    mine = rt.complete(tokens=p, max_tokens=4, session_id="mine")
+    flush(rt)
+    other = rt.complete(tokens=p + mine.tokens, max_tokens=4)
+    assert other.cache_tier != "live"  # restored from the daemon instead
+    back = rt.complete(tokens=p + mine.tokens + prompt(rt, 8, TEXT_B), max_tokens=4,
+                       session_id="mine")
+    assert back.cache_hit_kind == "sticky"
 
 
 # --------------------------------------------------------------------------- parent_key
