@@ -89,6 +89,7 @@ class LookupResult:
     tier: str
     size: int
     probes: int
+    entry_tokens: int = 0  # the entry's own length (a common-prefix hit may be longer)
 
 
 @dataclass(frozen=True)
@@ -156,15 +157,18 @@ class CacheClient:
     # -- cache use --------------------------------------------------------------------------
 
     def lookup(self, identity: Identity, tokens: Sequence[int], *, max_tokens: int = 0,
-               timeout: float | None = None) -> LookupResult | None:
-        """The longest saved prefix of ``tokens``, or None."""
+               common_prefix: bool = False, timeout: float | None = None
+               ) -> LookupResult | None:
+        """The longest saved prefix of ``tokens``, or None. With ``common_prefix``, the
+        entry sharing the most leading tokens, also one longer than ``tokens`` or
+        diverging from them (``entry_tokens`` > ``matched_tokens``: cut it there)."""
         resp = self._rpc("Lookup", pb.LookupRequest(
             identity=identity.message(), packed_tokens=keys.tokens_to_bytes(tokens),
-            max_tokens=max_tokens), timeout)
+            max_tokens=max_tokens, common_prefix=common_prefix), timeout)
         if not resp.found:
             return None
         return LookupResult(resp.key, resp.matched_tokens, TIER_NAMES[resp.tier], resp.size,
-                            resp.probes)
+                            resp.probes, resp.entry_tokens or resp.matched_tokens)
 
     def save(self, identity: Identity, tokens: Sequence[int], payload: bytes | memoryview,
              reason: str, *, codec: str = "none", timeout: float | None = None) -> SaveResult:
@@ -243,18 +247,21 @@ class CacheClient:
         except grpc.RpcError as exc:
             raise _wrap(exc, self.address) from None
 
-    def load(self, key: bytes, *, prefix_of: Sequence[int] | None = None, wait_ms: int = 0,
-             timeout: float | None = None) -> LoadedBlob:
+    def load(self, key: bytes, *, prefix_of: Sequence[int] | None = None, shares: int = 0,
+             wait_ms: int = 0, timeout: float | None = None) -> LoadedBlob:
         """Fetch and verify a blob. With ``prefix_of``, also prove that its tokens are a
-        prefix of that prompt (the hash is not the proof)."""
+        prefix of that prompt (the hash is not the proof); with ``shares`` N as well, only
+        that its first N tokens are the prompt's (a common-prefix hit)."""
         t = timeout or max(self.timeout, wait_ms / 1000 + 5)
         load = self._load_local if self.fast_path else self._load_stream
         blob, tier = load(key, wait_ms, t)
         tokens = blob.meta.tokens
-        if prefix_of is not None and (len(tokens) > len(prefix_of)
-                                      or list(prefix_of[: len(tokens)]) != list(tokens)):
-            raise CacheError(f"entry {key.hex()} holds tokens that are not a prefix of the "
-                             "prompt (hash collision or wrong key)")
+        if prefix_of is not None:
+            n = shares or len(tokens)
+            if n > len(tokens) or n > len(prefix_of) or \
+                    list(prefix_of[:n]) != list(tokens[:n]):
+                raise CacheError(f"entry {key.hex()} does not hold the prompt's first {n} "
+                                 "tokens (hash collision or wrong key)")
         return LoadedBlob(blob.meta, memoryview(blob.payload), tier, blob.header.total_size)
 
     def _load_local(self, key: bytes, wait_ms: int, timeout: float) -> tuple[blobfmt.Blob, str]:

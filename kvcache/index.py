@@ -1,11 +1,18 @@
 """The LMDB index: which entries are published, where they live, and how they are used.
 
-Three named databases:
+Six named databases:
 
 * ``entries``  key(16) -> msgpack record (see :class:`Record`)
 * ``anchors``  anchor(16) || key(16) -> tail tokens (packed u32 LE). An entry hangs under
   the block hash of its last full block, so a longest-prefix lookup walks the prompt's
   block hashes longest first and reads the tails stored there: O(L/B) probes.
+* ``passes``   h_k(16) || key(16) -> the entry's block k+1 (B tokens, packed u32 LE), for
+  every full block an entry goes *through* (k < n_tokens // B). With the anchors they
+  answer a longest-*common*-prefix lookup: the deepest block hash of the prompt with any
+  row names the entries sharing the prompt up to there, and the tokens stored with each
+  row say how far into the next block each one goes on agreeing.
+* ``entry_passes`` key(16) -> the hashes it has ``passes`` rows under, so a delete finds them
+* ``seals``    key(16) -> :meth:`Record.seal` (see :meth:`Index.audit`)
 * ``meta``     index-wide settings (schema, block size)
 
 Only published entries are ever written here; reservations live in the daemon's memory
@@ -16,7 +23,7 @@ is durable (``sync=True``), so an entry is either fully visible or absent after 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -26,7 +33,9 @@ import xxhash
 
 from .keys import KEY_BYTES, key_under
 
-SCHEMA_VERSION = 1
+# 2: the passes databases. A version-1 index gets its passes rows from the blob headers at
+# start-up (Store._reconcile), keeping every row and its usage.
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -88,13 +97,15 @@ class Index:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         # map_size is an upper bound on a sparse file, not an allocation.
         self.env = lmdb.open(
-            str(path), map_size=map_size, max_dbs=4, subdir=True, sync=True, metasync=True,
+            str(path), map_size=map_size, max_dbs=6, subdir=True, sync=True, metasync=True,
             readahead=False, max_readers=512, mode=0o600,
         )
         self._entries = self.env.open_db(b"entries")
         self._anchors = self.env.open_db(b"anchors")
         self._meta = self.env.open_db(b"meta")
         self._seals = self.env.open_db(b"seals")  # key -> Record.seal() (see audit)
+        self._passes = self.env.open_db(b"passes")
+        self._entry_passes = self.env.open_db(b"entry_passes")
 
     def close(self) -> None:
         self.env.close()
@@ -117,12 +128,21 @@ class Index:
             data = txn.get(key)
         return None if data is None else Record.unpack(data)
 
-    def put(self, record: Record) -> None:
-        """Publish (or overwrite) an entry: record and anchor in one transaction."""
+    def put(self, record: Record, passes: Sequence[tuple[bytes, bytes]] = ()) -> None:
+        """Publish (or overwrite) an entry: record, anchor and passes in one transaction.
+        ``passes`` are ``(h_k, block k+1)`` for the blocks it goes through (keys.passes)."""
         with self.env.begin(write=True) as txn:
-            txn.put(record.key, record.pack(), db=self._entries)
-            txn.put(record.anchor + record.key, record.tail, db=self._anchors)
-            txn.put(record.key, record.seal(), db=self._seals)
+            self._put_rows(txn, record, passes)
+
+    def _put_rows(self, txn: lmdb.Transaction, record: Record,
+                  passes: Sequence[tuple[bytes, bytes]]) -> None:
+        txn.put(record.key, record.pack(), db=self._entries)
+        txn.put(record.anchor + record.key, record.tail, db=self._anchors)
+        txn.put(record.key, record.seal(), db=self._seals)
+        if passes:
+            for block_hash, block in passes:
+                txn.put(block_hash + record.key, block, db=self._passes)
+            txn.put(record.key, b"".join(h for h, _ in passes), db=self._entry_passes)
 
     def delete(self, key: bytes) -> Record | None:
         with self.env.begin(write=True) as txn:
@@ -132,7 +152,17 @@ class Index:
             record = Record.unpack(data)
             txn.delete(record.anchor + record.key, db=self._anchors)
             txn.delete(key, db=self._seals)
+            self._delete_passes(txn, key)
             return record
+
+    def _delete_passes(self, txn: lmdb.Transaction, key: bytes) -> None:
+        hashes = txn.pop(key, db=self._entry_passes) or b""
+        for i in range(0, len(hashes), KEY_BYTES):
+            txn.delete(hashes[i : i + KEY_BYTES] + key, db=self._passes)
+
+    def has_passes(self, key: bytes) -> bool:
+        with self.env.begin(db=self._entry_passes) as txn:
+            return txn.get(key) is not None
 
     def update(self, key: bytes, **changes: object) -> Record | None:
         with self.env.begin(write=True, db=self._entries) as txn:
@@ -201,10 +231,12 @@ class Index:
             for key in keys_:
                 txn.delete(key, db=self._entries)
                 txn.delete(key, db=self._seals)
-            orphans = [composite for composite, _ in txn.cursor(db=self._anchors)
-                       if txn.get(composite[KEY_BYTES:], db=self._entries) is None]
-            for composite in orphans:
-                txn.delete(composite, db=self._anchors)
+                self._delete_passes(txn, key)
+            for db in (self._anchors, self._passes):
+                orphans = [composite for composite, _ in txn.cursor(db=db)
+                           if txn.get(composite[KEY_BYTES:], db=self._entries) is None]
+                for composite in orphans:
+                    txn.delete(composite, db=db)
 
     def count(self) -> int:
         with self.env.begin() as txn:
@@ -215,13 +247,23 @@ class Index:
             txn.drop(self._entries, delete=False)
             txn.drop(self._anchors, delete=False)
             txn.drop(self._seals, delete=False)
+            txn.drop(self._passes, delete=False)
+            txn.drop(self._entry_passes, delete=False)
 
     def put_many(self, records: Iterable[Record]) -> None:
+        """Rewrite rows of published entries (their passes rows stay as they are)."""
         with self.env.begin(write=True) as txn:
             for record in records:
                 txn.put(record.key, record.pack(), db=self._entries)
                 txn.put(record.anchor + record.key, record.tail, db=self._anchors)
                 txn.put(record.key, record.seal(), db=self._seals)
+
+    def publish_many(self, items: Iterable[tuple[Record, Sequence[tuple[bytes, bytes]]]]
+                     ) -> None:
+        """:meth:`put` for many entries in one transaction (start-up re-indexing)."""
+        with self.env.begin(write=True) as txn:
+            for record, passes in items:
+                self._put_rows(txn, record, passes)
 
     # -- lookup -----------------------------------------------------------------------------
 
@@ -282,6 +324,91 @@ class Index:
             if txn.get(key, db=self._entries) is not None:
                 return key
         return None
+
+
+    def longest_common_prefix(self, hashes: list[bytes], raw_tokens: bytes, block_size: int,
+                              max_tokens: int = 0) -> tuple[Record | None, int, int]:
+        """The published entry sharing the most leading tokens with ``raw_tokens``, also
+        one that is longer than the query or diverges from it. Returns the record, the
+        number of tokens shared (at most ``max_tokens`` when given) and the probes made.
+
+        Where an entry shares h_k with the query it has a row under h_k: in ``anchors``
+        when it ends within block k+1, in ``passes`` when it goes through it. Those rows
+        exist for every k up to the entry's last block, so the deepest k with any row is
+        found by binary search, and the answer is among that k's rows: each row's tokens
+        say how far into block k+1 its entry agrees with the query. Of the entries that
+        share as much, the smallest wins (the fewest bytes to load). A crowded k (more
+        than SCAN_LIMIT rows) is judged on its first SCAN_LIMIT rows and on the entries
+        the query could match exactly there: the answer may then fall short of the best
+        by less than a block.
+        """
+        n_query = len(raw_tokens) // 4
+        limit = min(n_query, max_tokens) if max_tokens else n_query
+        probes = 0
+        with self.env.begin() as txn:
+            anchors = txn.cursor(db=self._anchors)
+            passes = txn.cursor(db=self._passes)
+
+            def rows(k: int) -> Iterator[tuple[bytes, bytes]]:
+                for cursor in (anchors, passes):
+                    if cursor.set_range(hashes[k]):
+                        for composite, tokens in cursor:
+                            if composite[:KEY_BYTES] != hashes[k]:
+                                break
+                            yield composite[KEY_BYTES:], tokens
+
+            def present(k: int) -> bool:
+                nonlocal probes
+                probes += 1
+                return next(rows(k), None) is not None
+
+            lo, hi = -1, len(hashes) - 1  # rows exist under hashes[lo] (-1: none anywhere)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if present(mid):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            for k in range(lo, -1, -1):  # further down only past max_tokens or vanished rows
+                base = k * block_size
+                if base > limit:
+                    continue
+                best_keys: list[bytes] = []
+                best_n = 0
+                nxt = raw_tokens[base * 4 : (base + block_size) * 4]
+                for scanned, (key, tokens) in enumerate(rows(k)):
+                    if scanned == SCAN_LIMIT:
+                        exact = self._probe_tails(txn, hashes[k], raw_tokens, base,
+                                                  min(block_size - 1, limit - base))
+                        data = None if exact is None else txn.get(exact, db=self._entries)
+                        if data is not None and Record.unpack(data).n_tokens > best_n:
+                            best_keys, best_n = [exact], Record.unpack(data).n_tokens
+                        break
+                    shared = min(base + _common_prefix_tokens(tokens, nxt), limit)
+                    if shared > best_n:
+                        best_keys, best_n = [key], shared
+                    elif shared == best_n and shared:
+                        best_keys.append(key)
+                records = [Record.unpack(data) for data in
+                           (txn.get(key, db=self._entries) for key in best_keys) if data]
+                if records:
+                    return min(records, key=lambda r: r.size), best_n, probes
+        return None, 0, probes
+
+
+def _common_prefix_tokens(a: bytes, b: bytes) -> int:
+    """How many leading u32 tokens two packed token strings share."""
+    n = min(len(a), len(b)) // 4
+    if a[: n * 4] == b[: n * 4]:
+        return n
+    lo, hi = 0, n  # a[:4*lo] == b[:4*lo], a[:4*hi] != b[:4*hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[: mid * 4] == b[: mid * 4]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def dir_fsync(path: Path) -> None:

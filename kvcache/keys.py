@@ -106,6 +106,16 @@ def entry_key(ns: bytes, tokens: Sequence[int] | bytes, block_size: int) -> Entr
     return EntryKey(key=key_under(anchor, tail), anchor=anchor, tail=tail, n_tokens=n_tokens)
 
 
+def passes(ns: bytes, tokens: Sequence[int] | bytes, block_size: int) -> list[tuple[bytes, bytes]]:
+    """``(h_k, block k+1 as packed u32 LE)`` for each full block k+1 of the tokens
+    (k < n // B): the rows by which a longest-common-prefix lookup finds an entry that
+    goes through h_k (see index.py)."""
+    raw = tokens if isinstance(tokens, bytes) else tokens_to_bytes(tokens)
+    hashes = block_hashes(ns, raw, block_size)
+    step = block_size * 4
+    return [(hashes[k], raw[k * step : (k + 1) * step]) for k in range(len(hashes) - 1)]
+
+
 def parse_key(text: str) -> bytes:
     """A key as operators type it: 32 hex digits."""
     try:

@@ -180,14 +180,19 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             ns = identity_namespace(request.identity)
             raw = request_tokens(request)
             t0 = time.perf_counter()
-            record, probes = self.store.lookup(ns, raw, request.max_tokens)
+            if request.common_prefix:
+                record, matched, probes = self.store.lookup_common_prefix(
+                    ns, raw, request.max_tokens)
+            else:
+                record, probes = self.store.lookup(ns, raw, request.max_tokens)
+                matched = record.n_tokens if record else 0
             self._observe(self.lookup_seconds.labels("hit" if record else "miss"), "lookup", t0)
             if record is None:
                 return pb.LookupResponse(found=False, probes=probes)
             return pb.LookupResponse(
-                found=True, key=record.key, matched_tokens=record.n_tokens,
+                found=True, key=record.key, matched_tokens=matched,
                 tier=pb.TIER_RAM if record.in_ram else pb.TIER_DISK, size=record.size,
-                probes=probes)
+                probes=probes, entry_tokens=record.n_tokens)
         return self._call(context, run)
 
     def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:

@@ -196,6 +196,9 @@ class Store:
         if self.index.get_setting("block_size") not in (None, str(self.config.block_size)):
             # Anchors depend on the block size: rebuild the index from the blobs.
             self.index.clear()
+        # An index of an older schema has no passes rows: they are added from the blob
+        # headers below, keeping every row as it is.
+        old_schema = self.index.get_setting("schema") not in (None, str(SCHEMA_VERSION))
         self.index.set_setting("block_size", str(self.config.block_size))
         self.index.set_setting("schema", str(SCHEMA_VERSION))
 
@@ -232,6 +235,7 @@ class Store:
         good, bad = self.index.audit()
         stale: list[bytes] = list(bad)
         ram_fixes: list[Record] = []
+        without_passes: list[tuple[Record, Path]] = []
         for record in good:
             path = on_disk.pop(record.key, None)
             if path is None or path.stat().st_size != record.size:
@@ -239,6 +243,8 @@ class Store:
                 if path is not None:
                     self._quarantine_path(path)
                 continue
+            if old_schema and record.n_tokens >= self.config.block_size:
+                without_passes.append((record, path))
             self.disk_used += record.size
             ram_path = in_ram.pop(record.key, None)
             has_ram = ram_path is not None and ram_path.stat().st_size == record.size
@@ -261,7 +267,7 @@ class Store:
 
         # Blob files the index does not know (a crash between rename and index commit, or
         # a lost index): re-index them from their headers.
-        added = []
+        added: list[tuple[Record, list[tuple[bytes, bytes]]]] = []
         for key, path in on_disk.items():
             try:
                 with open(path, "rb") as f:
@@ -283,12 +289,32 @@ class Store:
             except (OSError, blobfmt.BlobError):
                 self._quarantine_path(path)
                 continue
-            added.append(replace(self._record_from(entry, header, meta, path.stat().st_size),
-                                 **bad.get(entry.key, {})))  # a damaged row's hits and pin
+            record = replace(self._record_from(entry, header, meta, path.stat().st_size),
+                             **bad.get(entry.key, {}))  # a damaged row's hits and pin
+            added.append((record, keys.passes(meta.namespace, meta.tokens,
+                                              self.config.block_size)))
             self.disk_used += header.total_size
         if added:
-            self.index.put_many(added)
+            self.index.publish_many(added)
             self.counters["reconcile_added"] += len(added)
+        self._add_passes(without_passes)
+
+    def _add_passes(self, entries: list[tuple[Record, Path]]) -> None:
+        """Give entries of an older index their passes rows, from their blob headers."""
+        items = []
+        for record, path in entries:
+            try:
+                with open(path, "rb") as f:
+                    _, meta = blobfmt.read_header_and_meta(f)
+            except (OSError, blobfmt.BlobError):
+                continue  # left to verify and reads, which quarantine a bad blob
+            if keys.entry_key(meta.namespace, meta.tokens, self.config.block_size).key \
+                    == record.key:
+                items.append((record, keys.passes(meta.namespace, meta.tokens,
+                                                  self.config.block_size)))
+        if items:
+            self.index.publish_many(items)
+
 
     # -- paths ------------------------------------------------------------------------------
 
@@ -302,19 +328,35 @@ class Store:
     # -- lookup -----------------------------------------------------------------------------
 
     def lookup(self, ns: bytes, raw_tokens: bytes, max_tokens: int = 0) -> tuple[Record | None, int]:
+        """The longest entry whose tokens are a whole prefix of the query, and the probes."""
         self._check_tokens(raw_tokens)
         hashes = keys.block_hashes(ns, raw_tokens, self.config.block_size)
         record, probes = self.index.longest_prefix(hashes, raw_tokens, self.config.block_size,
                                                    max_tokens)
+        self._count_lookup(record, record.n_tokens if record else 0, raw_tokens, max_tokens)
+        return record, probes
+
+    def lookup_common_prefix(self, ns: bytes, raw_tokens: bytes, max_tokens: int = 0
+                             ) -> tuple[Record | None, int, int]:
+        """The entry sharing the most leading tokens with the query (it may be longer or
+        diverge), how many it shares, and the probes."""
+        self._check_tokens(raw_tokens)
+        hashes = keys.block_hashes(ns, raw_tokens, self.config.block_size)
+        record, shared, probes = self.index.longest_common_prefix(
+            hashes, raw_tokens, self.config.block_size, max_tokens)
+        self._count_lookup(record, shared, raw_tokens, max_tokens)
+        return record, shared, probes
+
+    def _count_lookup(self, record: Record | None, shared: int, raw_tokens: bytes,
+                      max_tokens: int) -> None:
         n = len(raw_tokens) // 4
         wanted = min(n, max_tokens) if max_tokens else n
         with self._cond:
             self.counters["lookups"] += 1
             self.counters["lookup_hits" if record else "lookup_misses"] += 1
             if record:
-                exact = record.n_tokens == wanted
+                exact = shared == wanted
                 self.counters["lookup_hits_exact" if exact else "lookup_hits_partial"] += 1
-        return record, probes
 
     def _check_tokens(self, raw_tokens: bytes) -> None:
         n = len(raw_tokens) // 4
@@ -435,7 +477,8 @@ class Store:
                 renamed = True
                 dir_fsync(final.parent)
                 record = self._record_from(res.key, header, meta, res.size)
-                self.index.put(record)
+                self.index.put(record, keys.passes(res.namespace, meta.tokens,
+                                                   self.config.block_size))
             except (OSError, lmdb.Error) as exc:
                 # A full disk fails the index commit (LMDB grows its file): unhandled, it
                 # answered UNKNOWN and left an unindexed blob file and the key in flight.

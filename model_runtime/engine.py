@@ -504,12 +504,19 @@ class Engine:
                 return blob
             # The whole prompt, where a restored state cannot be cut (SWA/recurrent).
             self.count(f"{source}_key_unusable")
+        # A plain-attention state can be cut anywhere: any entry sharing leading tokens
+        # with the prompt serves them (longer or diverging ones are cut after restore).
+        common = self.ctx.can_truncate_restored()
         for _attempt in range(2):  # a corrupt hit is quarantined: look again, once
             try:
-                hit = self.cache.lookup(self.identity, tokens, max_tokens=limit, timeout=timeout)
+                hit = self.cache.lookup(self.identity, tokens, max_tokens=limit,
+                                        common_prefix=common, timeout=timeout)
                 if hit is None or min(hit.matched_tokens, len(tokens) - 1) <= req.live_keep:
                     return None  # a live sequence serves as much without a restore
-                blob = self.cache.load(hit.key, prefix_of=tokens, timeout=timeout * 4)
+                if hit.entry_tokens > hit.matched_tokens < self.config.min_save_tokens:
+                    return None  # restoring a whole state for a few tokens costs more
+                blob = self.cache.load(hit.key, prefix_of=tokens, shares=hit.matched_tokens,
+                                       timeout=timeout * 4)
                 self.count(f"restored_from_{blob.tier or 'cache'}")
                 return blob
             except CacheUnavailable:
@@ -531,7 +538,8 @@ class Engine:
         if req.cancelled:
             self._finish(req, "cancelled")
             return
-        if blob is not None and min(len(blob.meta.tokens), len(req.tokens) - 1) <= req.live_keep:
+        if blob is not None and min(common_prefix(blob.meta.tokens, req.tokens),
+                                    len(req.tokens) - 1) <= req.live_keep:
             blob = None  # the live sequence covers as much: a tie goes to it (no restore)
         if blob is not None:
             self._restore(req, seq, blob)
@@ -546,17 +554,20 @@ class Engine:
     def _restore(self, req: Request, seq: Seq, blob: LoadedBlob) -> None:
         t0 = time.perf_counter()
         n = len(blob.meta.tokens)
+        # Tokens the state shares with the prompt; all but the prompt's last are kept
+        # (that one is decoded again for fresh logits), and whatever follows is cut.
+        shared = common_prefix(blob.meta.tokens, req.tokens)
+        keep = min(shared, len(req.tokens) - 1)
         ok = self.ctx.state_seq_set(seq.id, blob.payload) > 0
         if ok:
-            seq.tokens = list(req.tokens[:n])
+            seq.tokens = list(blob.meta.tokens)
             seq.restored = True
             seq.saved_len = n
-            keep = n - 1 if n == len(req.tokens) else n
             if keep < n and not self._truncate(seq, keep):
                 ok = False
         if ok:
-            req.hit_kind = HIT_EXACT if n == len(req.tokens) else HIT_PARTIAL
-            req.tokens_read = n
+            req.hit_kind = HIT_EXACT if shared == len(req.tokens) else HIT_PARTIAL
+            req.tokens_read = shared
             req.tier = blob.tier
             req.n_past = len(seq.tokens)
             self.count(f"restores_{req.hit_kind}")

@@ -521,7 +521,8 @@ CONFIG = RuntimeConfig(n_ctx=512, n_batch=256, n_seq_max=1, n_threads=1, prefill
                        reuse_live=False)  # these tests follow the daemon path
 TEXT_A = "the cat and the dog sat on the mat with a hat, "
 TEXT_B = "in the end it is what it is, or so they say to you. "
-# payload_flip_cold damages the request's only saved prefix (the cold entry): it goes cold.
+# payload_flip_cold damages the request's only usable state (the cold entry, once the
+# finish entry that also holds the prompt is deleted): it goes cold.
 RUNTIME_KINDS = ("payload_flip_disk", "payload_flip_cold", "ram_copy_flip",
                  "truncated_parent_key", "swapped")
 
@@ -581,9 +582,11 @@ def test_request_over_a_corrupt_entry_completes_like_a_cold_run(
         assert [(s["reason"], s["tokens"]) for s in first.saves] == [("cold", 64), ("finish", 107)]
         flush(rt)
         finish = bytes.fromhex(first.finish_key)
-        # The next turn's lookup finds the finish entry, its longest saved prefix; the
-        # same prompt again finds the cold entry.
+        # The next turn's lookup finds the finish entry, its longest saved prefix. The
+        # same prompt again would find it too (it holds the whole prompt): without it, the
+        # cold entry is the only state that prompt can use.
         if kind == "payload_flip_cold":
+            admin.delete(finish)
             q, victim = p, bytes.fromhex(first.saves[0]["key"])
         else:
             q, victim = p + first.tokens[:-1] + sample_prompt(rt.tokenize, 12, TEXT_B)[1:], finish

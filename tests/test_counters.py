@@ -505,11 +505,15 @@ def _runtime_traffic(d: DaemonProcess, model: Path) -> tuple[dict[str, float], d
         wait_for(lambda: rt.stats()["rejected_states_deleted"] >= 1, "the rejected state's delete")
         assert rejected.key not in {e.key for e in c.list_entries()}
 
-        # A corrupt blob (both copies flipped): quarantined, the request goes cold.
+        # A corrupt blob (both copies flipped): quarantined, the request goes cold. (The
+        # finish state, which holds the whole prompt too, is deleted first.)
         p4 = tokens(18, 100)
-        rt.complete(tokens=p4, max_tokens=4)
+        done4 = rt.complete(tokens=p4, max_tokens=4)
         flush(rt)
         wait_for(lambda: in_ram(c, key(p4[:64])), "the cold save to be placed in RAM")
+        finish4 = bytes.fromhex(done4.finish_key)
+        wait_for(lambda: in_ram(c, finish4), "the finish save to be placed in RAM")
+        c.delete(finish4)
         flip_payload(blob_file(d, key(p4[:64])))
         flip_payload(ram_file(d, key(p4[:64])))
         assert rt.complete(tokens=p4, max_tokens=4).cache_hit_kind == "cold"

@@ -208,6 +208,27 @@ def test_longest_prefix_over_aligned_and_any_length_entries(shared: DaemonProces
         assert c.lookup(Identity("fp-test", {"type_k": "q8_0"}), prompt) is None
 
 
+def test_common_prefix_lookup_over_grpc_and_the_load_that_checks_it(
+        shared: DaemonProcess) -> None:
+    prompt = toks(13, 100)
+    with shared.client() as c:
+        key = c.save(IDENT, prompt[:70], payload_for(prompt[:70], 300), "finish").key
+        diverging = prompt[:40] + [0] + prompt[41:]
+        assert c.lookup(IDENT, diverging) is None  # no whole prefix of it is stored
+        hit = c.lookup(IDENT, diverging, common_prefix=True)
+        assert hit is not None
+        assert (hit.key, hit.matched_tokens, hit.entry_tokens) == (key, 40, 70)
+        assert c.lookup(IDENT, prompt[:25], common_prefix=True).matched_tokens == 25
+        assert c.lookup(IDENT, prompt, common_prefix=True, max_tokens=30).matched_tokens == 30
+        # The load proves the shared tokens, and refuses a claim beyond them.
+        loaded = c.load(key, prefix_of=diverging, shares=hit.matched_tokens)
+        assert list(loaded.meta.tokens) == prompt[:70]
+        with pytest.raises(CacheError, match="first 41 tokens"):
+            c.load(key, prefix_of=diverging, shares=41)
+        with pytest.raises(CacheError, match="first 70 tokens"):
+            c.load(key, prefix_of=diverging)  # whole prefix by default
+
+
 def test_duplicate_save_is_dropped(shared: DaemonProcess) -> None:
     tokens = toks(12, 20)
     with shared.client() as c:
@@ -250,7 +271,7 @@ def test_load_proves_the_tokens_are_a_prefix(shared: DaemonProcess) -> None:
         c.load(saved.key, prefix_of=tokens)
         c.load(saved.key, prefix_of=tokens + [7])
         for other in (tokens[:-1], [tokens[0] + 1, *tokens[1:]], tokens[:10] + [0] * 20):
-            with pytest.raises(CacheError, match="not a prefix"):
+            with pytest.raises(CacheError, match="does not hold the prompt's first"):
                 c.load(saved.key, prefix_of=other)
 
 

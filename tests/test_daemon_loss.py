@@ -97,7 +97,7 @@ def test_requests_complete_through_sigterm_sigkill_and_restarts(
         assert rt.complete(tokens=p, max_tokens=MAX_TOKENS).tokens == ref
         settled(rt)  # one at a time: a burst overflows the save queue (dropped, counted)
     warm = {rt.complete(tokens=p, max_tokens=MAX_TOKENS).cache_hit_kind for p in prompts}
-    assert warm == {"partial"}, warm  # restored from the cold save point, then prefilled
+    assert warm == {"exact"}, warm  # restored from each prompt's finish state
     before = rt.stats()
 
     stop = threading.Event()
@@ -175,7 +175,7 @@ def test_requests_complete_through_sigterm_sigkill_and_restarts(
     # before the kill survived it.
     for p, ref in zip(prompts, reference, strict=True):
         back = rt.complete(tokens=p, max_tokens=MAX_TOKENS)
-        assert back.cache_hit_kind == "partial" and back.tokens == ref
+        assert back.cache_hit_kind == "exact" and back.tokens == ref
     settled(rt)
     with CacheClient(daemon.address, timeout=10) as c:
         stats = c.stats()

@@ -671,7 +671,8 @@ class Live:
         identity = st.sampled_from([IDENT.message(), ALICE.message()])
         key = st.sampled_from(self.keys)
         return {
-            "Lookup": {"identity": identity, "tokens": st.sampled_from(self.tokens)},
+            "Lookup": {"identity": identity, "tokens": st.sampled_from(self.tokens),
+                       "common_prefix": st.booleans()},
             "Reserve": {"identity": identity,
                         "tokens": st.lists(st.integers(1, 60_000), min_size=1, max_size=40),
                         "size": st.sampled_from([self.blob_size, 1 << 20]),

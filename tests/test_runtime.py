@@ -130,10 +130,13 @@ def test_hit_kinds_cold_exact_partial_sticky(make_runtime: Callable[..., Runtime
     assert kinds(exact) == ("exact", 107)
     # Greedy from the restored finish state continues the first request's output.
     assert exact.tokens[0] == first.tokens[-1]
+    # Diverging after 80 tokens: the finish state serves them, cut after the restore.
     partial = rt.complete(tokens=p[:80] + prompt(rt, 20, TEXT_B)[1:], max_tokens=4)
-    assert kinds(partial) == ("partial", 64)
+    assert kinds(partial) == ("partial", 80)
+    flush(rt)
+    # The exact request's finish state holds first.tokens[-1] too: 108 tokens shared.
     longer = rt.complete(tokens=p + first.tokens + [40, 41, 42], max_tokens=4)
-    assert kinds(longer) == ("partial", 107)
+    assert kinds(longer) == ("partial", len(p) + len(first.tokens))
 
     q = prompt(rt, 50, TEXT_C)
     opened = rt.complete(tokens=q, max_tokens=6, session_id="s")
@@ -167,8 +170,16 @@ def test_explicit_and_system_message_boundaries(make_runtime: Callable[..., Runt
         rt.model.apply_chat_template([{"role": "system", "content": system}],
                                      add_generation_prompt=False))
     flush(rt)
+    # The system message's state is there; the first chat's finish state also holds the
+    # user turn's opening tokens, so it serves a little more than the boundary.
     other = rt.complete(prompt="something else", system=system, max_tokens=3)
-    assert kinds(other) == ("partial", boundary)
+    chat_tokens, _ = rt.render_chat([{"role": "system", "content": system},
+                                     {"role": "user", "content": "hello there"}])
+    other_tokens, _ = rt.render_chat([{"role": "system", "content": system},
+                                      {"role": "user", "content": "something else"}])
+    finished = chat_tokens + chat.tokens[:-1]
+    assert kinds(other) == ("partial", common_prefix(finished, other_tokens))
+    assert other.cache_delta["tokens_read"] > boundary
 
 
 # --------------------------------------------------------------------------- exactness
@@ -194,6 +205,25 @@ def test_warm_greedy_output_equals_cold_greedy_output(
     assert warm.cache_hit_kind == kind and cold.cache_hit_kind == "cold"
     assert warm.tokens == cold.tokens
     assert warm.text == cold.text and warm.finish_reason == cold.finish_reason
+
+
+def test_a_saved_state_that_goes_on_differently_serves_the_tokens_it_shares(
+        make_runtime: Callable[..., Runtime], plain: Runtime) -> None:
+    """An agent loop's next prompt re-tokenizes the last reply: it shares all but the end
+    of the previous finish state. That state is restored and cut where they part."""
+    rt = make_runtime()
+    p = prompt(rt, 100)
+    first = rt.complete(tokens=p, max_tokens=8)
+    flush(rt)
+    step = p + first.tokens[:3] + prompt(rt, 30, TEXT_C)[1:]
+    fresh = make_runtime()  # another process: nothing live, only the daemon
+    done = fresh.complete(tokens=step, max_tokens=8)
+    assert kinds(done) == ("partial", common_prefix(p + first.tokens[:-1], step))
+    assert done.cache_delta["tokens_read"] >= 103
+    assert done.tokens == plain.complete(tokens=step, max_tokens=8).tokens
+    # Sharing fewer tokens than min_save_tokens with a longer state: not worth a restore.
+    few = p[:5] + prompt(rt, 40, TEXT_B)[1:]
+    assert kinds(fresh.complete(tokens=few, max_tokens=2)) == ("cold", 0)
 
 
 # --------------------------------------------------------------------------- live sequences
@@ -289,7 +319,7 @@ def test_finish_key_as_parent_key_resumes(make_runtime: Callable[..., Runtime],
     unknown = rt.complete(tokens=p[:50], max_tokens=3, parent_key="ab" * 16)
     after = rt.stats()
     assert other.cache_hit_kind == "cold"
-    assert kinds(unknown) == ("partial", 32)  # found by the ordinary lookup instead
+    assert kinds(unknown) == ("exact", 50)  # the lookup finds p's longer states instead
     assert delta(before, after, "parent_key_unusable") == 2
     assert delta(before, after, "resolved_by_parent") == 0
 
@@ -509,8 +539,8 @@ def test_daemon_killed_mid_request_then_back(daemon_factory: Callable[..., Daemo
     while not rt.cache_reachable() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert rt.cache_reachable()
-    back = rt.complete(tokens=saved, max_tokens=4)
-    assert kinds(back) == ("partial", 64) and back.tokens == down.tokens
+    back = rt.complete(tokens=saved, max_tokens=4)  # the first request's finish state
+    assert kinds(back) == ("exact", 100) and back.tokens == down.tokens
 
 
 def test_state_from_other_kv_settings_is_never_restored(
@@ -592,9 +622,9 @@ def test_concurrent_requests_match_requests_run_alone(
     assert [c.tokens for c in cold] == alone
     assert {c.cache_hit_kind for c in cold} == {"cold"}
     flush(rt)
-    warm = run_all()  # all restored at once
+    warm = run_all()  # all restored at once (finish states hold the whole prompts)
     assert [c.tokens for c in warm] == alone
-    assert {c.cache_hit_kind for c in warm} == {"partial"}
+    assert {c.cache_hit_kind for c in warm} == {"exact"}
     # The premise: sequences did share llama_decode batches (observed, not forced).
     assert max(batches) >= 2
 

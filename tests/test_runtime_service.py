@@ -178,15 +178,14 @@ def test_complete_streams_text_pieces_then_the_final_record(
     assert done.timings.total_ms > 0
     wait_for_entry(stack[0], done.finish_key)
 
-    # The same prompt again: its `cold` save (the last 256-aligned block at least 32
-    # tokens before the end: none for 90 tokens) does not exist, but the finish entry
-    # is longer than the prompt; a prompt that extends the finish entry hits it.
+    # A prompt that extends the finished one: the idle sequence still holds it (all but
+    # the last generated token, sampled but never decoded) and serves it in place.
     longer = tokens + list(done.tokens) + tokens[1:20]
     events = list(stub.Complete(request(tokens=longer, max_tokens=4), timeout=60))
     again = events[-1].done
     assert again.cache_hit_kind == "partial"
     assert again.cache_delta.tokens_read == len(tokens) + len(done.tokens) - 1
-    assert again.cache_tier in ("ram", "disk")
+    assert again.cache_tier == "live"
 
 
 def test_client_record_and_stats(stack: tuple[DaemonProcess, RuntimeProcess]) -> None:
@@ -271,7 +270,9 @@ def test_cli_complete_json_prints_a_parseable_record(
     assert second.returncode == 0, second.stderr
     again = json.loads(second.stdout)
     assert again["cache_hit_kind"] == "partial"
-    assert again["cache_delta"]["tokens_read"] == boundary
+    # At least the system prompt; the first run's last state also holds the opening
+    # tokens of the user turn, which the second shares.
+    assert boundary <= again["cache_delta"]["tokens_read"] < again["prompt_tokens"]
 
     without_cache = run_cli("complete", "--prompt", "Something else entirely",
                             *[a if a != daemon.address else "none" for a in common])
@@ -322,9 +323,11 @@ def test_sigterm_mid_decode_saves_shutdown_state_that_a_new_process_restores(
     assert counters.get("saves_committed_finish", 0) == 0
 
     # A new process restores exactly what was live: prompt + generated but the last
-    # token (sampled, not yet decoded).
+    # token (sampled, not yet decoded). (Its own finished sequences are not reused here:
+    # the parent key must be what serves the second request.)
     live = prompt + generated[:-1]
-    second = RuntimeProcess(tiny_model_no_eog, daemon.address, tmp_path / "rt2.log", *args)
+    second = RuntimeProcess(tiny_model_no_eog, daemon.address, tmp_path / "rt2.log", *args,
+                            "--no-reuse-live")
     second.start()
     try:
         with RuntimeClient(second.address, timeout=60) as client:

@@ -256,6 +256,88 @@ def test_longest_prefix_with_more_entries_under_one_block_than_it_scans(
     assert store.lookup(NS, raw([1, 2, 3]))[0] is None
 
 
+def lcp(store: Store, tokens: list[int], max_tokens: int = 0) -> tuple[int | None, int]:
+    """(length of the entry found, tokens it shares with the query)."""
+    record, shared, _ = store.lookup_common_prefix(NS, raw(tokens), max_tokens)
+    return (record.n_tokens if record else None), shared
+
+
+def test_longest_common_prefix_finds_longer_and_diverging_entries(
+        make_store: Callable[..., Store]) -> None:
+    store = make_store()
+    rng = random.Random(3)
+    prompt = [rng.randrange(50_000) for _ in range(120)]
+    put(store, prompt[:100], size=50)
+    put(store, prompt[:20], size=50)
+    # Shorter than the entry, inside a block and at a block's end: the longer entry serves.
+    assert lcp(store, prompt[:37]) == (100, 37)
+    assert lcp(store, prompt[:48]) == (100, 48)
+    # Diverging at token 70 (inside the 5th block): 70 shared, not the block before.
+    diverging = prompt[:70] + [999_999] + prompt[71:]
+    assert lcp(store, diverging) == (100, 70)
+    assert store.lookup(NS, raw(diverging))[0].n_tokens == 20  # whole prefixes only
+    # Longer than every entry: the longest whole prefix, as before.
+    assert lcp(store, prompt) == (100, 100)
+    # Diverging at once, or inside the first block: the entry sharing the most.
+    assert lcp(store, [1, 2, 3]) == (None, 0)
+    assert lcp(store, prompt[:5] + [7, 7, 7]) == (20, 5)  # a tie: the shorter entry
+    assert lcp(store, prompt, max_tokens=60) == (100, 60)
+    other = keys.namespace(FP, LAYOUT, "tenant-b")
+    assert store.lookup_common_prefix(other, raw(prompt))[0] is None
+    # Deleted: nothing of it is found any more.
+    store.delete(keys.entry_key(NS, prompt[:100], BLOCK).key)
+    assert lcp(store, prompt[:37]) == (20, 20)
+    with store.index.env.begin() as txn:
+        assert txn.stat(store.index._passes)["entries"] == 1  # the 20-token entry's
+
+
+def test_longest_common_prefix_probes_at_most_log_blocks_plus_one(
+        make_store: Callable[..., Store]) -> None:
+    store = make_store()
+    prompt = list(range(1000, 1000 + 16 * 64))
+    put(store, prompt[: 16 * 40 + 3], size=50)
+    record, shared, probes = store.lookup_common_prefix(NS, raw(prompt))
+    assert (record.n_tokens, shared) == (16 * 40 + 3, 16 * 40 + 3)
+    assert probes <= 8  # binary search over 65 block hashes
+
+
+def test_longest_common_prefix_with_more_entries_under_one_block_than_it_scans(
+        make_store: Callable[..., Store]) -> None:
+    from kvcache.index import SCAN_LIMIT
+
+    store = make_store()
+    rng = random.Random(5)
+    system = [rng.randrange(50_000) for _ in range(40)]
+    # Many conversations over one system prompt, each going on past the next block.
+    for i in range(SCAN_LIMIT + 8):
+        put(store, system + [800_000 + i] * 30, size=20)
+    # A query that continues the last conversation: found (among the rows past the scan
+    # limit at least the shared system prompt's blocks and what the scan saw).
+    last = system + [800_000 + SCAN_LIMIT + 7] * 30
+    found, shared = lcp(store, last[:60])
+    assert found == 70 and shared >= 48
+    put(store, system, size=20)
+    assert lcp(store, system + [5]) == (40, 40)  # an exact whole prefix is always found
+
+
+def test_an_index_of_the_previous_schema_gets_its_passes_rows_at_start_up(
+        make_store: Callable[..., Store]) -> None:
+    store = make_store()
+    prompt = list(range(500, 600))
+    record = put(store, prompt[:90])
+    store.set_pinned(record.key, True)
+    with store.index.env.begin(write=True) as txn:  # what version 1 wrote: no passes
+        txn.drop(store.index._passes, delete=False)
+        txn.drop(store.index._entry_passes, delete=False)
+        txn.put(b"schema", b"1", db=store.index._meta)
+    assert lcp(store, prompt[:50]) == (None, 0)
+    store.close()
+    reopened = make_store()
+    assert lcp(reopened, prompt[:50]) == (90, 50)
+    assert reopened.index.get(record.key).pinned
+    assert reopened.index.get_setting("schema") == "2"
+
+
 # -- space ----------------------------------------------------------------------------------
 
 A, B, C, D, E = ([i * 1000 + j for j in range(20)] for i in range(1, 6))

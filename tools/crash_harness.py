@@ -29,8 +29,9 @@ After every restart, before any client touches the daemon:
 
 At the end the daemon is stopped cleanly (no temp file may remain), started again, and
 the same check runs over every acknowledged entry with Verify over everything. During
-the run every load that returned data is compared with the saved bytes, and lookups,
-loads, pins and duplicate saves of acknowledged entries must find them. Payloads follow
+the run every load that returned data is compared with the saved bytes, and lookups
+(whole-prefix and common-prefix: a prompt that parts from an acknowledged entry inside
+it), loads, pins and duplicate saves of acknowledged entries must find them. Payloads follow
 from the tokens, so any entry found can be checked on its own.
 
 Prints one JSON object (``--json``) or a short summary. Exit status 1 if anything was
@@ -81,7 +82,8 @@ MAX_PROBLEMS = 40
 
 # Operation mix of a client thread (weights).
 OPS: dict[str, int] = {
-    "save_kept": 30, "save_disposable": 10, "save_duplicate": 5, "read_kept": 25,
+    "save_kept": 30, "save_disposable": 10, "save_duplicate": 5, "read_kept": 20,
+    "read_kept_common_prefix": 5,
     "read_disposable": 6, "pin": 6, "unpin": 5, "verify_one": 3, "prune": 4, "delete": 2,
     "miss": 4,
 }
@@ -278,10 +280,11 @@ class Worker:
         if self._save(client, KEPT, tokens).status == "saved":
             self.ledger.lose(key, "a second save of it was granted and committed")
 
-    def _check_loaded(self, client: CacheClient, key: bytes, query: list[int]) -> bool:
+    def _check_loaded(self, client: CacheClient, key: bytes, query: list[int],
+                      shares: int = 0) -> bool:
         """Load ``key`` and compare with the saved bytes. False when it is missing."""
         try:
-            loaded = client.load(key, prefix_of=query)
+            loaded = client.load(key, prefix_of=query, shares=shares)
         except CacheError as exc:
             if exc.code is not None and exc.code.name == "NOT_FOUND":
                 return False
@@ -314,6 +317,27 @@ class Worker:
             else:  # a kept entry, acknowledged or not: nothing removes those either
                 self.ledger.problem("vanished_entries", f"{target.hex()}: found by lookup, "
                                     "then NOT_FOUND by its load")
+
+    def op_read_kept_common_prefix(self, client: CacheClient) -> None:
+        """A prompt that parts from an acknowledged entry inside it: the entry, or another
+        sharing as much, serves the shared tokens. Every block hash here has more rows
+        than the index scans (many entries per namespace), where the answer may fall
+        short of the best by less than a block: whole blocks are what must be found."""
+        picked = self.ledger.random_acked(self.rng)
+        if picked is None:
+            return
+        key, tokens = picked
+        cut = self.rng.randrange(1, len(tokens) + 1)
+        query = tokens[:cut] + [60_001 + self.rng.randrange(0, 100)]  # no saved token id
+        hit = client.lookup(KEPT, query, common_prefix=True)
+        if (hit.matched_tokens if hit else 0) < cut // BLOCK * BLOCK:
+            self.ledger.lose(key, f"common-prefix lookup during the run answered {hit}")
+            return
+        if hit is None:
+            return
+        if not self._check_loaded(client, hit.key, query, shares=hit.matched_tokens):
+            self.ledger.problem("vanished_entries", f"{hit.key.hex()}: found by lookup, "
+                                "then NOT_FOUND by its load")
 
     def op_read_disposable(self, client: CacheClient) -> None:
         picked = self.ledger.random_disposable(self.rng)
