@@ -1,4 +1,5 @@
-"""The ``model-runtime`` command: serve a model over gRPC, or run one completion."""
+"""The ``model-runtime`` command: serve a model over gRPC, or run one completion, on a
+model loaded for it or on a running ``model-runtime serve`` (``complete --server``)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,28 @@ from pathlib import Path
 from typing import Any
 
 import click
+import grpc
+from click.core import ParameterSource
 
+from kvcache.auth import AuthConfigError, ClientAuth
 from kvcache.cli import server_auth, tcp_listen_options
 from kvcache.config import default_address, default_dir
 
 from .config import RuntimeConfig
-from .engine import RuntimeError_
+from .engine import Completion, RuntimeError_
+from .llama_backend import KV_CACHE_TYPES, LOG_ENV, LlamaLoadError, ModelFileError
 
 _DEFAULTS = RuntimeConfig()
 RUNTIME_SOCKET = "model-runtime.sock"
+# Runtime errors that mean the request itself was wrong: usage errors (exit 2).
+REQUEST_ERRORS = ("invalid_argument", "prompt_too_long")
+SERVER_WAIT_S = 3.0  # a runtime that does not answer by then is taken as not running
+KV_TYPES = ", ".join(sorted(KV_CACHE_TYPES))
+
+
+def default_server_address() -> str:
+    """Where ``model-runtime serve`` listens when given neither --socket nor --listen."""
+    return f"unix:{default_dir() / RUNTIME_SOCKET}"
 
 
 def runtime_options(f: Any) -> Any:
@@ -34,11 +48,17 @@ def runtime_options(f: Any) -> Any:
         click.option("--n-batch", type=int, default=_DEFAULTS.n_batch, show_default=True),
         click.option("--threads", "n_threads", type=int, default=_DEFAULTS.n_threads,
                      show_default=True),
-        click.option("--type-k", default=_DEFAULTS.type_k, show_default=True),
-        click.option("--type-v", default=_DEFAULTS.type_v, show_default=True),
+        click.option("--type-k", default=_DEFAULTS.type_k, show_default=True,
+                     help=f"KV cache type of keys: {KV_TYPES}."),
+        click.option("--type-v", default=_DEFAULTS.type_v, show_default=True,
+                     help="KV cache type of values (quantized ones need --flash-attn)."),
         click.option("--flash-attn", is_flag=True),
         click.option("--continued-interval", type=int, default=_DEFAULTS.continued_interval,
                      show_default=True, help="Save every N generated tokens (0: off)."),
+        click.option("--reuse-live/--no-reuse-live", default=_DEFAULTS.reuse_live,
+                     show_default=True,
+                     help="Serve a prompt from an idle sequence's KV in place when it covers "
+                          "at least as much as the cache (off: only the cache serves)."),
         click.option("--tenant", default="", help="Tenant salt: isolates this runtime's entries."),
         click.option("--verbose", is_flag=True, help="Show llama.cpp's own log."),
     ]
@@ -47,13 +67,191 @@ def runtime_options(f: Any) -> Any:
     return f
 
 
+# The parameters above: with --server they would configure nothing, so they are refused.
+RUNTIME_PARAMS = frozenset(p.name for p in click.command()(runtime_options(lambda: None)).params)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def setting_error(exc: ValueError) -> click.UsageError:
+    """A refused setting (a ``SettingError`` names it) as a usage error on its option."""
+    ctx = click.get_current_context()
+    setting = getattr(exc, "setting", None)
+    param = next((p for p in ctx.command.params if p.name == setting), None)
+    if param is None:
+        return click.UsageError(str(exc), ctx)
+    return click.BadParameter(getattr(exc, "rule", str(exc)), ctx, param)
+
+
+def request_error(code: str, message: str) -> click.ClickException:
+    text = f"{code}: {message}"
+    return click.UsageError(text) if code in REQUEST_ERRORS else click.ClickException(text)
+
+
+# --------------------------------------------------------------------------- local runtime
+
+
+def runtime_config(settings: dict[str, Any]) -> RuntimeConfig:
+    try:
+        return RuntimeConfig(**settings)
+    except ValueError as exc:
+        raise setting_error(exc) from None
+
+
 def build_runtime(model_path: str | None, cache_address: str | None, verbose: bool,
-                  **settings: Any) -> Any:
+                  config: RuntimeConfig) -> Any:
+    """Load the model and connect to the cache, or fail with one line saying why."""
     from .runtime import Runtime
 
-    config = RuntimeConfig(**settings)
     address = None if cache_address == "none" else (cache_address or default_address())
-    return Runtime(model_path, cache_address=address, config=config, verbose=verbose)
+    try:
+        return Runtime(model_path, cache_address=address, config=config, verbose=verbose)
+    except ModelFileError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--model'") from None
+    except FileNotFoundError as exc:  # the default model is not installed
+        raise click.ClickException(str(exc)) from None
+    except LlamaLoadError as exc:
+        raise click.ClickException(f"{exc} (--verbose or {LOG_ENV}=1 shows llama.cpp's "
+                                   "reason)") from None
+
+
+def complete_locally(runtime: Any, request: dict[str, Any]) -> Completion:
+    try:
+        return runtime.complete(**request)
+    except RuntimeError_ as exc:
+        raise request_error(exc.code, str(exc)) from None
+    except ValueError as exc:
+        raise setting_error(exc) from None
+    finally:
+        runtime.close()
+
+
+# --------------------------------------------------------------------------- served runtime
+
+
+def complete_on_server(address: str, request: dict[str, Any]) -> Completion:
+    """Run the request on a ``model-runtime serve`` (credentials for a TCP one come from
+    ``KVCACHE_TOKEN_FILE`` and ``KVCACHE_TLS_*``, as for the cache daemon)."""
+    from .client import RuntimeClient
+    from .service import completion_from_message
+
+    try:
+        auth = ClientAuth.from_env()
+    except AuthConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    with RuntimeClient(address, timeout=None, auth=auth) as client:
+        wait_for_server(client)
+        try:
+            message = client.complete_message(**request)
+        except grpc.RpcError as exc:
+            raise served_error(client.address, exc) from None
+    return completion_from_message(message)
+
+
+def wait_for_server(client: Any) -> None:
+    hint = "start one with: model-runtime serve"
+    socket_path = Path(client.address.removeprefix("unix:"))
+    if client.address.startswith("unix:") and not socket_path.exists():
+        raise click.ClickException(f"no model runtime at {client.address} (no such socket; "
+                                   f"{hint})")
+    try:
+        client.wait_ready(timeout=SERVER_WAIT_S)
+    except grpc.FutureTimeoutError:
+        raise click.ClickException(f"no model runtime answered at {client.address} within "
+                                   f"{SERVER_WAIT_S:g} s ({hint})") from None
+
+
+def served_error(address: str, exc: grpc.RpcError) -> click.ClickException:
+    code, details = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:  # details: "<runtime code>: <message>"
+        return click.UsageError(details)
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return click.ClickException(f"{address} does not serve completions (is it a "
+                                    "model-runtime serve?)")
+    return click.ClickException(f"model runtime at {address}: {details or code.name}")
+
+
+# --------------------------------------------------------------------------- input
+
+
+def read_text(path: str, option: str) -> str:
+    """A UTF-8 text file ('-': standard input), or a usage error naming the option."""
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    except OSError as exc:
+        raise click.BadParameter(f"cannot read {path}: {exc.strerror}",
+                                 param_hint=f"'{option}'") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise click.BadParameter(f"{path} is not UTF-8 text (byte 0x{data[exc.start]:02x} "
+                                 f"at offset {exc.start})", param_hint=f"'{option}'") from None
+
+
+def checked_text(text: str, option: str) -> str:
+    """Arguments that were not valid UTF-8 arrive with lone surrogates: refuse them here,
+    before the tokenizer fails on them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise click.BadParameter(f"not valid UTF-8 text (at character {exc.start})",
+                                 param_hint=f"'{option}'") from None
+    return text
+
+
+def prompt_input(prompt: str | None, prompt_file: str | None, system_file: str | None,
+                 raw: bool) -> dict[str, Any]:
+    """The request's input: a raw prompt, or chat messages (the system message's end is a
+    cache save boundary)."""
+    if (prompt is None) == (prompt_file is None):
+        raise click.UsageError("give exactly one of --prompt and --prompt-file")
+    text = (checked_text(prompt, "--prompt") if prompt is not None
+            else read_text(prompt_file or "-", "--prompt-file"))
+    system = read_text(system_file, "--system-file") if system_file else None
+    if raw:
+        return {"prompt": (system or "") + text}
+    messages = [{"role": "user", "content": text}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    return {"messages": messages}
+
+
+def sampling_options(max_tokens: int, temperature: float, top_p: float, top_k: int,
+                     seed: int | None, stop: tuple[str, ...]) -> dict[str, Any]:
+    """The sampling settings, checked by the same rules the runtime applies."""
+    from .sampling import SamplingParams
+
+    try:
+        SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                       max_tokens=max_tokens, stop=stop)
+    except ValueError as exc:
+        raise setting_error(exc) from None
+    options: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature,
+                               "top_p": top_p, "top_k": top_k, "stop": list(stop)}
+    if seed is not None:  # an optional field on the wire
+        options["seed"] = seed
+    return options
+
+
+def checked_parent_key(parent_key: str) -> str:
+    from .runtime import parse_parent_key
+
+    try:
+        return parse_parent_key(parent_key).hex()
+    except ValueError as exc:
+        raise setting_error(exc) from None
+
+
+def refuse_local_options_with_server(ctx: click.Context) -> None:
+    given = [p.opts[0] for p in ctx.command.params if p.name in RUNTIME_PARAMS
+             and ctx.get_parameter_source(p.name) == ParameterSource.COMMANDLINE]
+    if given:
+        raise click.UsageError(f"{', '.join(given)} configure a runtime loaded by this "
+                               "command; with --server the served runtime's settings apply")
+
+
+# --------------------------------------------------------------------------- commands
 
 
 @click.group()
@@ -76,12 +274,13 @@ def serve(socket_path: Path | None, listen: str | None, token_file: Path | None,
     """Serve completions over gRPC until SIGTERM (live sequences are saved first)."""
     from .service import RuntimeServer
 
+    config = runtime_config(settings)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not socket_path and not listen:
         socket_path = default_dir() / RUNTIME_SOCKET
     auth = server_auth(listen, token_file, tls_cert, tls_key, tls_client_ca, insecure_tcp)
-    runtime = build_runtime(model_path, cache_address, verbose, **settings)
+    runtime = build_runtime(model_path, cache_address, verbose, config)
     server = RuntimeServer(runtime, socket_path, listen, auth, insecure_tcp)
     if metrics_port is not None:
         port = runtime.metrics.serve(metrics_port)
@@ -91,39 +290,45 @@ def serve(socket_path: Path | None, listen: str | None, token_file: Path | None,
 
 @main.command()
 @runtime_options
-@click.option("--prompt", required=True, help="The user message (or raw prompt with --raw).")
-@click.option("--system-file", type=click.File("r"), default=None,
-              help="System prompt: its end becomes a cache save boundary.")
+@click.option("--server", "server_address", is_flag=False, flag_value="", default=None,
+              metavar="[ADDRESS]",
+              help="Run on a running model-runtime serve instead of loading a model here "
+                   f"(default address: {default_server_address()}).")
+@click.option("--prompt", default=None, help="The user message (or raw prompt with --raw).")
+@click.option("--prompt-file", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+              help="Read the prompt from this UTF-8 file ('-': standard input).")
+@click.option("--system-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="System prompt (UTF-8): its end becomes a cache save boundary.")
 @click.option("--raw", is_flag=True, help="Send the prompt as is, without the chat template.")
 @click.option("--max-tokens", type=int, default=128, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help="0: greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0: off.")
 @click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="Stop before this text (repeatable).")
 @click.option("--session-id", default="")
-@click.option("--parent-key", default="", help="Resume from this finish_key.")
+@click.option("--parent-key", default="", help="Resume from this finish_key (32 hex digits).")
 @click.option("--json", "as_json", is_flag=True, help="Print the completion record as JSON.")
-def complete(prompt: str, system_file: Any, raw: bool, max_tokens: int, temperature: float,
-             seed: int | None, session_id: str, parent_key: str, as_json: bool,
-             model_path: str | None, cache_address: str | None, verbose: bool,
-             **settings: Any) -> None:
+def complete(server_address: str | None, prompt: str | None, prompt_file: str | None,
+             system_file: str | None, raw: bool, max_tokens: int, temperature: float,
+             top_p: float, top_k: int, seed: int | None, stop: tuple[str, ...],
+             session_id: str, parent_key: str, as_json: bool, model_path: str | None,
+             cache_address: str | None, verbose: bool, **settings: Any) -> None:
     """Run one completion and print it."""
-    system = system_file.read() if system_file else None
-    runtime = build_runtime(model_path, cache_address, verbose, **settings)
-    try:
-        kwargs: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature,
-                                  "seed": seed, "session_id": session_id,
-                                  "parent_key": parent_key}
-        if raw:
-            kwargs["prompt"] = (system or "") + prompt
-        elif system is not None:
-            kwargs["messages"] = [{"role": "system", "content": system},
-                                  {"role": "user", "content": prompt}]
-        else:
-            kwargs["messages"] = [{"role": "user", "content": prompt}]
-        result = runtime.complete(**kwargs)
-    except RuntimeError_ as exc:
-        raise click.ClickException(f"{exc.code}: {exc}") from None
-    finally:
-        runtime.close()
+    if server_address is not None:
+        refuse_local_options_with_server(click.get_current_context())
+    config = runtime_config(settings)  # the defaults, with --server
+    request = {**prompt_input(prompt, prompt_file, system_file, raw),
+               **sampling_options(max_tokens, temperature, top_p, top_k, seed, stop),
+               "session_id": session_id, "parent_key": checked_parent_key(parent_key)}
+    # Warnings (an unreachable cache) as plain lines on stderr; the output is on stdout.
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
+    if server_address is not None:
+        result = complete_on_server(server_address or default_server_address(), request)
+    else:
+        runtime = build_runtime(model_path, cache_address, verbose, config)
+        result = complete_locally(runtime, request)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:

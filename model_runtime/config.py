@@ -1,8 +1,57 @@
-"""Runtime settings with their documented defaults."""
+"""Runtime settings with their documented defaults, and the ranges they must lie in.
+
+The ranges are checked here, when a :class:`RuntimeConfig` is made, so every entry point
+(the command line, the Python API, ``kvcache warm``) refuses a bad setting with the same
+message before any model is loaded. llama.cpp itself would abort, hang or fail with no
+reason given on several of them.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from numbers import Integral, Real
+
+# KV cache types llama.cpp stores without quantizing; the others need flash attention for V.
+UNQUANTIZED_KV_TYPES = frozenset({"f32", "f16", "bf16"})
+
+
+class SettingError(ValueError):
+    """A setting outside its accepted range. ``setting`` names it (as a field or request
+    parameter); ``rule`` says what is accepted, without the name."""
+
+    def __init__(self, setting: str, rule: str) -> None:
+        super().__init__(f"{setting} {rule}")
+        self.setting = setting
+        self.rule = rule
+
+
+def check_int(setting: str, value: object, low: int, high: int | None = None) -> None:
+    """``value`` must be an integer in [low, high] (no upper bound when ``high`` is None)."""
+    ok = isinstance(value, Integral) and not isinstance(value, bool) and low <= value and (
+        high is None or value <= high)
+    if not ok:
+        accepted = f">= {low}" if high is None else f"from {low} to {high}"
+        raise SettingError(setting, f"must be an integer {accepted}, got {value!r}")
+
+
+def check_number(setting: str, value: object, low: float, *, above: bool = False,
+                 high: float | None = None) -> None:
+    """``value`` must be a finite number >= low (> low when ``above``), <= high if given.
+    Written so that NaN fails too."""
+    ok = (isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+          and (value > low if above else value >= low) and (high is None or value <= high))
+    if not ok:
+        accepted = f"{'>' if above else '>='} {low:g}"
+        if high is not None:
+            accepted += f" and <= {high:g}"
+        raise SettingError(setting, f"must be a finite number {accepted}, got {value!r}")
+
+
+def check_choice(setting: str, value: object, choices: set[str] | frozenset[str]) -> None:
+    if value not in choices:
+        raise SettingError(setting, f"must be one of {', '.join(sorted(choices))}; "
+                                    f"got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -33,4 +82,31 @@ class RuntimeConfig:
     session_resume_wait_ms: int = 500  # wait for a session's in-flight save
     cache_timeout_s: float = 2.0  # a cache call slower than this is given up (cold)
     max_pending_saves: int = 8  # saves queued for the sender beyond this are dropped
+    # How often the daemon is probed, so an outage (and its end) is reported when it
+    # happens rather than noticed in the hit rates.
+    cache_check_interval_s: float = 2.0
     tenant: str = ""
+
+    def __post_init__(self) -> None:
+        # Imported here: the sampling settings share this module's checks, and they must
+        # not load llama.cpp.
+        from .llama_backend import KV_CACHE_TYPES, max_parallel_sequences
+
+        for name in ("n_ctx", "n_batch", "n_threads", "prefill_chunk", "save_block",
+                     "max_pending_saves"):
+            check_int(name, getattr(self, name), 1)
+        check_int("n_seq_max", self.n_seq_max, 1, max_parallel_sequences())
+        for name in ("trim", "min_save_tokens", "continued_interval", "session_resume_wait_ms"):
+            check_int(name, getattr(self, name), 0)
+        check_number("shutdown_deadline_s", self.shutdown_deadline_s, 0)
+        check_number("cache_timeout_s", self.cache_timeout_s, 0, above=True)
+        check_number("cache_check_interval_s", self.cache_check_interval_s, 0, above=True)
+        check_choice("type_k", self.type_k, set(KV_CACHE_TYPES))
+        check_choice("type_v", self.type_v, set(KV_CACHE_TYPES))
+        if self.type_v not in UNQUANTIZED_KV_TYPES and not self.flash_attn:
+            # llama.cpp refuses the context then, and says why only in its own log.
+            raise SettingError("type_v", f"{self.type_v} is quantized, which needs flash "
+                                         "attention (flash_attn); unquantized types: "
+                                         f"{', '.join(sorted(UNQUANTIZED_KV_TYPES))}")
+        if not isinstance(self.tenant, str):
+            raise SettingError("tenant", f"must be a string, got {self.tenant!r}")

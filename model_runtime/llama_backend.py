@@ -68,6 +68,9 @@ __all__ = [
     "LlamaError",
     "LlamaLoadError",
     "LlamaModel",
+    "ModelFileError",
+    "check_gguf_file",
+    "max_parallel_sequences",
     "set_llama_logging",
 ]
 
@@ -98,6 +101,11 @@ class LlamaError(RuntimeError):
 
 class LlamaLoadError(LlamaError):
     """A model or context could not be created."""
+
+
+class ModelFileError(LlamaLoadError, ValueError):
+    """The model file is not a GGUF model llama.cpp can load (missing the GGUF magic, an
+    unsupported GGUF version, truncated or damaged). The message names the file."""
 
 
 class LlamaDecodeError(LlamaError):
@@ -145,6 +153,11 @@ def _ensure_backend(verbose: bool) -> None:
         set_llama_logging(True)
 
 
+def max_parallel_sequences() -> int:
+    """The most sequences one context can hold (llama.cpp's compile-time limit)."""
+    return int(_lc.llama_max_parallel_sequences())
+
+
 # --------------------------------------------------------------------------- params
 
 
@@ -188,6 +201,33 @@ class ContextParams:
 
 
 # --------------------------------------------------------------------------- model
+
+GGUF_MAGIC = b"GGUF"
+#: GGUF versions llama.cpp reads (version 1 is no longer supported).
+GGUF_VERSIONS = (2, 3)
+_GGUF_HEADER = struct.Struct("<4sI")
+
+
+def check_gguf_file(path: Path) -> None:
+    """Raise :class:`ModelFileError` unless ``path`` starts with a GGUF header llama.cpp
+    reads. Checked before llama.cpp sees the file: it answers anything else with NULL and
+    gives its reason only in its own log."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_GGUF_HEADER.size)
+    except OSError as exc:
+        raise ModelFileError(f"cannot read model file {path}: {exc.strerror}") from None
+    if not head:
+        raise ModelFileError(f"{path} is empty, not a GGUF model")
+    if head[: len(GGUF_MAGIC)] != GGUF_MAGIC:
+        raise ModelFileError(f"{path} is not a GGUF model (it does not start with the "
+                             f"GGUF magic {GGUF_MAGIC.decode()!r})")
+    if len(head) < _GGUF_HEADER.size:
+        raise ModelFileError(f"{path} is truncated: it ends inside the GGUF header")
+    _, version = _GGUF_HEADER.unpack(head)
+    if version not in GGUF_VERSIONS:
+        raise ModelFileError(f"{path} is GGUF version {version}; llama.cpp reads versions "
+                             f"{' and '.join(map(str, GGUF_VERSIONS))}")
 
 
 def _read_string(fn: Any, *args: Any, initial: int = 256) -> str:
@@ -257,11 +297,14 @@ class LlamaModel(_Owner):
         self._model: Any = None
         if not self.path.is_file():
             raise FileNotFoundError(self.path)
+        check_gguf_file(self.path)
         mparams = _lc.llama_model_default_params()
         mparams.n_gpu_layers = 0
         model = _lc.llama_model_load_from_file(os.fsencode(self.path), mparams)
         if not model:
-            raise LlamaLoadError(f"llama.cpp could not load {self.path}")
+            raise ModelFileError(f"llama.cpp could not load {self.path}: the GGUF file is "
+                                 "truncated or damaged, or its architecture is unsupported "
+                                 f"({LOG_ENV}=1 shows llama.cpp's reason)")
         self._model = model
         self._vocab = _lc.llama_model_get_vocab(model)
         self.n_layer: int = _lc.llama_model_n_layer(model)

@@ -8,15 +8,21 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvcache import keys
 from kvcache.client import CacheClient, CacheUnavailable
 from kvcache.metrics import LatencySummary, LatencyWindows, Metrics
 
-from .config import RuntimeConfig
+from .config import RuntimeConfig, SettingError
 from .counters import COUNTERS
 from .engine import Completion, Engine, Request, RuntimeError_, TokenEvent, common_prefix
 from .identity import runtime_identity
@@ -24,6 +30,76 @@ from .llama_backend import ContextParams, LlamaContext, LlamaModel
 from .sampling import SamplingParams
 
 Message = dict[str, str]
+log = logging.getLogger("model_runtime")
+
+
+def parse_parent_key(value: str | bytes) -> bytes:
+    """A ``parent_key`` as callers give it (a finish_key in hex, or its bytes); empty for
+    none. A key of the wrong form is refused here rather than looked up as a miss."""
+    if isinstance(value, bytes):
+        if value and len(value) != keys.KEY_BYTES:
+            raise SettingError("parent_key", f"must be {keys.KEY_BYTES} bytes, "
+                                             f"got {len(value)}")
+        return value
+    if not value:
+        return b""
+    try:
+        return keys.parse_key(value)
+    except ValueError:
+        raise SettingError("parent_key", f"must be {2 * keys.KEY_BYTES} hex digits "
+                                         f"(a finish_key), got {value!r}") from None
+
+
+class CacheMonitor:
+    """Says when the cache daemon cannot be reached, and when it answers again.
+
+    Without it a runtime whose daemon is gone serves every request cold and drops every
+    save with nothing said. The daemon's health service is probed every ``interval_s``:
+    a warning once per outage (also at start-up), an info line when it is back.
+    """
+
+    def __init__(self, cache: CacheClient, interval_s: float, timeout_s: float) -> None:
+        self.address = cache.address
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self._health = health_pb2_grpc.HealthStub(cache.channel)
+        self.reachable: bool | None = None  # None until the first probe
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def probe(self) -> bool:
+        try:
+            answer = self._health.Check(health_pb2.HealthCheckRequest(), timeout=self.timeout_s)
+        except grpc.RpcError:
+            return False
+        # A daemon shutting down answers NOT_SERVING: it is going away.
+        return answer.status == health_pb2.HealthCheckResponse.SERVING
+
+    def check(self) -> bool:
+        """Probe once and report a change."""
+        reachable = self.probe()
+        if reachable != self.reachable:
+            if not reachable:
+                log.warning("kvcache: no cache daemon at %s; running without a cache "
+                            "(requests run cold, saves are dropped)", self.address)
+            elif self.reachable is not None:
+                log.info("kvcache: the cache daemon at %s is back; requests use the cache "
+                         "again", self.address)
+            self.reachable = reachable
+        return reachable
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvcache-monitor", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.check()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def default_model_path() -> Path:
@@ -62,6 +138,12 @@ class Runtime:
             cache = CacheClient(cache_address, timeout=self.config.cache_timeout_s)
         self.cache = cache
         self.engine = Engine(self.model, self.ctx, self.identity, cache, self.config)
+        self.cache_monitor: CacheMonitor | None = None
+        if cache is not None:
+            self.cache_monitor = CacheMonitor(cache, self.config.cache_check_interval_s,
+                                              self.config.cache_timeout_s)
+            self.cache_monitor.check()
+            self.cache_monitor.start()
         # Recent latencies per series, for the percentiles of the Stats RPC.
         self.latency_windows = LatencyWindows()
         self.metrics = runtime_metrics(self.engine, self.latency_windows)
@@ -120,7 +202,7 @@ class Runtime:
         toks, boundary = self._prepare(prompt, tokens, messages, system, prefix_tokens)
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                   max_tokens=max_tokens, stop=tuple(stop))
-        parent = bytes.fromhex(parent_key) if isinstance(parent_key, str) else parent_key
+        parent = parse_parent_key(parent_key)
         return self.engine.submit(toks, sampling, session_id=session_id, parent_key=parent,
                                   boundary=boundary)
 
@@ -174,6 +256,8 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
+        if self.cache_monitor is not None:
+            self.cache_monitor.stop()
         self.engine.close()
         if self.cache is not None:
             self.cache.close()

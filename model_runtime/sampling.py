@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from numbers import Integral
 
 import numpy as np
+
+from .config import SettingError, check_int, check_number
+
+SEED_MAX = 2**64 - 1  # numpy's generators take any non-negative int; the wire a uint64
 
 
 @dataclass(frozen=True)
@@ -19,18 +21,16 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        # Written so that NaN fails them too. A value let through here raises in sample()
-        # on the model thread, which fails every request decoding at that moment.
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not (isinstance(self.top_k, Integral) and self.top_k >= 0):
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError("top_p must be in (0, 1]")
-        if not self.max_tokens >= 1:
-            raise ValueError("max_tokens must be >= 1")
+        # A value let through here raises in sample() on the model thread, which fails
+        # every request decoding at that moment.
+        check_number("temperature", self.temperature, 0)
+        check_int("top_k", self.top_k, 0)
+        check_number("top_p", self.top_p, 0, above=True, high=1)
+        if self.seed is not None:
+            check_int("seed", self.seed, 0, SEED_MAX)
+        check_int("max_tokens", self.max_tokens, 1)
         if not all(isinstance(s, str) for s in self.stop):
-            raise ValueError("stop must be strings")
+            raise SettingError("stop", f"must be strings, got {self.stop!r}")
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:

@@ -39,7 +39,20 @@ def completion_message(c: Completion) -> pb.Completion:
         cache_hit_kind=c.cache_hit_kind,
         cache_delta=pb.CacheDelta(**c.cache_delta),
         timings=pb.Timings(**c.timings), prompt_tokens=c.prompt_tokens,
-        session_id=c.session_id, cache_tier=c.cache_tier)
+        session_id=c.session_id, cache_tier=c.cache_tier,
+        saves=[pb.SaveRecord(**save) for save in c.saves])
+
+
+def completion_from_message(m: pb.Completion) -> Completion:
+    """The inverse of :func:`completion_message`: a served record as the local one."""
+    return Completion(
+        text=m.text, tokens=list(m.tokens), finish_reason=m.finish_reason,
+        finish_key=m.finish_key, cache_hit_kind=m.cache_hit_kind,
+        cache_delta={"tokens_read": m.cache_delta.tokens_read,
+                     "tokens_saved": m.cache_delta.tokens_saved},
+        timings={f.name: getattr(m.timings, f.name) for f in pb.Timings.DESCRIPTOR.fields},
+        prompt_tokens=m.prompt_tokens, session_id=m.session_id, cache_tier=m.cache_tier,
+        saves=[{"reason": s.reason, "tokens": s.tokens, "key": s.key} for s in m.saves])
 
 
 def request_kwargs(request: pb.CompleteRequest) -> dict[str, Any]:

@@ -208,7 +208,7 @@ def test_client_record_and_stats(stack: tuple[DaemonProcess, RuntimeProcess]) ->
     (request(prompt="hi", top_p=2.0), "top_p"),
     (request(prompt="hi", temperature=-1.0), "temperature"),
     (request(tokens=[5] * 5000, max_tokens=4), "prompt_too_long"),
-    (request(prompt="hi", parent_key="not hex"), "non-hexadecimal"),
+    (request(prompt="hi", parent_key="not hex"), "32 hex digits"),
 ])
 def test_bad_input_is_invalid_argument_and_the_service_keeps_serving(
         stub: pb_grpc.ModelRuntimeStub, bad: pb.CompleteRequest, fragment: str) -> None:
