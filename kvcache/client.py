@@ -16,6 +16,7 @@ import contextlib
 import errno
 import mmap
 import os
+import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,18 +50,53 @@ class CorruptBlob(CacheError):
     """A blob failed its checksums; the daemon was told and quarantined it."""
 
 
-_UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                grpc.StatusCode.CANCELLED)
+# What an unreachable daemon's status means, said in words.
+_UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE: "is unavailable",
+                grpc.StatusCode.DEADLINE_EXCEEDED: "did not answer in time",
+                grpc.StatusCode.CANCELLED: "stopped answering (call cancelled)"}
+# Messages are read by people: a status is said in words, never as its gRPC name.
+_STATUS_WORDS = {
+    grpc.StatusCode.NOT_FOUND: "not found",
+    grpc.StatusCode.INVALID_ARGUMENT: "invalid request",
+    grpc.StatusCode.FAILED_PRECONDITION: "refused",
+    grpc.StatusCode.PERMISSION_DENIED: "permission denied",
+    grpc.StatusCode.UNAUTHENTICATED: "not authenticated",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "no room",
+    grpc.StatusCode.OUT_OF_RANGE: "out of range",
+    grpc.StatusCode.ALREADY_EXISTS: "already exists",
+    grpc.StatusCode.ABORTED: "aborted",
+    grpc.StatusCode.UNIMPLEMENTED: "not supported by this daemon",
+    grpc.StatusCode.INTERNAL: "daemon error",
+    grpc.StatusCode.UNKNOWN: "daemon error",
+}
+# gRPC's own texts name statuses too ("last error: UNAVAILABLE: ipv4:...").
+_STATUS_NAME_IN_TEXT = re.compile(r"\b(?:" + "|".join(c.name for c in grpc.StatusCode)
+                                  + r"): ")
+
+
+def status_words(code: grpc.StatusCode | None) -> str:
+    if code is None:
+        return "error"
+    return _STATUS_WORDS.get(code, code.name.lower().replace("_", " "))
 
 
 def _wrap(exc: grpc.RpcError, address: str) -> CacheError:
     code = exc.code() if hasattr(exc, "code") else None
-    details = exc.details() if hasattr(exc, "details") else str(exc)
+    details = _STATUS_NAME_IN_TEXT.sub("", exc.details() if hasattr(exc, "details")
+                                       else str(exc)) or ""
     if code == grpc.StatusCode.DATA_LOSS:
         return CorruptBlob(details, code)
-    if code in _UNAVAILABLE:
-        return CacheUnavailable(f"kvcache daemon at {address}: {details}", code)
-    return CacheError(f"{code.name if code else 'ERROR'}: {details}", code)
+    if code is not None and code in _UNAVAILABLE:
+        return CacheUnavailable(_unavailable_message(code, details, address), code)
+    return CacheError(f"{status_words(code)}: {details}", code)
+
+
+def _unavailable_message(code: grpc.StatusCode, details: str, address: str) -> str:
+    said = f"kvcache daemon at {address} {_UNAVAILABLE[code]}"
+    # gRPC's "Deadline Exceeded" and "Cancelled" only repeat what `said` says.
+    if details.lower().replace(" ", "_") in ("", code.name.lower()):
+        return said
+    return f"{said} ({details})"
 
 
 @dataclass(frozen=True)
@@ -327,24 +363,33 @@ class CacheClient:
         return self._rpc("Stats", pb.StatsRequest())
 
     def list_entries(self, *, model: str = "", tenant: str = "", reason: str = "",
-                     tier: str = "", min_tokens: int = 0, limit: int = 0) -> list[pb.Entry]:
+                     tier: str = "", min_tokens: int = 0, limit: int = 0,
+                     key_prefix: str = "") -> list[pb.Entry]:
+        """Entries passing every filter given, most recently used first. ``model``: the
+        model's file name or its beginning, or a fingerprint prefix; ``key_prefix``:
+        leading hex digits of the key."""
         tier_value = {"": 0, "ram": pb.TIER_RAM, "disk": pb.TIER_DISK}[tier]
         resp = self._rpc("List", pb.ListRequest(model=model, tenant=tenant, reason=reason,
                                                 tier=tier_value, min_tokens=min_tokens,
-                                                limit=limit))
+                                                limit=limit, key_prefix=key_prefix))
         return list(resp.entries)
 
     def inspect(self, key: bytes, *, tenant: str = "") -> pb.EntryDetail:
         return self._rpc("Inspect", pb.InspectRequest(key=key, tenant=tenant))
 
-    def verify(self, keys_: Sequence[bytes] = (), timeout: float = 3600.0
-               ) -> Iterator[pb.VerifyResult]:
+    def verify(self, keys_: Sequence[bytes] = (), timeout: float = 3600.0, *,
+               check_only: bool = False) -> Iterator[pb.VerifyResult]:
+        """Check the given entries (every one when none is given); bad ones are
+        quarantined unless ``check_only``."""
         try:
-            yield from self.stub.Verify(pb.VerifyRequest(keys=list(keys_)), timeout=timeout)
+            yield from self.stub.Verify(pb.VerifyRequest(keys=list(keys_), check_only=check_only),
+                                        timeout=timeout)
         except grpc.RpcError as exc:
             raise _wrap(exc, self.address) from None
 
     def prune(self, **criteria: object) -> pb.PruneResponse:
+        """Criteria are :class:`pb.PruneRequest`'s fields: the filters choose what may go,
+        the byte targets say how much (see the message's comment)."""
         return self._rpc("Prune", pb.PruneRequest(**criteria), 300.0)
 
     def pin(self, key: bytes) -> None:

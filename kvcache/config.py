@@ -44,3 +44,21 @@ def normalize_address(address: str) -> str:
 
 def is_local(address: str) -> bool:
     return normalize_address(address).startswith("unix:")
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6addr]:PORT`` for IPv6) -> (host, port). Port 0 asks for any free
+    port. Raises ValueError saying what is wrong: checked here because gRPC takes a port
+    past 65535 modulo 65536 and listens on another one."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:50051)")
+    if host.startswith("["):
+        if not host.endswith("]") or len(host) == 2:
+            raise ValueError(f"{text!r}: an IPv6 address goes in brackets, e.g. [::1]:50051")
+    elif ":" in host or "]" in host:
+        raise ValueError(f"{text!r}: put an IPv6 address in brackets, e.g. [::1]:50051")
+    if not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{text!r}: the port must be a number from 0 to 65535 "
+                         "(0: any free port)")
+    return host, int(port)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import os
 import signal
+import socket
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,7 +29,7 @@ from .auth import (
     refuse_unprotected_tcp,
     tcp_security,
 )
-from .config import MAX_MESSAGE_BYTES, MAX_SOCKET_PATH, SOCKET_NAME
+from .config import MAX_MESSAGE_BYTES, MAX_SOCKET_PATH, SOCKET_NAME, parse_listen
 from .counters import COUNTERS
 from .errors import InvalidArgument, StoreError
 from .index import Record
@@ -102,16 +105,40 @@ def entry_message(record: Record) -> pb.Entry:
     )
 
 
+# A fingerprint prefix shorter than this would match models by chance (one in 16 for a
+# single hex digit): shorter text matches model names only.
+MIN_FINGERPRINT_PREFIX = 4
+
+
+def model_matches(record: Record, model: str) -> bool:
+    """The model filter of ls and prune: the model's file name or its beginning, or at
+    least MIN_FINGERPRINT_PREFIX leading characters of its fingerprint (any case)."""
+    if record.model_name.startswith(model):
+        return True
+    return len(model) >= MIN_FINGERPRINT_PREFIX and \
+        record.model_fingerprint.lower().startswith(model.lower())
+
+
 def record_filter(model: str = "", tenant: str = "", reason: str = "", tier: int = 0,
                   min_tokens: int = 0, older_than: float = 0.0, unused_for: float = 0.0,
-                  now: float = 0.0) -> Callable[[Record], bool] | None:
-    """A predicate over records from operator filters (None when no filter is set)."""
+                  now: float = 0.0, key_prefix: str = "",
+                  only_keys: frozenset[bytes] = frozenset()
+                  ) -> Callable[[Record], bool] | None:
+    """A predicate over records from operator filters (None when no filter is set); an
+    entry must pass every filter given. Filters are text and taken as text: one that
+    cannot match (a key prefix that is not hex digits) matches nothing."""
     tenant_id = keys.tenant_id(tenant) if tenant else ""
-    if not any((model, tenant, reason, tier, min_tokens, older_than, unused_for)):
+    prefix = key_prefix.lower()  # keys are shown in lowercase hex; typed in any case
+    if not any((model, tenant, reason, tier, min_tokens, older_than, unused_for, prefix,
+                only_keys)):
         return None
 
     def match(r: Record) -> bool:
-        if model and not (r.model_name == model or r.model_fingerprint.startswith(model)):
+        if only_keys and r.key not in only_keys:
+            return False
+        if prefix and not r.key.hex().startswith(prefix):
+            return False
+        if model and not model_matches(r, model):
             return False
         if tenant and r.tenant_id != tenant_id:
             return False
@@ -126,6 +153,15 @@ def record_filter(model: str = "", tenant: str = "", reason: str = "", tier: int
         return not (unused_for and now - r.last_touch < unused_for)
 
     return match
+
+
+def free_bytes(path: Path) -> int:
+    """Free space for the daemon on the file system holding ``path`` (0 if unknown)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
 
 
 def store_gauges(store: Store) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -314,12 +350,14 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         cfg = self.store.config
         tiers = [
             pb.TierStats(tier=pb.TIER_RAM, entries=s["ram_entries"], bytes=s["ram_used"],
-                         budget_bytes=cfg.ram_bytes, directory=str(self.store.ram_dir)),
+                         budget_bytes=cfg.ram_bytes, directory=str(self.store.ram_dir),
+                         free_bytes=free_bytes(self.store.ram_dir)),
             pb.TierStats(tier=pb.TIER_DISK, entries=s["disk_entries"], bytes=s["disk_used"],
                          budget_bytes=cfg.disk_bytes, reserved_bytes=s["reserved_bytes"],
-                         directory=str(self.store.root)),
+                         directory=str(self.store.root), free_bytes=free_bytes(self.store.root)),
         ]
         return pb.StatsResponse(tiers=tiers, counters=s["counters"], block_size=cfg.block_size,
+                                min_free_bytes=cfg.min_free_bytes,
                                 version=__version__, uptime_seconds=s["uptime"],
                                 in_flight=s["in_flight"], read_pins=s["read_pins"],
                                 latencies={name: pb.LatencySummary(**vars(summary))
@@ -328,7 +366,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
 
     def List(self, request: pb.ListRequest, context: Any) -> pb.ListResponse:
         predicate = record_filter(request.model, request.tenant, request.reason, request.tier,
-                                  request.min_tokens, now=time.time())
+                                  request.min_tokens, now=time.time(),
+                                  key_prefix=request.key_prefix)
         records = self.store.list(predicate)
         records.sort(key=lambda r: r.last_touch, reverse=True)
         if request.limit:
@@ -348,7 +387,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
     def Verify(self, request: pb.VerifyRequest, context: Any) -> Iterator[pb.VerifyResult]:
         for key in request.keys:
             self._call(context, lambda k=key: check_key(k))
-        for key, error, done, total in self.store.verify(list(request.keys)):
+        for key, error, done, total in self.store.verify(list(request.keys),
+                                                         check_only=request.check_only):
             yield pb.VerifyResult(key=key, ok=error is None, error=error or "", done=done,
                                   total=total)
 
@@ -359,9 +399,11 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             if not (math.isfinite(value) and value >= 0):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"{name} must be a finite number >= 0, got {value}")
+        only_keys = frozenset(self._call(context, lambda: [check_key(k) for k in request.keys]))
         predicate = record_filter(request.model, request.tenant, request.reason,
                                   older_than=request.older_than_seconds,
-                                  unused_for=request.unused_for_seconds, now=time.time())
+                                  unused_for=request.unused_for_seconds, now=time.time(),
+                                  only_keys=only_keys)
         if predicate is None and not (request.max_disk_bytes or request.max_ram_bytes):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "prune needs a filter or a byte target (refusing to remove everything)")
@@ -372,7 +414,9 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                                 skipped_pinned=result.skipped_pinned,
                                 skipped_in_use=result.skipped_in_use,
                                 ram_dropped=result.ram_dropped,
-                                ram_bytes_freed=result.ram_bytes_freed)
+                                ram_bytes_freed=result.ram_bytes_freed,
+                                ram_dropped_entries=[entry_message(r) for r in
+                                                     result.ram_dropped_entries])
 
 
 def server_options() -> list[tuple[str, int]]:
@@ -400,6 +444,46 @@ def grpc_server(add_service: Callable[[grpc.Server], None], service_name: str,
     return server
 
 
+_bind_serial = itertools.count()
+
+
+def file_id(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of ``path`` itself, or None when there is nothing there."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def claim_socket_path(path: Path, remove_stale: bool = True) -> None:
+    """Make ``path`` free for our socket. Only a stale socket (nobody accepts on it) is
+    removed; a file of another kind, or a socket something listens on, is refused. With
+    ``remove_stale`` False it only checks, changing nothing."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise ValueError(f"{path} exists and is not a socket; remove it or choose another "
+                         "--socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(2.0)
+    try:
+        probe.connect(str(path))
+    except ConnectionRefusedError:
+        if remove_stale:
+            path.unlink(missing_ok=True)  # stale: its daemon is gone
+        return
+    except OSError as exc:
+        raise ValueError(f"cannot tell whether {path} is in use ({exc.strerror or exc}); "
+                         "remove it or choose another --socket") from None
+    finally:
+        probe.close()
+    raise ValueError(f"another process is listening on {path}; stop it or choose another "
+                     "--socket")
+
+
 class Daemon:
     """A Store served over gRPC on a unix socket, and on TCP when asked.
 
@@ -414,16 +498,25 @@ class Daemon:
                  metrics_port: int | None = None, auth: ServerAuth | None = None,
                  insecure_tcp: bool = False, tcp_admin: bool = False) -> None:
         self.auth = auth or ServerAuth()
+        self._socket_id: tuple[int, int] | None = None  # (dev, inode) of the socket we made
+        if listen:
+            parse_listen(listen)  # ValueError for a bad HOST:PORT
         refuse_unprotected_tcp(listen, self.auth, insecure_tcp)
         self.socket_path = socket_path or (config.root / SOCKET_NAME)
-        if len(str(self.socket_path)) > MAX_SOCKET_PATH:
-            raise ValueError(f"socket path is longer than {MAX_SOCKET_PATH} bytes: "
-                             f"{self.socket_path} (pass a shorter --socket)")
+        self._bind_path = self.socket_path.with_name(f".kv{os.getpid()}-{next(_bind_serial)}")
+        if max(len(str(self.socket_path)), len(str(self._bind_path))) > MAX_SOCKET_PATH:
+            raise ValueError(f"socket path is too long: {self.socket_path} (a unix socket path "
+                             f"and its temporary name .kv<pid> fit in {MAX_SOCKET_PATH} bytes; "
+                             "pass a shorter --socket)")
+        # Checked before the data directory is touched (a refusal changes nothing), and
+        # claimed once the directory's lock is held.
+        claim_socket_path(self.socket_path, remove_stale=False)
         self.store = Store(config)
         try:
             self._listen(listen, workers, metrics_port, tcp_admin)
         except BaseException:
             self.store.close()  # releases the data directory for the next attempt
+            self._remove_our_socket()
             raise
         self._stopped = threading.Event()
 
@@ -437,15 +530,36 @@ class Daemon:
         self.health = health.HealthServicer()
         self.servers = [self._server(workers, [])]
         self.socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if self.socket_path.exists() or self.socket_path.is_symlink():
-            self.socket_path.unlink()
+        claim_socket_path(self.socket_path)
+        self._bind_socket()
         self.addresses = [f"unix:{self.socket_path}"]
-        self.servers[0].add_insecure_port(self.addresses[0])
         if listen:
             gate = [] if tcp_admin else [OperatorGate(OPERATOR_METHODS)]
             tcp = self._server(workers, self.auth.interceptors() + gate)
             self.addresses.append(add_tcp_port(tcp, listen, self.auth))
             self.servers.append(tcp)
+
+    def _bind_socket(self) -> None:
+        """Bind the unix socket under a temporary name, then link it to its path.
+
+        gRPC removes the path it bound when it shuts down, whatever is there by then: bound
+        under a name only this daemon uses, it cannot remove a socket that another process
+        put at our path meanwhile. The link also fails, rather than replace, when the path
+        was taken since it was checked."""
+        old_umask = os.umask(0o077)  # the socket file is created owner-only
+        try:
+            self.servers[0].add_insecure_port(f"unix:{self._bind_path}")
+        finally:
+            os.umask(old_umask)
+        try:
+            os.chmod(self._bind_path, 0o600)
+            os.link(self._bind_path, self.socket_path)
+        except FileExistsError:
+            raise ValueError(f"{self.socket_path} was taken by another process while this "
+                             "daemon started; choose another --socket") from None
+        finally:
+            self._bind_path.unlink(missing_ok=True)
+        self._socket_id = file_id(self.socket_path)
 
     def _server(self, workers: int, interceptors: list[grpc.ServerInterceptor]) -> grpc.Server:
         return grpc_server(
@@ -454,13 +568,8 @@ class Daemon:
             thread_name_prefix="kvcache-rpc")
 
     def start(self) -> None:
-        old_umask = os.umask(0o077)  # the socket file is created owner-only
-        try:
-            for server in self.servers:
-                server.start()
-        finally:
-            os.umask(old_umask)
-        os.chmod(self.socket_path, 0o600)
+        for server in self.servers:
+            server.start()
         if self.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.metrics_port)
             self.addresses.append(f"metrics http://127.0.0.1:{self.metrics_port}/metrics")
@@ -476,7 +585,13 @@ class Daemon:
         for event in stopping:
             event.wait()
         self.store.close()
-        self.socket_path.unlink(missing_ok=True)
+        self._remove_our_socket()
+
+    def _remove_our_socket(self) -> None:
+        # Only the socket we made: the path may have been taken over since (by a daemon
+        # started after this one, say), and that socket is not ours to remove.
+        if self._socket_id is not None and file_id(self.socket_path) == self._socket_id:
+            self.socket_path.unlink(missing_ok=True)
 
     def serve_forever(self) -> None:
         """Run until SIGTERM or SIGINT, then shut down cleanly."""

@@ -1,15 +1,17 @@
 """The store: blob files in a disk tier and a RAM tier, the index, and the
 reservation-then-publish protocol. Thread-safe; the gRPC service is a thin layer on it.
 
-Layout under the data directory (all owner-only)::
+Layout under the data directory (its subfolders owner-only)::
 
     index/            LMDB index
     blobs/ab/<key>.kvc  published blobs (disk tier); every entry is here (write-through)
     tmp/<lease>.part  blobs being written; swept at start-up
     quarantine/       blobs that failed a checksum, kept for post-mortems
 
-The RAM tier is a directory on a memory filesystem (``/dev/shm`` by default) holding
-copies of hot blobs. Being a file system, it lets a same-host reader open the blob
+The directory carries a ``.kvcache`` marker; kvcache refuses a directory it did not make
+(see kvcache.ownership). The RAM tier is a folder of its own on a memory filesystem
+(``/dev/shm/kvcache-<uid>-<tag>`` by default; see kvcache.ramtier) holding copies of hot
+blobs. Being a file system, it lets a same-host reader open the blob
 directly (the fast path) while the entry is pinned by its read.
 
 Publish protocol: reserve (lease) -> write chunks to tmp (verified as they arrive) ->
@@ -23,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import secrets
 import shutil
@@ -38,7 +41,7 @@ from typing import BinaryIO
 import lmdb
 
 from . import blob as blobfmt
-from . import keys
+from . import keys, ramtier
 from .counters import COUNTERS
 from .errors import (
     Busy,
@@ -53,8 +56,10 @@ from .errors import (
     WaitTimeout,
 )
 from .index import SCHEMA_VERSION, Index, Record, dir_fsync
+from .ownership import claim_data_dir, is_own_file_name
 from .policy import eviction_order
 
+log = logging.getLogger("kvcache")
 GiB = 1 << 30
 BLOB_SUFFIX = ".kvc"
 TMP_SUFFIX = ".part"
@@ -62,15 +67,11 @@ TIER_RAM = "ram"
 TIER_DISK = "disk"
 
 
-def default_ram_dir(root: Path) -> Path:
-    shm = Path("/dev/shm")
-    tag = f"kvcache-{os.getuid()}-{keys.tenant_id(str(root.resolve()))[:12]}"
-    return shm / tag if shm.is_dir() else root / "ram"
-
-
 @dataclass(frozen=True)
 class StoreConfig:
     root: Path
+    # The folder the RAM tier's own subfolder is made in (see kvcache.ramtier); None: a
+    # memory file system (/dev/shm) when there is one.
     ram_dir: Path | None = None
     ram_bytes: int = 2 * GiB
     disk_bytes: int = 50 * GiB
@@ -126,20 +127,49 @@ class PruneResult:
     skipped_in_use: int
     ram_dropped: int = 0  # RAM copies dropped (or, in a dry run, that would be)
     ram_bytes_freed: int = 0
+    ram_dropped_entries: list[Record] = field(default_factory=list)
+
+
+@dataclass
+class _PrunePlan:
+    """What one prune removes, drops and leaves alone (each entry counted once)."""
+
+    busy: set[bytes]
+    removed: list[Record] = field(default_factory=list)
+    ram_dropped: list[Record] = field(default_factory=list)
+    pinned: set[bytes] = field(default_factory=set)
+    in_use: set[bytes] = field(default_factory=set)
+
+    def may_touch(self, record: Record) -> bool:
+        """False for pinned entries and entries being read (noted as skipped)."""
+        if record.pinned:
+            self.pinned.add(record.key)
+            return False
+        if record.key in self.busy:
+            self.in_use.add(record.key)
+            return False
+        return True
 
 
 class Store:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         self.root = config.root
-        self.ram_dir = config.ram_dir or default_ram_dir(config.root)
+        self.ram_dir = ramtier.tier_dir(config.root, config.ram_dir)
         self.blob_dir = self.root / "blobs"
         self.tmp_dir = self.root / "tmp"
         self.quarantine_dir = self.root / "quarantine"
-        for d in (self.root, self.blob_dir, self.tmp_dir, self.quarantine_dir, self.ram_dir):
-            d.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.chmod(d, 0o700)
+        claim_data_dir(self.root)
+        # Owner-only from creation: these hold the cached prompts. The data directory
+        # itself keeps whatever mode it was given.
+        for d in (self.blob_dir, self.tmp_dir, self.quarantine_dir):
+            d.mkdir(mode=0o700, exist_ok=True)
         self._lock_file = self._lock_data_dir()
+        try:
+            self._ram_lock = ramtier.claim_tier(self.ram_dir, self.root)
+        except BaseException:
+            self._lock_file.close()
+            raise
         self.index = Index(self.root / "index")
         self.counters: Counter[str] = Counter()
         self.started = time.time()
@@ -175,6 +205,7 @@ class Store:
                 self._drop_reservation(lease_id, "saves_aborted")
         self._flush_usage()
         self.index.close()
+        os.close(self._ram_lock)  # releases the RAM tier
         self._lock_file.close()  # releases the data directory lock
 
     def _lock_data_dir(self) -> BinaryIO:
@@ -191,6 +222,10 @@ class Store:
     def _reconcile(self) -> None:
         """Make index and files agree, reading blob headers only (never whole payloads)."""
         for orphan in self.tmp_dir.iterdir():
+            if not is_own_file_name(orphan.name) or orphan.is_dir():
+                log.warning("left alone in %s: %s (not a file kvcache made)", self.tmp_dir,
+                            orphan.name)
+                continue
             orphan.unlink(missing_ok=True)
             self.counters["orphans_swept"] += 1
         if self.index.get_setting("block_size") not in (None, str(self.config.block_size)):
@@ -212,20 +247,18 @@ class Store:
                         on_disk[keys.parse_key(path.stem)] = path
                     except ValueError:
                         self._quarantine_path(path)
-                elif path.suffix == TMP_SUFFIX:
+                elif path.suffix == TMP_SUFFIX and is_own_file_name(path.name):
                     path.unlink(missing_ok=True)
                     self.counters["orphans_swept"] += 1
 
         in_ram: dict[bytes, Path] = {}
-        for path in self.ram_dir.iterdir():
-            try:
-                # Only <key>.kvc is a RAM copy. A <key>.part is a copy cut short by a crash;
-                # taken for the copy, it marked the entry in_ram with no file at ram_path,
-                # and the first fast-path read then quarantined the (good) entry.
-                if path.suffix != BLOB_SUFFIX:
-                    raise ValueError(path.name)
+        for path in self._ram_tier_files():
+            # Only <key>.kvc is a RAM copy. A <key>.part is a copy cut short by a crash;
+            # taken for the copy, it marked the entry in_ram with no file at ram_path,
+            # and the first fast-path read then quarantined the (good) entry.
+            if path.suffix == BLOB_SUFFIX:
                 in_ram[keys.parse_key(path.stem)] = path
-            except ValueError:
+            else:
                 path.unlink(missing_ok=True)
 
         # A damaged row (undecodable: iterating it crashed start-up; or a changed size,
@@ -315,6 +348,15 @@ class Store:
         if items:
             self.index.publish_many(items)
 
+    def _ram_tier_files(self) -> list[Path]:
+        """The RAM tier's blob and temp files. Anything else there is not ours to delete
+        (nor a reason to refuse to start): it is left alone, with a warning."""
+        own = list(ramtier.own_files(self.ram_dir))
+        names = {p.name for p in own} | {ramtier.RAM_MARKER}
+        for name in sorted(set(os.listdir(self.ram_dir)) - names):
+            log.warning("left alone in the RAM tier %s: %s (not a file kvcache made)",
+                        self.ram_dir, name)
+        return own
 
     # -- paths ------------------------------------------------------------------------------
 
@@ -816,8 +858,9 @@ class Store:
 
     # -- verification and quarantine --------------------------------------------------------
 
-    def check_entry(self, key: bytes) -> str | None:
-        """Verify every copy of an entry; quarantine it if any is bad. Returns the error."""
+    def check_entry(self, key: bytes, *, quarantine: bool = True) -> str | None:
+        """Verify every copy of an entry; quarantine it if any is bad (unless not
+        ``quarantine``: an operator's check-only run moves nothing). Returns the error."""
         # Held like a read: an eviction, delete or RAM drop in the middle of the check took
         # a file from under it, and the good entry was reported bad (and quarantined).
         with self._cond:
@@ -825,12 +868,12 @@ class Store:
                 return None
             self._in_use[key] += 1
         try:
-            return self._check_entry_held(key)
+            return self._check_entry_held(key, quarantine)
         finally:
             with self._cond:
                 self._release_use(key)
 
-    def _check_entry_held(self, key: bytes) -> str | None:
+    def _check_entry_held(self, key: bytes, quarantine: bool = True) -> str | None:
         record = self.index.get(key)
         if record is None:
             return None
@@ -844,9 +887,9 @@ class Store:
                                        self.config.block_size).key != key:
                     raise blobfmt.BlobError("blob does not match its index entry")
             except (OSError, blobfmt.BlobError) as exc:
-                if path == paths[0]:
+                if quarantine and path == paths[0]:
                     self.quarantine(key)
-                else:
+                elif quarantine:
                     # Only the RAM copy is bad and the disk copy just verified: keep the entry
                     # (served from disk, promoted again by a later hit), drop the copy.
                     self._quarantine_ram_copy(key)
@@ -880,7 +923,10 @@ class Store:
         with self._cond:
             self.counters["quarantined_files"] += 1
 
-    def verify(self, keys_: list[bytes] | None = None) -> Iterator[tuple[bytes, str | None, int, int]]:
+    def verify(self, keys_: list[bytes] | None = None, *, check_only: bool = False
+               ) -> Iterator[tuple[bytes, str | None, int, int]]:
+        """Check the given entries (every entry when none is given): ``(key, error or None,
+        done, total)`` per entry. Bad ones are quarantined unless ``check_only``."""
         todo = keys_ if keys_ else [r.key for r in self.index.records()]
         for i, key in enumerate(todo, 1):
             if self.index.get(key) is None:
@@ -890,7 +936,7 @@ class Store:
                     continue
                 yield key, "no such entry", i, len(todo)
                 continue
-            yield key, self.check_entry(key), i, len(todo)
+            yield key, self.check_entry(key, quarantine=not check_only), i, len(todo)
 
     # -- admin ------------------------------------------------------------------------------
 
@@ -962,50 +1008,69 @@ class Store:
     def prune(self, predicate: Callable[[Record], bool] | None = None, *,
               max_disk_bytes: int = 0, max_ram_bytes: int = 0,
               dry_run: bool = False) -> PruneResult:
-        """Remove entries matching ``predicate`` and/or LRU entries down to byte targets.
-        Never touches pinned entries or entries being read."""
-        removed: list[Record] = []
-        freed = skipped_pinned = skipped_in_use = 0
+        """Remove entries, or only their RAM copies, as an operator asked.
+
+        ``predicate`` (the operator's filters) chooses the candidates, and every target
+        works within them: with no byte target every candidate is removed;
+        ``max_disk_bytes`` removes candidates, least recently used first, until the disk
+        tier holds at most that; ``max_ram_bytes`` only drops candidates' RAM copies (the
+        entries stay on disk) until the RAM tier holds at most that. Pinned entries and
+        entries being read are never touched, and are counted as skipped.
+        """
         with self._cond:
             busy = set(self._in_use)
             ordered = eviction_order(self.index.records(),
                                      {k: v[1] for k, v in self._pending_use.items()})
-            disk_after = self.disk_used
-            for record in ordered:
-                # With the reads not yet flushed to the index (once a second): judged on
-                # the index alone, `--unused-for` removed an entry that was just read.
-                selected = predicate is not None and predicate(self._with_pending(record))
-                over = max_disk_bytes > 0 and disk_after > max_disk_bytes
-                if not (selected or over):
-                    continue
-                if record.pinned:
-                    skipped_pinned += 1
-                    continue
-                if record.key in busy:
-                    skipped_in_use += 1
-                    continue
-                removed.append(record)
-                freed += record.size
-                disk_after -= record.size
-                if not dry_run:
-                    self._remove_entry(record, "prune_removed")
-            # Counted (and simulated in a dry run) so the operator sees what the RAM
-            # target did: `prune --max-ram-bytes` used to report nothing at all.
-            ram_dropped = ram_freed = 0
+            # With the reads not yet flushed to the index (once a second): judged on the
+            # index alone, `--unused-for` removed an entry that was just read.
+            candidates = [r for r in ordered
+                          if predicate is None or predicate(self._with_pending(r))]
+            plan = _PrunePlan(busy)
+            if max_disk_bytes or not max_ram_bytes:
+                self._prune_entries(candidates, plan, max_disk_bytes, predicate is not None,
+                                    dry_run)
             if max_ram_bytes:
-                gone = {r.key for r in removed}  # still indexed in a dry run
-                ram_after = self.ram_used - sum(r.size for r in removed if r.in_ram and dry_run)
-                for record in self._eviction_candidates(ram_only=True):
-                    if ram_after <= max_ram_bytes:
-                        break
-                    if record.key in gone:
-                        continue
-                    if dry_run or self._drop_ram_copy(record, "prune_ram_dropped"):
-                        ram_dropped += 1
-                        ram_freed += record.size
-                        ram_after -= record.size
-        return PruneResult(removed, freed, skipped_pinned, skipped_in_use, ram_dropped,
-                           ram_freed)
+                self._prune_ram_copies(candidates, plan, max_ram_bytes, dry_run)
+        return PruneResult(plan.removed, sum(r.size for r in plan.removed),
+                           len(plan.pinned), len(plan.in_use), len(plan.ram_dropped),
+                           sum(r.size for r in plan.ram_dropped), plan.ram_dropped)
+
+    def _prune_entries(self, candidates: list[Record], plan: _PrunePlan, max_disk_bytes: int,
+                       filtered: bool, dry_run: bool) -> None:
+        """Remove candidates (all of them, or down to ``max_disk_bytes``). Without a
+        filter or a target nothing is a candidate for removal. Caller holds the lock."""
+        if not (filtered or max_disk_bytes):
+            return
+        disk_after = self.disk_used
+        for record in candidates:
+            if max_disk_bytes and disk_after <= max_disk_bytes:
+                return
+            if not plan.may_touch(record):
+                continue
+            plan.removed.append(record)
+            disk_after -= record.size
+            if not dry_run:
+                self._remove_entry(record, "prune_removed")
+
+    def _prune_ram_copies(self, candidates: list[Record], plan: _PrunePlan,
+                          max_ram_bytes: int, dry_run: bool) -> None:
+        """Drop candidates' RAM copies down to ``max_ram_bytes``. Caller holds the lock."""
+        gone = {r.key for r in plan.removed}
+        # A removed entry's copy went with it (in a dry run it is still counted in ram_used).
+        ram_after = self.ram_used - (sum(r.size for r in plan.removed if r.in_ram)
+                                     if dry_run else 0)
+        for candidate in candidates:
+            if ram_after <= max_ram_bytes:
+                return
+            # As it is now: the snapshot's tier may be stale after the removals above.
+            record = candidate if dry_run else self.index.get(candidate.key)
+            if record is None or record.key in gone or not record.in_ram:
+                continue
+            if not plan.may_touch(record):
+                continue
+            if dry_run or self._drop_ram_copy(record, "prune_ram_dropped"):
+                plan.ram_dropped.append(record)
+                ram_after -= record.size
 
     def stats(self) -> dict[str, object]:
         with self._cond:

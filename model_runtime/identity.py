@@ -11,9 +11,9 @@ from pathlib import Path
 import xxhash
 
 from kvcache.client import Identity
+from kvcache.config import default_dir
 
-_CACHE_FILE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / \
-    "kvcache" / "fingerprints.json"
+FINGERPRINTS_FILE = "fingerprints.json"
 _lock = threading.Lock()
 
 
@@ -27,9 +27,11 @@ def hash_file(path: Path, chunk_bytes: int = 8 << 20) -> str:
     return digest.hexdigest()
 
 
-def model_fingerprint(path: str | os.PathLike[str], cache_file: Path = _CACHE_FILE) -> str:
+def model_fingerprint(path: str | os.PathLike[str], cache_file: Path | None = None) -> str:
     """xxh3-128 of the file's bytes, remembered by (path, size, mtime) so that a restart
-    does not re-read a multi-gigabyte model."""
+    does not re-read a multi-gigabyte model. The memo lives in the kvcache directory
+    (KVCACHE_DIR when set), looked up at each call."""
+    cache_file = cache_file or default_dir() / FINGERPRINTS_FILE
     p = Path(path).resolve()
     st = p.stat()
     stamp = f"{st.st_size}:{st.st_mtime_ns}"

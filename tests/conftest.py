@@ -3,8 +3,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import leftovers
 import pytest
 from daemon_proc import DaemonProcess
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    leftovers.record(session)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A RAM-tier folder or a process the run left behind fails it (see leftovers.py)."""
+    leftovers.check(session)
 
 
 @pytest.fixture

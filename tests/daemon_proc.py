@@ -13,20 +13,30 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvcache.client import CacheClient
+from kvcache.ramtier import tier_dir
 
 
 class DaemonProcess:
-    """``kvcache serve`` in a child process, with its data dir, RAM dir and socket."""
+    """``kvcache serve`` in a child process, with its data dir, RAM tier and socket.
 
-    def __init__(self, data_dir: Path, *extra_args: str, ram_dir: Path | None = None) -> None:
+    ``ram_parent`` is what ``--ram-dir`` gets (by default a folder beside the data dir);
+    the tier itself is the daemon's own subfolder of it, ``ram_dir``."""
+
+    def __init__(self, data_dir: Path, *extra_args: str, ram_parent: Path | None = None) -> None:
         self.data_dir = data_dir
         # Unix socket paths are limited to 107 bytes: keep the socket in a short dir.
         self._sock_dir = Path(tempfile.mkdtemp(prefix="kvt", dir="/tmp"))
         self.socket = self._sock_dir / "kv.sock"
-        self.ram_dir = ram_dir or (data_dir.parent / f"{data_dir.name}-ram")
+        self._own_ram_parent = ram_parent is None
+        self.ram_parent = ram_parent or (data_dir.parent / f"{data_dir.name}-ram")
         self.extra_args = list(extra_args)
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = data_dir.parent / f"{data_dir.name}-daemon.log"
+
+    @property
+    def ram_dir(self) -> Path:
+        """The RAM tier folder (what Stats reports as the RAM tier's directory)."""
+        return tier_dir(self.data_dir, self.ram_parent)
 
     @property
     def address(self) -> str:
@@ -34,7 +44,7 @@ class DaemonProcess:
 
     def args(self) -> list[str]:
         return [sys.executable, "-m", "kvcache.cli", "serve", "--dir", str(self.data_dir),
-                "--socket", str(self.socket), "--ram-dir", str(self.ram_dir),
+                "--socket", str(self.socket), "--ram-dir", str(self.ram_parent),
                 "--min-free-bytes", "0", *self.extra_args]
 
     def start(self, timeout: float = 20.0) -> DaemonProcess:
@@ -93,6 +103,8 @@ class DaemonProcess:
         self.kill()
         shutil.rmtree(self._sock_dir, ignore_errors=True)
         shutil.rmtree(self.ram_dir, ignore_errors=True)
+        if self._own_ram_parent:
+            shutil.rmtree(self.ram_parent, ignore_errors=True)
 
 
 def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 15.0) -> None:

@@ -36,6 +36,7 @@ from kvcache.cli import main as kvcache_main
 from kvcache.client import CacheError, Identity
 from kvcache.counters import COUNTERS
 from kvcache.v1 import kvcache_pb2 as pb
+from model_runtime.identity import hash_file
 from model_runtime.llama_backend import LlamaModel
 
 # Wide enough that rich never shortens a 32-digit key in a table.
@@ -46,9 +47,11 @@ TENANT = Identity(IDENT.model_fingerprint, IDENT.kv_layout, tenant="t1",
 
 
 def cli_many(*commands: Sequence[str], timeout: float = 120) -> list[subprocess.CompletedProcess[str]]:
-    """Run ``kvcache`` commands side by side; results in order."""
+    """Run ``kvcache`` commands side by side; results in order. Their stdin is not a
+    terminal, as in a script: destructive commands do not ask first."""
     procs = [subprocess.Popen([sys.executable, "-m", "kvcache.cli", *args], env=ENV, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
              for args in commands]
     results = []
     for args, p in zip(commands, procs, strict=True):
@@ -90,6 +93,8 @@ def test_every_command_against_a_real_daemon(daemon_factory: DaemonFactory, tiny
     # a..g: different models, tenants, reasons, sizes, lengths and ages.
     t = {n: toks(200 + i, 20 + 5 * i) for i, n in enumerate("abcdefg")}
     t["f"] = text_tokens  # real tokens of the tiny model, for `inspect --model`
+    # `inspect --model` decodes only with the model the entry was saved with.
+    tiny = Identity(hash_file(tiny_model), IDENT.kv_layout, model_name=IDENT.model_name)
     k = {
         "a": c.save(IDENT, t["a"], payload_for(t["a"], 1000), "cold").key,
         "b": c.save(IDENT, t["b"], payload_for(t["b"], 3000), "finish").key,
@@ -97,7 +102,7 @@ def test_every_command_against_a_real_daemon(daemon_factory: DaemonFactory, tiny
                       created=time.time() - 7200),
         "d": c.save(OTHER, t["d"], payload_for(t["d"], 1000), "continued").key,
         "e": c.save(TENANT, t["e"], payload_for(t["e"], 1000), "evict").key,
-        "f": c.save(IDENT, t["f"], payload_for(t["f"], 2000), "manual").key,
+        "f": c.save(tiny, t["f"], payload_for(t["f"], 2000), "manual").key,
         "g": save_raw(c, IDENT, t["g"], payload_for(t["g"], 500), "shutdown",
                       created=time.time() - 3 * 86400),
     }
@@ -126,7 +131,7 @@ def test_every_command_against_a_real_daemon(daemon_factory: DaemonFactory, tiny
     wait_for(lambda: len(c.list_entries(tier="ram")) == 2, "b and c promoted back to RAM")
 
     stats_json, stats_table, *listings = cli_many(
-        ("stats", *a, "--json"), ("stats", *a),
+        ("stats", *a, "--json"), ("stats", *a, "--all"),
         ("ls", *a, "--json"),
         ("ls", *a, "--json", "--model", "other.gguf"),
         ("ls", *a, "--json", "--model", "fp-other"),  # a fingerprint prefix
@@ -160,8 +165,8 @@ def test_every_command_against_a_real_daemon(daemon_factory: DaemonFactory, tiny
         assert 1 <= series["window"] <= series["count"]
         assert 0 <= series["p50_ms"] <= series["p90_ms"] <= series["p99_ms"]
     table = ok(stats_table)
-    for word in ("tier", "budget", "counters", "lookup_hits_partial", "Lookups that found",
-                 "saves_committed_manual", "start-up", "latencies", "read_disk_stream", "p99"):
+    for word in ("TIER", "BUDGET", "counters", "lookup_hits_partial", "Lookups that found",
+                 "saves_committed_manual", "start-up", "latencies", "read_disk_stream", "P99"):
         assert word in table, f"{word!r} missing from the stats table:\n{table}"
 
     (every, by_model, by_fp, by_tenant, by_reason, in_ram, on_disk, long_ones, by_size,

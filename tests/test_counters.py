@@ -244,7 +244,7 @@ def _daemon_traffic(d: DaemonProcess) -> None:
     d.stop()
     # Start-up work for the second life.
     blob_file(d, lost.key).unlink()  # index row without its file: reconcile_removed
-    (d.data_dir / "tmp" / "0123abcd.part").write_bytes(b"half a blob")  # orphans_swept
+    (d.data_dir / "tmp" / ("ab" * 16 + ".part")).write_bytes(b"half a blob")  # orphans_swept
     junk = d.data_dir / "blobs" / "zz"
     junk.mkdir()
     (junk / "not-a-key.kvc").write_bytes(b"junk")  # quarantined_files

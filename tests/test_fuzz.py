@@ -1138,7 +1138,7 @@ def test_keys_that_try_path_traversal_are_refused_everywhere(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Traversal-shaped keys, lease ids and pin ids in every RPC that takes one, and keys
     in the CLI's key commands: each is a clear refusal (INVALID_ARGUMENT or NOT_FOUND; the
-    CLI exits 2 naming the bad key, or 1 with NOT_FOUND for a well-formed key that does
+    CLI exits 2 naming the bad key, or 1 with "not found" for a well-formed key that does
     not exist), and no file outside the data directory, or inside it, is touched."""
     d = daemon_factory("--block-size", str(BLOCK))
     canary = tmp_path / "canary.txt"  # right next to the data directory
@@ -1203,7 +1203,7 @@ def test_keys_that_try_path_traversal_are_refused_everywhere(
         # A well-formed key that names nothing: the daemon's refusal, exit 1.
         result = runner.invoke(kvcache_cli, [command, UPPERCASE_KEY, "-a", d.address])
         SEEN[f"kvcache {command} (traversal)"][f"exit {result.exit_code}"] += 1
-        assert result.exit_code == 1 and "NOT_FOUND" in result.output, result.output
+        assert result.exit_code == 1 and "not found: no entry" in result.output, result.output
 
     after = tree(tmp_path, skip)
     assert after == before, {k: (before.get(k), after.get(k))

@@ -27,6 +27,7 @@ from kvcache.errors import (
     WaitTimeout,
 )
 from kvcache.index import Record
+from kvcache.ramtier import RAM_MARKER
 from kvcache.store import Store, StoreConfig
 
 FP = "fp-test"
@@ -499,8 +500,9 @@ def test_start_up_sweeps_orphan_temp_files(make_store: Callable[..., Store],
     store = make_store()
     key = put(store, A).key
     store.close()
-    (store.tmp_dir / "deadbeef.part").write_bytes(b"half a blob")
-    (store.blob_path(key).parent / "cafe.part").write_bytes(b"x")
+    # Temp names are a lease id or key in hex (16 bytes): only those are kvcache's.
+    (store.tmp_dir / f"{'de' * 16}.part").write_bytes(b"half a blob")
+    (store.blob_path(key).parent / f"{'ca' * 16}.part").write_bytes(b"x")
     reopened = make_store()
     assert os.listdir(reopened.tmp_dir) == []
     assert [p.name for p in reopened.blob_dir.rglob("*.part")] == []
@@ -520,7 +522,7 @@ def test_a_ram_copy_cut_short_by_a_crash_is_not_taken_for_the_copy(
     store.close()
     os.rename(store.ram_path(key), store.ram_dir / f"{key.hex()}.part")
     reopened = make_store()
-    assert os.listdir(reopened.ram_dir) == []
+    assert [p.name for p in reopened.ram_dir.iterdir()] == [RAM_MARKER]
     assert reopened.index.get(key).in_ram is False
     assert reopened.ram_used == 0
     pin = reopened.open_read(key)
@@ -580,9 +582,9 @@ def test_one_store_per_data_directory(make_store: Callable[..., Store], tmp_path
     """A second daemon on the same directory would sweep the first one's temp files."""
     first = make_store()
     with pytest.raises(DirectoryInUse, match="another kvcache daemon"):
-        Store(StoreConfig(root=first.root, ram_dir=first.ram_dir, min_free_bytes=0))
+        Store(StoreConfig(root=first.root, ram_dir=first.config.ram_dir, min_free_bytes=0))
     first.close()
-    again = Store(StoreConfig(root=first.root, ram_dir=first.ram_dir, min_free_bytes=0))
+    again = Store(StoreConfig(root=first.root, ram_dir=first.config.ram_dir, min_free_bytes=0))
     again.close()
 
 

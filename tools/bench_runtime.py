@@ -174,11 +174,13 @@ class Bench:
         workdir.mkdir(parents=True, exist_ok=True)
         self.data_dir = workdir / "data"
         shm = Path("/dev/shm")
-        self.ram_dir = Path(tempfile.mkdtemp(prefix="kvbench-ram-",
-                                             dir=shm if shm.is_dir() else workdir))
-        self.daemon = Daemon(self.data_dir, self.ram_dir, name=f"daemon-t{threads}",
+        self.ram_parent = Path(tempfile.mkdtemp(prefix="kvbench-ram-",
+                                                dir=shm if shm.is_dir() else workdir))
+        self.daemon = Daemon(self.data_dir, self.ram_parent, name=f"daemon-t{threads}",
                              log_dir=workdir)
-        self.config = RuntimeConfig(n_threads=threads, save_finish=False,
+        self.ram_dir = self.daemon.ram_dir
+        # reuse_live off: every warm request measures a restore from the daemon.
+        self.config = RuntimeConfig(n_threads=threads, save_finish=False, reuse_live=False,
                                     continued_interval=settings.continued_interval)
         self.probe: CacheClient | None = None
         self.runtime: Runtime | None = None
@@ -205,7 +207,7 @@ class Bench:
             self.probe.close()
             self.probe = None
         self.daemon.close()
-        shutil.rmtree(self.ram_dir, ignore_errors=True)
+        shutil.rmtree(self.ram_parent, ignore_errors=True)
 
     @property
     def rt(self) -> Runtime:
@@ -388,7 +390,7 @@ def measure_warm_and_floor(bench: Bench, tokens: list[int], cold_ttft_ms: float
                            ) -> dict[str, Any]:
     tier = bench.wait_saved(tokens, "ram")
     log(f"  entry of {len(tokens)} tokens published (tier {tier or 'none'})")
-    floor_file = bench.ram_dir.parent / f"{bench.ram_dir.name}-floor.state"
+    floor_file = bench.ram_parent / "floor.state"
     capture = capture_state(bench, tokens, floor_file)
     warm: list[dict[str, Any]] = []
     floors: dict[str, list[dict[str, float | int]]] = {name: [] for name in FLOOR_READS}

@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 
 from kvcache.index import dir_fsync
+from kvcache.ramtier import tier_dir
 from kvcache.v1 import kvcache_pb2 as pb
 from kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 
@@ -290,10 +291,10 @@ class Daemon:
     Stats RPC (the start-up time a client sees).
     """
 
-    def __init__(self, data_dir: Path, ram_dir: Path, *extra_args: str, name: str = "daemon",
+    def __init__(self, data_dir: Path, ram_parent: Path, *extra_args: str, name: str = "daemon",
                  log_dir: Path | None = None) -> None:
         self.data_dir = data_dir
-        self.ram_dir = ram_dir
+        self.ram_parent = ram_parent  # --ram-dir: the tier is the daemon's own subfolder
         self.extra_args = list(extra_args)
         self.name = name
         # sun_path is 108 bytes: keep the socket in a short directory of its own.
@@ -306,9 +307,14 @@ class Daemon:
     def address(self) -> str:
         return f"unix:{self.socket}"
 
+    @property
+    def ram_dir(self) -> Path:
+        """The RAM tier folder the daemon makes under ``ram_parent``."""
+        return tier_dir(self.data_dir, self.ram_parent)
+
     def argv(self) -> list[str]:
         return [sys.executable, "-m", "kvcache.cli", "serve", "--dir", str(self.data_dir),
-                "--socket", str(self.socket), "--ram-dir", str(self.ram_dir),
+                "--socket", str(self.socket), "--ram-dir", str(self.ram_parent),
                 "--min-free-bytes", "0", "--log-level", "WARNING", *self.extra_args]
 
     def start(self, timeout: float = 60.0) -> float:
@@ -373,5 +379,8 @@ class Daemon:
             proc.wait()
 
     def close(self) -> None:
+        """Stop it and remove its socket folder and RAM tier (a tier outlives its daemon
+        on purpose, so nothing else would)."""
         self.stop()
         shutil.rmtree(self._sock_dir, ignore_errors=True)
+        shutil.rmtree(self.ram_dir, ignore_errors=True)

@@ -70,6 +70,7 @@ from kvcache.client import (
     SaveResult,
 )
 from kvcache.config import CHUNK_BYTES
+from kvcache.ramtier import RAM_MARKER, tier_dir
 from kvcache.v1 import kvcache_pb2 as pb
 
 BLOCK = 16
@@ -431,14 +432,16 @@ class CrashHarness:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.data_dir = self.workdir / "data"
         shm = Path("/dev/shm")
-        # The RAM tier on a memory filesystem, as in production (it survives the kills).
-        self.ram_dir = (Path(tempfile.mkdtemp(prefix="kvcrash-", dir=shm)) if shm.is_dir()
-                        else self.workdir / "ram")
+        # The RAM tier on a memory filesystem, as in production (it survives the kills):
+        # the daemon's own subfolder of a folder made for this run.
+        self.ram_parent = (Path(tempfile.mkdtemp(prefix="kvcrash-", dir=shm)) if shm.is_dir()
+                           else self.workdir / "ram")
+        self.ram_dir = tier_dir(self.data_dir, self.ram_parent)
         self.socket = self.workdir / "kv.sock"
         self.address = f"unix:{self.socket}"
         self.daemon = Proc("kvcache daemon", [
             sys.executable, "-m", "kvcache.cli", "serve", "--dir", str(self.data_dir),
-            "--socket", str(self.socket), "--ram-dir", str(self.ram_dir),
+            "--socket", str(self.socket), "--ram-dir", str(self.ram_parent),
             "--block-size", str(BLOCK), "--lease-seconds", str(settings.lease_seconds),
             "--ram-bytes", "1G", "--disk-bytes", "100G", "--min-free-bytes", "0",
             "--log-level", "WARNING"], self.workdir / "daemon.log")
@@ -612,7 +615,7 @@ class CrashHarness:
         for path in self.ram_dir.iterdir():
             if path.suffix == ".kvc":
                 in_ram[bytes.fromhex(path.stem)] = path.stat().st_size
-            elif path.suffix != ".part":
+            elif path.suffix != ".part" and path.name != RAM_MARKER:
                 ledger.problem("index_file_mismatches", f"stray file {path}")
         for key, entry in listed.items():
             size = on_disk.pop(key, None)
@@ -794,7 +797,7 @@ class CrashHarness:
         self.fast.close()
         self.stream.close()
         if not keep:
-            shutil.rmtree(self.ram_dir, ignore_errors=True)
+            shutil.rmtree(self.ram_parent, ignore_errors=True)  # the RAM tier with it
             if self.own_workdir:
                 shutil.rmtree(self.workdir, ignore_errors=True)
 

@@ -51,7 +51,7 @@ def run(model: str | None, threads: int, n_requests: int, max_tokens: int,
         ask(client, "after restart", USER_MESSAGES[n_requests % len(USER_MESSAGES)])
         client.close()
     finally:
-        stack.stop()
+        stack.close()
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
     return rows

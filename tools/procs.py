@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,10 +76,12 @@ class Stack:
         workdir.mkdir(parents=True, exist_ok=True)
         self.cache_socket = workdir / "kv.sock"
         self.runtime_socket = workdir / "rt.sock"
+        self.data_dir = workdir / "cache"
+        self.ram_parent = workdir / "ram"  # --ram-dir: the tier is the daemon's subfolder
         py = sys.executable
         self.daemon = Proc("kvcache daemon", [
-            py, "-m", "kvcache.cli", "serve", "--dir", str(workdir / "cache"),
-            "--socket", str(self.cache_socket), "--ram-dir", str(workdir / "ram"),
+            py, "-m", "kvcache.cli", "serve", "--dir", str(self.data_dir),
+            "--socket", str(self.cache_socket), "--ram-dir", str(self.ram_parent),
             "--min-free-bytes", "0", *daemon_args], workdir / "daemon.log")
         model_args = ["--model", model] if model else []
         self.runtime = Proc("model runtime", [
@@ -106,6 +109,12 @@ class Stack:
         """SIGTERM both: the runtime saves its live sequences, then the daemon stops."""
         self.runtime.stop()
         self.daemon.stop()
+
+    def close(self) -> None:
+        """Stop both and remove the RAM tier (it outlives its daemon on purpose, so nothing
+        else would)."""
+        self.stop()
+        shutil.rmtree(self.ram_parent, ignore_errors=True)
 
     def cache_client(self) -> CacheClient:
         return CacheClient(f"unix:{self.cache_socket}")

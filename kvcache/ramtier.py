@@ -1,0 +1,192 @@
+"""The RAM tier's folder: where it is, how a daemon claims it, and how orphans are found.
+
+The tier always lives in a subfolder of its own, ``PARENT/kvcache-<uid>-<tag>`` (the tag
+is derived from the data directory's resolved path), which kvcache creates and marks with
+``.kvcache-ram`` naming its data directory. A running daemon holds an exclusive flock on
+the folder, so a tier is known to be in use without asking any process. A tier outlives
+its daemon on purpose (a restart finds its copies warm); one whose data directory is gone
+is an orphan, found and removed by ``kvcache ram-tiers --remove-orphans``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import stat
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from . import keys
+from .ownership import NotOwned, is_own_file_name, read_marker, write_marker
+
+RAM_MARKER = ".kvcache-ram"
+TIER_PREFIX = "kvcache-"
+SHM = Path("/dev/shm")
+
+
+def tier_name(data_dir: Path) -> str:
+    return f"{TIER_PREFIX}{os.getuid()}-{keys.tenant_id(str(data_dir.resolve()))[:12]}"
+
+
+def tier_dir(data_dir: Path, parent: Path | None = None) -> Path:
+    """The RAM tier folder of ``data_dir`` under ``parent`` (``--ram-dir``). By default
+    under /dev/shm; on a machine without it, ``ram`` in the data directory (a folder of
+    kvcache's own already, so it needs no subfolder)."""
+    if parent is None:
+        if not SHM.is_dir():
+            return data_dir / "ram"
+        parent = SHM
+    return parent / tier_name(data_dir)
+
+
+def _check_private(path: Path) -> None:
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotOwned(f"{path} exists and is not a folder: remove it or choose another "
+                       "--ram-dir")
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise NotOwned(f"{path} is not a private folder of this user: remove it or choose "
+                       "another --ram-dir")
+
+
+def claim_tier(tier: Path, data_dir: Path) -> int:
+    """Create or adopt ``tier`` for ``data_dir`` and lock it; returns the folder's open
+    descriptor, which holds the lock until closed. Refuses a folder that is another data
+    directory's tier, is in use, or is not this user's private folder."""
+    owner = str(data_dir.resolve())
+    if not tier.exists() and not tier.is_symlink():
+        tier.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):  # made meanwhile: checked below
+            tier.mkdir(mode=0o700)
+    _check_private(tier)
+    fd = os.open(tier, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise NotOwned(f"{tier} is in use by another kvcache daemon") from None
+        fields = read_marker(tier / RAM_MARKER)
+        if fields is not None and fields.get("data_dir") != owner:
+            raise NotOwned(f"{tier} is the RAM tier of {fields.get('data_dir')}, not of "
+                           f"{owner}: choose another --ram-dir")
+        if fields is None:  # new, or made by a version that wrote no marker (same name)
+            write_marker(tier / RAM_MARKER, {"what": "kvcache RAM tier: copies of hot cache "
+                                                     "entries", "data_dir": owner})
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def own_files(tier: Path) -> Iterator[Path]:
+    """The files in ``tier`` kvcache made: blob copies and cut-short copies."""
+    with os.scandir(tier) as entries:
+        for entry in entries:
+            if is_own_file_name(entry.name) and entry.is_file(follow_symlinks=False):
+                yield Path(entry.path)
+
+
+# ------------------------------------------------------------------------- finding tiers
+
+
+@dataclass(frozen=True)
+class TierInfo:
+    path: str
+    data_dir: str  # "" when unmarked
+    bytes: int
+    data_dir_exists: bool
+    in_use: bool
+    state: str  # in_use | idle (its data directory exists) | orphan | unmarked
+    foreign_names: int  # entries kvcache did not make (it never removes those)
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def lock_is_held(path: Path) -> bool:
+    """Whether some process holds an exclusive flock on ``path`` (a file or a folder; a
+    missing one: no). The probe is a shared lock taken and dropped at once."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def describe_tier(tier: Path) -> TierInfo:
+    fields = read_marker(tier / RAM_MARKER)
+    data_dir = str(fields.get("data_dir", "")) if fields else ""
+    size = foreign = 0
+    with os.scandir(tier) as entries:
+        for entry in entries:
+            if entry.name == RAM_MARKER:
+                continue
+            if not (is_own_file_name(entry.name) and entry.is_file(follow_symlinks=False)):
+                foreign += 1
+                continue
+            with contextlib.suppress(OSError):
+                size += entry.stat(follow_symlinks=False).st_size
+    exists = bool(data_dir) and Path(data_dir).is_dir()
+    in_use = lock_is_held(tier) or \
+        (exists and lock_is_held(Path(data_dir) / "daemon.lock"))
+    state = ("unmarked" if not fields else "in_use" if in_use
+             else "idle" if exists else "orphan")
+    return TierInfo(str(tier), data_dir, size, exists, in_use, state, foreign)
+
+
+def find_tiers(parents: Iterable[Path]) -> list[TierInfo]:
+    """The folders named like a RAM tier of this user in each parent."""
+    prefix = f"{TIER_PREFIX}{os.getuid()}-"
+    found = []
+    for parent in parents:
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            for entry in sorted(os.scandir(parent), key=lambda e: e.name):
+                if entry.name.startswith(prefix) and entry.is_dir(follow_symlinks=False):
+                    with contextlib.suppress(OSError):  # removed meanwhile
+                        found.append(describe_tier(Path(entry.path)))
+    return found
+
+
+def remove_orphan(tier: Path) -> str | None:
+    """Remove an orphan tier: our files, the marker, then the folder. Returns why it was
+    kept, or None once removed. The tier's lock is taken first, so a daemon starting on
+    it meanwhile is not robbed (it fails to lock, or we do and keep the folder)."""
+    marker = tier / RAM_MARKER
+    fields = read_marker(marker)
+    if fields is None:
+        return "it has no kvcache marker"
+    data_dir = str(fields.get("data_dir", ""))
+    if not data_dir:
+        return "its marker names no data directory"
+    if Path(data_dir).exists():
+        return f"its data directory {data_dir} exists"
+    try:
+        fd = os.open(tier, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        return f"cannot open it: {exc.strerror}"
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return "a kvcache daemon is using it"
+        foreign = [p for p in os.listdir(tier)
+                   if p != RAM_MARKER and not is_own_file_name(p)]
+        if foreign:
+            return f"it holds {len(foreign)} entries kvcache did not make"
+        for path in own_files(tier):
+            path.unlink(missing_ok=True)
+        marker.unlink()
+        tier.rmdir()  # while locked: a daemon claiming it meanwhile fails, not we
+    except OSError as exc:
+        return f"cannot remove it: {exc.strerror}"
+    finally:
+        os.close(fd)
+    return None
