@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import math
 import os
 import signal
-import socket
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,12 +26,13 @@ from .auth import (
     refuse_unprotected_tcp,
     tcp_security,
 )
-from .config import MAX_MESSAGE_BYTES, MAX_SOCKET_PATH, SOCKET_NAME, parse_listen
+from .config import MAX_MESSAGE_BYTES, SOCKET_NAME, parse_listen
 from .counters import COUNTERS
 from .errors import InvalidArgument, StoreError
 from .index import Record
 from .metrics import LatencyWindows, Metrics
 from .store import TIER_DISK, TIER_RAM, Store, StoreConfig
+from .unix_socket import OwnedSocket
 from .v1 import kvcache_pb2 as pb
 from .v1 import kvcache_pb2_grpc as pb_grpc
 
@@ -444,46 +442,6 @@ def grpc_server(add_service: Callable[[grpc.Server], None], service_name: str,
     return server
 
 
-_bind_serial = itertools.count()
-
-
-def file_id(path: Path) -> tuple[int, int] | None:
-    """(device, inode) of ``path`` itself, or None when there is nothing there."""
-    try:
-        st = path.lstat()
-    except FileNotFoundError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def claim_socket_path(path: Path, remove_stale: bool = True) -> None:
-    """Make ``path`` free for our socket. Only a stale socket (nobody accepts on it) is
-    removed; a file of another kind, or a socket something listens on, is refused. With
-    ``remove_stale`` False it only checks, changing nothing."""
-    try:
-        mode = path.lstat().st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise ValueError(f"{path} exists and is not a socket; remove it or choose another "
-                         "--socket")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(2.0)
-    try:
-        probe.connect(str(path))
-    except ConnectionRefusedError:
-        if remove_stale:
-            path.unlink(missing_ok=True)  # stale: its daemon is gone
-        return
-    except OSError as exc:
-        raise ValueError(f"cannot tell whether {path} is in use ({exc.strerror or exc}); "
-                         "remove it or choose another --socket") from None
-    finally:
-        probe.close()
-    raise ValueError(f"another process is listening on {path}; stop it or choose another "
-                     "--socket")
-
-
 class Daemon:
     """A Store served over gRPC on a unix socket, and on TCP when asked.
 
@@ -498,25 +456,20 @@ class Daemon:
                  metrics_port: int | None = None, auth: ServerAuth | None = None,
                  insecure_tcp: bool = False, tcp_admin: bool = False) -> None:
         self.auth = auth or ServerAuth()
-        self._socket_id: tuple[int, int] | None = None  # (dev, inode) of the socket we made
         if listen:
             parse_listen(listen)  # ValueError for a bad HOST:PORT
         refuse_unprotected_tcp(listen, self.auth, insecure_tcp)
-        self.socket_path = socket_path or (config.root / SOCKET_NAME)
-        self._bind_path = self.socket_path.with_name(f".kv{os.getpid()}-{next(_bind_serial)}")
-        if max(len(str(self.socket_path)), len(str(self._bind_path))) > MAX_SOCKET_PATH:
-            raise ValueError(f"socket path is too long: {self.socket_path} (a unix socket path "
-                             f"and its temporary name .kv<pid> fit in {MAX_SOCKET_PATH} bytes; "
-                             "pass a shorter --socket)")
+        self.socket = OwnedSocket(socket_path or (config.root / SOCKET_NAME))
+        self.socket_path = self.socket.path
         # Checked before the data directory is touched (a refusal changes nothing), and
         # claimed once the directory's lock is held.
-        claim_socket_path(self.socket_path, remove_stale=False)
+        self.socket.check()
         self.store = Store(config)
         try:
             self._listen(listen, workers, metrics_port, tcp_admin)
         except BaseException:
             self.store.close()  # releases the data directory for the next attempt
-            self._remove_our_socket()
+            self.socket.remove()
             raise
         self._stopped = threading.Event()
 
@@ -529,37 +482,13 @@ class Daemon:
         self.service = KVCacheService(self.store, self.metrics)
         self.health = health.HealthServicer()
         self.servers = [self._server(workers, [])]
-        self.socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        claim_socket_path(self.socket_path)
-        self._bind_socket()
-        self.addresses = [f"unix:{self.socket_path}"]
+        self.socket.bind(self.servers[0])
+        self.addresses = [self.socket.address]
         if listen:
             gate = [] if tcp_admin else [OperatorGate(OPERATOR_METHODS)]
             tcp = self._server(workers, self.auth.interceptors() + gate)
             self.addresses.append(add_tcp_port(tcp, listen, self.auth))
             self.servers.append(tcp)
-
-    def _bind_socket(self) -> None:
-        """Bind the unix socket under a temporary name, then link it to its path.
-
-        gRPC removes the path it bound when it shuts down, whatever is there by then: bound
-        under a name only this daemon uses, it cannot remove a socket that another process
-        put at our path meanwhile. The link also fails, rather than replace, when the path
-        was taken since it was checked."""
-        old_umask = os.umask(0o077)  # the socket file is created owner-only
-        try:
-            self.servers[0].add_insecure_port(f"unix:{self._bind_path}")
-        finally:
-            os.umask(old_umask)
-        try:
-            os.chmod(self._bind_path, 0o600)
-            os.link(self._bind_path, self.socket_path)
-        except FileExistsError:
-            raise ValueError(f"{self.socket_path} was taken by another process while this "
-                             "daemon started; choose another --socket") from None
-        finally:
-            self._bind_path.unlink(missing_ok=True)
-        self._socket_id = file_id(self.socket_path)
 
     def _server(self, workers: int, interceptors: list[grpc.ServerInterceptor]) -> grpc.Server:
         return grpc_server(
@@ -585,13 +514,7 @@ class Daemon:
         for event in stopping:
             event.wait()
         self.store.close()
-        self._remove_our_socket()
-
-    def _remove_our_socket(self) -> None:
-        # Only the socket we made: the path may have been taken over since (by a daemon
-        # started after this one, say), and that socket is not ours to remove.
-        if self._socket_id is not None and file_id(self.socket_path) == self._socket_id:
-            self.socket_path.unlink(missing_ok=True)
+        self.socket.remove()
 
     def serve_forever(self) -> None:
         """Run until SIGTERM or SIGINT, then shut down cleanly."""

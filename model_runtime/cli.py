@@ -16,6 +16,7 @@ from click.core import ParameterSource
 from kvcache.auth import AuthConfigError, ClientAuth
 from kvcache.cli import server_auth, tcp_listen_options
 from kvcache.config import default_address, default_dir
+from kvcache.unix_socket import OwnedSocket
 
 from .config import RuntimeConfig
 from .engine import Completion, RuntimeError_
@@ -280,8 +281,19 @@ def serve(socket_path: Path | None, listen: str | None, token_file: Path | None,
     if not socket_path and not listen:
         socket_path = default_dir() / RUNTIME_SOCKET
     auth = server_auth(listen, token_file, tls_cert, tls_key, tls_client_ca, insecure_tcp)
+    socket = None
+    if socket_path:
+        try:  # before the model loads: a path that is not ours is refused at once
+            socket = OwnedSocket(socket_path)
+            socket.check()
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from None
     runtime = build_runtime(model_path, cache_address, verbose, config)
-    server = RuntimeServer(runtime, socket_path, listen, auth, insecure_tcp)
+    try:
+        server = RuntimeServer(runtime, socket, listen, auth, insecure_tcp)
+    except ValueError as exc:
+        runtime.close()
+        raise click.ClickException(str(exc)) from None
     if metrics_port is not None:
         port = runtime.metrics.serve(metrics_port)
         server.addresses.append(f"metrics http://127.0.0.1:{port}/metrics")

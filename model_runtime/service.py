@@ -7,7 +7,6 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -15,6 +14,7 @@ from grpc_health.v1 import health, health_pb2
 
 from kvcache.auth import ServerAuth, add_tcp_port, refuse_unprotected_tcp, tcp_security
 from kvcache.server import grpc_server
+from kvcache.unix_socket import OwnedSocket
 
 from .engine import Completion, RuntimeError_, TokenEvent
 from .runtime import Runtime
@@ -110,7 +110,7 @@ class RuntimeServer:
     ``auth`` (a token or client certificates) unless ``insecure_tcp``; the unix socket is
     owner-only and goes without."""
 
-    def __init__(self, runtime: Runtime, socket_path: Path | None, listen: str | None,
+    def __init__(self, runtime: Runtime, socket: OwnedSocket | None, listen: str | None,
                  auth: ServerAuth | None = None, insecure_tcp: bool = False) -> None:
         self.runtime = runtime
         self.auth = auth or ServerAuth()
@@ -119,13 +119,11 @@ class RuntimeServer:
         self.health = health.HealthServicer()
         self.servers: list[grpc.Server] = []
         self.addresses: list[str] = []
-        self.socket_path = socket_path
-        if socket_path:
-            socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            socket_path.unlink(missing_ok=True)
-            self.addresses.append(f"unix:{socket_path}")
+        self.socket = socket
+        if socket:
             self.servers.append(self._server([]))
-            self.servers[-1].add_insecure_port(self.addresses[-1])
+            socket.bind(self.servers[-1])
+            self.addresses.append(socket.address)
         if listen:
             self.servers.append(self._server(self.auth.interceptors()))
             self.addresses.append(add_tcp_port(self.servers[-1], listen, self.auth))
@@ -150,7 +148,7 @@ class RuntimeServer:
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("model runtime (%s) listening on %s", self.runtime.model_path.name,
                  " and ".join(self.addresses))
-        if self.servers and len(self.servers) > (1 if self.socket_path else 0):
+        if self.servers and len(self.servers) > (1 if self.socket else 0):
             safe, how = tcp_security(self.auth)
             log.log(logging.INFO if safe else logging.WARNING, "TCP: %s", how)
         # Wake up regularly: a signal delivered to another thread (llama.cpp's, gRPC's)
@@ -167,6 +165,6 @@ class RuntimeServer:
         for stopping in [server.stop(grace=2) for server in self.servers]:
             stopping.wait()
         self.runtime.close()
-        if self.socket_path:
-            self.socket_path.unlink(missing_ok=True)
+        if self.socket:
+            self.socket.remove()
         log.info("model runtime stopped")

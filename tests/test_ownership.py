@@ -283,6 +283,31 @@ def test_a_live_daemons_socket_is_refused(tmp_path: Path,
     assert first.proc is not None and first.proc.poll() is None
 
 
+def runtime_serve_refused(model: Path, socket_path: Path) -> subprocess.CompletedProcess[str]:
+    """``model-runtime serve`` that must refuse its socket path (bounded: a start hangs)."""
+    out = subprocess.run([sys.executable, "-m", "model_runtime.cli", "serve", "--model",
+                          str(model), "--cache", "none", "--threads", "1", "--socket",
+                          str(socket_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    return out
+
+
+def test_the_runtime_refuses_a_socket_path_it_does_not_own(
+        tmp_path: Path, tiny_model: Path, daemons: Callable[..., DaemonProcess]) -> None:
+    path = tmp_path / "important.txt"
+    path.write_text("do not replace me")
+    out = runtime_serve_refused(tiny_model, path)
+    assert f"{path} exists and is not a socket" in out.stderr
+    assert path.read_text() == "do not replace me"
+    live = daemons(tmp_path / "live").start()
+    inode = live.socket.stat().st_ino
+    out = runtime_serve_refused(tiny_model, live.socket)
+    assert f"another process is listening on {live.socket}" in out.stderr
+    assert live.socket.stat().st_ino == inode
+    with live.client(timeout=5.0) as c:
+        c.stats()  # still serving on its socket
+
+
 def test_a_stale_socket_is_replaced_and_removed_at_shutdown(
         tmp_path: Path, daemons: Callable[..., DaemonProcess]) -> None:
     d = daemons(tmp_path / "data")
