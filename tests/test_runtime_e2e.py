@@ -54,11 +54,13 @@ def test_shared_system_prompt_is_prefilled_once(daemon_factory: Callable[..., Da
         assert second.cache_delta["tokens_read"] >= boundary
         assert rt.engine.saver.flush(60)
 
-    # A new runtime (as after a restart) restores the same system prompt.
+    # A new runtime (as after a restart) restores the system prompt, and the opening
+    # tokens of the user turn that the earlier requests' finish states hold too.
     with Runtime(smollm2, cache_address=daemon.address, config=CONFIG) as again:
         third = again.complete(messages=chat(system, USER_MESSAGES[2]), max_tokens=8)
-        assert third.cache_hit_kind == "partial"
-        assert third.cache_delta["tokens_read"] == boundary
+        assert (third.cache_hit_kind, third.cache_tier) in (("partial", "ram"),
+                                                            ("partial", "disk"))
+        assert boundary <= third.cache_delta["tokens_read"] < third.prompt_tokens
 
     # Greedy output after live reuse and after a warm restore equals a cold prefill.
     with Runtime(smollm2, cache_address=None, config=replace(CONFIG, reuse_live=False)) as plain:
