@@ -252,14 +252,15 @@ def time_llama(rig: LlamaRig, messages: list[Message], max_tokens: int, message:
                    "n_tokens_in_context": llm.n_tokens, **rig.take()})
 
 
-def time_runtime(rt: Runtime, messages: list[Message], max_tokens: int, message: int
-                 ) -> tuple[Sample, Completion]:
-    """One streamed ``Runtime.complete``; TTFT is the first sampled token's event."""
+def stream_runtime(rt: Runtime, max_tokens: int, **prompt: Any
+                   ) -> tuple[float, float, Completion]:
+    """One streamed ``Runtime.complete``: (TTFT ms at the first sampled token's event,
+    end-to-end ms, the completion)."""
     t0 = time.perf_counter()
     first = 0.0
     done: Completion | None = None
-    events = rt.complete(stream=True, messages=messages, max_tokens=max_tokens,
-                         timeout=REQUEST_TIMEOUT_S)
+    events = rt.complete(stream=True, max_tokens=max_tokens, timeout=REQUEST_TIMEOUT_S,
+                         **prompt)
     assert isinstance(events, Iterator)
     for event in events:
         if isinstance(event, TokenEvent) and event.token >= 0 and not first:
@@ -268,13 +269,19 @@ def time_runtime(rt: Runtime, messages: list[Message], max_tokens: int, message:
             done = event
     end = time.perf_counter()
     assert done is not None
+    return ((first or end) - t0) * 1e3, (end - t0) * 1e3, done
+
+
+def time_runtime(rt: Runtime, messages: list[Message], max_tokens: int, message: int
+                 ) -> tuple[Sample, Completion]:
+    ttft_ms, e2e_ms, done = stream_runtime(rt, max_tokens, messages=messages)
     t = done.timings
     info = {"hit": done.cache_hit_kind, "tier": done.cache_tier,
             "tokens_read": done.cache_delta["tokens_read"], "prompt_tokens": done.prompt_tokens,
             "engine_ttft_ms": t["ttft_ms"], "restore_ms": t["restore_ms"],
             "prefill_ms": t["prefill_ms"], "saves": [(s["reason"], s["tokens"])
                                                      for s in done.saves]}
-    return Sample(message, ((first or end) - t0) * 1e3, (end - t0) * 1e3, done.text, info), done
+    return Sample(message, ttft_ms, e2e_ms, done.text, info), done
 
 
 def describe(arm: str, s: Sample) -> str:
@@ -1023,24 +1030,11 @@ class SideArm:
 
 
 def serve_runtime(rt: Runtime, max_tokens: int, **prompt: Any) -> Served:
-    """One streamed ``Runtime.complete``: TTFT at the first sampled token's event."""
-    t0 = time.perf_counter()
-    first = 0.0
-    done: Completion | None = None
-    events = rt.complete(stream=True, max_tokens=max_tokens, timeout=REQUEST_TIMEOUT_S, **prompt)
-    assert isinstance(events, Iterator)
-    for event in events:
-        if isinstance(event, TokenEvent) and event.token >= 0 and not first:
-            first = time.perf_counter()
-        elif isinstance(event, Completion):
-            done = event
-    end = time.perf_counter()
-    assert done is not None
+    ttft_ms, e2e_ms, done = stream_runtime(rt, max_tokens, **prompt)
     read = done.cache_delta["tokens_read"]
     t = done.timings
-    return Served(((first or end) - t0) * 1e3, (end - t0) * 1e3,
-                  done.prompt_tokens, max(1, done.prompt_tokens - read), read, done.text,
-                  list(done.tokens),
+    return Served(ttft_ms, e2e_ms, done.prompt_tokens, max(1, done.prompt_tokens - read), read,
+                  done.text, list(done.tokens),
                   {"hit": done.cache_hit_kind, "tier": done.cache_tier,
                    "finish_reason": done.finish_reason, "engine_ttft_ms": t["ttft_ms"],
                    "restore_ms": t["restore_ms"], "prefill_ms": t["prefill_ms"],
