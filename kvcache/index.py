@@ -33,8 +33,8 @@ import xxhash
 
 from .keys import KEY_BYTES, key_under
 
-# 2: the passes databases. A version-1 index gets its passes rows from the blob headers at
-# start-up (Store._reconcile), keeping every row and its usage.
+# 2: the passes databases. Entries without passes rows (a version-1 index) get them from
+# their blob headers at start-up (Store._reconcile), every other row kept as it is.
 SCHEMA_VERSION = 2
 
 
@@ -140,9 +140,13 @@ class Index:
         txn.put(record.anchor + record.key, record.tail, db=self._anchors)
         txn.put(record.key, record.seal(), db=self._seals)
         if passes:
-            for block_hash, block in passes:
-                txn.put(block_hash + record.key, block, db=self._passes)
-            txn.put(record.key, b"".join(h for h, _ in passes), db=self._entry_passes)
+            self._put_passes(txn, record.key, passes)
+
+    def _put_passes(self, txn: lmdb.Transaction, key: bytes,
+                    passes: Sequence[tuple[bytes, bytes]]) -> None:
+        for block_hash, block in passes:
+            txn.put(block_hash + key, block, db=self._passes)
+        txn.put(key, b"".join(h for h, _ in passes), db=self._entry_passes)
 
     def delete(self, key: bytes) -> Record | None:
         with self.env.begin(write=True) as txn:
@@ -160,9 +164,17 @@ class Index:
         for i in range(0, len(hashes), KEY_BYTES):
             txn.delete(hashes[i : i + KEY_BYTES] + key, db=self._passes)
 
-    def has_passes(self, key: bytes) -> bool:
+    def lacking_passes(self, keys_: Iterable[bytes]) -> set[bytes]:
+        """Which of these entries have no passes rows (one read transaction)."""
         with self.env.begin(db=self._entry_passes) as txn:
-            return txn.get(key) is not None
+            return {key for key in keys_ if txn.get(key) is None}
+
+    def add_passes(self, items: Iterable[tuple[bytes, Sequence[tuple[bytes, bytes]]]]) -> None:
+        """Add the passes rows of published entries, leaving their entry rows alone."""
+        with self.env.begin(write=True) as txn:
+            for key, passes in items:
+                if txn.get(key, db=self._entries) is not None:
+                    self._put_passes(txn, key, passes)
 
     def update(self, key: bytes, **changes: object) -> Record | None:
         with self.env.begin(write=True, db=self._entries) as txn:
@@ -337,10 +349,10 @@ class Index:
         exist for every k up to the entry's last block, so the deepest k with any row is
         found by binary search, and the answer is among that k's rows: each row's tokens
         say how far into block k+1 its entry agrees with the query. Of the entries that
-        share as much, the smallest wins (the fewest bytes to load). A crowded k (more
-        than SCAN_LIMIT rows) is judged on its first SCAN_LIMIT rows and on the entries
-        the query could match exactly there: the answer may then fall short of the best
-        by less than a block.
+        share as much, the smallest wins (the fewest bytes to load). Where more than
+        SCAN_LIMIT entries end within block k+1, or more than SCAN_LIMIT go through it,
+        the first SCAN_LIMIT of each and the entries the query could match exactly there
+        are judged: the answer may then fall short of the best by less than a block.
         """
         n_query = len(raw_tokens) // 4
         limit = min(n_query, max_tokens) if max_tokens else n_query
@@ -349,18 +361,17 @@ class Index:
             anchors = txn.cursor(db=self._anchors)
             passes = txn.cursor(db=self._passes)
 
-            def rows(k: int) -> Iterator[tuple[bytes, bytes]]:
-                for cursor in (anchors, passes):
-                    if cursor.set_range(hashes[k]):
-                        for composite, tokens in cursor:
-                            if composite[:KEY_BYTES] != hashes[k]:
-                                break
-                            yield composite[KEY_BYTES:], tokens
+            def rows(cursor: lmdb.Cursor, k: int) -> Iterator[tuple[bytes, bytes]]:
+                if cursor.set_range(hashes[k]):
+                    for composite, tokens in cursor:
+                        if composite[:KEY_BYTES] != hashes[k]:
+                            break
+                        yield composite[KEY_BYTES:], tokens
 
             def present(k: int) -> bool:
                 nonlocal probes
                 probes += 1
-                return next(rows(k), None) is not None
+                return any(next(rows(c, k), None) is not None for c in (anchors, passes))
 
             lo, hi = -1, len(hashes) - 1  # rows exist under hashes[lo] (-1: none anywhere)
             while lo < hi:
@@ -375,20 +386,27 @@ class Index:
                     continue
                 best_keys: list[bytes] = []
                 best_n = 0
+                crowded = False
                 nxt = raw_tokens[base * 4 : (base + block_size) * 4]
-                for scanned, (key, tokens) in enumerate(rows(k)):
-                    if scanned == SCAN_LIMIT:
-                        exact = self._probe_tails(txn, hashes[k], raw_tokens, base,
-                                                  min(block_size - 1, limit - base))
-                        data = None if exact is None else txn.get(exact, db=self._entries)
-                        if data is not None and Record.unpack(data).n_tokens > best_n:
-                            best_keys, best_n = [exact], Record.unpack(data).n_tokens
-                        break
-                    shared = min(base + _common_prefix_tokens(tokens, nxt), limit)
-                    if shared > best_n:
-                        best_keys, best_n = [key], shared
-                    elif shared == best_n and shared:
-                        best_keys.append(key)
+                # Entries ending within the next block, then those going through it: each
+                # scanned up to SCAN_LIMIT rows, so neither crowds the other out.
+                for cursor in (anchors, passes):
+                    for scanned, (key, tokens) in enumerate(rows(cursor, k)):
+                        if scanned == SCAN_LIMIT:
+                            crowded = True
+                            break
+                        shared = min(base + _common_prefix_tokens(tokens, nxt), limit)
+                        if shared > best_n:
+                            best_keys, best_n = [key], shared
+                        elif shared == best_n and shared:
+                            best_keys.append(key)
+                if crowded:  # an exact prefix of the query ending here is still found
+                    exact = self._probe_tails(txn, hashes[k], raw_tokens, base,
+                                              min(block_size - 1, limit - base))
+                    data = None if exact is None else txn.get(exact, db=self._entries)
+                    if data is not None and Record.unpack(data).n_tokens > best_n:
+                        best_keys, best_n = [exact], Record.unpack(data).n_tokens
+                # Of those sharing as much, the smallest: the fewest bytes to load.
                 records = [Record.unpack(data) for data in
                            (txn.get(key, db=self._entries) for key in best_keys) if data]
                 if records:

@@ -231,9 +231,6 @@ class Store:
         if self.index.get_setting("block_size") not in (None, str(self.config.block_size)):
             # Anchors depend on the block size: rebuild the index from the blobs.
             self.index.clear()
-        # An index of an older schema has no passes rows: they are added from the blob
-        # headers below, keeping every row as it is.
-        old_schema = self.index.get_setting("schema") not in (None, str(SCHEMA_VERSION))
         self.index.set_setting("block_size", str(self.config.block_size))
         self.index.set_setting("schema", str(SCHEMA_VERSION))
 
@@ -268,7 +265,11 @@ class Store:
         good, bad = self.index.audit()
         stale: list[bytes] = list(bad)
         ram_fixes: list[Record] = []
-        without_passes: list[tuple[Record, Path]] = []
+        # Entries long enough for passes rows that have none (an index of schema 1, or a
+        # start-up killed while adding them): added from their blob headers below.
+        lacking = self.index.lacking_passes(
+            [r.key for r in good if r.n_tokens >= self.config.block_size])
+        without_passes: list[tuple[bytes, Path]] = []
         for record in good:
             path = on_disk.pop(record.key, None)
             if path is None or path.stat().st_size != record.size:
@@ -276,8 +277,8 @@ class Store:
                 if path is not None:
                     self._quarantine_path(path)
                 continue
-            if old_schema and record.n_tokens >= self.config.block_size:
-                without_passes.append((record, path))
+            if record.key in lacking:
+                without_passes.append((record.key, path))
             self.disk_used += record.size
             ram_path = in_ram.pop(record.key, None)
             has_ram = ram_path is not None and ram_path.stat().st_size == record.size
@@ -332,21 +333,20 @@ class Store:
             self.counters["reconcile_added"] += len(added)
         self._add_passes(without_passes)
 
-    def _add_passes(self, entries: list[tuple[Record, Path]]) -> None:
-        """Give entries of an older index their passes rows, from their blob headers."""
+    def _add_passes(self, entries: list[tuple[bytes, Path]]) -> None:
+        """Give entries without passes rows those rows (only those: their entry rows,
+        RAM flags fixed above included, stay as they are), from their blob headers."""
         items = []
-        for record, path in entries:
+        for key, path in entries:
             try:
                 with open(path, "rb") as f:
                     _, meta = blobfmt.read_header_and_meta(f)
             except (OSError, blobfmt.BlobError):
                 continue  # left to verify and reads, which quarantine a bad blob
-            if keys.entry_key(meta.namespace, meta.tokens, self.config.block_size).key \
-                    == record.key:
-                items.append((record, keys.passes(meta.namespace, meta.tokens,
-                                                  self.config.block_size)))
-        if items:
-            self.index.publish_many(items)
+            if keys.entry_key(meta.namespace, meta.tokens, self.config.block_size).key == key:
+                items.append((key, keys.passes(meta.namespace, meta.tokens,
+                                               self.config.block_size)))
+        self.index.add_passes(items)
 
     def _ram_tier_files(self) -> list[Path]:
         """The RAM tier's blob and temp files. Anything else there is not ours to delete

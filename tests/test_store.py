@@ -304,39 +304,52 @@ def test_longest_common_prefix_probes_at_most_log_blocks_plus_one(
 
 def test_longest_common_prefix_with_more_entries_under_one_block_than_it_scans(
         make_store: Callable[..., Store]) -> None:
+    """Rows under one block hash past SCAN_LIMIT: entries that end within the next block
+    never crowd out one that goes through it, and an exact prefix is always found."""
     from kvcache.index import SCAN_LIMIT
 
     store = make_store()
     rng = random.Random(5)
-    system = [rng.randrange(50_000) for _ in range(40)]
-    # Many conversations over one system prompt, each going on past the next block.
+    system = [rng.randrange(50_000) for _ in range(BLOCK)]
+    # More than SCAN_LIMIT short entries ending within block 2, and one long entry.
     for i in range(SCAN_LIMIT + 8):
-        put(store, system + [800_000 + i] * 30, size=20)
-    # A query that continues the last conversation: found (among the rows past the scan
-    # limit at least the shared system prompt's blocks and what the scan saw).
-    last = system + [800_000 + SCAN_LIMIT + 7] * 30
-    found, shared = lcp(store, last[:60])
-    assert found == 70 and shared >= 48
-    put(store, system, size=20)
-    assert lcp(store, system + [5]) == (40, 40)  # an exact whole prefix is always found
+        put(store, system + [800_000 + i], size=20)
+    long = system + [rng.randrange(50_000) for _ in range(48)]
+    put(store, long, size=20)
+    assert lcp(store, long[:24] + [7]) == (64, 24)
+    # More than SCAN_LIMIT entries going through block 2 as well: the query continues
+    # one the scan may not reach, and still gets at least the shared block; an entry
+    # that is an exact prefix of the query is found wherever it sits.
+    for i in range(SCAN_LIMIT + 8):
+        put(store, system + [700_000 + i] * 20, size=20)
+    last = system + [700_000 + SCAN_LIMIT + 7] * 20
+    found, shared = lcp(store, last[:30])
+    assert found is not None and BLOCK <= shared <= 30
+    exact = system + [600_000] * 9
+    put(store, exact, size=20)
+    assert lcp(store, exact + [7]) == (25, 25)
 
 
-def test_an_index_of_the_previous_schema_gets_its_passes_rows_at_start_up(
+def test_an_entry_without_passes_rows_gets_them_at_start_up_and_keeps_its_row(
         make_store: Callable[..., Store]) -> None:
+    """An index of the previous schema, or a start-up killed while adding the rows."""
     store = make_store()
     prompt = list(range(500, 600))
     record = put(store, prompt[:90])
     store.set_pinned(record.key, True)
-    with store.index.env.begin(write=True) as txn:  # what version 1 wrote: no passes
+    ram_settled(store)
+    assert store.index.get(record.key).in_ram
+    with store.index.env.begin(write=True) as txn:  # what schema 1 wrote: no passes
         txn.drop(store.index._passes, delete=False)
         txn.drop(store.index._entry_passes, delete=False)
-        txn.put(b"schema", b"1", db=store.index._meta)
     assert lcp(store, prompt[:50]) == (None, 0)
     store.close()
+    os.unlink(store.ram_path(record.key))  # as after a reboot: the RAM copy is gone
     reopened = make_store()
     assert lcp(reopened, prompt[:50]) == (90, 50)
-    assert reopened.index.get(record.key).pinned
-    assert reopened.index.get_setting("schema") == "2"
+    row = reopened.index.get(record.key)
+    assert row.pinned and not row.in_ram  # the RAM fix made at start-up stands
+    assert reopened.stats()["ram_entries"] == 0
 
 
 # -- space ----------------------------------------------------------------------------------
