@@ -954,8 +954,9 @@ def prune(address: str | None, max_bytes: int | None, max_ram_bytes: int | None,
             else:
                 show_prune_plan(plan)
                 confirm("Go ahead?", yes)
-                # Only what was shown may go, whatever changed since.
-                criteria["keys"] = [e.key for e in (*plan.removed, *plan.ram_dropped_entries)]
+                # Only what was shown may go, as it was shown, whatever changed since.
+                criteria.update(confirmed_plan=True, keys=[e.key for e in plan.removed],
+                                ram_drop_keys=[e.key for e in plan.ram_dropped_entries])
         if r is None:
             with spinner("pruning", enabled=not as_json):
                 r = run(lambda: client.prune(**criteria, dry_run=dry_run))
@@ -1167,7 +1168,7 @@ _pin_command("unpin", "Make pinned entries evictable again (KEY: a full key or a
 @click.option("--remove-orphans", is_flag=True,
               help="Remove the tiers whose data directory is gone (only kvcache's own "
                    "files in them; a folder holding anything else is kept).")
-@click.option("--yes", is_flag=True, help="Do not ask before removing.")
+@yes_option
 @click.option("--json", "as_json", is_flag=True)
 def ram_tiers(parents: list[Path], remove_orphans: bool, yes: bool, as_json: bool) -> None:
     """List RAM-tier folders with their data directory, and remove orphaned ones.
@@ -1180,10 +1181,8 @@ def ram_tiers(parents: list[Path], remove_orphans: bool, yes: bool, as_json: boo
     removed: list[str] = []
     kept: dict[str, str] = {}
     if remove_orphans and orphans:
-        if not yes and sys.stdin.isatty() and not click.confirm(
-                f"Remove {len(orphans)} orphaned RAM tier(s), "
-                f"{human_bytes(sum(t.bytes for t in orphans))}?"):
-            raise click.ClickException("nothing removed")
+        confirm(f"Remove {len(orphans)} orphaned RAM tier(s), "
+                f"{human_bytes(sum(t.bytes for t in orphans))}?", yes)
         for tier in orphans:
             why = remove_orphan(Path(tier.path))
             if why is None:

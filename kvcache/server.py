@@ -153,6 +153,12 @@ def record_filter(model: str = "", tenant: str = "", reason: str = "", tier: int
     return match
 
 
+def within(keys_: frozenset[bytes], predicate: Callable[[Record], bool] | None
+           ) -> Callable[[Record], bool]:
+    """Only these keys (none when empty), and what ``predicate`` also accepts."""
+    return lambda r: r.key in keys_ and (predicate is None or predicate(r))
+
+
 def free_bytes(path: Path) -> int:
     """Free space for the daemon on the file system holding ``path`` (0 if unknown)."""
     try:
@@ -397,16 +403,23 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             if not (math.isfinite(value) and value >= 0):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"{name} must be a finite number >= 0, got {value}")
-        only_keys = frozenset(self._call(context, lambda: [check_key(k) for k in request.keys]))
-        predicate = record_filter(request.model, request.tenant, request.reason,
-                                  older_than=request.older_than_seconds,
-                                  unused_for=request.unused_for_seconds, now=time.time(),
-                                  only_keys=only_keys)
-        if predicate is None and not (request.max_disk_bytes or request.max_ram_bytes):
+        keys_of = lambda field: frozenset(  # noqa: E731
+            self._call(context, lambda: [check_key(k) for k in getattr(request, field)]))
+        filters = record_filter(request.model, request.tenant, request.reason,
+                                older_than=request.older_than_seconds,
+                                unused_for=request.unused_for_seconds, now=time.time(),
+                                only_keys=frozenset() if request.confirmed_plan
+                                else keys_of("keys"))
+        ram_filters = filters
+        if request.confirmed_plan:
+            filters, ram_filters = (within(keys_of("keys"), filters),
+                                    within(keys_of("ram_drop_keys"), filters))
+        if filters is None and not (request.max_disk_bytes or request.max_ram_bytes):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "prune needs a filter or a byte target (refusing to remove everything)")
-        result = self.store.prune(predicate, max_disk_bytes=request.max_disk_bytes,
-                                  max_ram_bytes=request.max_ram_bytes, dry_run=request.dry_run)
+        result = self.store.prune(filters, max_disk_bytes=request.max_disk_bytes,
+                                  max_ram_bytes=request.max_ram_bytes, dry_run=request.dry_run,
+                                  ram_predicate=ram_filters)
         return pb.PruneResponse(removed=[entry_message(r) for r in result.removed],
                                 bytes_freed=result.bytes_freed,
                                 skipped_pinned=result.skipped_pinned,

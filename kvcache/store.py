@@ -1006,8 +1006,8 @@ class Store:
                        last_used=max(record.last_used, usage[1]))
 
     def prune(self, predicate: Callable[[Record], bool] | None = None, *,
-              max_disk_bytes: int = 0, max_ram_bytes: int = 0,
-              dry_run: bool = False) -> PruneResult:
+              max_disk_bytes: int = 0, max_ram_bytes: int = 0, dry_run: bool = False,
+              ram_predicate: Callable[[Record], bool] | None = None) -> PruneResult:
         """Remove entries, or only their RAM copies, as an operator asked.
 
         ``predicate`` (the operator's filters) chooses the candidates, and every target
@@ -1016,6 +1016,7 @@ class Store:
         tier holds at most that; ``max_ram_bytes`` only drops candidates' RAM copies (the
         entries stay on disk) until the RAM tier holds at most that. Pinned entries and
         entries being read are never touched, and are counted as skipped.
+        ``ram_predicate``, when given, chooses the RAM-copy candidates instead.
         """
         with self._cond:
             busy = set(self._in_use)
@@ -1030,6 +1031,8 @@ class Store:
                 self._prune_entries(candidates, plan, max_disk_bytes, predicate is not None,
                                     dry_run)
             if max_ram_bytes:
+                if ram_predicate is not None:
+                    candidates = [r for r in ordered if ram_predicate(self._with_pending(r))]
                 self._prune_ram_copies(candidates, plan, max_ram_bytes, dry_run)
         return PruneResult(plan.removed, sum(r.size for r in plan.removed),
                            len(plan.pinned), len(plan.in_use), len(plan.ram_dropped),

@@ -205,6 +205,26 @@ def test_prune_filters_narrow_every_target(daemon_factory: DaemonFactory,
 # --------------------------------------------------------------------------- confirmation
 
 
+def test_a_confirmed_plan_removes_only_what_it_showed_for_removal(
+        daemon_factory: DaemonFactory) -> None:
+    """Entries shown only as "drop the RAM copy" are never removed, even when the disk
+    still exceeds the target once the shown removals are done."""
+    d = daemon_factory("--block-size", str(BLOCK))
+    with d.client() as c:
+        saved = [c.save(IDENT, t, payload_for(t, 3000), "cold").key
+                 for t in (toks(900 + i, 20) for i in range(3))]
+        wait_for(lambda: listed(c, tier="ram") == set(saved), "every entry placed in RAM")
+        r = c.prune(max_disk_bytes=1, max_ram_bytes=1, confirmed_plan=True,
+                    keys=[saved[0]], ram_drop_keys=[saved[1]])
+        assert [e.key for e in r.removed] == [saved[0]]
+        assert [e.key for e in r.ram_dropped_entries] == [saved[1]]
+        assert listed(c) == {saved[1], saved[2]}
+        assert listed(c, tier="ram") == {saved[2]}
+        # A confirmed plan with nothing to remove removes nothing.
+        r = c.prune(max_disk_bytes=1, confirmed_plan=True)
+        assert list(r.removed) == [] and listed(c) == {saved[1], saved[2]}
+
+
 def test_destructive_commands_ask_first_on_a_terminal_only(daemon_factory: DaemonFactory,
                                                            env: dict[str, str]) -> None:
     # No RAM tier: a RAM copy being made holds its entry like a read (and prune keeps it).
