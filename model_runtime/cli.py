@@ -291,8 +291,10 @@ def serve(socket_path: Path | None, listen: str | None, token_file: Path | None,
     runtime = build_runtime(model_path, cache_address, verbose, config)
     try:
         server = RuntimeServer(runtime, socket, listen, auth, insecure_tcp)
-    except ValueError as exc:
+    except ValueError as exc:  # the socket taken meanwhile, a TCP port in use, ...
         runtime.close()
+        if socket:
+            socket.remove()
         raise click.ClickException(str(exc)) from None
     if metrics_port is not None:
         port = runtime.metrics.serve(metrics_port)

@@ -1,15 +1,18 @@
 """The scheduler: one model thread owns the llama.cpp context and its sequences.
 
-A request's life (see DESIGN.md, "Runtime request lifecycle"):
+A request's life:
 
 1. admission (model thread): a free sequence, or its session's pinned one (busy ->
    ``sticky_busy``); with none free, the least recently used idle session is saved
    (``evict``) and released; otherwise the request waits for a sequence.
 2. cache resolution (a resolver thread, so cache I/O never stalls decoding):
-   ``parent_key``, then the session's in-flight save, then the longest-prefix lookup.
-   A live sequence that already holds a prefix of the prompt skips this (``sticky``).
-3. restore (set state, drop the last cell, re-decode that token: a restored sequence has
-   no logits) or cold prefill, in chunks, split at the ``cold`` save boundary.
+   ``parent_key``, then the session's in-flight save, then the longest-common-prefix
+   lookup. The session's own live sequence skips this (``sticky``); another idle
+   sequence's live KV serves when it covers at least as much as the daemon (``live``).
+3. restore (set state, cut it after the tokens it shares with the prompt and before the
+   prompt's last token, which is decoded again: a restored sequence has no logits), or
+   a live sequence cut in place, or cold prefill; prefill runs in chunks, split at the
+   ``cold`` save boundary.
 4. decode: every active sequence advances in one batched ``llama_decode`` per tick.
 5. completion: ``finish`` save, record with hit kind, cache delta and timings.
 
@@ -437,7 +440,12 @@ class Engine:
         return keep
 
     def _can_truncate(self, seq: Seq) -> bool:
-        return self.ctx.can_truncate_restored() or not seq.restored
+        """Whether the sequence may be cut: a plain-attention one always; a live
+        sliding-window one too (llama.cpp keeps its full-size SWA cache by default); a
+        restored SWA state or a recurrent/hybrid state never (llama.cpp would empty it,
+        or refuses a partial removal)."""
+        return self.ctx.can_truncate_restored() or not (seq.restored or
+                                                        self.model.is_recurrent)
 
     def _truncate(self, seq: Seq, n_keep: int) -> bool:
         if n_keep < len(seq.tokens) and not self.ctx.seq_truncate(seq.id, n_keep):
@@ -562,7 +570,9 @@ class Engine:
         if ok:
             seq.tokens = list(blob.meta.tokens)
             seq.restored = True
-            seq.saved_len = n
+            # The state of an entry of these tokens: its key is computed when needed (a
+            # live sequence's previous key no longer names it).
+            seq.saved_len, seq.saved_key = n, b""
             if keep < n and not self._truncate(seq, keep):
                 ok = False
         if ok:
@@ -583,9 +593,11 @@ class Engine:
         """Serve the prompt's first ``live_keep`` tokens from the sequence's own KV."""
         t0 = time.perf_counter()
         keep = req.live_keep
+        shared = min(common_prefix(seq.tokens, req.tokens), len(req.tokens))
         if self._truncate(seq, keep):
-            req.hit_kind = HIT_EXACT if keep == len(req.tokens) - 1 else HIT_PARTIAL
-            req.tokens_read = keep
+            # As for a restore: exact when it held the whole prompt.
+            req.hit_kind = HIT_EXACT if shared == len(req.tokens) else HIT_PARTIAL
+            req.tokens_read = shared
             req.tier = TIER_LIVE
             req.n_past = keep
             self.count("live_reuses")
@@ -834,7 +846,8 @@ class Engine:
             else:
                 self._fail(req, RuntimeError_("unavailable", "the runtime is shutting down"))
         if self.config.save_shutdown:
-            # Idle sessions; every other sequence's state was saved when its request ended.
+            # Idle sessions. (A free sequence's state was saved as `finish` when its
+            # request ended, unless finish saves are off or that save was dropped.)
             for seq in (s for s in self.seqs if s.session):
                 if time.monotonic() > deadline:
                     self.count("shutdown_saves_skipped")

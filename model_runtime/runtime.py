@@ -24,7 +24,15 @@ from kvcache.metrics import LatencySummary, LatencyWindows, Metrics
 
 from .config import RuntimeConfig, SettingError
 from .counters import COUNTERS
-from .engine import Completion, Engine, Request, RuntimeError_, TokenEvent, common_prefix
+from .engine import (
+    TIER_LIVE,
+    Completion,
+    Engine,
+    Request,
+    RuntimeError_,
+    TokenEvent,
+    common_prefix,
+)
 from .identity import runtime_identity
 from .llama_backend import ContextParams, LlamaContext, LlamaModel
 from .sampling import SamplingParams
@@ -288,7 +296,7 @@ def runtime_metrics(engine: Engine, windows: LatencyWindows | None = None) -> Me
         for name, hist in phases.items():
             hist.labels(c.cache_hit_kind).observe(c.timings[f"{name}_ms"] / 1000)
         windows.observe(f"ttft_{c.cache_hit_kind}", c.timings["ttft_ms"] / 1000)
-        if c.cache_tier:  # set only when a state was restored
+        if c.cache_tier and c.cache_tier != TIER_LIVE:  # a state restored from a tier
             restore_tier.labels(c.cache_tier).observe(c.timings["restore_ms"] / 1000)
             windows.observe(f"restore_{c.cache_tier}", c.timings["restore_ms"] / 1000)
 
