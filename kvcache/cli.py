@@ -85,7 +85,7 @@ def parse_duration(text: str) -> float:
         value = float(t.rstrip("smhdw"))
     except ValueError:
         raise click.BadParameter(f"not a duration: {text!r} (e.g. 90s, 15m, 2h, 7d)") from None
-    # A NaN or negative age matched every entry: `prune --older-than nan` removed them all.
+    # A NaN or negative age would match every entry (`prune --older-than nan`).
     if not math.isfinite(value) or value < 0:
         raise click.BadParameter(f"a duration is a finite number >= 0: {text!r}")
     return value * _SECONDS[unit]
@@ -826,6 +826,8 @@ def verify(address: str | None, key_texts: tuple[str, ...], check_only: bool,
     """Check blobs' checksums: every entry, or the KEYs given (full keys or unique
     prefixes). Bad ones are moved to quarantine unless --check-only. Exit 1 if any was
     bad."""
+    from .store import NO_SUCH_ENTRY
+
     bad: list[dict[str, Any]] = []
     checked = 0
     console = stderr_console()
@@ -841,16 +843,20 @@ def verify(address: str | None, key_texts: tuple[str, ...], check_only: bool,
                     checked += 1
                     progress.update(task, completed=result.done, total=result.total)
                     if not result.ok:
+                        found = result.error != NO_SUCH_ENTRY
                         bad.append({"key": result.key.hex(), "error": result.error,
-                                    "quarantined": not check_only})
+                                    "quarantined": found and not check_only})
 
             run(go)
     if as_json:
         click.echo(json.dumps({"checked": checked, "bad": bad}, indent=2))
     else:
-        fate = "left in place: --check-only" if check_only else "quarantined"
         for b in bad:
-            click.echo(f"BAD {b['key']}: {b['error']} ({fate})")
+            if b["error"] == NO_SUCH_ENTRY:
+                click.echo(f"NOT FOUND {b['key']}: {b['error']}")
+            else:
+                fate = "quarantined" if b["quarantined"] else "left in place: --check-only"
+                click.echo(f"BAD {b['key']}: {b['error']} ({fate})")
         click.echo(f"{checked} checked, {len(bad)} bad")
     sys.exit(1 if bad else 0)
 
@@ -1009,8 +1015,8 @@ def warm_config(**settings: Any) -> Any:
 def check_model(model_path: str | None, n_ctx: int | None) -> tuple[str, int, int]:
     """The model file to warm with (one llama.cpp loads), the context size and the
     model's training context: --n-ctx must lie within the latter, and defaults to it up to
-    DEFAULT_N_CTX. (llama.cpp allocates the whole context up front: a huge --n-ctx got the
-    process killed for memory instead of an answer.)"""
+    DEFAULT_N_CTX. (llama.cpp allocates the whole context up front: a --n-ctx beyond the
+    model's would be paid for in memory before any answer.)"""
     from model_runtime.llama_backend import LlamaError, LlamaModel
     from model_runtime.runtime import default_model_path
 

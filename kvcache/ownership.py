@@ -24,6 +24,7 @@ DATA_DIR_NAMES = frozenset({"index", "blobs", "tmp", "quarantine", "daemon.lock"
 # Blob files (<key>.kvc) and temp files (<key or lease id>.part): 16 bytes in hex. Only
 # names of this shape are ever swept.
 _OWN_FILE = re.compile(r"[0-9a-f]{32}\.(kvc|part)")
+_MARKER_TMP = re.compile(re.escape(DATA_MARKER) + r"\.[0-9]+\.tmp")
 
 
 class NotOwned(ValueError):
@@ -63,12 +64,15 @@ def claim_data_dir(root: Path) -> None:
         root.mkdir(mode=0o700, parents=True)
     elif not root.is_dir():
         raise NotOwned(f"{root} is not a directory: choose a new or empty directory for --dir")
-    elif not (root / DATA_MARKER).is_file():
-        names = set(os.listdir(root))
+    elif read_marker(root / DATA_MARKER) is None:
+        # Not ours by its marker (none, or a file of that name kvcache did not write):
+        # ours only if it holds nothing but kvcache's names (a marker write cut short
+        # leaves its temp file).
+        names = {n for n in os.listdir(root) if not _MARKER_TMP.fullmatch(n)}
         if not (names <= DATA_DIR_NAMES or _is_earlier_data_dir(root, names)):
             raise NotOwned(f"{root} is not empty and is not a kvcache data directory (no "
                            f"{DATA_MARKER} marker): choose a new or empty directory")
-    if not (root / DATA_MARKER).is_file():
+    if read_marker(root / DATA_MARKER) is None:
         write_marker(root / DATA_MARKER, {
             "what": "kvcache data directory: the prompt-state cache's index and blobs. "
                     "Remove it only when no kvcache daemon uses it."})

@@ -64,6 +64,8 @@ GiB = 1 << 30
 BLOB_SUFFIX = ".kvc"
 TMP_SUFFIX = ".part"
 TIER_RAM = "ram"
+# Verify's answer for a key with no entry (nothing was checked, nothing moved).
+NO_SUCH_ENTRY = "no such entry"
 TIER_DISK = "disk"
 
 
@@ -934,7 +936,7 @@ class Store:
                     # Evicted or deleted since the listing: gone, not bad. Reported, it
                     # failed `kvcache verify` on any cache busy enough to evict.
                     continue
-                yield key, "no such entry", i, len(todo)
+                yield key, NO_SUCH_ENTRY, i, len(todo)
                 continue
             yield key, self.check_entry(key, quarantine=not check_only), i, len(todo)
 
@@ -1022,8 +1024,8 @@ class Store:
             busy = set(self._in_use)
             ordered = eviction_order(self.index.records(),
                                      {k: v[1] for k, v in self._pending_use.items()})
-            # With the reads not yet flushed to the index (once a second): judged on the
-            # index alone, `--unused-for` removed an entry that was just read.
+            # Judged with the reads not yet flushed to the index (once a second), so
+            # `--unused-for` spares an entry that was just read.
             candidates = [r for r in ordered
                           if predicate is None or predicate(self._with_pending(r))]
             plan = _PrunePlan(busy)

@@ -521,6 +521,11 @@ def test_verify_can_check_without_moving_anything_and_take_keys(
         assert quarantined.returncode == 1
         assert json.loads(quarantined.stdout)["bad"][0]["quarantined"] is True
         assert listed(c) == {good} and len(os.listdir(d.data_dir / "quarantine")) == 1
+        # A full key of no entry: named as not found, nothing quarantined.
+        gone = cli(env, "verify", bad.hex(), *a)
+        assert gone.returncode == 1
+        assert f"NOT FOUND {bad.hex()}: no such entry" in gone.stdout
+        assert "quarantined" not in gone.stdout
 
 
 # --------------------------------------------------------------------------- messages

@@ -190,6 +190,23 @@ def test_a_foreign_non_empty_dir_is_refused_untouched(tmp_path: Path) -> None:
     assert not (tmp_path / "ram").exists()
 
 
+def test_a_file_named_like_the_marker_does_not_make_a_folder_ours(tmp_path: Path) -> None:
+    from kvcache.ownership import NotOwned, claim_data_dir
+
+    folder = foreign_folder(tmp_path / "notes")
+    (folder / DATA_MARKER).write_text("someone else's file\n")
+    before = snapshot(folder)
+    with pytest.raises(NotOwned, match="is not a kvcache data directory"):
+        claim_data_dir(folder)
+    assert snapshot(folder) == before
+    # A marker write cut short in a folder kvcache made leaves only its temp file: ours.
+    made = tmp_path / "made"
+    made.mkdir()
+    (made / f"{DATA_MARKER}.123.tmp").write_text("{")
+    claim_data_dir(made)
+    assert (made / DATA_MARKER).is_file()
+
+
 def test_an_existing_empty_dir_is_used_without_changing_its_mode(
         tmp_path: Path, daemons: Callable[..., DaemonProcess]) -> None:
     data = tmp_path / "data"
