@@ -277,11 +277,20 @@ def emit_json(doc: dict[str, Any], out: Path | None) -> None:
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: the daemon gets SIGTERM if the benchmark dies without cleaning up. libc is
-    loaded in the parent beforehand: no dlopen (and its lock) between fork and exec."""
-    if _libc is not None:
-        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` (Linux): the child gets SIGTERM if the benchmark dies without
+    stopping it. libc and its prctl are looked up here, in the parent: between fork and
+    exec the child makes one plain call (no dlopen or symbol lookup, whose locks another
+    thread of the parent may hold)."""
+    try:
+        prctl = _load_libc().prctl
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:  # pragma: no cover - runs in the child between fork and exec
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return preexec
 
 
 class Daemon:
@@ -322,13 +331,12 @@ class Daemon:
             raise RuntimeError(f"{self.name} is already running")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p))
-        with contextlib.suppress(OSError, AttributeError):
-            _load_libc()
+        preexec = die_with_parent()
         with open(self.log_path, "ab") as log_file:
             t0 = time.perf_counter()
             self.proc = subprocess.Popen(self.argv(), stdout=log_file, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, cwd=REPO_ROOT, env=env,
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=preexec)
         self._wait_ready(t0 + timeout)
         return time.perf_counter() - t0
 

@@ -18,13 +18,10 @@ Standard library only (``http.client``): the benchmark must not depend on an HTT
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import http.client
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import time
@@ -32,6 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from benchlib import die_with_parent
 
 SDIST_VERSION = "0.3.36"
 # The build script's output (tools/build_llama_server.sh, LLAMA_SERVER_DIR overrides the root).
@@ -41,7 +40,6 @@ DEFAULT_BINARY = (BUILD_ROOT / f"llama_cpp_python-{SDIST_VERSION}" / "vendor" / 
                   / "build" / "bin" / "llama-server")
 # Trace-level log line written after every update of the RAM prompt cache.
 _CACHE_STATE = re.compile(r"cache state: (\d+) prompts, ([0-9.]+) MiB")
-_PR_SET_PDEATHSIG = 1
 
 
 class LlamaServerError(RuntimeError):
@@ -71,22 +69,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-_libc: ctypes.CDLL | None = None
-
-
-def _load_libc() -> None:
-    """Loaded before fork: the child must not dlopen between fork and exec."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: the server gets SIGTERM if the benchmark dies without stopping it."""
-    if _libc is not None:
-        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class LlamaServer:
@@ -126,13 +108,12 @@ class LlamaServer:
         if not self.binary.is_file():
             raise LlamaServerError(f"llama-server binary not found: {self.binary}")
         self.port = free_port()
-        with contextlib.suppress(OSError):
-            _load_libc()
+        preexec = die_with_parent()
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             t0 = time.perf_counter()
             self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                         stdin=subprocess.DEVNULL, preexec_fn=preexec)
         try:
             self._wait_healthy(t0 + timeout)
         except BaseException:
