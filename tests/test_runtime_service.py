@@ -57,6 +57,14 @@ class RuntimeProcess:
         return f"unix:{self.socket}"
 
     def start(self, timeout: float = 60.0) -> RuntimeProcess:
+        """Start and wait until it serves; on failure nothing of it is left running."""
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, timeout: float) -> RuntimeProcess:
         self.proc.start()
         deadline = time.monotonic() + timeout
         with grpc.insecure_channel(self.address) as channel:
