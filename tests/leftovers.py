@@ -1,8 +1,9 @@
 """The suite leaves nothing behind: a session-wide check, hooked in by conftest.py.
 
-At the start it notes the RAM-tier folders in /dev/shm and this process's descendants; at
-the end a folder that appeared meanwhile and is still there (and no live daemon holds),
-or a process the suite started that is still alive, fails the run and is named. A RAM
+At the start it notes the RAM-tier folders in /dev/shm, the short-lived socket folders the
+tests make in /tmp, and this process's descendants; at the end a folder that appeared
+meanwhile and is still there (and no live daemon holds), or a process the suite started
+that is still alive, fails the run and is named. A RAM
 tier outlives its daemon on purpose, so only the code that made one removes it.
 """
 
@@ -19,15 +20,27 @@ from kvcache.ramtier import TIER_PREFIX, lock_is_held
 SHM = Path("/dev/shm")
 # The RAM-tier folders kvcache makes, and the per-run folders the tools make for them.
 SHM_PREFIXES = (TIER_PREFIX, "kvcrash-", "kvbench-", "kvbc-")
-_BEFORE = pytest.StashKey[tuple[set[str], set[int]]]()
+# Folders the tests make in /tmp for unix sockets (paths must be short): daemon_proc's
+# kvt*, the runtime tests' rtt*, rtc* and rts*.
+TMP = Path("/tmp")
+TMP_PREFIXES = ("kvt", "rtt", "rtc", "rts")
+_BEFORE = pytest.StashKey[tuple[set[str], set[str], set[int]]]()
 
 
 def shm_folders() -> set[str]:
+    return _folders(SHM, SHM_PREFIXES)
+
+
+def tmp_folders() -> set[str]:
+    return _folders(TMP, TMP_PREFIXES)
+
+
+def _folders(parent: Path, prefixes: tuple[str, ...]) -> set[str]:
     try:
-        names = os.listdir(SHM)
+        names = os.listdir(parent)
     except OSError:
         return set()
-    return {str(SHM / n) for n in names if n.startswith(SHM_PREFIXES)}
+    return {str(parent / n) for n in names if n.startswith(prefixes)}
 
 
 def _held(folder: str) -> bool:
@@ -82,14 +95,15 @@ def command_line(pid: int) -> str:
 
 
 def record(session: pytest.Session) -> None:
-    session.config.stash[_BEFORE] = (shm_folders(), descendants(os.getpid()))
+    session.config.stash[_BEFORE] = (shm_folders(), tmp_folders(), descendants(os.getpid()))
 
 
 def left_behind(session: pytest.Session) -> list[str]:
     """What the run left: one line per folder or process."""
-    folders_before, procs_before = session.config.stash[_BEFORE]
+    shm_before, tmp_before, procs_before = session.config.stash[_BEFORE]
     lines = [f"RAM-tier folder left in /dev/shm: {f}"
-             for f in sorted(shm_folders() - folders_before) if not _held(f)]
+             for f in sorted(shm_folders() - shm_before) if not _held(f)]
+    lines += [f"socket folder left in /tmp: {f}" for f in sorted(tmp_folders() - tmp_before)]
     lines += [f"process still running: pid {pid}: {command_line(pid)}"
               for pid in sorted(descendants(os.getpid()) - procs_before)]
     return lines

@@ -310,4 +310,4 @@ def test_runtime_tcp_port_and_cache_connection_use_tokens(
             seen = local.stats().counters
             assert seen["lookups"] >= 1 and seen["saves_committed"] >= 1, seen
     finally:
-        rt.proc.stop()
+        rt.close()
