@@ -167,12 +167,23 @@ class Store:
         for d in (self.blob_dir, self.tmp_dir, self.quarantine_dir):
             d.mkdir(mode=0o700, exist_ok=True)
         self._lock_file = self._lock_data_dir()
+        ram_lock, index = -1, None
         try:
-            self._ram_lock = ramtier.claim_tier(self.ram_dir, self.root)
+            ram_lock = ramtier.claim_tier(self.ram_dir, self.root)
+            index = Index(self.root / "index")
+            self._ram_lock, self.index = ram_lock, index
+            self._start()
         except BaseException:
+            # Nothing stays held by a store that did not start: a later attempt in this
+            # process must not be told the directory or its RAM tier is in use.
+            if index is not None:
+                index.close()
+            if ram_lock >= 0:
+                os.close(ram_lock)
             self._lock_file.close()
             raise
-        self.index = Index(self.root / "index")
+
+    def _start(self) -> None:
         self.counters: Counter[str] = Counter()
         self.started = time.time()
         self._cond = threading.Condition(threading.RLock())

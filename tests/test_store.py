@@ -601,6 +601,22 @@ def test_one_store_per_data_directory(make_store: Callable[..., Store], tmp_path
     again.close()
 
 
+def test_a_store_that_fails_to_start_holds_nothing(tmp_path: Path) -> None:
+    config = StoreConfig(root=tmp_path / "data", ram_dir=tmp_path / "ram", min_free_bytes=0)
+    Store(config).close()
+    index = tmp_path / "data" / "index"
+    moved = index.rename(tmp_path / "index-aside")
+    index.write_text("not an LMDB directory")
+    with pytest.raises(Exception) as failed:  # LMDB's own error
+        Store(config)
+    assert not isinstance(failed.value, DirectoryInUse)
+    index.unlink()
+    moved.rename(index)
+    # The failed attempt (its traceback still alive here) released the directory and
+    # its RAM tier.
+    Store(config).close()
+
+
 def test_inspect_for_another_tenant_is_not_found_even_when_unreadable(
         make_store: Callable[..., Store]) -> None:
     store = make_store()
