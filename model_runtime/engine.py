@@ -489,7 +489,8 @@ class Engine:
         if req.parent_key:
             candidates.append(("parent", req.parent_key))
         last = self.session_last_key.get(req.session_id) if req.session_id else None
-        if last and last[1] <= limit:
+        # (Not worth loading when a live sequence already serves as much: see _start.)
+        if last and last[1] <= limit and min(last[1], len(tokens) - 1) > req.live_keep:
             candidates.append(("session", last[0]))
         for source, key in candidates:
             event = self.saver.in_flight(key)
