@@ -983,20 +983,18 @@ _WARM_OPTIONS = {"n_ctx": "--n-ctx", "n_threads": "--threads", "type_k": "--type
                  "type_v": "--type-v", "flash_attn": "--flash-attn", "tenant": "--tenant"}
 
 
-def read_system_prompt(path: str) -> str:
+def read_text(path: str, option: str) -> str:
+    """A UTF-8 text file ('-': standard input), or a usage error naming the option."""
     try:
-        raw = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
     except OSError as exc:
         raise click.BadParameter(f"cannot read {path}: {exc.strerror or exc}",
-                                 param_hint="--system-file") from None
+                                 param_hint=f"'{option}'") from None
     try:
-        text = raw.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise click.BadParameter(f"{path} is not UTF-8 text (byte {exc.start} is "
-                                 f"0x{raw[exc.start]:02x})", param_hint="--system-file") from None
-    if not text.strip():
-        raise click.BadParameter(f"{path} is empty", param_hint="--system-file")
-    return text
+        raise click.BadParameter(f"{path} is not UTF-8 text (byte 0x{data[exc.start]:02x} "
+                                 f"at offset {exc.start})", param_hint=f"'{option}'") from None
 
 
 def warm_config(**settings: Any) -> Any:
@@ -1085,7 +1083,9 @@ def warm(address: str | None, model_path: str | None, system_file: str, pin: boo
          as_json: bool) -> None:
     """Prefill a system prompt with the runtime's own code and save it, so the first
     real request is already warm. The KV settings must match the serving runtimes'."""
-    system = read_system_prompt(system_file)
+    system = read_text(system_file, "--system-file")
+    if not system.strip():
+        raise click.BadParameter(f"{system_file} is empty", param_hint="'--system-file'")
     settings = dict(n_seq_max=1, n_threads=threads, tenant=tenant, type_k=type_k,
                     type_v=type_v, flash_attn=flash_attn, save_finish=False, min_save_tokens=1)
     warm_config(n_ctx=n_ctx or DEFAULT_N_CTX, **settings)  # bad settings: before any loading

@@ -14,7 +14,7 @@ import grpc
 from click.core import ParameterSource
 
 from kvcache.auth import AuthConfigError, ClientAuth
-from kvcache.cli import server_auth, tcp_listen_options
+from kvcache.cli import read_text, server_auth, tcp_listen_options
 from kvcache.config import default_address, default_dir
 from kvcache.unix_socket import OwnedSocket
 
@@ -174,20 +174,6 @@ def served_error(address: str, exc: grpc.RpcError) -> click.ClickException:
 
 
 # --------------------------------------------------------------------------- input
-
-
-def read_text(path: str, option: str) -> str:
-    """A UTF-8 text file ('-': standard input), or a usage error naming the option."""
-    try:
-        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
-    except OSError as exc:
-        raise click.BadParameter(f"cannot read {path}: {exc.strerror}",
-                                 param_hint=f"'{option}'") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise click.BadParameter(f"{path} is not UTF-8 text (byte 0x{data[exc.start]:02x} "
-                                 f"at offset {exc.start})", param_hint=f"'{option}'") from None
 
 
 def checked_text(text: str, option: str) -> str:

@@ -610,7 +610,7 @@ def test_warm_refuses_bad_input_in_one_line(daemon: DaemonProcess, env: dict[str
     model = ("--model", str(tiny_model))
     warm = ("warm", *a, "--threads", "1")
     cases = {
-        ("--system-file", str(latin1), *model): ("--system-file", "not UTF-8", "byte 5"),
+        ("--system-file", str(latin1), *model): ("--system-file", "not UTF-8", "0xea at offset 5"),
         ("--system-file", str(long_prompt), *model, "--n-ctx", "256"):
             ("--n-ctx", "the system prompt is", "tokens", "--n-ctx 256"),
         ("--system-file", str(huge_prompt), *model):
