@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvcache import keys
-from kvcache.client import CacheClient, CacheUnavailable
+from kvcache.client import CacheClient
 from kvcache.metrics import LatencySummary, LatencyWindows, Metrics
 
 from .config import RuntimeConfig, SettingError
@@ -251,13 +251,8 @@ class Runtime:
         return self.latency_windows.summaries()
 
     def cache_reachable(self) -> bool:
-        if self.cache is None:
-            return False
-        try:
-            self.cache.stats()
-            return True
-        except CacheUnavailable:
-            return False
+        """Whether the cache daemon answers now (the monitor's probe, asked once more)."""
+        return self.cache_monitor is not None and self.cache_monitor.probe()
 
     def close(self) -> None:
         """Save every live sequence (``shutdown``) within the deadline, then unload."""
