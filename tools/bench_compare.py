@@ -1090,11 +1090,7 @@ class ColdArm(SideArm):
         self.runtime: Runtime | None = None
 
     def start(self) -> None:
-        config = RuntimeConfig(n_ctx=self.settings.n_ctx, n_threads=self.settings.threads,
-                               reuse_live=False)
-        self.runtime = Runtime(self.model_path, cache_address=None, config=config)
-        self.runtime.complete(tokens=self.runtime.tokenize("Hello"), max_tokens=1,
-                              timeout=REQUEST_TIMEOUT_S)
+        self.runtime = new_runtime(self.model_path, self.settings, None, reuse_live=False)
 
     def close(self) -> None:
         if self.runtime is not None:
