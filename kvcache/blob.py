@@ -19,7 +19,10 @@ Layout (all integers little-endian)::
 
 The metadata holds namespace, model fingerprint and name, KV layout, token ids, save
 reason, created time, producer version and tenant id: the index can be rebuilt from blob
-files alone. Hit counts and last-use times are never written here (they live in the
+files alone. A *piece* (an entry stored as the cells beyond another entry's) also names
+that ``parent`` entry and ``base``, the tokens it takes from the parent's chain: its
+payload holds only what follows them. ``cell_layout`` is the producer's own description
+of such a payload (opaque here: the daemon never reads payloads). Hit counts and last-use times are never written here (they live in the
 index), so a published blob never changes.
 """
 
@@ -36,7 +39,7 @@ import xxhash
 import zstandard
 
 from . import __version__
-from .keys import bytes_to_tokens, tokens_to_bytes
+from .keys import KEY_BYTES, bytes_to_tokens, tokens_to_bytes
 
 MAGIC = b"KVCB"
 FORMAT_VERSION = 1
@@ -84,6 +87,17 @@ class BlobMeta:
     tenant_id: str = ""
     created: float = field(default_factory=time.time)
     producer: str = f"kvcache/{__version__}"
+    parent: bytes = b""  # the entry this one's first ``base`` tokens come from (b"": none)
+    base: int = 0
+    cell_layout: bytes = b""  # producer-defined (a run of cells' layout); b"": whole state
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        if self.parent and (len(self.parent) != KEY_BYTES or not 0 < self.base < n):
+            raise BlobError(f"bad piece metadata: parent of {len(self.parent)} bytes, "
+                            f"base {self.base} for {n} tokens")
+        if not self.parent and self.base:
+            raise BlobError(f"bad piece metadata: base {self.base} without a parent")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -96,6 +110,10 @@ class BlobMeta:
             "tenant_id": self.tenant_id,
             "created": self.created,
             "producer": self.producer,
+            # Written only when set: a whole-state blob stays byte-identical to what the
+            # previous version wrote (and readable by it).
+            **({"parent": self.parent, "base": self.base} if self.parent else {}),
+            **({"cell_layout": self.cell_layout} if self.cell_layout else {}),
         }
 
     @classmethod
@@ -104,6 +122,9 @@ class BlobMeta:
         # or tokens is 2**40 made every reader allocate a terabyte (or die on OverflowError).
         for name in ("namespace", "tokens"):
             if not isinstance(d.get(name), bytes):
+                raise BlobError(f"bad blob metadata: {name} is not a byte string")
+        for name in ("parent", "cell_layout"):
+            if not isinstance(d.get(name, b""), bytes):
                 raise BlobError(f"bad blob metadata: {name} is not a byte string")
         try:
             return cls(
@@ -116,9 +137,20 @@ class BlobMeta:
                 tenant_id=str(d.get("tenant_id", "")),
                 created=float(d["created"]),
                 producer=str(d.get("producer", "")),
+                parent=bytes(d.get("parent", b"")),
+                base=_as_int(d.get("base", 0)),
+                cell_layout=bytes(d.get("cell_layout", b"")),
             )
+        except BlobError:
+            raise
         except (KeyError, TypeError, ValueError) as exc:
             raise BlobError(f"bad blob metadata: {exc!r}") from None
+
+
+def _as_int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BlobError(f"bad blob metadata: {value!r} is not an integer")
+    return value
 
 
 def encode_payload(payload: bytes | memoryview, codec: str, level: int = 1) -> bytes | memoryview:

@@ -303,7 +303,8 @@ def entry_line(e: pb.Entry) -> str:
     return (f"{e.key.hex()}  {e.n_tokens} tokens  {human_bytes(e.size)}  {e.reason}  "
             f"{e.model_name or e.model_fingerprint}"
             + (f"  tenant {e.tenant_id}" if e.tenant_id else "")
-            + ("  pinned" if e.pinned else ""))
+            + ("  pinned" if e.pinned else "")
+            + (f"  {e.children} built on it" if e.children else ""))
 
 
 def entry_dict(e: pb.Entry, now: float) -> dict[str, Any]:
@@ -313,6 +314,10 @@ def entry_dict(e: pb.Entry, now: float) -> dict[str, Any]:
         "tiers": [TIER_NAMES[t] for t in e.tiers], "reason": e.reason, "codec": e.codec,
         "created": e.created, "age_seconds": round(now - e.created, 3),
         "last_used": e.last_used, "hits": e.hits, "pinned": e.pinned,
+        # A piece: its first `base` tokens are the chain of `parent`; `bytes` are its own,
+        # `shared_bytes` (estimated) what it uses of that chain.
+        "parent": e.parent.hex(), "base": e.base,
+        "shared_bytes": max(0, e.logical_size - e.size), "children": e.children,
     }
 
 
@@ -445,7 +450,7 @@ def stats_data(s: pb.StatsResponse) -> dict[str, Any]:
     return {
         "version": s.version, "uptime_seconds": round(s.uptime_seconds, 3),
         "block_size": s.block_size, "in_flight": s.in_flight, "read_pins": s.read_pins,
-        "min_free_bytes": s.min_free_bytes,
+        "min_free_bytes": s.min_free_bytes, "logical_bytes": s.logical_bytes,
         "tiers": {TIER_NAMES[t.tier]: {"entries": t.entries, "bytes": t.bytes,
                                        "budget_bytes": t.budget_bytes,
                                        "reserved_bytes": t.reserved_bytes,
@@ -521,6 +526,10 @@ def print_stats_summary(d: dict[str, Any]) -> None:
     if disk:
         rows += disk_space_facts(disk, d["min_free_bytes"])
         rows.append(("data directory", disk["directory"]))
+    if disk and d["logical_bytes"]:
+        ratio = d["logical_bytes"] / disk["bytes"] if disk["bytes"] else 1.0
+        rows.append(("shared prefixes", f"{human_bytes(d['logical_bytes'])} of states stored "
+                                        f"in {human_bytes(disk['bytes'])} ({ratio:.1f}x)"))
     if ram:
         rows.append(("RAM tier", f"{ram['directory']} ({human_bytes(ram['free_bytes'])} free "
                                  "there)"))
@@ -601,9 +610,9 @@ MODEL_HELP = ("The model's file name or its beginning, or the first (4 or more) 
               "of its fingerprint.")
 # ls columns, most useful first: on a terminal too narrow for all, the last ones are left
 # out (a pipe or a file always gets every column). The key is never cut.
-_LS_PRIORITY = ("KEY", "TOKENS", "SIZE", "TIERS", "REASON", "USED", "MODEL", "TENANT",
-                "HITS", "PINNED", "AGE")
-_LS_RIGHT = ("TOKENS", "SIZE", "HITS")
+_LS_PRIORITY = ("KEY", "TOKENS", "SIZE", "SHARED", "TIERS", "REASON", "USED", "MODEL",
+                "TENANT", "HITS", "PINNED", "AGE")
+_LS_RIGHT = ("TOKENS", "SIZE", "SHARED", "HITS")
 
 
 def ls_row(r: dict[str, Any], now: float) -> dict[str, str]:
@@ -611,6 +620,7 @@ def ls_row(r: dict[str, Any], now: float) -> dict[str, str]:
         "KEY": r["key"], "MODEL": r["model"] or r["model_fingerprint"],
         "TENANT": r["tenant_id"] or "-", "TOKENS": human_count(r["tokens"]),
         "SIZE": human_bytes(r["bytes"]), "TIERS": ", ".join(r["tiers"]),
+        "SHARED": human_bytes(r["shared_bytes"]) if r["shared_bytes"] else "-",
         "REASON": r["reason"], "AGE": human_age(r["age_seconds"]),
         "USED": f"{human_age(max(0.0, now - r['last_used']))} ago" if r["last_used"] else "never",
         "HITS": human_count(r["hits"]), "PINNED": "yes" if r["pinned"] else "",
@@ -674,8 +684,9 @@ def ls(address: str | None, model: str, tenant: str, reason: str, tier: str, min
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    headers = ["KEY", "MODEL", "TENANT", "TOKENS", "SIZE", "TIERS", "REASON", "AGE", "USED",
-               "HITS", "PINNED"]
+    # SIZE: the entry's own bytes; SHARED: what it uses of the entries it is built on.
+    headers = ["KEY", "MODEL", "TENANT", "TOKENS", "SIZE", "SHARED", "TIERS", "REASON", "AGE",
+               "USED", "HITS", "PINNED"]
     if not any(r["tenant_id"] for r in rows):
         headers.remove("TENANT")
     hidden = print_columns(headers, [ls_row(r, now) for r in rows], priority=_LS_PRIORITY,
@@ -732,6 +743,7 @@ def inspect_lines(data: dict[str, Any], now: float, every_token: list[int] | Non
         ("payload", f"{human_bytes(data['payload_bytes'])} stored, "
                     f"{human_bytes(data['raw_payload_bytes'])} raw, codec {data['codec']}"),
         ("tiers", ", ".join(data["tiers"])),
+        ("made of", made_of(data)),
         ("reason", data["reason"]),
         ("created", local_time(data["created"], now)),
         ("last used", local_time(data["last_used"], now)),
@@ -754,6 +766,18 @@ def inspect_lines(data: dict[str, Any], now: float, every_token: list[int] | Non
         lines += [("first text", json.dumps(data["first_text"], ensure_ascii=False)),
                   ("last text", json.dumps(data["last_text"], ensure_ascii=False))]
     return lines
+
+
+def made_of(data: dict[str, Any]) -> str:
+    """What an entry's state is stored as: one blob, or the chain of pieces it joins."""
+    chain = data["chain"]
+    built_on = (f"; {data['children']} entr{'y is' if data['children'] == 1 else 'ies are'} "
+                "built on it" if data["children"] else "")
+    if len(chain) <= 1:
+        return f"its own blob (tokens 0-{data['tokens']}){built_on}"
+    parts = ", ".join(f"{p['key'][:12]} (tokens {p['base']}-{p['end']})" for p in chain)
+    return (f"{len(chain)} pieces: {parts}; its own holds tokens {data['base']}-"
+            f"{data['tokens']}, {human_bytes(data['shared_bytes'])} shared{built_on}")
 
 
 def echo_fields(lines: list[tuple[str, str]], align: str = "right") -> None:
@@ -791,6 +815,12 @@ def inspect(address: str | None, key: str, model_path: str | None, tenant: str,
     data.update(kv_layout=dict(d.kv_layout), format_version=d.format_version,
                 producer=d.producer, payload_bytes=d.payload_size,
                 raw_payload_bytes=d.raw_payload_size, path=d.path,
+                # Each piece holds the cells of tokens [base, end): up to where the next
+                # one takes over (the entry's own, to its end).
+                chain=[{"key": p.key.hex(), "base": p.base,
+                        "end": d.chain[i + 1].base if i + 1 < len(d.chain) else p.n_tokens,
+                        "bytes": p.size, "tier": TIER_NAMES[p.tier]}
+                       for i, p in enumerate(d.chain)],
                 first_tokens=tokens[:shown], last_tokens=tokens[len(tokens) - shown:])
     texts: dict[str, str] = {}
     if model_path:
@@ -874,7 +904,8 @@ def asks_first(yes: bool) -> bool:
 def prune_data(r: pb.PruneResponse, dry_run: bool, now: float) -> dict[str, Any]:
     return {"dry_run": dry_run, "removed": [entry_dict(e, now) for e in r.removed],
             "bytes_freed": r.bytes_freed, "skipped_pinned": r.skipped_pinned,
-            "skipped_in_use": r.skipped_in_use, "ram_dropped": r.ram_dropped,
+            "skipped_in_use": r.skipped_in_use, "skipped_shared": r.skipped_shared,
+            "ram_dropped": r.ram_dropped,
             "ram_bytes_freed": r.ram_bytes_freed,
             "ram_dropped_keys": [e.key.hex() for e in r.ram_dropped_entries]}
 
@@ -900,7 +931,15 @@ def show_prune_plan(plan: pb.PruneResponse) -> None:
     if len(lines) > _PREVIEW_ROWS:
         click.echo(f"  ... and {len(lines) - _PREVIEW_ROWS} more (--dry-run lists them all)",
                    err=True)
-    click.echo(f"kept: {plan.skipped_pinned} pinned, {plan.skipped_in_use} in use", err=True)
+    click.echo(f"kept: {kept_text(plan)}", err=True)
+
+
+def kept_text(r: pb.PruneResponse) -> str:
+    text = f"{r.skipped_pinned} pinned, {r.skipped_in_use} in use"
+    if r.skipped_shared:
+        text += (f", {r.skipped_shared} that other entries are built on (they go once "
+                 "those do)")
+    return text
 
 
 def print_prune(r: pb.PruneResponse, dry_run: bool, ram_target: bool) -> None:
@@ -910,7 +949,7 @@ def print_prune(r: pb.PruneResponse, dry_run: bool, ram_target: bool) -> None:
     for e in r.ram_dropped_entries:
         click.echo(f"{drop} the RAM copy of {e.key.hex()}")
     click.echo(f"{verb} {entries_text(len(r.removed))}, {human_bytes(r.bytes_freed)}; kept "
-               f"{r.skipped_pinned} pinned and {r.skipped_in_use} in use")
+               f"{kept_text(r)}")
     if ram_target:
         click.echo(f"{drop} {r.ram_dropped} RAM copies, {human_bytes(r.ram_bytes_freed)} "
                    "(their entries stay on disk)")
@@ -1134,8 +1173,10 @@ KEYS_ARGUMENT = click.argument("key_texts", metavar="KEY...", nargs=-1, required
 @KEYS_ARGUMENT
 @yes_option
 def evict(address: str | None, key_texts: tuple[str, ...], yes: bool) -> None:
-    """Remove entries (KEY: a full key or a unique prefix); refused for one that is pinned
-    or being read. On a terminal it shows them and asks first (--yes: don't ask)."""
+    """Remove entries (KEY: a full key or a unique prefix), each with the entries built on
+    it (they cannot be restored without it); refused for one that is pinned or being
+    read, or that a pinned entry is built on. On a terminal it shows them and asks first
+    (--yes: don't ask)."""
     with connect(address) as client:
         wanted = resolve_keys(client, key_texts)
         if asks_first(yes):
@@ -1143,9 +1184,18 @@ def evict(address: str | None, key_texts: tuple[str, ...], yes: bool) -> None:
             for key in wanted:
                 click.echo(f"  {describe_key(client, key)}", err=True)
             confirm("Go ahead?", yes)
+        cascaded = False
         for key in wanted:
-            run(lambda k=key: client.delete(k))
-            click.echo(f"evicted {key.hex()}")
+            try:
+                dependents = client.delete(key)
+            except CacheError as exc:
+                if cascaded and exc.code is not None and exc.code.name == "NOT_FOUND":
+                    click.echo(f"evicted {key.hex()} (with an entry it was built on)")
+                    continue
+                raise click.ClickException(str(exc)) from None
+            cascaded = cascaded or bool(dependents)
+            click.echo(f"evicted {key.hex()}" + (
+                f" and {entries_text(dependents)} built on it" if dependents else ""))
 
 
 def _pin_command(name: str, doc: str, action: Callable[[CacheClient, bytes], None],

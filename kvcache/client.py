@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import mmap
 import os
 import re
@@ -119,6 +120,17 @@ class Identity:
 
 
 @dataclass(frozen=True)
+class Piece:
+    """One blob of an entry's state: the cells of tokens ``[base, n_tokens)``."""
+
+    key: bytes
+    base: int
+    n_tokens: int
+    size: int
+    tier: str
+
+
+@dataclass(frozen=True)
 class LookupResult:
     key: bytes
     matched_tokens: int
@@ -126,6 +138,17 @@ class LookupResult:
     size: int
     probes: int
     entry_tokens: int = 0  # the entry's own length (a common-prefix hit may be longer)
+    chain: tuple[Piece, ...] = ()  # the blobs making up its state, root first
+
+    def pieces_for(self, n_tokens: int) -> tuple[Piece, ...]:
+        """The pieces holding the first ``n_tokens`` tokens (those starting below it)."""
+        return tuple(p for p in self.chain if p.base < n_tokens)
+
+    def parent_for(self, n_tokens: int) -> Piece | None:
+        """The piece whose own cells hold token ``n_tokens - 1``: the parent a save
+        sharing the first ``n_tokens`` tokens is built on."""
+        pieces = self.pieces_for(n_tokens)
+        return pieces[-1] if pieces else None
 
 
 @dataclass(frozen=True)
@@ -138,9 +161,10 @@ class SaveResult:
 @dataclass(frozen=True)
 class LoadedBlob:
     meta: blobfmt.BlobMeta
-    payload: memoryview  # decoded state bytes
+    payload: memoryview  # decoded state bytes (a piece's: only its own cells)
     tier: str
     size: int  # bytes of the stored blob
+    key: bytes = b""
 
 
 def map_file(f: BinaryIO, size: int) -> memoryview:
@@ -203,22 +227,32 @@ class CacheClient:
             max_tokens=max_tokens, common_prefix=common_prefix), timeout)
         if not resp.found:
             return None
+        chain = tuple(Piece(p.key, p.base, p.n_tokens, p.size, TIER_NAMES[p.tier])
+                      for p in resp.chain)
         return LookupResult(resp.key, resp.matched_tokens, TIER_NAMES[resp.tier], resp.size,
-                            resp.probes, resp.entry_tokens or resp.matched_tokens)
+                            resp.probes, resp.entry_tokens or resp.matched_tokens, chain)
 
     def save(self, identity: Identity, tokens: Sequence[int], payload: bytes | memoryview,
-             reason: str, *, codec: str = "none", timeout: float | None = None) -> SaveResult:
-        """Reserve, write and commit one state. Duplicates are dropped by the daemon."""
+             reason: str, *, codec: str = "none", timeout: float | None = None,
+             parent: bytes = b"", base: int = 0, cell_layout: bytes = b"") -> SaveResult:
+        """Reserve, write and commit one state. Duplicates are dropped by the daemon.
+
+        With ``parent``, a piece: ``payload`` holds only what follows the first ``base``
+        tokens, which entry ``parent``'s chain holds (see LookupResult.parent_for); a
+        parent gone meanwhile raises CacheError with code NOT_FOUND. ``cell_layout``
+        describes the payload for whoever joins pieces (stored, never read here)."""
         meta = blobfmt.BlobMeta(
             namespace=identity.namespace, model_fingerprint=identity.model_fingerprint,
             kv_layout=dict(identity.kv_layout), tokens=list(tokens), reason=reason,
-            model_name=identity.model_name, tenant_id=keys.tenant_id(identity.tenant))
+            model_name=identity.model_name, tenant_id=keys.tenant_id(identity.tenant),
+            parent=parent, base=base, cell_layout=cell_layout)
         parts = blobfmt.encode_blob(meta, payload, codec)
         size = blobfmt.blob_size(parts)
         deadline = time.monotonic() + (timeout or max(self.timeout, 30.0))
         resp = self._rpc("Reserve", pb.ReserveRequest(identity=identity.message(),
                                                       packed_tokens=keys.tokens_to_bytes(tokens),
-                                                      size=size, reason=reason),
+                                                      size=size, reason=reason,
+                                                      parent=parent, base=base),
                          self._left(deadline))
         if resp.status == pb.ReserveResponse.ALREADY_PRESENT:
             return SaveResult("already_present", resp.key)
@@ -298,7 +332,45 @@ class CacheClient:
                     list(prefix_of[:n]) != list(tokens[:n]):
                 raise CacheError(f"entry {key.hex()} does not hold the prompt's first {n} "
                                  "tokens (hash collision or wrong key)")
-        return LoadedBlob(blob.meta, memoryview(blob.payload), tier, blob.header.total_size)
+        return LoadedBlob(blob.meta, memoryview(blob.payload), tier, blob.header.total_size,
+                          key)
+
+    def load_chain(self, key: bytes, *, prefix_of: Sequence[int], shares: int = 0,
+                   pieces: Sequence[Piece] = (), wait_ms: int = 0,
+                   timeout: float | None = None) -> list[LoadedBlob]:
+        """The blobs holding entry ``key``'s first ``shares`` tokens (default: all of
+        them), root first, each proven to hold the prompt's tokens it covers. ``pieces``
+        (a lookup's chain) names them; without it they are found by following each
+        blob's parent. A missing or corrupt link raises as :meth:`load` does."""
+        blobs: list[LoadedBlob] = []
+        if pieces:
+            for i, piece in enumerate(pieces):
+                # A parent is proven only up to where its child takes over: past that
+                # it may well diverge from the prompt.
+                end = pieces[i + 1].base if i + 1 < len(pieces) else piece.n_tokens
+                need = min(shares, end) if shares else end
+                blobs.append(self.load(piece.key, prefix_of=prefix_of, shares=need,
+                                       wait_ms=wait_ms, timeout=timeout))
+        else:
+            blob = self.load(key, prefix_of=prefix_of, shares=shares, wait_ms=wait_ms,
+                             timeout=timeout)
+            n = shares or len(blob.meta.tokens)
+            blobs.append(blob)
+            while blobs[0].meta.parent:
+                meta = blobs[0].meta
+                blobs.insert(0, self.load(meta.parent, prefix_of=prefix_of,
+                                          shares=min(n, meta.base), timeout=timeout))
+            while len(blobs) > 1 and blobs[-1].meta.base >= n:  # holds none of them
+                blobs.pop()
+        for parent, child in itertools.pairwise(blobs):
+            if child.meta.parent != parent.key or not (
+                    parent.meta.base < child.meta.base <= len(parent.meta.tokens)):
+                raise CacheError(f"entry {child.key.hex()} is not built on "
+                                 f"{parent.key.hex()} (a broken chain)")
+        if blobs and blobs[0].meta.parent:
+            raise CacheError(f"entry {blobs[0].key.hex()} misses its parent "
+                             f"{blobs[0].meta.parent.hex()}")
+        return blobs
 
     def _load_local(self, key: bytes, wait_ms: int, timeout: float) -> tuple[blobfmt.Blob, str]:
         resp = self._rpc("OpenRead", pb.OpenReadRequest(key=key, wait_ms=wait_ms), timeout)
@@ -398,8 +470,9 @@ class CacheClient:
     def unpin(self, key: bytes) -> None:
         self._rpc("Unpin", pb.KeyRequest(key=key))
 
-    def delete(self, key: bytes) -> None:
-        self._rpc("Delete", pb.KeyRequest(key=key))
+    def delete(self, key: bytes) -> int:
+        """Remove an entry and the entries built on it; returns how many of those went."""
+        return self._rpc("Delete", pb.KeyRequest(key=key)).dependents_removed
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         """Block until the daemon answers (raises CacheUnavailable after ``timeout``)."""

@@ -30,6 +30,10 @@ SECTIONS: dict[str, dict[str, str]] = {
         **{f"saves_committed_{reason}": f"Saves published with reason {reason}"
            for reason in SAVE_REASONS},
         "bytes_committed": "Blob bytes published",
+        "pieces_committed": "Saves published as pieces: only the cells after a prefix "
+                            "another entry's chain already holds",
+        "saves_parent_gone": "Piece saves refused because their parent entry was gone "
+                             "(evicted, deleted or quarantined since the writer looked)",
         "saves_duplicate": "Reservations refused as duplicates (present or in flight)",
         "saves_duplicate_present": "Reservations of a key already published",
         "saves_duplicate_in_flight": "Reservations of a key another writer is saving",
@@ -61,6 +65,8 @@ SECTIONS: dict[str, dict[str, str]] = {
     },
     "integrity": {
         "corrupt_blobs": "Indexed entries found corrupt and quarantined",
+        "dependents_removed": "Entries removed with the entry they were built on (a "
+                              "quarantined, deleted or broken parent)",
         "quarantined_files": "Files moved to quarantine (corrupt entries, unreadable or "
                              "misnamed blob files)",
     },
@@ -74,8 +80,9 @@ SECTIONS: dict[str, dict[str, str]] = {
     "start-up": {
         "orphans_swept": "Temp files of unfinished saves removed at start-up",
         "reconcile_added": "Blob files re-indexed from their headers at start-up",
-        "reconcile_removed": "Index rows dropped at start-up: damaged, or their blob file "
-                             "was missing or of the wrong size (a good blob is re-indexed)",
+        "reconcile_removed": "Index rows dropped at start-up: damaged, their blob file "
+                             "missing or of the wrong size (a good blob is re-indexed), or "
+                             "their parent gone",
     },
 }
 

@@ -15,6 +15,11 @@ Six named databases:
 * ``seals``    key(16) -> :meth:`Record.seal` (see :meth:`Index.audit`)
 * ``meta``     index-wide settings (schema, block size)
 
+An entry may be a *piece*: its record names the ``parent`` entry whose chain holds its
+first ``base`` tokens. A piece is published only in a transaction that finds its parent
+published (:class:`ParentGone` otherwise), and removed no later than its parent (the
+store removes an entry together with what is built on it, :meth:`Index.delete_many`).
+
 Only published entries are ever written here; reservations live in the daemon's memory
 and vanish with it. Each publish or delete is one write transaction, and LMDB's commit
 is durable (``sync=True``), so an entry is either fully visible or absent after a crash.
@@ -56,18 +61,38 @@ class Record:
     hits: int = 0
     last_used: float = 0.0
     pinned: bool = False
+    # A piece: the entry whose chain holds this one's first ``base`` tokens; its own blob
+    # holds only the cells after them. b"" and 0 for a whole state.
+    parent: bytes = b""
+    base: int = 0
 
     def pack(self) -> bytes:
         # Not dataclasses.asdict: it deep-copies every field (4x slower on rebuilds).
-        return msgpack.packb({name: getattr(self, name) for name in _RECORD_FIELDS},
+        return msgpack.packb({name: getattr(self, name) for name in self._fields()},
                              use_bin_type=True)
+
+    def _fields(self) -> tuple[str, ...]:
+        # A whole state's row is written as the previous version wrote it (no piece fields).
+        return _RECORD_FIELDS if self.parent else _WHOLE_FIELDS
+
+    @property
+    def own_tokens(self) -> int:
+        """Tokens whose cells this entry's own blob holds."""
+        return self.n_tokens - self.base
+
+    @property
+    def logical_size(self) -> int:
+        """Bytes the entry's whole state would take stored alone (a piece's size scaled
+        from its own tokens to all of them; header overhead makes it an estimate)."""
+        return self.size if not self.base else self.size * self.n_tokens // self.own_tokens
 
     def seal(self) -> bytes:
         """xxh3_64 of the fields its blob vouches for, kept in the ``seals`` database at
         publish: a row whose size, n_tokens, tail, namespace, reason... changed on disk no
         longer matches it. (Not a field: older versions reject rows with unknown fields.)"""
+        sealed = _SEALED_FIELDS if self.parent else _SEALED_WHOLE_FIELDS
         return xxhash.xxh3_64_digest(
-            msgpack.packb([getattr(self, name) for name in _SEALED_FIELDS], use_bin_type=True))
+            msgpack.packb([getattr(self, name) for name in sealed], use_bin_type=True))
 
     @property
     def usage_ok(self) -> bool:
@@ -85,9 +110,16 @@ class Record:
 
 
 _RECORD_FIELDS = tuple(f.name for f in fields(Record))
+_PIECE_FIELDS = ("parent", "base")
+_WHOLE_FIELDS = tuple(name for name in _RECORD_FIELDS if name not in _PIECE_FIELDS)
 # What a blob's header and metadata determine; the rest (tier, usage, pin) changes in place.
 _SEALED_FIELDS = tuple(name for name in _RECORD_FIELDS
                        if name not in ("in_ram", "hits", "last_used", "pinned"))
+_SEALED_WHOLE_FIELDS = tuple(name for name in _SEALED_FIELDS if name not in _PIECE_FIELDS)
+
+
+class ParentGone(LookupError):
+    """A piece's parent entry is not (or no longer) published."""
 # An anchor with more rows than this is probed by key instead of scanned (see below).
 SCAN_LIMIT = 32
 
@@ -136,6 +168,9 @@ class Index:
 
     def _put_rows(self, txn: lmdb.Transaction, record: Record,
                   passes: Sequence[tuple[bytes, bytes]]) -> None:
+        # In the publishing transaction: a piece is never visible without its parent.
+        if record.parent and txn.get(record.parent, db=self._entries) is None:
+            raise ParentGone(f"parent {record.parent.hex()} of {record.key.hex()} is gone")
         txn.put(record.key, record.pack(), db=self._entries)
         txn.put(record.anchor + record.key, record.tail, db=self._anchors)
         txn.put(record.key, record.seal(), db=self._seals)
@@ -163,6 +198,39 @@ class Index:
         hashes = txn.pop(key, db=self._entry_passes) or b""
         for i in range(0, len(hashes), KEY_BYTES):
             txn.delete(hashes[i : i + KEY_BYTES] + key, db=self._passes)
+
+    def delete_many(self, keys_: Sequence[bytes]) -> list[Record]:
+        """Delete several entries in one transaction (an entry and the pieces built on it:
+        none stays visible without the other). Returns the records that were there."""
+        removed = []
+        with self.env.begin(write=True) as txn:
+            for key in keys_:
+                data = txn.pop(key, db=self._entries)
+                if data is None:
+                    continue
+                record = Record.unpack(data)
+                txn.delete(record.anchor + record.key, db=self._anchors)
+                txn.delete(key, db=self._seals)
+                self._delete_passes(txn, key)
+                removed.append(record)
+        return removed
+
+    def shares_prefix(self, key: bytes, hashes: Sequence[bytes], raw_tokens: bytes,
+                      n_shared: int, block_size: int) -> bool:
+        """Whether entry ``key`` holds the first ``n_shared`` tokens of ``raw_tokens``
+        (``hashes`` their block hashes): it has a row under the hash of block k = n_shared
+        // B (every entry has one under each block hash it shares), and that row's next
+        tokens agree with the query for the rest. Two reads, no blob."""
+        k, rest = divmod(n_shared, block_size)
+        if k >= len(hashes):
+            return False
+        want = raw_tokens[k * block_size * 4 : (k * block_size + rest) * 4]
+        with self.env.begin() as txn:
+            for db in (self._passes, self._anchors):
+                tokens = txn.get(hashes[k] + key, db=db)
+                if tokens is not None and tokens[: len(want)] == want and len(tokens) >= len(want):
+                    return True
+        return False
 
     def lacking_passes(self, keys_: Iterable[bytes]) -> set[bytes]:
         """Which of these entries have no passes rows (one read transaction)."""
@@ -217,9 +285,9 @@ class Index:
                 try:
                     raw = msgpack.unpackb(data, raw=False)
                     # Every field, as pack() writes them: a missing one would take a default.
-                    if set(raw) != set(_RECORD_FIELDS):
-                        raise ValueError(f"fields {sorted(raw)}")
                     record = Record(**raw)
+                    if set(raw) != set(record._fields()):
+                        raise ValueError(f"fields {sorted(raw)}")
                 except Exception:  # garbled bytes: msgpack and the constructor raise many types
                     bad[key] = {}
                     continue

@@ -28,7 +28,7 @@ from .auth import (
 )
 from .config import MAX_MESSAGE_BYTES, SOCKET_NAME, parse_listen
 from .counters import COUNTERS
-from .errors import InvalidArgument, StoreError
+from .errors import InvalidArgument, NotFound, StoreError
 from .index import Record
 from .metrics import LatencyWindows, Metrics
 from .store import TIER_DISK, TIER_RAM, Store, StoreConfig
@@ -93,14 +93,26 @@ def wait_budget_ms(wait_ms: int, context: Any) -> int:
     return max(0, int(min(wait_ms, remaining * 1000)))
 
 
-def entry_message(record: Record) -> pb.Entry:
+def tier_of(record: Record) -> int:
+    """The fastest tier holding the entry."""
+    return pb.TIER_RAM if record.in_ram else pb.TIER_DISK
+
+
+def entry_message(record: Record, children: int = 0) -> pb.Entry:
     tiers = [pb.TIER_DISK] + ([pb.TIER_RAM] if record.in_ram else [])
     return pb.Entry(
         key=record.key, model_name=record.model_name, model_fingerprint=record.model_fingerprint,
         tenant_id=record.tenant_id, n_tokens=record.n_tokens, size=record.size, tiers=tiers,
         reason=record.reason, created=record.created, last_used=record.last_used,
         hits=record.hits, pinned=record.pinned, codec=record.codec, namespace=record.namespace,
+        parent=record.parent, base=record.base, logical_size=record.logical_size,
+        children=children,
     )
+
+
+def chain_message(chain: list[Record]) -> list[pb.Piece]:
+    return [pb.Piece(key=r.key, base=r.base, n_tokens=r.n_tokens, size=r.size, tier=tier_of(r))
+            for r in chain]
 
 
 # A fingerprint prefix shorter than this would match models by chance (one in 16 for a
@@ -227,12 +239,16 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 record, probes = self.store.lookup(ns, raw, request.max_tokens)
                 matched = record.n_tokens if record else 0
             self._observe(self.lookup_seconds.labels("hit" if record else "miss"), "lookup", t0)
-            if record is None:
+            try:
+                chain = self.store.chain(record) if record is not None else None
+            except NotFound:  # a link removed since the lookup: as good as a miss
+                chain = None
+            if record is None or chain is None:
                 return pb.LookupResponse(found=False, probes=probes)
             return pb.LookupResponse(
-                found=True, key=record.key, matched_tokens=matched,
-                tier=pb.TIER_RAM if record.in_ram else pb.TIER_DISK, size=record.size,
-                probes=probes, entry_tokens=record.n_tokens)
+                found=True, key=record.key, matched_tokens=matched, tier=tier_of(record),
+                size=record.size, probes=probes, entry_tokens=record.n_tokens,
+                chain=chain_message(chain))
         return self._call(context, run)
 
     def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:
@@ -241,7 +257,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             raw = request_tokens(request)
             result = self.store.reserve(ns, raw, request.size, request.reason,
                                         request.identity.model_fingerprint,
-                                        tenant_id=keys.tenant_id(request.identity.tenant))
+                                        tenant_id=keys.tenant_id(request.identity.tenant),
+                                        parent=request.parent, base=request.base)
             status = {"granted": pb.ReserveResponse.GRANTED,
                       "already_present": pb.ReserveResponse.ALREADY_PRESENT,
                       "in_flight": pb.ReserveResponse.IN_FLIGHT}[result.status]
@@ -346,8 +363,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         return pb.PinResponse(pinned=False)
 
     def Delete(self, request: pb.KeyRequest, context: Any) -> pb.DeleteResponse:
-        self._call(context, lambda: self.store.delete(check_key(request.key)))
-        return pb.DeleteResponse(deleted=True)
+        removed = self._call(context, lambda: self.store.delete(check_key(request.key)))
+        return pb.DeleteResponse(deleted=True, dependents_removed=len(removed) - 1)
 
     def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
         s = self.store.stats()
@@ -362,6 +379,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         ]
         return pb.StatsResponse(tiers=tiers, counters=s["counters"], block_size=cfg.block_size,
                                 min_free_bytes=cfg.min_free_bytes,
+                                logical_bytes=s["logical_bytes"],
                                 version=__version__, uptime_seconds=s["uptime"],
                                 in_flight=s["in_flight"], read_pins=s["read_pins"],
                                 latencies={name: pb.LatencySummary(**vars(summary))
@@ -376,15 +394,18 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         records.sort(key=lambda r: r.last_touch, reverse=True)
         if request.limit:
             records = records[: request.limit]
-        return pb.ListResponse(entries=[entry_message(r) for r in records])
+        return pb.ListResponse(entries=[entry_message(r, self.store.children(r.key))
+                                        for r in records])
 
     def Inspect(self, request: pb.InspectRequest, context: Any) -> pb.EntryDetail:
         # With a tenant, another tenant's entry gets the answer of a missing key.
         tenant_id = keys.tenant_id(request.tenant) if request.tenant else None
         record, header, meta, path = self._call(
             context, lambda: self.store.inspect(check_key(request.key), tenant_id))
+        chain = self._call(context, lambda: self.store.chain(record))
         return pb.EntryDetail(
-            entry=entry_message(record), kv_layout=dict(meta.kv_layout), tokens=list(meta.tokens),
+            entry=entry_message(record, self.store.children(record.key)),
+            chain=chain_message(chain), kv_layout=dict(meta.kv_layout), tokens=list(meta.tokens),
             format_version=header.version, producer=meta.producer,
             payload_size=header.payload_len, raw_payload_size=header.raw_len, path=str(path))
 
@@ -424,6 +445,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                                 bytes_freed=result.bytes_freed,
                                 skipped_pinned=result.skipped_pinned,
                                 skipped_in_use=result.skipped_in_use,
+                                skipped_shared=result.skipped_shared,
                                 ram_dropped=result.ram_dropped,
                                 ram_bytes_freed=result.ram_bytes_freed,
                                 ram_dropped_entries=[entry_message(r) for r in

@@ -55,9 +55,9 @@ from .errors import (
     StoreFull,
     WaitTimeout,
 )
-from .index import SCHEMA_VERSION, Index, Record, dir_fsync
+from .index import SCHEMA_VERSION, Index, ParentGone, Record, dir_fsync
 from .ownership import claim_data_dir, is_own_file_name
-from .policy import eviction_order
+from .policy import eviction_order, leaf_first_order
 
 log = logging.getLogger("kvcache")
 GiB = 1 << 30
@@ -102,6 +102,8 @@ class Reservation:
     lock: threading.Lock = field(default_factory=threading.Lock)
     done: bool = False
     tenant_id: str | None = None  # the reserving identity's; None: not checked
+    parent: bytes = b""  # a piece's parent, held (like a read) until commit or abort
+    base: int = 0
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,7 @@ class PruneResult:
     bytes_freed: int
     skipped_pinned: int
     skipped_in_use: int
+    skipped_shared: int = 0  # kept because entries outside the filters are built on them
     ram_dropped: int = 0  # RAM copies dropped (or, in a dry run, that would be)
     ram_bytes_freed: int = 0
     ram_dropped_entries: list[Record] = field(default_factory=list)
@@ -141,6 +144,7 @@ class _PrunePlan:
     ram_dropped: list[Record] = field(default_factory=list)
     pinned: set[bytes] = field(default_factory=set)
     in_use: set[bytes] = field(default_factory=set)
+    shared: int = 0  # candidates kept because other entries are built on them
 
     def may_touch(self, record: Record) -> bool:
         """False for pinned entries and entries being read (noted as skipped)."""
@@ -198,6 +202,10 @@ class Store:
         self.ram_used = 0
         self.ram_entries = 0  # the index counts disk entries itself (every entry is on disk)
         self.reserved_bytes = 0
+        self.logical_bytes = 0  # sum of Record.logical_size: what whole states would take
+        # parent -> the pieces built on it (published ones), kept as they change: eviction
+        # takes only leaves, and removing an entry removes what is built on it.
+        self._children: dict[bytes, set[bytes]] = {}
         self._closed = threading.Event()
         self._ram_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcache-ram")
         self._ram_scheduled: set[bytes] = set()
@@ -293,6 +301,8 @@ class Store:
             if record.key in lacking:
                 without_passes.append((record.key, path))
             self.disk_used += record.size
+            self.logical_bytes += record.logical_size
+            self._add_child(record)
             ram_path = in_ram.pop(record.key, None)
             has_ram = ram_path is not None and ram_path.stat().st_size == record.size
             if has_ram:
@@ -340,11 +350,59 @@ class Store:
                              **bad.get(entry.key, {}))  # a damaged row's hits and pin
             added.append((record, keys.passes(meta.namespace, meta.tokens,
                                               self.config.block_size)))
-            self.disk_used += header.total_size
+        added = self._parents_first(added)
+        for record, _ in added:
+            self.disk_used += record.size
+            self.logical_bytes += record.logical_size
+            self._add_child(record)
         if added:
             self.index.publish_many(added)
             self.counters["reconcile_added"] += len(added)
         self._add_passes(without_passes)
+        self._drop_broken_chains()
+
+    def _parents_first(self, items: list[tuple[Record, list[tuple[bytes, bytes]]]]
+                       ) -> list[tuple[Record, list[tuple[bytes, bytes]]]]:
+        """Blobs to re-index, each after its parent (one transaction publishes them, and
+        a piece may be published only after its parent). A piece whose parent is neither
+        indexed nor among them can never be restored: its file is removed."""
+        pending = {record.key: (record, passes) for record, passes in items}
+        batch = set(pending)
+        waiting: dict[bytes, list[bytes]] = {}  # parent among them -> its pieces
+        ready = []
+        for key, (record, _) in pending.items():
+            if record.parent in pending:
+                waiting.setdefault(record.parent, []).append(key)
+            else:
+                ready.append(key)
+        placed: list[tuple[Record, list[tuple[bytes, bytes]]]] = []
+        while ready:
+            key = ready.pop()
+            record, passes = pending.pop(key)
+            # Ready with a parent: one placed just before, or one already indexed.
+            if record.parent and record.parent not in batch \
+                    and self.index.get(record.parent) is None:
+                self._drop_orphan_file(key)
+                continue
+            placed.append((record, passes))
+            ready += waiting.get(key, [])
+        for key in pending:  # built on a dropped one, or a cycle (only forged headers)
+            self._drop_orphan_file(key)
+        return placed
+
+    def _drop_orphan_file(self, key: bytes) -> None:
+        self.blob_path(key).unlink(missing_ok=True)
+        self.counters["reconcile_removed"] += 1
+
+    def _drop_broken_chains(self) -> None:
+        """Remove entries whose chain is broken (a parent missing, or not holding the
+        tokens the piece takes from it), with everything built on them."""
+        records = {r.key: r for r in self.index.records()}
+        for record in records.values():
+            parent = records.get(record.parent)
+            if record.parent and (parent is None
+                                  or not parent.base < record.base <= parent.n_tokens):
+                self._remove_entry(record, "reconcile_removed")
 
     def _add_passes(self, entries: list[tuple[bytes, Path]]) -> None:
         """Give entries without passes rows those rows (only those: their entry rows,
@@ -423,7 +481,11 @@ class Store:
     # -- publish protocol -------------------------------------------------------------------
 
     def reserve(self, ns: bytes, raw_tokens: bytes, size: int, reason: str,
-                model_fingerprint: str, *, tenant_id: str | None = None) -> ReserveResult:
+                model_fingerprint: str, *, tenant_id: str | None = None,
+                parent: bytes = b"", base: int = 0) -> ReserveResult:
+        """Reserve the save of an entry. With ``parent``, the entry is a piece: its blob
+        holds only the cells after its first ``base`` tokens, which the parent's chain
+        holds (checked here against the index); the parent is held until commit or abort."""
         self._check_tokens(raw_tokens)
         if reason not in blobfmt.SAVE_REASONS:
             raise InvalidArgument(f"unknown save reason {reason!r} "
@@ -433,6 +495,8 @@ class Store:
         if size > self.config.max_blob_bytes:
             raise InvalidArgument(f"size {size} exceeds the limit of {self.config.max_blob_bytes}")
         entry = keys.entry_key(ns, raw_tokens, self.config.block_size)
+        if parent or base:
+            self._check_parent(ns, raw_tokens, parent, base)
         with self._cond:
             self.counters["reserves"] += 1
             if entry.key in self._in_flight:
@@ -443,6 +507,10 @@ class Store:
                 self.counters["saves_duplicate"] += 1
                 self.counters["saves_duplicate_present"] += 1
                 return ReserveResult("already_present", entry.key)
+            if parent and self.index.get(parent) is None:  # evicted since the check
+                self.counters["saves_parent_gone"] += 1
+                raise NotFound(f"parent entry {parent.hex()} is gone (evicted or deleted); "
+                               "save the whole state or look again")
             self._make_room_on_disk(size)
             lease_id = secrets.token_hex(16)
             tmp_path = self.tmp_dir / f"{lease_id}{TMP_SUFFIX}"
@@ -452,13 +520,38 @@ class Store:
                 reason=reason, size=size, tmp_path=tmp_path,
                 expires=time.monotonic() + self.config.lease_seconds,
                 verifier=blobfmt.StreamVerifier(size), file=os.fdopen(fd, "wb", buffering=0),
-                tenant_id=tenant_id,
+                tenant_id=tenant_id, parent=parent, base=base,
             )
+            if parent:
+                self._in_use[parent] += 1  # not evicted or deleted under the piece
             self._reservations[lease_id] = res
             self._in_flight[entry.key] = lease_id
             self.reserved_bytes += size
             self.counters["saves_granted"] += 1
             return ReserveResult("granted", entry.key, lease_id, str(tmp_path))
+
+    def _check_parent(self, ns: bytes, raw_tokens: bytes, parent: bytes, base: int) -> None:
+        n = len(raw_tokens) // 4
+        if len(parent) != keys.KEY_BYTES or not 0 < base < n:
+            raise InvalidArgument(f"a piece needs a parent key and 0 < base < {n} tokens "
+                                  f"(got a {len(parent)}-byte parent, base {base})")
+        record = self.index.get(parent)
+        if record is None:
+            with self._cond:
+                self.counters["saves_parent_gone"] += 1
+            raise NotFound(f"parent entry {parent.hex()} is gone (evicted or deleted); "
+                           "save the whole state or look again")
+        if record.namespace != ns:
+            raise InvalidArgument(f"parent entry {parent.hex()} belongs to another model, "
+                                  "KV layout or tenant")
+        # The parent's own blob must hold the last shared token: a parent that shares no
+        # more than its own parent would make every restore read a blob for nothing.
+        if not record.base < base <= record.n_tokens or not self.index.shares_prefix(
+                parent, keys.block_hashes(ns, raw_tokens, self.config.block_size),
+                raw_tokens, base, self.config.block_size):
+            raise InvalidArgument(f"parent entry {parent.hex()} does not end a chain holding "
+                                  f"the first {base} tokens (its own cells are "
+                                  f"[{record.base}, {record.n_tokens}))")
 
     def _reservation(self, lease_id: str) -> Reservation:
         with self._cond:
@@ -532,14 +625,26 @@ class Store:
                 renamed = True
                 dir_fsync(final.parent)
                 record = self._record_from(res.key, header, meta, res.size)
+                with self._cond:  # known before it is visible: see _remove_entry
+                    self._add_child(record)
                 self.index.put(record, keys.passes(res.namespace, meta.tokens,
                                                    self.config.block_size))
+            except ParentGone as exc:  # quarantined meanwhile (a hold stops everything else)
+                final.unlink(missing_ok=True)
+                with self._cond:
+                    self._drop_child(res.parent, record.key)
+                    self.counters["saves_parent_gone"] += 1
+                self.abort(lease_id, _locked=res)
+                raise NotFound(f"{exc} (save aborted)") from None
             except (OSError, lmdb.Error) as exc:
                 # A full disk fails the index commit (LMDB grows its file): unhandled, it
                 # answered UNKNOWN and left an unindexed blob file and the key in flight.
                 error = self._save_io_error(exc, res, "committing")  # free space before cleanup
                 if renamed:
                     final.unlink(missing_ok=True)
+                if res.parent:
+                    with self._cond:
+                        self._drop_child(res.parent, res.key.key)
                 self.abort(lease_id, _locked=res)
                 raise error from None
             with self._cond:
@@ -547,7 +652,11 @@ class Store:
                 self._reservations.pop(lease_id, None)
                 self._in_flight.pop(res.key.key, None)
                 self.reserved_bytes -= res.size
+                if res.parent:
+                    self._release_use(res.parent)
+                    self.counters["pieces_committed"] += 1
                 self.disk_used += res.size
+                self.logical_bytes += record.logical_size
                 self.counters["saves_committed"] += 1
                 self.counters[f"saves_committed_{meta.reason}"] += 1
                 self.counters["bytes_committed"] += res.size
@@ -576,6 +685,8 @@ class Store:
             raise blobfmt.BlobError("blob tenant differs from the reserved identity")
         if keys.entry_key(meta.namespace, meta.tokens, self.config.block_size) != res.key:
             raise blobfmt.BlobError("blob tokens differ from the reserved tokens")
+        if (meta.parent, meta.base) != (res.parent, res.base):
+            raise blobfmt.BlobError("blob parent and base differ from the reserved ones")
         return header, meta
 
     def _save_io_error(self, exc: BaseException, res: Reservation, doing: str) -> StoreError:
@@ -613,6 +724,8 @@ class Store:
         res.done = True
         self._in_flight.pop(res.key.key, None)
         self.reserved_bytes -= res.size
+        if res.parent:
+            self._release_use(res.parent)
         if res.file is not None:
             with contextlib.suppress(OSError):
                 res.file.close()  # type: ignore[union-attr]
@@ -628,6 +741,7 @@ class Store:
             n_tokens=entry.n_tokens, size=size, codec=header.codec, reason=meta.reason,
             created=meta.created, model_name=meta.model_name,
             model_fingerprint=meta.model_fingerprint, tenant_id=meta.tenant_id,
+            parent=meta.parent, base=meta.base,
         )
 
     # -- space ------------------------------------------------------------------------------
@@ -672,31 +786,76 @@ class Store:
             )
 
     def _eviction_candidates(self, ram_only: bool = False) -> list[Record]:
+        """What may go, in order: entries one at a time, each a leaf when its turn comes
+        (see policy.leaf_first_order). For RAM copies, which nothing depends on, the
+        copies of entries others build on follow once the leaves' are gone."""
         with self._cond:
             pending = {k: v[1] for k, v in self._pending_use.items()}
             busy = set(self._in_use)
-        records = [r for r in self.index.records()
-                   if not r.pinned and r.key not in busy and (r.in_ram or not ram_only)]
-        return eviction_order(records, pending)
+        records = list(self.index.records())
+        keep = busy | {r.key for r in records if r.pinned}
+        order = leaf_first_order(records, pending, keep)
+        if ram_only:
+            listed = {r.key for r in order}
+            order += [r for r in eviction_order(records, pending)
+                      if r.key not in listed and r.key not in keep]
+            order = [r for r in order if r.in_ram]
+        return order
 
-    def _remove_entry(self, record: Record, counter: str) -> None:
-        """Unpublish an entry: index row first (readers stop finding it), then files."""
-        current = self.index.delete(record.key)
-        if current is None:  # removed meanwhile (quarantined): already accounted for
-            return
-        record = current  # its tier as it is now, not as when it was chosen
+    def _add_child(self, record: Record) -> None:
+        if record.parent:
+            self._children.setdefault(record.parent, set()).add(record.key)
+
+    def _drop_child(self, parent: bytes, key: bytes) -> None:
+        siblings = self._children.get(parent)
+        if siblings is not None:
+            siblings.discard(key)
+            if not siblings:
+                del self._children[parent]
+
+    def children(self, key: bytes) -> int:
+        """How many entries are built directly on ``key``."""
         with self._cond:
-            self.disk_used -= record.size
-            if record.in_ram:
-                self.ram_used -= record.size
-                self.ram_entries -= 1
-            self._pending_use.pop(record.key, None)
-            self.counters[counter] += 1
-        self.ram_path(record.key).unlink(missing_ok=True)
-        path = self.blob_path(record.key)
-        path.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            dir_fsync(path.parent)
+            return len(self._children.get(key, ()))
+
+    def dependents(self, key: bytes) -> list[bytes]:
+        """Every entry built on ``key`` (its pieces, theirs, ...), nearest first."""
+        with self._cond:
+            out: list[bytes] = []
+            todo = [key]
+            while todo:
+                kids = sorted(self._children.get(todo.pop(), ()))
+                out += kids
+                todo += kids
+            return out
+
+    def _remove_entry(self, record: Record, counter: str) -> list[Record]:
+        """Unpublish an entry and everything built on it, in one index transaction (no
+        piece stays visible without its parent), then their files. A piece whose commit
+        is under way is in ``_children`` before it is visible, so it is either removed
+        here or its publish finds the parent gone. Returns what was removed."""
+        removed = self.index.delete_many([record.key, *self.dependents(record.key)])
+        with self._cond:
+            for r in removed:  # their tiers as they are now, not as when chosen
+                self.disk_used -= r.size
+                self.logical_bytes -= r.logical_size
+                if r.in_ram:
+                    self.ram_used -= r.size
+                    self.ram_entries -= 1
+                self._pending_use.pop(r.key, None)
+                self._drop_child(r.parent, r.key)
+                self._children.pop(r.key, None)
+                self.counters[counter if r.key == record.key else "dependents_removed"] += 1
+        dirs = set()
+        for r in removed:
+            self.ram_path(r.key).unlink(missing_ok=True)
+            path = self.blob_path(r.key)
+            path.unlink(missing_ok=True)
+            dirs.add(path.parent)
+        for d in dirs:
+            with contextlib.suppress(OSError):
+                dir_fsync(d)
+        return removed
 
     # -- RAM tier ---------------------------------------------------------------------------
 
@@ -953,6 +1112,17 @@ class Store:
 
     # -- admin ------------------------------------------------------------------------------
 
+    def chain(self, record: Record) -> list[Record]:
+        """The entries whose blobs make up ``record``'s state, root first (``record``
+        last). Raises NotFound when a link is missing (removed meanwhile)."""
+        links = [record]
+        while links[-1].parent:
+            parent = self.index.get(links[-1].parent)
+            if parent is None or len(links) > self.config.max_tokens:
+                raise NotFound(f"entry {record.key.hex()} lost a part of its chain")
+            links.append(parent)
+        return links[::-1]
+
     def get(self, key: bytes) -> Record:
         record = self.index.get(key)
         if record is None:
@@ -969,15 +1139,22 @@ class Store:
             self.counters["pins" if pinned else "unpins"] += 1
             return record
 
-    def delete(self, key: bytes) -> Record:
+    def delete(self, key: bytes) -> list[Record]:
+        """Remove an entry and the entries built on it (they cannot be restored without
+        it); refused while any of them is pinned or being read. Returns what went,
+        the entry first."""
         with self._cond:
             record = self.get(key)
-            if record.pinned:
-                raise Busy(f"entry {key.hex()} is pinned; unpin it first")
-            if self._in_use.get(key):
-                raise Busy(f"entry {key.hex()} is being read")
-            self._remove_entry(record, "deletes")
-            return record
+            dependents = self.dependents(key)
+            for k in (key, *dependents):
+                r = record if k == key else self.index.get(k)
+                whose = "" if k == key else f" (built on {key.hex()})"
+                if r is not None and r.pinned:
+                    raise Busy(f"entry {k.hex()}{whose} is pinned; unpin it first")
+                if self._in_use.get(k):
+                    raise Busy(f"entry {k.hex()}{whose} is being read")
+            removed = self._remove_entry(record, "deletes")
+            return sorted(removed, key=lambda r: r.key != key)
 
     def inspect(self, key: bytes, tenant_id: str | None = None
                 ) -> tuple[Record, blobfmt.BlobHeader, blobfmt.BlobMeta, Path]:
@@ -1028,41 +1205,49 @@ class Store:
         ``max_disk_bytes`` removes candidates, least recently used first, until the disk
         tier holds at most that; ``max_ram_bytes`` only drops candidates' RAM copies (the
         entries stay on disk) until the RAM tier holds at most that. Pinned entries and
-        entries being read are never touched, and are counted as skipped.
-        ``ram_predicate``, when given, chooses the RAM-copy candidates instead.
+        entries being read are never touched, and are counted as skipped. An entry goes
+        only after (or with) every entry built on it, so one that entries outside the
+        filters build on stays (counted in ``skipped_shared``), as does everything a
+        pinned entry or one being read is built on. ``ram_predicate``, when given,
+        chooses the RAM-copy candidates instead.
         """
         with self._cond:
             busy = set(self._in_use)
-            ordered = eviction_order(self.index.records(),
-                                     {k: v[1] for k, v in self._pending_use.items()})
+            pending = {k: v[1] for k, v in self._pending_use.items()}
+            records = list(self.index.records())
+            ordered = eviction_order(records, pending)
             # Judged with the reads not yet flushed to the index (once a second), so
             # `--unused-for` spares an entry that was just read.
             candidates = [r for r in ordered
                           if predicate is None or predicate(self._with_pending(r))]
             plan = _PrunePlan(busy)
             if max_disk_bytes or not max_ram_bytes:
-                self._prune_entries(candidates, plan, max_disk_bytes, predicate is not None,
-                                    dry_run)
+                self._prune_entries(records, candidates, pending, plan, max_disk_bytes,
+                                    predicate is not None, dry_run)
             if max_ram_bytes:
                 if ram_predicate is not None:
                     candidates = [r for r in ordered if ram_predicate(self._with_pending(r))]
                 self._prune_ram_copies(candidates, plan, max_ram_bytes, dry_run)
         return PruneResult(plan.removed, sum(r.size for r in plan.removed),
-                           len(plan.pinned), len(plan.in_use), len(plan.ram_dropped),
-                           sum(r.size for r in plan.ram_dropped), plan.ram_dropped)
+                           len(plan.pinned), len(plan.in_use), plan.shared,
+                           len(plan.ram_dropped), sum(r.size for r in plan.ram_dropped),
+                           plan.ram_dropped)
 
-    def _prune_entries(self, candidates: list[Record], plan: _PrunePlan, max_disk_bytes: int,
+    def _prune_entries(self, records: list[Record], candidates: list[Record],
+                       pending: dict[bytes, float], plan: _PrunePlan, max_disk_bytes: int,
                        filtered: bool, dry_run: bool) -> None:
-        """Remove candidates (all of them, or down to ``max_disk_bytes``). Without a
-        filter or a target nothing is a candidate for removal. Caller holds the lock."""
+        """Remove candidates (all of them, or down to ``max_disk_bytes``), leaves first.
+        Without a filter or a target nothing is a candidate. Caller holds the lock."""
         if not (filtered or max_disk_bytes):
             return
+        touchable = {r.key for r in candidates if plan.may_touch(r)}
+        keep = {r.key for r in records} - touchable
+        order = leaf_first_order(records, pending, keep)
+        plan.shared = len(touchable) - len(order)
         disk_after = self.disk_used
-        for record in candidates:
+        for record in order:
             if max_disk_bytes and disk_after <= max_disk_bytes:
                 return
-            if not plan.may_touch(record):
-                continue
             plan.removed.append(record)
             disk_after -= record.size
             if not dry_run:
@@ -1098,6 +1283,7 @@ class Store:
                 "disk_entries": self.index.count(),
                 "ram_entries": self.ram_entries,
                 "reserved_bytes": self.reserved_bytes,
+                "logical_bytes": self.logical_bytes,
                 "in_flight": len(self._in_flight),
                 "read_pins": len(self._pins),
                 "uptime": time.time() - self.started,
