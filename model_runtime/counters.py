@@ -51,6 +51,12 @@ COUNTERS: dict[str, str] = {
     **{f"saves_{reason}": f"{reason.capitalize()} saves the daemon published"
        for reason in SAVE_REASONS},
     "tokens_saved": "Tokens in the states the daemon published",
+    "tokens_stored": "Tokens whose cells those saves sent: a piece's own, after the prefix "
+                     "the daemon already held",
+    "saves_built_on_prefix": "Saves stored as a piece built on a prefix the daemon "
+                             "already held (only the cells after it were sent)",
+    "saves_parent_gone": "Piece saves whose parent was evicted between the lookup and "
+                         "the save (stored whole instead)",
     **{f"saves_skipped_{status}": f"Saves the daemon skipped as {status.replace('_', ' ')}"
        for status in SKIP_STATUSES},
     "saves_dropped": "Saves dropped (backlog, daemon unavailable, or refused)",

@@ -47,8 +47,10 @@ from kvcache.client import (
     LoadedBlob,
 )
 
+from . import pieces
 from .config import RuntimeConfig
 from .counters import COUNTERS
+from .kv_cells import StateFormatError
 from .llama_backend import LlamaContext, LlamaDecodeError, LlamaModel
 from .sampling import SamplingParams, find_stop, sample
 from .saver import SaveJob, Saver
@@ -173,7 +175,8 @@ class Engine:
         self.config = config
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()
-        self.saver = Saver(cache, self.counters, self._lock, config.max_pending_saves)
+        self.saver = Saver(cache, self.counters, self._lock, config.max_pending_saves,
+                           min_shared_tokens=config.min_save_tokens)
         self.seqs = [Seq(i) for i in range(ctx.n_seq_max)]
         self.sessions: dict[str, Seq] = {}
         # session -> (key, n_tokens), least recently saved first; written on the model
@@ -321,9 +324,9 @@ class Engine:
         if kind == "new":
             self._admit(item)
         elif kind == "resolved":
-            req, blob = item
+            req, chain = item
             self._resolving.discard(req)
-            self._start(req, blob)
+            self._start(req, chain)
         elif kind == "cancel":
             item.cancelled = True
             if item in self._active or item in self._waiting:
@@ -467,15 +470,18 @@ class Engine:
     # resolution (resolver thread: cache I/O only, never the context) --------------------------
 
     def _resolve(self, req: Request) -> None:
-        blob = None
+        chain = None
         try:
-            blob = self._find_state(req)
+            chain = self._find_state(req)
         except Exception:  # a cache problem must never fail the request
             log.exception("cache resolution failed; going cold")
             self.count("cache_errors")
-        self._inbox.put(("resolved", (req, blob)))
+        self._inbox.put(("resolved", (req, chain)))
 
-    def _find_state(self, req: Request) -> LoadedBlob | None:
+    def _find_state(self, req: Request) -> list[LoadedBlob] | None:
+        """The blobs of the best saved state for the request, root first (one blob for
+        a whole state, a chain of pieces otherwise), or None: cold, or a live sequence
+        serves as much."""
         if self.cache is None:
             return None
         self._fetch_block_size()  # off the model thread: later saves need it for keys
@@ -497,8 +503,8 @@ class Engine:
             if event is not None:  # still being sent from this process
                 event.wait(wait_ms / 1000)
             try:
-                blob = self.cache.load(key, prefix_of=tokens, wait_ms=wait_ms,
-                                       timeout=timeout + wait_ms / 1000)
+                chain = self.cache.load_chain(key, prefix_of=tokens, wait_ms=wait_ms,
+                                              timeout=timeout + wait_ms / 1000)
             except CacheUnavailable:
                 self.count("cache_unavailable")
                 return None
@@ -508,9 +514,9 @@ class Engine:
                 self.count(f"{source}_key_unusable")
                 log.info("%s key %s unusable: %s", source, key.hex(), exc)
                 continue
-            if len(blob.meta.tokens) <= limit:
+            if len(chain[-1].meta.tokens) <= limit:
                 self.count(f"resolved_by_{source}")
-                return blob
+                return chain
             # The whole prompt, where a restored state cannot be cut (SWA/recurrent).
             self.count(f"{source}_key_unusable")
         # A plain-attention state can be cut anywhere: any entry sharing leading tokens
@@ -524,10 +530,12 @@ class Engine:
                     return None  # a live sequence serves as much without a restore
                 if hit.entry_tokens > hit.matched_tokens < self.config.min_save_tokens:
                     return None  # restoring a whole state for a few tokens costs more
-                blob = self.cache.load(hit.key, prefix_of=tokens, shares=hit.matched_tokens,
-                                       timeout=timeout * 4)
-                self.count(f"restored_from_{blob.tier or 'cache'}")
-                return blob
+                chain = self.cache.load_chain(hit.key, prefix_of=tokens,
+                                              shares=hit.matched_tokens,
+                                              pieces=hit.pieces_for(hit.matched_tokens),
+                                              timeout=timeout * 4)
+                self.count(f"restored_from_{chain[-1].tier or 'cache'}")
+                return chain
             except CacheUnavailable:
                 self.count("cache_unavailable")
                 return None
@@ -541,17 +549,17 @@ class Engine:
 
     # restore / prefill (model thread) ---------------------------------------------------------
 
-    def _start(self, req: Request, blob: LoadedBlob | None) -> None:
+    def _start(self, req: Request, chain: list[LoadedBlob] | None) -> None:
         seq = req.seq
         assert seq is not None
         if req.cancelled:
             self._finish(req, "cancelled")
             return
-        if blob is not None and min(common_prefix(blob.meta.tokens, req.tokens),
-                                    len(req.tokens) - 1) <= req.live_keep:
-            blob = None  # the live sequence covers as much: a tie goes to it (no restore)
-        if blob is not None:
-            self._restore(req, seq, blob)
+        if chain and min(common_prefix(chain[-1].meta.tokens, req.tokens),
+                         len(req.tokens) - 1) <= req.live_keep:
+            chain = None  # the live sequence covers as much: a tie goes to it (no restore)
+        if chain:
+            self._restore(req, seq, chain)
         elif req.live_keep:
             self._reuse_live(req, seq)
         if req.hit_kind == HIT_COLD:
@@ -560,26 +568,32 @@ class Engine:
         req.phase = "prefill"
         self._active.append(req)
 
-    def _restore(self, req: Request, seq: Seq, blob: LoadedBlob) -> None:
+    def _restore(self, req: Request, seq: Seq, chain: list[LoadedBlob]) -> None:
         t0 = time.perf_counter()
-        n = len(blob.meta.tokens)
+        entry = chain[-1]
         # Tokens the state shares with the prompt; all but the prompt's last are kept
-        # (that one is decoded again for fresh logits), and whatever follows is cut.
-        shared = common_prefix(blob.meta.tokens, req.tokens)
+        # (that one is decoded again for fresh logits), and whatever follows is cut:
+        # pieces are joined up to there, a whole state is cut after its restore.
+        shared = common_prefix(entry.meta.tokens, req.tokens)
         keep = min(shared, len(req.tokens) - 1)
-        ok = self.ctx.state_seq_set(seq.id, blob.payload) > 0
+        try:
+            joined = pieces.join(chain, keep, seq.id)
+            ok = self.ctx.state_seq_set(seq.id, joined.state) > 0
+        except StateFormatError as exc:
+            log.warning("state of %s not restorable: %s", entry.key.hex(), exc)
+            ok = False
         if ok:
-            seq.tokens = list(blob.meta.tokens)
+            seq.tokens = list(entry.meta.tokens[: joined.n_tokens])
             seq.restored = True
             # The state of an entry of these tokens: its key is computed when needed (a
             # live sequence's previous key no longer names it).
-            seq.saved_len, seq.saved_key = n, b""
-            if keep < n and not self._truncate(seq, keep):
+            seq.saved_len, seq.saved_key = len(seq.tokens), b""
+            if keep < len(seq.tokens) and not self._truncate(seq, keep):
                 ok = False
         if ok:
             req.hit_kind = HIT_EXACT if shared == len(req.tokens) else HIT_PARTIAL
             req.tokens_read = shared
-            req.tier = blob.tier
+            req.tier = entry.tier
             req.n_past = len(seq.tokens)
             self.count(f"restores_{req.hit_kind}")
         else:
@@ -587,7 +601,7 @@ class Engine:
             self.count("restore_failed")
             # llama.cpp refused it: keeping it would make every later request retry
             # it, and its key would stop a good state from ever being saved.
-            self._forget_later(blob)
+            self._forget_later(entry)
         req.t_restore = time.perf_counter() - t0
 
     def _reuse_live(self, req: Request, seq: Seq) -> None:
@@ -757,7 +771,8 @@ class Engine:
         t0 = time.perf_counter()
         state = self.ctx.state_seq_get(seq.id)
         self.on_latency("state_get", time.perf_counter() - t0)
-        job = SaveJob(self.identity, tuple(seq.tokens), state, reason, key)
+        job = SaveJob(self.identity, tuple(seq.tokens), state, reason, key,
+                      as_cells=self.ctx.can_truncate_restored())
         if not self.saver.submit(job):  # dropped (counted): no entry to name or skip
             return b""
         seq.saved_len, seq.saved_key = n, key

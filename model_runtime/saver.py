@@ -1,9 +1,14 @@
 """Sends captured states to the cache daemon in the background.
 
 The model thread only copies a sequence's state out of llama.cpp (``get_data``); this
-sender does the rest (blob encoding, checksums, reserve, write, commit) so decoding never
-waits for the cache. When the daemon is slow or gone, saves are dropped and counted,
-never retried into a growing backlog.
+sender does the rest (cutting, blob encoding, checksums, reserve, write, commit) so
+decoding never waits for the cache. When the daemon is slow or gone, saves are dropped
+and counted, never retried into a growing backlog.
+
+A state that can be cut (plain attention) is stored as a piece: the daemon is asked for
+the stored state sharing the most leading tokens with it, and only the cells after
+those are sent, built on that state's chain (see pieces.py). So a ``finish`` save after
+a restore, or a conversation over a stored system prompt, stores only what is new.
 """
 
 from __future__ import annotations
@@ -17,7 +22,12 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvcache.client import CacheClient, CacheError, CacheUnavailable, Identity
+import grpc
+
+from kvcache.client import CacheClient, CacheError, CacheUnavailable, Identity, SaveResult
+
+from . import pieces
+from .kv_cells import StateFormatError
 
 log = logging.getLogger("model_runtime.saver")
 
@@ -29,12 +39,17 @@ class SaveJob:
     state: bytes | memoryview  # the sequence state as llama.cpp wrote it
     reason: str
     key: bytes  # the key the daemon will give it (computed locally for finish_key)
+    as_cells: bool = False  # a plain-attention state: stored as a run of cells
 
 
 class Saver:
     def __init__(self, client: CacheClient | None, counters: Counter[str],
-                 counters_lock: threading.Lock, max_pending: int = 8) -> None:
+                 counters_lock: threading.Lock, max_pending: int = 8,
+                 min_shared_tokens: int = 64) -> None:
         self.client = client
+        # A stored prefix shorter than this is not built on: a piece would keep a whole
+        # blob of another entry alive for a few of its cells.
+        self.min_shared_tokens = max(1, min_shared_tokens)
         self.counters = counters
         self._lock = counters_lock
         self._queue: queue.Queue[SaveJob | None] = queue.Queue(maxsize=max_pending)
@@ -85,11 +100,14 @@ class Saver:
             try:
                 assert self.client is not None
                 t0 = time.perf_counter()
-                result = self.client.save(job.identity, job.tokens, job.state, job.reason)
+                result, base = self._send(job)
                 if result.status == "saved":
                     self.on_saved(job.reason, time.perf_counter() - t0)
                     self._count(f"saves_{job.reason}")
                     self._count("tokens_saved", len(job.tokens))
+                    self._count("tokens_stored", len(job.tokens) - base)
+                    if base:
+                        self._count("saves_built_on_prefix")
                 else:
                     self._count(f"saves_skipped_{result.status}")
             except CacheUnavailable as exc:
@@ -105,6 +123,41 @@ class Saver:
                             exc, exc_info=not isinstance(exc, CacheError))
             finally:
                 self._finish(job.key)
+
+    def _send(self, job: SaveJob) -> tuple[SaveResult, int]:
+        """Save the job's state; returns the result and the tokens taken from a parent."""
+        client = self.client
+        assert client is not None
+        if not job.as_cells:
+            return client.save(job.identity, job.tokens, job.state, job.reason), 0
+        n = len(job.tokens)
+        hit = client.lookup(job.identity, job.tokens, common_prefix=True)
+        if hit is not None and hit.matched_tokens == hit.entry_tokens == n:
+            return SaveResult("already_present", hit.key), 0
+        # At least the last cell is stored: an entry needs a blob of its own (its key is
+        # reported and resumed from), also where a longer entry holds all of it.
+        shared = min(hit.matched_tokens, n - 1) if hit is not None else 0
+        parent = hit.parent_for(shared) if hit is not None else None
+        try:
+            if parent is not None and shared >= self.min_shared_tokens:
+                try:
+                    return self._save_cells(job, parent.key, shared), shared
+                except CacheError as exc:
+                    if exc.code != grpc.StatusCode.NOT_FOUND:
+                        raise
+                    self._count("saves_parent_gone")  # evicted since the lookup
+            return self._save_cells(job, b"", 0), 0
+        except StateFormatError as exc:  # not one run of cells: stored whole
+            log.debug("state of %d tokens saved whole: %s", n, exc)
+            return client.save(job.identity, job.tokens, job.state, job.reason), 0
+
+    def _save_cells(self, job: SaveJob, parent: bytes, base: int) -> SaveResult:
+        assert self.client is not None
+        piece = pieces.cut(job.state, base)
+        if piece.n_cells != len(job.tokens):
+            raise StateFormatError(f"{piece.n_cells} cells for {len(job.tokens)} tokens")
+        return self.client.save(job.identity, job.tokens, piece.payload, job.reason,
+                                parent=parent, base=base, cell_layout=piece.cell_layout)
 
     def flush(self, timeout: float) -> bool:
         """Wait until every queued save is done; False if the deadline passed first."""

@@ -598,10 +598,12 @@ def test_request_over_a_corrupt_entry_completes_like_a_cold_run(
         else:
             target = blob_file(d, victim)
         if kind == "swapped":
-            # The other model's state of exactly these tokens: same size, valid checksums,
-            # a prefix of the prompt. Only its namespace (hence its key) differs.
+            # The other model's finish entry of the same request: the same size (a piece
+            # of 43 cells on its 64-token cold entry), valid checksums, the prompt's
+            # first 100 tokens. Only its namespace and generated tokens (hence its key)
+            # differ.
             with runtime(other_model) as rt_b:
-                b = rt_b.complete(tokens=p + first.tokens[:-1], max_tokens=1)
+                b = rt_b.complete(tokens=p, max_tokens=8)
                 flush(rt_b)
             donor = blob_file(d, bytes.fromhex(b.finish_key))
             assert donor.stat().st_size == target.stat().st_size

@@ -20,6 +20,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -351,6 +352,19 @@ def _daemon_traffic(d: DaemonProcess) -> None:
         c.unpin(saved_a.key)
         c.delete(saved_a.key)
 
+        # A piece built on an entry (pieces_committed), one on a parent that is gone
+        # (saves_parent_gone); deleting the parent takes its piece (dependents_removed).
+        root = toks(60, 20)
+        saved_root = c.save(IDENT, root, payload_for(root, 300), "cold")
+        child = root + toks(61, 10)
+        c.save(IDENT, child, payload_for(child, 100), "finish", parent=saved_root.key,
+               base=20)
+        with pytest.raises(CacheError) as gone:
+            c.save(IDENT, child + [7], payload_for(child, 100), "finish", parent=bytes(16),
+                   base=20)
+        assert gone.value.code == grpc.StatusCode.NOT_FOUND
+        assert c.delete(saved_root.key) == 1
+
         # Fill the disk budget until older entries are evicted.
         for i in range(60):
             t = toks(100 + i, 20)
@@ -528,6 +542,18 @@ def _runtime_traffic(d: DaemonProcess, model: Path) -> tuple[dict[str, float], d
         c.stub.Abort(pb.AbortRequest(lease_id=held.lease_id), timeout=10)
         assert rt.stats()["saves_skipped_in_flight"] >= 1
 
+        # The parent a save builds on is deleted between its lookup and its reserve
+        # (as an eviction could): stored whole instead (saves_parent_gone).
+        p9 = tokens(26, 100)
+        rt.engine.saver.client = ParentVanishes(d.address)
+        try:
+            rt.complete(tokens=p9, max_tokens=4)  # cold@64, then finish built on it
+            flush(rt)
+        finally:
+            rt.engine.saver.client.close()
+            rt.engine.saver.client = rt.engine.cache
+        assert rt.stats()["saves_parent_gone"] == 1
+
         # A state bigger than the daemon's whole disk budget is refused.
         rt.complete(tokens=tokens(22, 7000), max_tokens=2)
         flush(rt)
@@ -565,6 +591,31 @@ def _runtime_traffic(d: DaemonProcess, model: Path) -> tuple[dict[str, float], d
     finally:
         rt.close()
         c.close()
+
+
+class ParentVanishes(CacheClient):
+    """A real client whose first lookup that finds a stored prefix deletes it before
+    answering: the save about to build on it finds its parent gone."""
+
+    deleted = False
+
+    def lookup(self, *args: Any, **kwargs: Any) -> Any:
+        hit = super().lookup(*args, **kwargs)
+        if hit is not None and hit.matched_tokens >= CONFIG.min_save_tokens \
+                and not self.deleted:
+            self.deleted = True
+            # Refused while the daemon copies the new entry into RAM (a read): retried.
+            wait_for(lambda: self._deleted(hit.key), "the parent's delete", timeout=10)
+        return hit
+
+    def _deleted(self, key: bytes) -> bool:
+        try:
+            self.delete(key)
+        except CacheError as exc:
+            if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            return False
+        return True
 
 
 def _misdirected_runtime_traffic(d: DaemonProcess, model: Path,

@@ -1,0 +1,198 @@
+"""The runtime stores states as pieces and restores them joined: real llama.cpp (the tiny
+generated model), a real daemon, real files.
+
+A save stores only the cells after the longest prefix the daemon already holds; a restore
+joins the pieces of a chain into llama.cpp's own bytes. Greedy output after a restore
+from pieces, after a cut of a longer or diverging chain, and from an entry of the
+previous (whole-state) format equals a cold prefill's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest_llama import prefill
+from daemon_proc import DaemonProcess
+from test_kv_cells import fresh_state, new_ctx
+from test_kv_cells import prompt as model_prompt
+from test_runtime import CONFIG, TEXT_A, TEXT_B, daemon_counters, delta, flush, prompt
+
+from kvcache.blob import BlobMeta
+from kvcache.client import CacheClient, LoadedBlob
+from model_runtime import pieces
+from model_runtime.llama_backend import LlamaModel
+from model_runtime.runtime import Runtime
+
+# These tests follow the daemon path (no live reuse), with states of at least 8 tokens.
+PIECES_CONFIG = replace(CONFIG, n_seq_max=1)
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Iterator[DaemonProcess]:
+    daemon = DaemonProcess(tmp_path / "data", "--block-size", "32").start()
+    yield daemon
+    daemon.close()
+
+
+@pytest.fixture
+def make_runtime(cache: DaemonProcess, tiny_model: Path) -> Iterator[Callable[..., Runtime]]:
+    made: list[Runtime] = []
+
+    def make(cache_address: str | None = cache.address, **overrides: Any) -> Runtime:
+        rt = Runtime(tiny_model, cache_address=cache_address,
+                     config=replace(PIECES_CONFIG, **overrides))
+        made.append(rt)
+        return rt
+
+    yield make
+    for rt in reversed(made):
+        rt.close()
+
+
+def disk_bytes(address: str) -> tuple[int, int]:
+    """(stored bytes, logical bytes) of the daemon."""
+    with CacheClient(address, timeout=10) as c:
+        stats = c.stats()
+    return next(t.bytes for t in stats.tiers if t.tier == 2), stats.logical_bytes
+
+
+def blob(tokens: list[int], payload: bytes | memoryview, base: int = 0, parent: bytes = b"",
+         layout: bytes = b"") -> LoadedBlob:
+    meta = BlobMeta(namespace=b"n" * 16, model_fingerprint="fp", kv_layout={}, tokens=tokens,
+                    reason="finish", parent=parent, base=base, cell_layout=layout)
+    return LoadedBlob(meta, memoryview(payload), "ram", len(payload), key=bytes(16))
+
+
+def test_joined_pieces_are_llama_cpp_bytes(tiny_model: Path) -> None:
+    with LlamaModel(tiny_model) as model, new_ctx(model) as ctx:
+        tokens = model_prompt(model, 150)
+        state = fresh_state(ctx, 0, tokens)
+        for cuts in ([0], [0, 1], [0, 32, 33], [0, 77, 140, 149]):
+            chain = []
+            for i, base in enumerate(cuts):
+                end = cuts[i + 1] if i + 1 < len(cuts) else len(tokens)
+                piece = pieces.cut(state, base)
+                # Each piece as a save stores it: its own cells, to the end of its tokens.
+                chain.append(blob(tokens[:end] if i + 1 < len(cuts) else tokens,
+                                  bytes(piece.payload)[: (end - base) * model_width(piece)],
+                                  base, b"p" * 16 if base else b"", piece.cell_layout))
+            assert bytes(pieces.join(chain, 150, seq_id=0).state) == state
+            # Any shorter prefix of the chain is llama.cpp's state of those tokens.
+            assert bytes(pieces.join(chain, 100, seq_id=0).state) == \
+                fresh_state(ctx, 0, tokens[:100])
+        assert bytes(pieces.join(chain, 100, seq_id=3).state) == \
+            fresh_state(ctx, 3, tokens[:100])
+
+
+def model_width(piece: pieces.Cut) -> int:
+    return pieces.decode_layout(piece.cell_layout).cell_width
+
+
+def test_pieces_that_do_not_fit_are_refused() -> None:
+    layout = b"\x85"  # not a layout
+    with pytest.raises(pieces.StateFormatError):
+        pieces.join([blob([1, 2], b"xx", layout=layout)], 2, seq_id=0)
+    whole = blob([1, 2, 3], b"state")
+    assert pieces.join([whole], 2, seq_id=0).n_tokens == 3  # cut after the restore
+    with pytest.raises(pieces.StateFormatError, match="whole state"):
+        pieces.join([whole, whole], 3, seq_id=0)
+
+
+def test_conversations_over_one_system_prompt_store_it_once(
+        make_runtime: Callable[..., Runtime], cache: DaemonProcess, tiny_model: Path) -> None:
+    rt = make_runtime()
+    system = prompt(rt, 300)
+    users = [rt.tokenize(f" question {i}: " + TEXT_B * (i + 1))[1:] for i in range(4)]
+    first = rt.complete(tokens=system + users[0], prefix_tokens=300, max_tokens=12)
+    flush(rt)
+    stored_one, logical_one = disk_bytes(cache.address)
+    before = dict(rt.stats())
+    outs = [rt.complete(tokens=system + u, prefix_tokens=300, max_tokens=12) for u in users[1:]]
+    flush(rt)
+    after = dict(rt.stats())
+    assert first.cache_hit_kind == "cold"
+    assert {o.cache_hit_kind for o in outs} == {"partial"}
+    # Every later save was a piece on the stored prompt: only new cells were sent.
+    saves = delta(before, after, "saves_finish")
+    assert saves == 3 and delta(before, after, "saves_built_on_prefix") == saves
+    assert delta(before, after, "tokens_stored") < delta(before, after, "tokens_saved") / 4
+    stored, logical = disk_bytes(cache.address)
+    # Three more conversations of ~330 tokens cost about their own ~60 tokens each.
+    assert stored - stored_one < (logical - logical_one) / 3
+    # Greedy output from pieces equals a cold prefill's, for each conversation.
+    plain = make_runtime(cache_address=None)
+    for u, out in zip(users[1:], outs, strict=True):
+        assert out.tokens == plain.complete(tokens=system + u, max_tokens=12).tokens
+    # A fresh runtime restores a whole conversation (its finish piece on the prompt).
+    again = make_runtime()
+    full = system + users[2] + outs[1].tokens[:-1]
+    warm = again.complete(tokens=full + users[3], max_tokens=12)
+    assert warm.cache_hit_kind == "partial" and warm.cache_delta["tokens_read"] == len(full)
+    assert warm.tokens == plain.complete(tokens=full + users[3], max_tokens=12).tokens
+
+
+def test_a_save_after_a_restore_writes_only_new_cells(make_runtime: Callable[..., Runtime],
+                                                      cache: DaemonProcess) -> None:
+    rt = make_runtime()
+    p = prompt(rt, 200)
+    first = rt.complete(tokens=p, max_tokens=10)
+    flush(rt)
+    turn = p + first.tokens[:-1] + rt.tokenize(TEXT_B)[1:]
+    before_daemon = daemon_counters(cache.address)
+    resumed = make_runtime()
+    second = resumed.complete(tokens=turn, max_tokens=10)
+    flush(resumed)
+    read = second.cache_delta["tokens_read"]
+    assert second.cache_hit_kind == "partial" and read == len(p) + len(first.tokens) - 1
+    # Each of its saves was a piece on what it restored: none re-sent those cells.
+    stats = resumed.stats()
+    n_saves = len(second.saves)
+    assert n_saves and stats["saves_built_on_prefix"] == n_saves
+    assert stats["tokens_stored"] <= stats["tokens_saved"] - n_saves * read
+    assert delta(before_daemon, daemon_counters(cache.address), "pieces_committed") == n_saves
+
+
+def test_a_diverging_chain_is_cut_and_matches_cold(make_runtime: Callable[..., Runtime]
+                                                   ) -> None:
+    rt = make_runtime()
+    base = prompt(rt, 260)
+    rt.complete(tokens=base, max_tokens=6)
+    flush(rt)
+    # Shares the first 150 tokens with the stored chain, then diverges.
+    diverging = base[:150] + rt.tokenize(TEXT_B * 3)[1:]
+    warm = make_runtime().complete(tokens=diverging, max_tokens=12)
+    cold = make_runtime(cache_address=None).complete(tokens=diverging, max_tokens=12)
+    assert warm.cache_hit_kind == "partial" and warm.cache_delta["tokens_read"] == 150
+    assert warm.tokens == cold.tokens
+
+
+def test_an_entry_of_the_previous_format_is_restored(make_runtime: Callable[..., Runtime],
+                                                     cache: DaemonProcess) -> None:
+    rt = make_runtime()
+    p = prompt(rt, 120, TEXT_A)
+    # The state as the previous version stored it: whole, no parent, no cell layout.
+    with CacheClient(cache.address) as c:
+        assert c.save(rt.identity, p, whole_state(rt, p), "finish").status == "saved"
+    question = p + rt.tokenize(TEXT_B)[1:]
+    warm = make_runtime().complete(tokens=question, max_tokens=12)
+    cold = make_runtime(cache_address=None).complete(tokens=question, max_tokens=12)
+    assert warm.cache_hit_kind == "partial" and warm.cache_delta["tokens_read"] == len(p)
+    assert warm.tokens == cold.tokens
+
+
+def whole_state(rt: Runtime, tokens: list[int]) -> bytes:
+    """llama.cpp's state of ``tokens``, from the runtime's own (idle) context."""
+    ctx = rt.engine.ctx
+
+    def run() -> bytes:
+        ctx.seq_clear(0)
+        prefill(ctx, 0, tokens)
+        state = bytes(ctx.state_seq_get(0))
+        ctx.seq_clear(0)
+        return state
+
+    return rt.engine.call(run)
