@@ -7,7 +7,9 @@ lease, budgets far above what the run writes, so nothing is ever evicted). Each 
 starts client threads that save (same-host fast path and streamed), look up, load (both
 paths), pin, unpin, verify and prune, then kills the daemon with SIGKILL a random
 20-400 ms later and restarts it. Prunes and deletes only target a separate
-"disposable" model, so an acknowledged entry is never legitimately removed.
+"disposable" model, so an acknowledged entry is never legitimately removed. Some saves are pieces built on an
+acknowledged entry (its first tokens, then new ones), so kills land in saves of shared
+prefixes too.
 
 Now and then the kill lands while the daemon is still starting (reconciling) or in the
 middle of a graceful shutdown (SIGTERM, then SIGKILL up to 50 ms later).
@@ -18,6 +20,8 @@ After every restart, before any client touches the daemon:
 * index and files agree: every listed entry has its blob file of the right size (and
   its RAM copy when it says it has one), and every blob or RAM file is listed; no new
   file in quarantine;
+* no listed piece misses its parent (an entry is never visible without what it is built
+  on), and every acknowledged piece's chain loads and fits;
 * every acknowledged entry (its Commit answered OK, status ``saved``) is listed with its
   size, and pinned as its last answered Pin/Unpin said; no entry whose prune or delete
   was answered is back;
@@ -83,7 +87,8 @@ MAX_PROBLEMS = 40
 
 # Operation mix of a client thread (weights).
 OPS: dict[str, int] = {
-    "save_kept": 30, "save_disposable": 10, "save_duplicate": 5, "read_kept": 20,
+    "save_kept": 30, "save_piece": 12, "save_disposable": 10, "save_duplicate": 5,
+    "read_kept": 20,
     "read_kept_common_prefix": 5,
     "read_disposable": 6, "pin": 6, "unpin": 5, "verify_one": 3, "prune": 4, "delete": 2,
     "miss": 4,
@@ -103,9 +108,16 @@ def payload_size(tokens: list[int]) -> int:
     return rng.randrange(200, 16_000)
 
 
-def payload_for(tokens: list[int]) -> bytes:
-    """Size and bytes follow from the tokens alone: any entry found can be checked."""
-    return random.Random(keys.tokens_to_bytes(tokens)).randbytes(payload_size(tokens))
+def payload_for(tokens: list[int], base: int = 0) -> bytes:
+    """Size and bytes follow from the tokens (and, for a piece, its base) alone: any
+    entry found can be checked."""
+    seed = keys.tokens_to_bytes(tokens) + (f"/{base}".encode() if base else b"")
+    return random.Random(seed).randbytes(payload_size(tokens))
+
+
+def saved_payload(meta: blobfmt.BlobMeta) -> bytes:
+    """What was saved as the blob of this metadata."""
+    return payload_for(list(meta.tokens), meta.base)
 
 
 def entry_key(identity: Identity, tokens: list[int]) -> bytes:
@@ -135,6 +147,7 @@ class Ledger:
     lock: threading.Lock = field(default_factory=threading.Lock)
     acked: dict[bytes, tuple[int, ...]] = field(default_factory=dict)  # key -> tokens
     acked_size: dict[bytes, int] = field(default_factory=dict)  # key -> committed bytes
+    acked_base: dict[bytes, int] = field(default_factory=dict)  # key -> a piece's base
     acked_keys: list[bytes] = field(default_factory=list)
     since_check: list[bytes] = field(default_factory=list)
     disposable: dict[bytes, tuple[int, ...]] = field(default_factory=dict)
@@ -174,11 +187,12 @@ class Ledger:
         else:
             self.count("lost_reports")
 
-    def ack(self, key: bytes, tokens: list[int], size: int) -> None:
+    def ack(self, key: bytes, tokens: list[int], size: int, base: int = 0) -> None:
         with self.lock:
             if key not in self.acked:
                 self.acked[key] = tuple(tokens)
                 self.acked_size[key] = size
+                self.acked_base[key] = base
                 self.acked_keys.append(key)
                 self.since_check.append(key)
             self.counts["saves_acknowledged"] += 1
@@ -264,6 +278,37 @@ class Worker:
         if result.status == "saved":  # Commit answered OK: this entry must survive anything
             self.ledger.ack(result.key, tokens, result.size)
 
+    def op_save_piece(self, client: CacheClient) -> None:
+        """A piece built on an acknowledged entry: its first ``base`` tokens are the
+        parent's (where the parent's own cells hold the last of them), then new ones."""
+        picked = self.ledger.random_acked(self.rng)
+        if picked is None:
+            return
+        parent, parent_tokens = picked
+        with self.ledger.lock:
+            parent_base = self.ledger.acked_base[parent]
+        if len(parent_tokens) <= parent_base:
+            return
+        base = self.rng.randrange(parent_base + 1, len(parent_tokens) + 1)
+        tokens = parent_tokens[:base] + [self.rng.randrange(1, 60_000)
+                                         for _ in range(self.rng.randrange(1, 40))]
+        reason = self.rng.choice(blobfmt.SAVE_REASONS)
+        try:
+            result = client.save(KEPT, tokens, payload_for(tokens, base), reason,
+                                 parent=parent, base=base)
+        except CacheError as exc:
+            if exc.code is not None and exc.code.name == "NOT_FOUND":
+                self.ledger.lose(parent, "a piece's reserve found its parent gone")
+                return
+            if exc.code is not None and exc.code.name == "INVALID_ARGUMENT":
+                self.ledger.problem("server_errors", f"save_piece refused: {exc}")
+                return
+            raise
+        self.ledger.count(f"saves_{result.status}")
+        self.ledger.count("pieces_saved")
+        if result.status == "saved":
+            self.ledger.ack(result.key, tokens, result.size, base)
+
     def op_save_disposable(self, client: CacheClient) -> None:
         # Tokens of their own every time, so a removed entry can never come back legitimately.
         tokens = [self.rng.randrange(1, 60_000) for _ in range(self.rng.randrange(1, 80))]
@@ -293,7 +338,8 @@ class Worker:
         self.ledger.count("loads_fast" if self.fast else "loads_stream")
         tokens = list(loaded.meta.tokens)
         identity = KEPT if loaded.meta.namespace == KEPT.namespace else DISPOSABLE
-        if entry_key(identity, tokens) != key or bytes(loaded.payload) != payload_for(tokens):
+        if entry_key(identity, tokens) != key or bytes(loaded.payload) != saved_payload(
+                loaded.meta):
             self.ledger.problem("wrong_bytes_served",
                                 f"load of {key.hex()} ({'fast' if self.fast else 'stream'}) "
                                 f"returned other bytes than were saved")
@@ -629,6 +675,10 @@ class CrashHarness:
             elif pb.TIER_RAM not in entry.tiers and ram_size is not None:
                 ledger.problem("index_file_mismatches", f"{key.hex()}: a RAM copy the "
                                "index does not know")
+        for key, entry in listed.items():  # no piece is visible without its parent
+            if entry.parent and entry.parent not in listed:
+                ledger.problem("broken_chains", f"{key.hex()}: listed, its parent "
+                               f"{entry.parent.hex()} is not")
         for key in on_disk:
             ledger.problem("index_file_mismatches", f"{key.hex()}: blob file not indexed")
         for key in in_ram:
@@ -644,10 +694,19 @@ class CrashHarness:
         except CacheError as exc:
             self.ledger.lose(key, f"load after restart {self.restarts}: {exc}")
             return False
-        if list(loaded.meta.tokens) != tokens or bytes(loaded.payload) != payload_for(tokens):
+        if list(loaded.meta.tokens) != tokens or bytes(loaded.payload) != saved_payload(
+                loaded.meta):
             self.ledger.problem("wrong_bytes_served", f"{key.hex()} after restart "
                                 f"{self.restarts} holds other bytes than were saved")
             return False
+        if loaded.meta.parent:  # every piece it is built on is there and fits
+            try:
+                chain = client.load_chain(key, prefix_of=tokens)
+            except CacheError as exc:
+                self.ledger.lose(key, f"its chain after restart {self.restarts}: {exc}")
+                return False
+            self.ledger.count("chains_checked")
+            self.ledger.count("chain_links_checked", len(chain))
         return True
 
     def check_unacknowledged(self, client: CacheClient, key: bytes, entry: pb.Entry) -> bool:
@@ -658,7 +717,8 @@ class CrashHarness:
             return False
         tokens = list(loaded.meta.tokens)
         identity = KEPT if entry.model_name == KEPT.model_name else DISPOSABLE
-        if entry_key(identity, tokens) != key or bytes(loaded.payload) != payload_for(tokens):
+        if entry_key(identity, tokens) != key or bytes(loaded.payload) != saved_payload(
+                loaded.meta):
             self.ledger.problem("wrong_bytes_served", f"unacknowledged entry {key.hex()} "
                                 "holds other bytes than were saved")
             return False
@@ -743,7 +803,7 @@ class CrashHarness:
                     "index_file_mismatches", "unverified", "quarantined_files",
                     "corrupt_reported", "unexpected_errors", "wrong_keys", "hangs",
                     "resurrected", "pin_state_lost", "server_errors", "vanished_entries",
-                    "restart_failures")
+                    "restart_failures", "broken_chains")
         ok = not self.ledger.lost and not any(n[f] for f in failures)
         restarts = sorted(self.restart_seconds)
         return {
@@ -756,6 +816,10 @@ class CrashHarness:
             "restarts": self.restarts,
             "saves_acknowledged": n["saves_acknowledged"],
             "entries_acknowledged": len(self.ledger.acked),
+            "pieces_acknowledged": sum(1 for b in self.ledger.acked_base.values() if b),
+            "chains_checked": n["chains_checked"],
+            "chain_links_checked": n["chain_links_checked"],
+            "broken_chains": n["broken_chains"],
             "entries_checked": n["entries_checked"],
             "presence_checks": n["presence_checks"],
             "verified_entries": n["verified_entries"],
