@@ -405,6 +405,24 @@ def test_metadata_byte_fields_of_another_type_are_refused_without_allocating(
         assert "metadata" in message
 
 
+@pytest.mark.parametrize("fields", [
+    {"parent": b"\x01" * 15, "base": 1}, {"parent": b"\x01" * 16, "base": 0},
+    {"parent": b"\x01" * 16, "base": 3}, {"parent": b"\x01" * 16, "base": -1},
+    {"parent": b"\x01" * 16, "base": 2**63}, {"parent": b"\x01" * 16, "base": "1"},
+    {"parent": b"\x01" * 16, "base": True}, {"base": 2}, {"parent": 2**40, "base": 1},
+    {"parent": "text", "base": 1}, {"cell_layout": 2**40}, {"cell_layout": [1]},
+])
+def test_piece_metadata_that_does_not_fit_its_tokens_is_refused(fields: dict[str, Any]
+                                                                ) -> None:
+    """A piece names a 16-byte parent and 0 < base < its tokens; anything else (or a
+    base without a parent) is malformed metadata, refused before any allocation."""
+    meta = good_meta([1, 2, 3]).to_dict()
+    meta.update(fields)
+    data = remeta(encode(b"payload", "none", [1, 2, 3]), meta)
+    for message in refused_cheaply(data):
+        assert "metadata" in message
+
+
 # ============================================================================ daemon RPCs
 
 IA, NF, OOR = Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.OUT_OF_RANGE
@@ -421,7 +439,9 @@ class Rpc:
 
 RPCS = [
     Rpc("Lookup", "unary", pb.LookupRequest, frozenset({IA}), 120),
-    Rpc("Reserve", "unary", pb.ReserveRequest, frozenset({IA, Code.RESOURCE_EXHAUSTED}), 120),
+    # NOT_FOUND: a piece whose parent entry is not published.
+    Rpc("Reserve", "unary", pb.ReserveRequest, frozenset({IA, NF, Code.RESOURCE_EXHAUSTED}),
+        120),
     Rpc("Write", "client_stream", pb.WriteChunk, frozenset({IA, NF, OOR}), 80),
     Rpc("Commit", "unary", pb.CommitRequest, frozenset({IA, NF}), 50),
     Rpc("Abort", "unary", pb.AbortRequest, frozenset({NF}), 40),
