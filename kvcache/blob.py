@@ -149,7 +149,8 @@ class BlobMeta:
 
 def _as_int(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise BlobError(f"bad blob metadata: {value!r} is not an integer")
+        raise BlobError(f"bad blob metadata: a {type(value).__name__} where an integer "
+                        "belongs")
     return value
 
 

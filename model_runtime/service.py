@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from kvcache.auth import ServerAuth, add_tcp_port, refuse_unprotected_tcp, tcp_security
-from kvcache.server import grpc_server
+from kvcache.server import details, grpc_server
 from kvcache.unix_socket import OwnedSocket
 
 from .engine import Completion, RuntimeError_, TokenEvent
@@ -89,11 +89,14 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
                         yield pb.CompleteEvent(text=event.text, token=max(event.token, 0))
                 else:
                     yield pb.CompleteEvent(done=completion_message(event))
+        # Messages are cut (details): one echoing a long field did not fit gRPC's 16 KiB
+        # of metadata, and the refusal arrived as RESOURCE_EXHAUSTED.
         except RuntimeError_ as exc:
             context.abort(ERROR_CODES.get(exc.code, grpc.StatusCode.UNKNOWN),
-                          f"{exc.code}: {exc}")
+                          details(RuntimeError(f"{exc.code}: {exc}")))
         except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid_argument: {exc}")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          details(ValueError(f"invalid_argument: {exc}")))
 
     def Stats(self, request: pb.RuntimeStatsRequest, context: Any) -> pb.RuntimeStatsResponse:
         rt = self.runtime

@@ -217,6 +217,9 @@ def test_client_record_and_stats(stack: tuple[DaemonProcess, RuntimeProcess]) ->
     (request(prompt="hi", temperature=-1.0), "temperature"),
     (request(tokens=[5] * 5000, max_tokens=4), "prompt_too_long"),
     (request(prompt="hi", parent_key="not hex"), "32 hex digits"),
+    # Echoed in the message: cut to fit gRPC's 16 KiB of metadata (it came back as
+    # RESOURCE_EXHAUSTED).
+    (request(prompt="hi", parent_key="x" * 30_000), "32 hex digits"),
 ])
 def test_bad_input_is_invalid_argument_and_the_service_keeps_serving(
         stub: pb_grpc.ModelRuntimeStub, bad: pb.CompleteRequest, fragment: str) -> None:
