@@ -82,9 +82,14 @@ class Record:
 
     @property
     def logical_size(self) -> int:
-        """Bytes the entry's whole state would take stored alone (a piece's size scaled
-        from its own tokens to all of them; header overhead makes it an estimate)."""
-        return self.size if not self.base else self.size * self.n_tokens // self.own_tokens
+        """Bytes the entry's whole state would take stored alone, estimated for a piece:
+        its blob plus its payload's bytes per token for the ``base`` tokens it takes from
+        its chain. (The blob also holds every token id, 4 bytes each, and about half a
+        kilobyte of other metadata: not payload.)"""
+        if not self.base:
+            return self.size
+        payload = max(0, self.size - 4 * self.n_tokens - 512)
+        return self.size + payload * self.base // self.own_tokens
 
     def seal(self) -> bytes:
         """xxh3_64 of the fields its blob vouches for, kept in the ``seals`` database at
