@@ -8,18 +8,19 @@ Python, llama-cpp-python, model file and size), then per thread count:
 1. ``cold`` vs ``warm_exact``: TTFT of a cold prefill of an N-token shared system prompt
    (N = 2048; 512 with ``--quick``) vs a warm *exact* hit on it, restored from the RAM tier
    of a real kvcache daemon (a child process) by an in-process :class:`Runtime`.
-   Target: cold / warm >= 100x.
+   Target: cold / warm >= 200x.
 2. ``floor``: the same state restored in-process from a local file without the daemon
    (read file, ``state_seq_set``, drop the last cell, decode it, argmax), timed end to end
    on the runtime's own context and model thread. Two ways to read the file: ``numpy``
    (an uninitialized buffer: the floor of the target) and ``bytearray`` (a zero-filled
-   buffer, as kvcache.client reads a local blob). Target: warm / numpy floor <= 1.5x
+   buffer). The warm path reads pieces (cell-major runs) and joins them into llama.cpp's
+   format, where the floor sets llama.cpp's own bytes. Target: warm / numpy floor <= 1.3x
    (median of interleaved pairs). ``resolve_breakdown`` times the cache I/O piece by piece.
 3. ``decode``: generation speed with ``continued`` saves every 64 tokens vs saves off
    (``finish`` saves off in both), after the cached system prompt. The headline is the
    wall-clock rate after the first token (it includes the model thread's
    ``state_seq_get`` and the background sender's CPU use); ``decode_ms`` (llama_decode
-   only) is reported too. Target: with / without >= 0.9 (median of interleaved pairs).
+   only) is reported too. Target: with / without >= 0.95 (median of interleaved pairs).
 4. ``restart_disk``: stop runtime and daemon, delete the daemon's RAM tier directory,
    drop the blob files from the page cache, restart both, request the prompt again: the
    state must come from the disk tier. Reports TTFT and its ratios to cold and warm.
@@ -610,11 +611,11 @@ def targets_of(result: dict[str, Any]) -> list[dict[str, Any]]:
     t = result["threads"]
     return [
         check(f"t{t}: cold TTFT / warm exact TTFT", result["ratios"]["cold_over_warm_median"],
-              ">=", 100.0),
+              ">=", 200.0),
         check(f"t{t}: warm exact TTFT / in-process floor (paired)",
-              result["ratios"]["warm_over_floor_numpy_paired"], "<=", 1.5),
+              result["ratios"]["warm_over_floor_numpy_paired"], "<=", 1.3),
         check(f"t{t}: decode speed with continued saves / without (paired, wall)",
-              result["decode"]["ratios"]["wall_paired"], ">=", 0.9),
+              result["decode"]["ratios"]["wall_paired"], ">=", 0.95),
         check(f"t{t}: restarts that served an exact hit from the disk tier (fraction)",
               result["restart_disk"]["exact_from_disk_fraction"], ">=", 1.0),
     ]
