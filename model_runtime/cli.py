@@ -20,6 +20,7 @@ from kvcache.unix_socket import OwnedSocket
 
 from .config import RuntimeConfig
 from .engine import Completion, RuntimeError_
+from .gateway.command import gateway
 from .llama_backend import KV_CACHE_TYPES, LOG_ENV, LlamaLoadError, ModelFileError
 
 _DEFAULTS = RuntimeConfig()
@@ -333,6 +334,10 @@ def complete(server_address: str | None, prompt: str | None, prompt_file: str | 
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
         click.echo(result.text)
+
+
+# The OpenAI-compatible gateway over supervised `serve` workers (model_runtime/gateway).
+main.add_command(gateway)
 
 
 if __name__ == "__main__":

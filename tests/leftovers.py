@@ -21,9 +21,9 @@ SHM = Path("/dev/shm")
 # The RAM-tier folders kvcache makes, and the per-run folders the tools make for them.
 SHM_PREFIXES = (TIER_PREFIX, "kvcrash-", "kvbench-", "kvbc-")
 # Folders the tests make in /tmp for unix sockets (paths must be short): daemon_proc's
-# kvt*, the runtime tests' rtt*, rtc* and rts*.
+# kvt*, the runtime tests' rtt*, rtc* and rts*, the gateway tests' rtg*.
 TMP = Path("/tmp")
-TMP_PREFIXES = ("kvt", "rtt", "rtc", "rts")
+TMP_PREFIXES = ("kvt", "rtt", "rtc", "rts", "rtg")
 _BEFORE = pytest.StashKey[tuple[set[str], set[str], set[int]]]()
 
 

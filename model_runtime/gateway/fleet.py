@@ -1,0 +1,170 @@
+"""Every worker of every model and tenant, and admission: a slot on the right worker now,
+or a clear refusal.
+
+Tenants: the runtime salts its cache keys with the tenant it was started with, and has no
+per-request tenant. So each tenant named in the API key file gets its own workers (per
+model, ``workers`` of them); a request runs on a worker of its key's tenant, never of one
+the caller names. With no key file, every request has the default tenant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .keys import ApiKeys
+from .metrics import GatewayMetrics
+from .openai_api import ApiError
+from .router import NoFreeSlot, NoReadyWorker, SessionMap, choose
+from .settings import GatewaySettings
+from .worker import FAILED, Flight, Worker
+
+log = logging.getLogger("model_runtime.gateway")
+RETRY_AFTER_S = 1  # what a refused client is told to wait: a slot frees per completion
+RUN_DIR_PREFIX = "kvgw-"
+PID_FILE = "gateway.pid"
+
+
+def sweep_stale_run_dirs(parent: Path = Path("/tmp")) -> list[Path]:
+    """Remove the socket folders of gateways that were killed (SIGKILL runs no clean-up):
+    only folders of this user holding our pid file, whose process is gone."""
+    removed = []
+    for folder in parent.glob(f"{RUN_DIR_PREFIX}*"):
+        try:
+            if folder.stat().st_uid != os.getuid():
+                continue
+            pid = int((folder / PID_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # not one of ours, or not yet written
+        try:
+            os.kill(pid, 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, someone else's
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+class Fleet:
+    def __init__(self, settings: GatewaySettings, keys: ApiKeys | None) -> None:
+        self.settings = settings
+        self.keys = keys
+        self.tenants = keys.tenants if keys is not None else [settings.default_tenant]
+        self.started = time.monotonic()
+        self.stopping = False
+        self._own_run_dir = settings.run_dir is None
+        if settings.run_dir is None:
+            for stale in sweep_stale_run_dirs():
+                log.info("removed %s, left by a gateway that was killed", stale)
+            # Short (unix socket paths are limited to 107 bytes) and owner-only.
+            self.run_dir = Path(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX, dir="/tmp"))
+            (self.run_dir / PID_FILE).write_text(f"{os.getpid()}\n")
+        else:
+            self.run_dir = settings.run_dir
+            self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.metrics = GatewayMetrics(lambda: self.workers)
+        self.workers: list[Worker] = []
+        self.pools: dict[tuple[str, str], list[Worker]] = {}
+        for spec in settings.models:
+            for tenant in self.tenants:
+                pool = self.pools.setdefault((spec.name, tenant), [])
+                for _ in range(spec.workers):
+                    name = f"w{len(self.workers)}"
+                    worker = Worker(name, spec, tenant, self.run_dir / f"{name}.sock",
+                                    settings.cache_address, settings.supervision,
+                                    on_restart=self.metrics.on_restart)
+                    pool.append(worker)
+                    self.workers.append(worker)
+        self.sessions = SessionMap()
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for worker in self.workers:
+            worker.start()
+
+    async def stop(self) -> None:
+        self.stopping = True
+        await asyncio.gather(*(w.stop() for w in self.workers))
+        if self._own_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        else:  # only what the workers made there (a killed runtime leaves its socket)
+            for worker in self.workers:
+                with contextlib.suppress(OSError):
+                    worker.socket_path.unlink()
+
+    # -- what clients see -------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return any(w.ready for w in self.workers)
+
+    def model_names(self) -> list[str]:
+        return [spec.name for spec in self.settings.models]
+
+    def models(self) -> list[dict[str, Any]]:
+        out = []
+        for spec in self.settings.models:
+            n_ctx = max((w.n_ctx for w in self.workers if w.spec.name == spec.name), default=0)
+            out.append({"id": spec.name, "object": "model", "created": 0,
+                        "owned_by": "kvcache", "context_length": n_ctx or None,
+                        "max_model_len": n_ctx or None, "workers": spec.workers,
+                        "path": str(spec.path)})
+        return out
+
+    def status(self) -> dict[str, Any]:
+        return {"gateway": {"pid": os.getpid(), "uptime_s": round(time.monotonic() -
+                                                                  self.started, 3),
+                            "ready": self.ready, "tenants": len(self.tenants)},
+                "models": self.models(),
+                "workers": [w.status() for w in self.workers]}
+
+    # -- admission --------------------------------------------------------------------------
+
+    async def admit(self, model: str, tenant: str, text: str,
+                    session: str) -> tuple[Worker, Flight]:
+        """A slot for the request, or an :class:`ApiError`: 404 for an unknown model, 429
+        (with Retry-After) when every ready worker is busy: never a queue. A request that
+        finds no worker serving (all starting or restarting) waits for one, up to
+        ``ready_wait_s``."""
+        pool = self.pools.get((model, tenant))
+        if pool is None:
+            raise ApiError(404, f"The model '{model}' does not exist; this server has: "
+                                f"{', '.join(self.model_names())}.", param="model",
+                           code="model_not_found")
+        session_key = f"{tenant}\x00{model}\x00{session}"
+        deadline = time.monotonic() + self.settings.supervision.ready_wait_s
+        while True:
+            try:
+                owner = self.sessions.get(session_key) if session else None
+                worker = choose(pool, text, owner)
+                break
+            except NoFreeSlot:
+                raise ApiError(429, f"All {sum(w.slots for w in pool if w.ready)} slots of "
+                                    f"model '{model}' are busy; retry later.",
+                               type="rate_limit_error", code="no_slot_available",
+                               headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            except NoReadyWorker:
+                if self.stopping or all(w.state == FAILED for w in pool):
+                    raise ApiError(503, f"No worker of model '{model}' can serve (crash "
+                                        "loop; see the status endpoint).", type="server_error",
+                                   code="worker_failed") from None
+                if time.monotonic() > deadline:
+                    raise ApiError(503, f"No worker of model '{model}' became ready within "
+                                        f"{self.settings.supervision.ready_wait_s:g} s.",
+                                   type="server_error", code="worker_not_ready",
+                                   headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+                await asyncio.sleep(0.05)
+        if session:
+            self.sessions.set(session_key, worker.name)
+        return worker, worker.acquire()

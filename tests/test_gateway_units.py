@@ -1,0 +1,307 @@
+"""The gateway's pure parts: OpenAI request parsing and response shapes, routing, API keys,
+settings, the log ring and the stall rule. No processes here."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from model_runtime.gateway.keys import ApiKeys, KeyConfigError, check_listener, is_loopback
+from model_runtime.gateway.openai_api import (
+    ApiError,
+    chunk,
+    parse_chat,
+    parse_completion,
+    parse_json,
+    usage,
+)
+from model_runtime.gateway.ring import LogRing
+from model_runtime.gateway.router import (
+    MIN_ROUTE_CHARS,
+    NoFreeSlot,
+    NoReadyWorker,
+    PrefixTracker,
+    SessionMap,
+    choose,
+    common_prefix_len,
+)
+from model_runtime.gateway.settings import (
+    ModelSpec,
+    SettingsError,
+    Supervision,
+    load_config,
+    split_listen,
+)
+from model_runtime.gateway.worker import Flight, Worker, process_cpu_seconds
+from model_runtime.v1 import runtime_pb2 as pb
+
+# --------------------------------------------------------------------------- openai_api
+
+
+def test_chat_defaults_follow_openai() -> None:
+    req = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert (req.temperature, req.top_p, req.max_tokens, req.seed) == (1.0, 1.0, None, None)
+    assert not req.stream and not req.include_usage and req.stop == []
+    proto = req.to_proto(n_ctx=2048)
+    assert proto.max_tokens == 2048  # no limit given: until the context is full
+    assert proto.WhichOneof("input") == "chat" and not proto.HasField("seed")
+
+
+def test_chat_fields_are_mapped() -> None:
+    req = parse_chat({
+        "model": "m", "max_tokens": 5, "max_completion_tokens": 7, "seed": 3, "stop": "END",
+        "stream": True, "stream_options": {"include_usage": True},
+        "messages": [{"role": "developer", "content": "be brief"},
+                     {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                  {"type": "text", "text": "b"}]},
+                     {"role": "assistant", "content": None}]},
+        session_header="from-header")
+    assert req.max_tokens == 7 and req.seed == 3 and req.stop == ["END"]
+    assert req.include_usage and req.session_id == "from-header"
+    assert req.messages == [{"role": "system", "content": "be brief"},
+                            {"role": "user", "content": "ab"},
+                            {"role": "assistant", "content": ""}]
+    body_wins = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                            "session_id": "from-body"}, session_header="from-header")
+    assert body_wins.session_id == "from-body"
+
+
+def test_image_parts_are_refused() -> None:
+    with pytest.raises(ApiError) as err:
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x"}}]}]})
+    assert err.value.status == 400 and err.value.param == "messages[0].content"
+
+
+def test_completion_prompts() -> None:
+    assert parse_completion({"model": "m", "prompt": ["one"]}).prompt == "one"
+    assert parse_completion({"model": "m", "prompt": [1, 2, 3]}).tokens == [1, 2, 3]
+    assert parse_completion({"model": "m", "prompt": [[4, 5]]}).tokens == [4, 5]
+    for bad in (["a", "b"], [], "", None, [1.5], [True]):
+        with pytest.raises(ApiError) as err:
+            parse_completion({"model": "m", "prompt": bad})
+        assert err.value.param == "prompt"
+    with pytest.raises(ApiError) as err:
+        parse_completion({"model": "m", "prompt": "x", "echo": True})
+    assert err.value.code == "unsupported_parameter"
+
+
+def test_parse_json_refuses_what_is_not_an_object() -> None:
+    assert parse_json(b'{"a": 1}') == {"a": 1}
+    for body in (b"{", b"[]", b"\xff", b"null"):
+        with pytest.raises(ApiError) as err:
+            parse_json(body)
+        assert err.value.status == 400 and err.value.body()["error"]["code"] == "invalid_json"
+
+
+def test_usage_caps_cached_tokens_at_the_prompt() -> None:
+    done = pb.Completion(prompt_tokens=10, tokens=[1, 2, 3],
+                         cache_delta=pb.CacheDelta(tokens_read=12))
+    assert usage(done) == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
+                           "prompt_tokens_details": {"cached_tokens": 10}}
+
+
+def test_chunks_have_openai_s_shape() -> None:
+    req = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                      "stream": True, "stream_options": {"include_usage": True}})
+    first = chunk(req, "", first=True)
+    assert first["object"] == "chat.completion.chunk" and first["usage"] is None
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    last = chunk(req, usage_body={"prompt_tokens": 1})
+    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 1}
+    text = parse_completion({"model": "m", "prompt": "p", "stream": True})
+    body = chunk(text, "abc")
+    assert body["object"] == "text_completion" and "usage" not in body
+    assert body["choices"][0]["text"] == "abc"
+
+
+def test_a_conversation_s_next_turn_extends_its_routing_text() -> None:
+    turn1 = parse_chat({"model": "m", "messages": [{"role": "system", "content": "S"},
+                                                   {"role": "user", "content": "Q1"}]})
+    assert turn1.messages is not None
+    turn2 = parse_chat({"model": "m", "messages": [*turn1.messages,
+                                                   {"role": "assistant", "content": "A1"},
+                                                   {"role": "user", "content": "Q2"}]})
+    assert turn2.routing_text().startswith(turn1.routing_text("A1"))
+    raw = parse_completion({"model": "m", "prompt": "abc"})
+    assert parse_completion({"model": "m", "prompt": "abcdef!"}).routing_text().startswith(
+        raw.routing_text("def"))
+    assert not turn1.routing_text().startswith(raw.routing_text()[:8])  # kinds never mix
+
+
+# --------------------------------------------------------------------------- router
+
+
+@dataclass
+class FakeWorker:
+    name: str
+    free_slots: int = 1
+    in_flight: int = 0
+    served: int = 0
+    ready: bool = True
+    tracker: PrefixTracker = field(default_factory=PrefixTracker)
+
+
+def test_common_prefix_len() -> None:
+    assert common_prefix_len("", "abc") == 0
+    assert common_prefix_len("abc", "abd") == 2
+    assert common_prefix_len("abc", "abc") == 3
+    assert common_prefix_len("x" * 10_000 + "a", "x" * 10_000 + "b") == 10_000
+
+
+def test_routing_prefers_the_longest_prefix_then_the_least_loaded() -> None:
+    a, b, c = FakeWorker("a", in_flight=0), FakeWorker("b", in_flight=1), FakeWorker("c")
+    history = "conversation " * 10
+    b.tracker.add(history + "reply")
+    assert choose([a, b, c], history + "reply and more") is b
+    assert choose([a, b, c], "something unrelated") is a  # least loaded, then first
+    c.served, a.served = 0, 5
+    assert choose([a, b, c], "something unrelated") is c  # fewest served among the idle
+    short = "x" * (MIN_ROUTE_CHARS - 1)
+    b.tracker.add(short)
+    assert choose([a, b, c], short + "yz") is c  # too short a match counts as none
+    b.free_slots = 0
+    assert choose([a, b, c], history + "reply and more") in (a, c)  # full: elsewhere
+
+
+def test_routing_session_owner_first_and_refusals() -> None:
+    a, b = FakeWorker("a"), FakeWorker("b")
+    assert choose([a, b], "t", session_owner="b") is b
+    a.free_slots = b.free_slots = 0
+    with pytest.raises(NoFreeSlot):
+        choose([a, b], "t")
+    a.ready = b.ready = False
+    with pytest.raises(NoReadyWorker):
+        choose([a, b], "t")
+
+
+def test_trackers_and_session_maps_are_bounded() -> None:
+    tracker = PrefixTracker(max_entries=2, max_chars=5)
+    for text in ("aaaaaaaa", "bbbbbbbb", "cccccccc"):
+        tracker.add(text)
+    assert tracker.longest("aaaaaaaa") == 0 and tracker.longest("cccccccc") == 5
+    sessions = SessionMap(size=2)
+    sessions.set("s1", "w0")
+    sessions.set("s2", "w1")
+    assert sessions.get("s1") == "w0"  # used: s2 is now the oldest
+    sessions.set("s3", "w0")
+    assert sessions.get("s2") is None and sessions.get("s1") == "w0"
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def write_keys(tmp_path: Path, text: str, mode: int = 0o600) -> Path:
+    path = tmp_path / "keys"
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+def test_api_keys_map_to_tenants(tmp_path: Path) -> None:
+    keys = ApiKeys.load(write_keys(tmp_path, "# comment\n" + "k" * 16 + " acme\n\n" +
+                                   "z" * 20 + "\n"))
+    assert keys.tenants == ["", "acme"]
+    assert keys.tenant_of("Bearer " + "k" * 16) == "acme"
+    assert keys.tenant_of("bearer " + "z" * 20) == ""
+    for header in (None, "", "Bearer", "Basic " + "k" * 16, "Bearer " + "k" * 15,
+                   "Bearer " + "k" * 17):
+        assert keys.tenant_of(header) is None
+
+
+@pytest.mark.parametrize("text, mode, message", [
+    ("k" * 16 + "\n", 0o640, "chmod 600"),
+    ("short\n", 0o600, "at least 16"),
+    ("k" * 16 + " a b\n", 0o600, "KEY [TENANT]"),
+    ("k" * 16 + " bad/tenant\n", 0o600, "a tenant is"),
+    ("k" * 16 + "\n" + "k" * 16 + " x\n", 0o600, "already listed"),
+    ("# nothing\n", 0o600, "holds no key"),
+])
+def test_bad_key_files_are_refused(tmp_path: Path, text: str, mode: int, message: str) -> None:
+    with pytest.raises(KeyConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        ApiKeys.load(write_keys(tmp_path, text, mode))
+
+
+def test_listener_rules() -> None:
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("example.com")
+    check_listener("127.0.0.1", None, None, False)
+    check_listener("0.0.0.0", None, None, True)
+    with pytest.raises(KeyConfigError, match="API keys"):
+        check_listener("0.0.0.0", None, None, False)
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def test_settings_are_checked(tmp_path: Path) -> None:
+    assert split_listen("[::1]:8000") == ("::1", 8000)
+    for bad in ("8000", "host:", "host:99999", ":80"):
+        with pytest.raises(SettingsError):
+            split_listen(bad)
+    with pytest.raises(SettingsError, match="set by the gateway"):
+        ModelSpec("m", tmp_path, args=("--socket", "x"))
+    with pytest.raises(SettingsError):
+        ModelSpec("bad name", tmp_path)
+    with pytest.raises(SettingsError):
+        Supervision(stall_window_s=0)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"models": [{"path": str(model), "workers": 2}],
+                                  "supervision": {"stall_window_s": 5}}))
+    loaded = load_config(config)
+    assert loaded["models"][0].name == "m" and loaded["models"][0].workers == 2
+    assert loaded["supervision"] == {"stall_window_s": 5}
+    config.write_text(json.dumps({"modles": []}))
+    with pytest.raises(SettingsError, match="unknown keys"):
+        load_config(config)
+
+
+# --------------------------------------------------------------------------- ring, stall
+
+
+def test_log_ring_keeps_the_last_lines() -> None:
+    ring = LogRing(3)
+    for i in range(5):
+        ring.add(f"line {i}" + "x" * (LogRing.MAX_LINE if i == 4 else 0))
+    assert [line.text[:6] for line in ring.lines()] == ["line 2", "line 3", "line 4"]
+    assert len(ring.lines()[-1].text) == LogRing.MAX_LINE
+
+
+def test_stall_rule_counts_events_and_cpu_as_progress(tmp_path: Path) -> None:
+    worker = Worker("w0", ModelSpec("m", tmp_path), "", tmp_path / "s.sock", None,
+                    Supervision(stall_window_s=1.0))
+    now = time.monotonic()
+    waiting = Flight(1, now - 5, wait_since=now - 2)
+    writing = Flight(2, now - 5, wait_since=None)  # the gateway is writing to its client
+    worker.flights = {2: writing}
+    assert worker._stalled_for(now) is None
+    worker.flights[1] = waiting
+    assert worker._stalled_for(now) == pytest.approx(2)
+    worker.cpu_progress_at = now - 0.5  # the process computes (a prefill): not stalled
+    assert worker._stalled_for(now) is None
+    assert process_cpu_seconds(os.getpid()) > 0
+    assert process_cpu_seconds(2**22 + 12345) is None
+
+
+def test_stale_run_dirs_of_killed_gateways_are_swept(tmp_path: Path) -> None:
+    import subprocess
+
+    from model_runtime.gateway.fleet import PID_FILE, sweep_stale_run_dirs
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale, live, foreign = (tmp_path / "kvgw-a", tmp_path / "kvgw-b", tmp_path / "kvgw-c")
+    for folder in (stale, live, foreign):
+        folder.mkdir()
+    (stale / PID_FILE).write_text(f"{dead.pid}\n")
+    (live / PID_FILE).write_text(f"{os.getpid()}\n")
+    (foreign / "something").write_text("not ours")
+    assert sweep_stale_run_dirs(tmp_path) == [stale]
+    assert not stale.exists() and live.exists() and foreign.exists()
