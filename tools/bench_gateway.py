@@ -8,8 +8,9 @@ Prints ONE JSON document on stdout (progress on stderr). A real kvcache daemon a
 
 1. ``ttft``: time to the first streamed token of warm requests (a shared system prompt,
    a distinct user message each) through the gateway with OpenAI's client, against the
-   same requests sent straight to the worker's gRPC socket, interleaved in one run. The
-   overhead is the median of the paired differences.
+   same requests sent straight to the worker's gRPC socket and to a runtime in this
+   process (same model, threads and daemon), interleaved in one run. The overheads are
+   the medians of the paired differences.
 2. ``throughput``: requests per second with 4 concurrent clients through the gateway.
 3. ``restart``: a worker SIGKILLed; seconds until the gateway reports it ready again, and
    the first request after it (warm from the daemon or not).
@@ -115,6 +116,21 @@ def direct_ttft(stub: pb_grpc.ModelRuntimeStub, msgs: list[dict[str, str]]) -> t
     return (first if first is not None else time.perf_counter() - start), done
 
 
+def in_process_ttft(rt: Any, msgs: list[dict[str, str]]) -> tuple[float, str]:
+    """Seconds to the first token of an in-process Runtime, and its hit kind."""
+    from model_runtime.engine import Completion, TokenEvent
+
+    start = time.perf_counter()
+    first = None
+    kind = ""
+    for event in rt.complete(messages=msgs, max_tokens=8, temperature=0, stream=True):
+        if first is None and isinstance(event, TokenEvent) and event.text:
+            first = time.perf_counter() - start
+        if isinstance(event, Completion):
+            kind = event.cache_hit_kind
+    return (first if first is not None else time.perf_counter() - start), kind
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="GGUF path (default: SmolLM2)")
@@ -151,28 +167,45 @@ def main() -> None:
         worker = first.model_extra["kvcache"]["worker"]
         socket = next(w["socket"] for w in gateway.status()["workers"]
                       if w["name"] == worker)
-        log(f"TTFT: {args.n} pairs on worker {worker}")
-        via, direct, kinds = [], [], set()
-        with grpc.insecure_channel(f"unix:{socket}") as channel:
+        log(f"TTFT: {args.n} triples on worker {worker} and in process")
+        from model_runtime.config import RuntimeConfig
+        from model_runtime.runtime import Runtime
+
+        via, direct, local, kinds = [], [], [], set()
+        config = RuntimeConfig(n_threads=args.threads)
+        with grpc.insecure_channel(f"unix:{socket}") as channel, \
+                Runtime(args.model, cache_address=daemon.address, config=config) as rt:
             stub = pb_grpc.ModelRuntimeStub(channel)
+            in_process_ttft(rt, messages(system, "Hi"))  # its first request restores
             for i in range(args.n):
-                pair = [("gateway", f"Question number {i}, please?"),
-                        ("direct", f"Question number {i}, thanks?")]
-                if i % 2:
-                    pair.reverse()
-                for arm, user in pair:
+                arms = [("gateway", f"Question number {i}, please?"),
+                        ("direct", f"Question number {i}, thanks?"),
+                        ("in_process", f"Question number {i}, right?")]
+                arms = arms[i % 3:] + arms[: i % 3]
+                for arm, user in arms:
                     if arm == "gateway":
                         seconds, details = gateway_ttft(client, model, messages(system, user))
                         via.append(seconds)
                         kinds.add(("gateway", details["hit_kind"], details["worker"]))
-                    else:
+                    elif arm == "direct":
                         seconds, done = direct_ttft(stub, messages(system, user))
                         direct.append(seconds)
                         kinds.add(("direct", done.cache_hit_kind, worker))
-        diffs = sorted(a - b for a, b in zip(via, direct, strict=True))
+                    else:
+                        seconds, kind = in_process_ttft(rt, messages(system, user))
+                        local.append(seconds)
+                        kinds.add(("in_process", kind, "-"))
+
+        def overhead_ms(a: list[float], b: list[float]) -> float:
+            diffs = sorted(x - y for x, y in zip(a, b, strict=True))
+            return round(diffs[len(diffs) // 2] * 1e3, 2)
+
         doc["ttft"] = {"gateway": summarize(via), "direct_grpc": summarize(direct),
-                       "overhead_ms_median": round(diffs[len(diffs) // 2] * 1e3, 2),
+                       "in_process": summarize(local),
+                       "overhead_ms_median": overhead_ms(via, direct),
                        "ratio_paired": paired_ratio(via, direct),
+                       "overhead_vs_in_process_ms_median": overhead_ms(via, local),
+                       "ratio_vs_in_process_paired": paired_ratio(via, local),
                        "hit_kinds": sorted(list(k) for k in kinds)}
 
         # 2. Requests per second, 4 concurrent clients.
