@@ -75,21 +75,16 @@ def test_joined_pieces_are_llama_cpp_bytes(tiny_model: Path) -> None:
             chain = []
             for i, base in enumerate(cuts):
                 end = cuts[i + 1] if i + 1 < len(cuts) else len(tokens)
-                piece = pieces.cut(state, base)
-                # Each piece as a save stores it: its own cells, to the end of its tokens.
-                chain.append(blob(tokens[:end] if i + 1 < len(cuts) else tokens,
-                                  bytes(piece.payload)[: (end - base) * model_width(piece)],
-                                  base, b"p" * 16 if base else b"", piece.cell_layout))
+                # Each piece as a save of tokens[:end] stores it: its cells from its base.
+                piece = pieces.cut(fresh_state(ctx, 0, tokens[:end]), base)
+                chain.append(blob(tokens[:end], piece.payload, base,
+                                  b"p" * 16 if base else b"", piece.cell_layout))
             assert bytes(pieces.join(chain, 150, seq_id=0).state) == state
             # Any shorter prefix of the chain is llama.cpp's state of those tokens.
             assert bytes(pieces.join(chain, 100, seq_id=0).state) == \
                 fresh_state(ctx, 0, tokens[:100])
         assert bytes(pieces.join(chain, 100, seq_id=3).state) == \
             fresh_state(ctx, 3, tokens[:100])
-
-
-def model_width(piece: pieces.Cut) -> int:
-    return pieces.decode_layout(piece.cell_layout).cell_width
 
 
 def test_pieces_that_do_not_fit_are_refused() -> None:
