@@ -20,11 +20,18 @@ The format (llama.cpp as vendored by llama-cpp-python 0.3.36, ``llama-context.cp
 ``v_trans`` is 1 when flash attention is off.  Cells appear in KV-buffer order, which is
 usually, but not always, position order.
 
-Cell-major form (what :func:`cells_bytes` returns and :func:`build_state` consumes):
-each cell is its K row of every layer, then its V values of every layer, the same order
-in which the state lists the planes.  A transposed V is stored untransposed here (the
-cell's ``n_embd_v_gqa`` elements side by side), so every cell is one contiguous record
-and a run can be cut at any cell.
+Two forms of a run of ``n`` cells, both ``n * layout.cell_width`` bytes, both consumed
+by :func:`build_state` (runs of either form join in one state):
+
+- planes (:func:`planes_bytes`, what pieces are stored in): llama.cpp's own data section
+  restricted to the run, without headers: every layer's ``n`` K rows, then every layer's
+  V as ``n`` rows or, transposed, ``n_embd_v_gqa`` channels of ``n`` elements.  Cutting
+  and joining are plain copies of contiguous rows (no transpose), the cheapest for a
+  restore.
+- cells (:func:`cells_bytes`): each cell is its K row of every layer, then its V values
+  of every layer, a transposed V untransposed (the cell's ``n_embd_v_gqa`` elements side
+  by side), so every cell is one contiguous record.  Pieces written by kvcache 0.1's
+  first piece format are in this form and stay readable.
 
 Refused (:class:`StateFormatError`), because cutting them would be wrong or the bytes
 cannot be rebuilt exactly: sliding-window and hybrid models (their state holds a second
@@ -55,10 +62,15 @@ __all__ = [
     "cells_bytes",
     "layout_of",
     "parse",
+    "planes_bytes",
 ]
 
 STATE_MAGIC = 0xAF143CD8
-LAYOUT_VERSION = 1
+FORM_CELLS, FORM_PLANES = "cells", "planes"
+# A layout dict's version names the form of the runs it describes, so a reader that
+# knows only cell-major runs refuses planar ones instead of restoring scrambled bytes.
+_LAYOUT_VERSIONS = {FORM_CELLS: 1, FORM_PLANES: 2}
+_FORMS = {v: k for k, v in _LAYOUT_VERSIONS.items()}
 
 BytesLike = bytes | bytearray | memoryview
 
@@ -156,10 +168,13 @@ class Layout:
             + n_cells * self.cell_width
         )
 
-    def to_dict(self) -> dict[str, Any]:
-        """A small plain dict (ints and lists) for metadata; see :meth:`from_dict`."""
+    def to_dict(self, form: str = FORM_PLANES) -> dict[str, Any]:
+        """A small plain dict (ints and lists) for metadata, naming the ``form`` of the
+        runs it goes with; see :meth:`from_dict` and :func:`form_of`."""
+        if form not in _LAYOUT_VERSIONS:
+            raise ValueError(f"unknown run form {form!r}")
         return {
-            "version": LAYOUT_VERSION,
+            "version": _LAYOUT_VERSIONS[form],
             "v_trans": int(self.v_trans),
             "n_stream": self.n_stream,
             "stream": self.stream,
@@ -172,8 +187,7 @@ class Layout:
     def from_dict(cls, d: dict[str, Any]) -> Layout:
         """The layout :meth:`to_dict` described; :class:`StateFormatError` if malformed."""
         try:
-            if d["version"] != LAYOUT_VERSION:
-                raise StateFormatError(f"unsupported layout version {d['version']!r}")
+            form_of(d)
             if any(len(row) != 5 for row in d["layers"]):
                 raise StateFormatError("layout layers need 5 numbers each")
             layers = tuple(LayerLayout(*(_as_int(v) for v in row)) for row in d["layers"])
@@ -204,6 +218,15 @@ class Layout:
             out.append((col, width))
             col += width
         return out
+
+
+def form_of(d: dict[str, Any]) -> str:
+    """The form (:data:`FORM_CELLS` or :data:`FORM_PLANES`) of the runs a layout dict
+    goes with; :class:`StateFormatError` for a version this module does not know."""
+    version = d.get("version") if isinstance(d, dict) else None
+    if isinstance(version, bool) or version not in _FORMS:
+        raise StateFormatError(f"unsupported layout version {version!r}")
+    return _FORMS[version]
 
 
 def _as_int(v: Any) -> int:
@@ -401,6 +424,41 @@ def layout_of(state: BytesLike | np.ndarray | CellState) -> Layout:
 # --------------------------------------------------------------------------- cut
 
 
+def planes_bytes(state: BytesLike | np.ndarray | CellState, start: int, end: int) -> memoryview:
+    """Cells ``[start, end)`` in position order, in the planar form (see the module
+    docstring): ``(end - start) * layout.cell_width`` bytes, a read-only buffer.
+    Runs of any cuts passed to :func:`build_state` with ``forms=FORM_PLANES`` and the
+    same positions give back the state byte for byte."""
+    cs, cells = _cut_range(state, start, end)
+    layout, n = cs.layout, end - start
+    out = np.empty(n * layout.cell_width, dtype=np.uint8)
+    off = 0
+    for plane, x in zip(cs.k_planes, layout.layers, strict=True):
+        out[off : off + n * x.k_row].reshape(n, x.k_row)[...] = plane[cells]
+        off += n * x.k_row
+    for plane, x in zip(cs.v_planes, layout.layers, strict=True):
+        size = n * x.v_cell_bytes(layout.v_trans)
+        if layout.v_trans:
+            dst = _elements(out[off : off + size], x.v_size).reshape(x.n_embd_v_gqa, n)
+            dst[...] = plane[:, cells]
+        else:
+            out[off : off + size].reshape(n, x.v_size)[...] = plane[cells]
+        off += size
+    return _frozen_view(out)
+
+
+def _cut_range(
+    state: BytesLike | np.ndarray | CellState, start: int, end: int
+) -> tuple[CellState, slice | np.ndarray]:
+    """The parsed state and the indices of its cells ``[start, end)`` by position."""
+    cs = state if isinstance(state, CellState) else parse(state)
+    if not 0 <= start <= end <= cs.n_cells:
+        raise ValueError(f"cell range [{start}, {end}) outside [0, {cs.n_cells}]")
+    if cs.in_position_order:
+        return cs, slice(start, end)
+    return cs, np.argsort(cs.positions, kind="stable")[start:end]
+
+
 def cells_bytes(state: BytesLike | np.ndarray | CellState, start: int, end: int) -> memoryview:
     """Cells ``[start, end)`` in position order, cell-major: ``(end - start) *
     layout.cell_width`` bytes (a read-only buffer; ``bytes()`` it to own a copy).
@@ -409,12 +467,7 @@ def cells_bytes(state: BytesLike | np.ndarray | CellState, start: int, end: int)
     ``i``-th cell, and the runs of any cuts passed to :func:`build_state` with the same
     positions give back the state byte for byte.
     """
-    cs = state if isinstance(state, CellState) else parse(state)
-    if not 0 <= start <= end <= cs.n_cells:
-        raise ValueError(f"cell range [{start}, {end}) outside [0, {cs.n_cells}]")
-    cells: slice | np.ndarray = slice(start, end)
-    if not cs.in_position_order:
-        cells = np.argsort(cs.positions, kind="stable")[start:end]
+    cs, cells = _cut_range(state, start, end)
     layout = cs.layout
     # numpy buffers, not bytes: a fresh 50 MB bytes object costs ~5x the copy itself in
     # page faults, numpy's large allocations do not.
@@ -462,16 +515,20 @@ def build_state(
     seq_id: int,
     positions: Sequence[int] | np.ndarray | None = None,
     first_pos: int = 0,
+    forms: str | Sequence[str] = FORM_CELLS,
+    takes: Sequence[int] | None = None,
 ) -> memoryview:
     """llama.cpp's state bytes for ``cells`` (one run, or runs to join in order).
 
+    ``forms`` names the form of every run (one string) or of each run in turn;
+    ``takes``, how many leading cells of each run to use (default: all of them).
     Positions are ``first_pos, first_pos + 1, ...`` unless ``positions`` gives one per
     cell.  ``seq_id`` goes into the header and every cell, as llama.cpp writes it.  The
     result is a read-only buffer (``bytes()`` it to own a copy), ready for
     ``llama_state_seq_set_data``.
     """
-    runs = _runs(cells, layout.cell_width)
-    n_cells = sum(len(run) for run in runs)
+    runs = _runs(layout, cells, forms, takes)
+    n_cells = sum(run.n for run in runs)
     pos = _positions(positions, first_pos, n_cells)
     if not _INT32_MIN <= seq_id <= _INT32_MAX:
         raise ValueError(f"seq_id {seq_id} does not fit in int32")
@@ -489,15 +546,67 @@ def build_state(
     return out.toreadonly()
 
 
-def _runs(cells: BytesLike | Sequence[BytesLike], width: int) -> list[np.ndarray]:
+@dataclass(frozen=True)
+class _Run:
+    """Views of one run's planes: ``k[l]`` is ``(n, k_row)`` bytes; ``v[l]`` is ``(n,
+    v_cell)`` bytes (a cell-major run, or rows), or, for a planar run of a transposed V,
+    ``(n_embd_v_gqa, n)`` elements already in llama.cpp's orientation."""
+
+    n: int
+    k: list[np.ndarray]
+    v: list[np.ndarray]
+    v_in_channels: bool
+
+
+def _runs(
+    layout: Layout,
+    cells: BytesLike | Sequence[BytesLike],
+    forms: str | Sequence[str],
+    takes: Sequence[int] | None,
+) -> list[_Run]:
     items = [cells] if isinstance(cells, (bytes, bytearray, memoryview)) else list(cells)
+    run_forms = [forms] * len(items) if isinstance(forms, str) else list(forms)
+    if len(run_forms) != len(items) or (takes is not None and len(takes) != len(items)):
+        raise ValueError(f"{len(items)} runs need as many forms and takes")
+    width = layout.cell_width
     runs = []
-    for i, item in enumerate(items):
+    for i, (item, form) in enumerate(zip(items, run_forms, strict=True)):
         flat = np.frombuffer(item, dtype=np.uint8)
         if len(flat) % width:
             raise ValueError(f"run {i} has {len(flat)} bytes, not a multiple of {width}")
-        runs.append(flat.reshape(-1, width))
+        n = len(flat) // width
+        take = n if takes is None else takes[i]
+        if not 0 <= take <= n:
+            raise ValueError(f"run {i} holds {n} cells, {take} asked for")
+        if form == FORM_CELLS:
+            runs.append(_cell_major_run(layout, flat.reshape(n, width)[:take]))
+        elif form == FORM_PLANES:
+            runs.append(_planar_run(layout, flat, n, take))
+        else:
+            raise ValueError(f"unknown run form {form!r}")
     return runs
+
+
+def _cell_major_run(layout: Layout, run: np.ndarray) -> _Run:
+    k = [run[:, col : col + width] for col, width in layout.k_columns()]
+    v = [run[:, col : col + width] for col, width in layout.v_columns()]
+    return _Run(len(run), k, v, v_in_channels=False)
+
+
+def _planar_run(layout: Layout, flat: np.ndarray, n: int, take: int) -> _Run:
+    k, v, off = [], [], 0
+    for x in layout.layers:
+        k.append(flat[off : off + n * x.k_row].reshape(n, x.k_row)[:take])
+        off += n * x.k_row
+    for x in layout.layers:
+        size = n * x.v_cell_bytes(layout.v_trans)
+        plane = flat[off : off + size]
+        if layout.v_trans:
+            v.append(_elements(plane, x.v_size).reshape(x.n_embd_v_gqa, n)[:, :take])
+        else:
+            v.append(plane.reshape(n, x.v_size)[:take])
+        off += size
+    return _Run(take, k, v, v_in_channels=layout.v_trans)
 
 
 def _positions(
@@ -519,7 +628,7 @@ def _write_stream(
     buf: np.ndarray,
     off: int,
     layout: Layout,
-    runs: list[np.ndarray],
+    runs: list[_Run],
     pos: np.ndarray,
     seq_id: int,
 ) -> int:
@@ -531,47 +640,50 @@ def _write_stream(
     off += meta.nbytes
     _DATA_HEADER.pack_into(out, off, int(layout.v_trans), layout.n_layer)
     off += _DATA_HEADER.size
-    for (col, width), x in zip(layout.k_columns(), layout.layers, strict=True):
+    for il, x in enumerate(layout.layers):
         _ROW_HEADER.pack_into(out, off, x.k_type, x.k_row)
         off += _ROW_HEADER.size
-        dst = buf[off : off + n_cells * width].reshape(n_cells, width)
-        _scatter_rows(dst, runs, col, width)
+        dst = buf[off : off + n_cells * x.k_row].reshape(n_cells, x.k_row)
+        _copy_rows(dst, [run.k[il] for run in runs])
         off += dst.nbytes
-    for (col, width), x in zip(layout.v_columns(), layout.layers, strict=True):
+    for il, x in enumerate(layout.layers):
+        width = x.v_cell_bytes(layout.v_trans)
         if layout.v_trans:
             _TRANS_HEADER.pack_into(out, off, x.v_type, x.v_size, x.n_embd_v_gqa)
             off += _TRANS_HEADER.size
             dst = _elements(buf[off : off + n_cells * width], x.v_size)
-            _scatter_transposed(dst.reshape(x.n_embd_v_gqa, n_cells), runs, col, width, x.v_size)
+            _copy_channels(dst.reshape(x.n_embd_v_gqa, n_cells), runs, il, x.v_size)
         else:
             _ROW_HEADER.pack_into(out, off, x.v_type, x.v_size)
             off += _ROW_HEADER.size
-            _scatter_rows(
-                buf[off : off + n_cells * width].reshape(n_cells, width), runs, col, width
-            )
+            _copy_rows(buf[off : off + n_cells * width].reshape(n_cells, width),
+                       [run.v[il] for run in runs])
         off += n_cells * width
     return off
 
 
-def _scatter_rows(dst: np.ndarray, runs: list[np.ndarray], col: int, width: int) -> None:
-    """Copy one plane's columns of every run into consecutive rows of ``dst``."""
+def _copy_rows(dst: np.ndarray, planes: list[np.ndarray]) -> None:
+    """Each run's rows of one plane into consecutive rows of ``dst``."""
     row = 0
-    for run in runs:
-        dst[row : row + len(run)] = run[:, col : col + width]
-        row += len(run)
+    for plane in planes:
+        dst[row : row + len(plane)] = plane
+        row += len(plane)
 
 
-def _scatter_transposed(
-    dst: np.ndarray, runs: list[np.ndarray], col: int, width: int, el: int
-) -> None:
-    """Like :func:`_scatter_rows` into a transposed plane ``(n_embd_v_gqa, n_cells)``.
+def _copy_channels(dst: np.ndarray, runs: list[_Run], il: int, el: int) -> None:
+    """Each run's V of layer ``il`` into a transposed plane ``(n_embd_v_gqa, n_cells)``.
 
-    In blocks of cells: one block's rows and columns stay in cache while it is
-    transposed (about 3x faster than one whole-plane transpose).
+    A planar run is already in that orientation (a copy of row segments); a cell-major
+    one is transposed in blocks of cells, so that one block's rows and columns stay in
+    cache (about 3x faster than one whole-plane transpose).
     """
     cell = 0
     for run in runs:
-        src = _elements(run[:, col : col + width], el)
+        if run.v_in_channels:
+            dst[:, cell : cell + run.n] = run.v[il]
+            cell += run.n
+            continue
+        src = _elements(run.v[il], el)
         for b in range(0, len(src), _TRANSPOSE_BLOCK):
             block = src[b : b + _TRANSPOSE_BLOCK]
             dst[:, cell : cell + len(block)] = block.T

@@ -1,13 +1,14 @@
 """Entries as pieces: the cells a save stores, and the state a restore joins.
 
-A plain-attention state is stored as runs of cells (kv_cells' cell-major form): an entry
+A plain-attention state is stored as runs of cells (kv_cells' planar form): an entry
 whose first ``base`` tokens another entry's chain already holds stores only the cells
 of tokens ``[base, n)`` and names that entry as its parent, so each shared prefix is
 stored once. A restore reads the chain, root first, takes from each piece the cells up
 to where the next one starts (or the prompt stops), and joins them into the bytes
 ``llama_state_seq_set_data`` takes. States that cannot be cut (sliding-window,
 recurrent, hybrid models) and entries of the previous version are whole states: one
-blob, no cell layout.
+blob, no cell layout. Pieces of the first piece format hold cell-major runs (their
+layout says so) and join with planar ones.
 
 Pure functions over bytes; the byte layout of llama.cpp's states is kv_cells'.
 """
@@ -28,13 +29,15 @@ __all__ = ["Cut", "JoinedState", "cut", "decode_layout", "encode_layout", "join"
 
 
 def encode_layout(layout: Layout) -> bytes:
-    """The ``cell_layout`` a piece's blob carries."""
-    return msgpack.packb(layout.to_dict(), use_bin_type=True)
+    """The ``cell_layout`` a piece's blob carries (its runs are planar)."""
+    return msgpack.packb(layout.to_dict(kv_cells.FORM_PLANES), use_bin_type=True)
 
 
-def decode_layout(data: bytes) -> Layout:
+def decode_layout(data: bytes) -> tuple[Layout, str]:
+    """The layout a piece's ``cell_layout`` names, and the form of its run."""
     try:
-        return Layout.from_dict(msgpack.unpackb(data, raw=False))
+        d = msgpack.unpackb(data, raw=False)
+        return Layout.from_dict(d), kv_cells.form_of(d)
     except StateFormatError:
         raise
     except Exception as exc:  # msgpack raises several unrelated types
@@ -58,7 +61,7 @@ def cut(state: bytes | memoryview, base: int) -> Cut:
         raise StateFormatError("the state's cells do not hold positions 0..n-1")
     if not 0 <= base < cells.n_cells:
         raise ValueError(f"base {base} outside a state of {cells.n_cells} cells")
-    return Cut(kv_cells.cells_bytes(cells, base, cells.n_cells), encode_layout(cells.layout),
+    return Cut(kv_cells.planes_bytes(cells, base, cells.n_cells), encode_layout(cells.layout),
                cells.n_cells)
 
 
@@ -80,12 +83,15 @@ def join(chain: Sequence[LoadedBlob], n_tokens: int, seq_id: int) -> JoinedState
         if len(chain) > 1:
             raise StateFormatError("a whole state cannot follow other pieces")
         return JoinedState(chain[0].payload, len(chain[0].meta.tokens))
-    layout = decode_layout(chain[0].meta.cell_layout)
+    layout, _ = decode_layout(chain[0].meta.cell_layout)
     width = layout.cell_width
-    runs = []
+    runs: list[memoryview] = []
+    forms: list[str] = []
+    takes: list[int] = []
     for i, blob in enumerate(chain):
         meta = blob.meta
-        if meta.cell_layout != chain[0].meta.cell_layout:
+        piece_layout, form = decode_layout(meta.cell_layout)
+        if piece_layout != layout:
             raise StateFormatError(f"piece {i} has another cell layout than its chain")
         own = len(meta.tokens) - meta.base
         if len(blob.payload) != own * width:
@@ -94,8 +100,11 @@ def join(chain: Sequence[LoadedBlob], n_tokens: int, seq_id: int) -> JoinedState
         if meta.base >= n_tokens:
             break  # this piece and the rest hold only later tokens
         end = chain[i + 1].meta.base if i + 1 < len(chain) else len(meta.tokens)
-        runs.append(blob.payload[: (min(end, n_tokens) - meta.base) * width])
-    total = sum(len(r) for r in runs) // width
-    if total != n_tokens:
-        raise StateFormatError(f"the chain holds {total} of {n_tokens} tokens")
-    return JoinedState(kv_cells.build_state(layout, runs, seq_id=seq_id), n_tokens)
+        runs.append(blob.payload)
+        forms.append(form)
+        takes.append(min(end, n_tokens) - meta.base)
+    if sum(takes) != n_tokens:
+        raise StateFormatError(f"the chain holds {sum(takes)} of {n_tokens} tokens")
+    return JoinedState(
+        kv_cells.build_state(layout, runs, seq_id=seq_id, forms=forms, takes=takes), n_tokens)
+

@@ -19,6 +19,8 @@ from conftest_llama import generate_greedy, prefill, sample_prompt
 from make_tiny_gguf import write_tiny_llama_gguf
 
 from model_runtime.kv_cells import (
+    FORM_CELLS,
+    FORM_PLANES,
     STATE_MAGIC,
     CellState,
     LayerLayout,
@@ -26,8 +28,10 @@ from model_runtime.kv_cells import (
     StateFormatError,
     build_state,
     cells_bytes,
+    form_of,
     layout_of,
     parse,
+    planes_bytes,
 )
 from model_runtime.llama_backend import ContextParams, LlamaContext, LlamaLoadError, LlamaModel
 
@@ -118,12 +122,17 @@ def prefill_interleaved(ctx: LlamaContext, prompts: dict[int, list[int]], chunk:
         ctx.decode(toks, pos, seqs, [False] * len(toks))
 
 
-def rebuilt(state: bytes | CellState, cuts: list[int], seq_id: int) -> memoryview:
-    """The state cut at ``cuts`` into runs and joined again."""
+CUT_IN = {FORM_CELLS: cells_bytes, FORM_PLANES: planes_bytes}
+
+
+def rebuilt(state: bytes | CellState, cuts: list[int], seq_id: int,
+            form: str = FORM_CELLS) -> memoryview:
+    """The state cut at ``cuts`` into runs of ``form`` and joined again."""
     cs = state if isinstance(state, CellState) else parse(state)
     bounds = [0, *cuts, cs.n_cells]
-    runs = [cells_bytes(cs, a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
-    return build_state(cs.layout, runs, seq_id=seq_id, positions=np.sort(cs.positions))
+    runs = [CUT_IN[form](cs, a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return build_state(cs.layout, runs, seq_id=seq_id, positions=np.sort(cs.positions),
+                       forms=form)
 
 
 def warm_greedy(
@@ -163,6 +172,58 @@ def test_cut_anywhere_and_joined_is_llama_cpp_bytes(
     assert rebuilt(cs, odd, seq_id=1) == state
     whole = b"".join(bytes(cells_bytes(cs, a, b)) for a, b in ((0, n // 3), (n // 3, n)))
     assert build_state(cs.layout, whole, seq_id=1) == state
+
+
+@pytest.mark.parametrize("n", [1, 257, 600])
+def test_planar_runs_cut_anywhere_join_to_llama_cpp_bytes(
+    kv_ctx: LlamaContext, wide_model: LlamaModel, n: int
+) -> None:
+    state = fresh_state(kv_ctx, 1, prompt(wide_model, n))
+    cs = parse(state)
+    assert len(planes_bytes(cs, 0, n)) == n * cs.layout.cell_width
+    for a in sorted({c for c in CUTS if c <= n} | {n - 1, n}):
+        assert rebuilt(cs, [a], seq_id=1, form=FORM_PLANES) == state, f"cut at {a}"
+    odd = [c for c in (1, 37, 255, 256, 299) if c < n]
+    assert rebuilt(cs, odd, seq_id=1, form=FORM_PLANES) == state
+
+
+def test_planar_run_is_llama_cpp_planes_without_headers(
+    kv_ctx: LlamaContext, wide_model: LlamaModel
+) -> None:
+    cs = parse(fresh_state(kv_ctx, 0, prompt(wide_model, 20)))
+    want = [cs.k_planes[il][3:9] for il in range(cs.n_layer)]
+    if cs.layout.v_trans:  # each channel's elements of the six cells
+        want += [cs.v_planes[il][:, 3:9] for il in range(cs.n_layer)]
+    else:
+        want += [cs.v_planes[il][3:9] for il in range(cs.n_layer)]
+    assert planes_bytes(cs, 3, 9) == b"".join(w.tobytes() for w in want)
+
+
+def test_runs_of_both_forms_join_and_take_leading_cells(
+    kv_ctx: LlamaContext, wide_model: LlamaModel
+) -> None:
+    tokens = prompt(wide_model, 300)
+    cs = parse(fresh_state(kv_ctx, 1, tokens))
+    runs = [cells_bytes(cs, 0, 100), planes_bytes(cs, 100, 257), planes_bytes(cs, 257, 300)]
+    forms = [FORM_CELLS, FORM_PLANES, FORM_PLANES]
+    for takes, k in (([100, 157, 43], 300), ([100, 60, 0], 160), ([37, 0, 0], 37)):
+        joined = build_state(cs.layout, runs, seq_id=1, forms=forms, takes=takes)
+        assert kv_ctx.seq_truncate(1, k)
+        assert joined == state_of(kv_ctx, 1), f"first {k} cells"
+    with pytest.raises(ValueError, match="asked for"):
+        build_state(cs.layout, runs, seq_id=1, forms=forms, takes=[101, 0, 0])
+    with pytest.raises(ValueError, match="forms and takes"):
+        build_state(cs.layout, runs, seq_id=1, forms=forms[:2])
+    with pytest.raises(ValueError, match="unknown run form"):
+        build_state(cs.layout, runs[0], seq_id=1, forms="rows")
+
+
+def test_layout_dict_names_its_run_form(small_state: bytes) -> None:
+    layout = layout_of(small_state)
+    for form in (FORM_CELLS, FORM_PLANES):
+        d = layout.to_dict(form)
+        assert form_of(d) == form and Layout.from_dict(d) == layout
+    assert layout.to_dict()["version"] == 2  # planar by default; version 1 is cell-major
 
 
 def test_prefix_of_state_is_llama_cpp_state_after_seq_rm(
@@ -269,6 +330,7 @@ def test_state_of_one_sequence_among_others(model: LlamaModel, kv_unified: bool)
         assert cs.is_prefix and cs.n_cells == 300
         assert cs.layout.n_stream == 1  # split caches come back in single-stream form
         assert rebuilt(cs, [64, 65, 257], seq_id=1) == state
+        assert rebuilt(cs, [64, 65, 257], seq_id=1, form=FORM_PLANES) == state
         for k in (257, 64, 3):
             assert c.seq_truncate(1, k)
             assert build_state(cs.layout, cells_bytes(cs, 0, k), seq_id=1) == state_of(c, 1)
@@ -287,6 +349,7 @@ def test_cells_out_of_position_order_are_cut_by_position(
     assert not cs.in_position_order and not cs.is_prefix
     assert sorted(cs.positions.tolist()) == list(range(130))
     built = rebuilt(cs, [50, 101], seq_id=1)
+    assert rebuilt(cs, [50, 101], seq_id=1, form=FORM_PLANES) == built
     assert parse(built).is_prefix
     assert warm_greedy(ctx, 2, built, tokens) == cold_greedy(ctx, 3, tokens)
     with new_ctx(model) as empty:  # a restore into free cells places them in order
@@ -442,6 +505,8 @@ def test_bad_ranges_and_runs_are_value_errors(small_state: bytes) -> None:
     for a, b in ((-1, 3), (3, 2), (0, 11)):
         with pytest.raises(ValueError, match="outside"):
             cells_bytes(cs, a, b)
+        with pytest.raises(ValueError, match="outside"):
+            planes_bytes(cs, a, b)
     with pytest.raises(ValueError, match="not a multiple"):
         build_state(cs.layout, [cells_bytes(cs, 0, 2), b"\0"], seq_id=1)
     with pytest.raises(ValueError, match="int32"):
@@ -452,6 +517,7 @@ def test_bad_ranges_and_runs_are_value_errors(small_state: bytes) -> None:
     ("change", "message"),
     [
         ({"version": 99}, "unsupported layout version"),
+        ({"version": True}, "unsupported layout version"),
         ({"v_trans": "yes"}, "not an integer"),
         ({"v_trans": 2}, "not 0 or 1"),
         ({"layers": [[1, 2**40, 1, 2, 16]]}, "invalid sizes"),

@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 from conftest_llama import prefill
 from daemon_proc import DaemonProcess
@@ -23,7 +24,7 @@ from test_runtime import CONFIG, TEXT_A, TEXT_B, daemon_counters, delta, flush, 
 
 from kvcache.blob import BlobMeta
 from kvcache.client import CacheClient, LoadedBlob
-from model_runtime import pieces
+from model_runtime import kv_cells, pieces
 from model_runtime.llama_backend import LlamaModel
 from model_runtime.runtime import Runtime
 
@@ -85,6 +86,20 @@ def test_joined_pieces_are_llama_cpp_bytes(tiny_model: Path) -> None:
                 fresh_state(ctx, 0, tokens[:100])
         assert bytes(pieces.join(chain, 100, seq_id=3).state) == \
             fresh_state(ctx, 3, tokens[:100])
+
+
+def test_cell_major_pieces_of_the_first_piece_format_join_with_planar_ones(
+        tiny_model: Path) -> None:
+    with LlamaModel(tiny_model) as model, new_ctx(model) as ctx:
+        tokens = model_prompt(model, 120)
+        state = fresh_state(ctx, 0, tokens)
+        cells = kv_cells.parse(fresh_state(ctx, 0, tokens[:70]))
+        old_layout = msgpack.packb(cells.layout.to_dict(kv_cells.FORM_CELLS))
+        old_root = blob(tokens[:70], kv_cells.cells_bytes(cells, 0, 70), layout=old_layout)
+        child = pieces.cut(state, 70)
+        chain = [old_root, blob(tokens, child.payload, 70, b"p" * 16, child.cell_layout)]
+        assert bytes(pieces.join(chain, 120, seq_id=0).state) == state
+        assert bytes(pieces.join(chain, 90, seq_id=2).state) == fresh_state(ctx, 2, tokens[:90])
 
 
 def test_pieces_that_do_not_fit_are_refused() -> None:

@@ -72,7 +72,7 @@ def cell_width(client: CacheClient) -> int:
     for entry in client.list_entries():
         detail = client.load(entry.key)
         if detail.meta.cell_layout:
-            return decode_layout(detail.meta.cell_layout).cell_width
+            return decode_layout(detail.meta.cell_layout)[0].cell_width
     raise RuntimeError("no entry stored as cells (is the model plain attention?)")
 
 
