@@ -1,0 +1,90 @@
+"""The store: blob files in a disk tier and a RAM tier, the index, and the
+reservation-then-publish protocol. Thread-safe; the gRPC service is a thin layer on it.
+
+Layout under the data directory (its subfolders owner-only)::
+
+    index/              LMDB index (six named databases, see kvcache.index)
+    blobs/ab/<key>.kvc  published blobs (disk tier); every entry is here (write-through)
+    tmp/<lease>.part    blobs being written; swept at start-up
+    quarantine/         blobs that failed a checksum, kept for post-mortems
+
+The directory carries a ``.kvcache`` marker; kvcache refuses a directory it did not make
+(see kvcache.ownership). The RAM tier is a folder of its own on a memory filesystem
+(``/dev/shm/kvcache-<uid>-<tag>`` by default; see kvcache.ramtier) holding copies of hot
+blobs (``<key>.kvc``; ``<key>.part`` while one is copied). Being a file system, it lets a
+same-host reader open the blob directly (the fast path) while the entry is pinned by its
+read.
+
+Publish protocol: reserve (lease) -> write chunks to tmp (verified as they arrive) ->
+commit: verify size and checksums, fsync, rename into blobs/, fsync the directory, one
+LMDB transaction makes it visible, waiters wake. A crash before the LMDB commit leaves at
+worst a tmp file (swept) or an unindexed blob (re-indexed from its header at start-up).
+
+Modules, one concern each (read ``facade`` first, then the part you need):
+
+* ``facade``       Store: the entry point; owns the store lock, the reaper thread and
+                   the parts below, and delegates to them.
+* ``settings``     StoreConfig.
+* ``entries``      Entries: published entries by key, the parent -> children map,
+                   chain and dependents, removal with everything built on an entry.
+* ``reservations`` LeaseTable and Publisher: reserve, write, commit, abort, expiry.
+* ``reads``        ReadPins (holds on entries, usage not yet in the index) and Reads
+                   (open, stream, release).
+* ``tiers``        Layout (file names), Tally (the one owner of the byte accounting),
+                   RamCopies (dropping copies) and RamPlacer (the RAM worker).
+* ``eviction``     Evictor: what goes when a tier is full (kvcache.policy orders).
+* ``prune``        Pruner: the operator's removals.
+* ``integrity``    Integrity: checks, quarantine, Inspect.
+* ``reconcile``    Reconcile: start-up agreement of index and files.
+
+Locking (see Store): one store lock, ``Store._cond``, guards every table and tally;
+each part's docstring says whether it takes it or expects it held. A lease's own lock is
+taken before it, never after.
+
+Invariants, and the tests that hold them:
+
+* An entry is visible only once its blob is durable and whole; a kill at any point loses
+  no committed entry and leaves none half-visible (tests/test_crash_harness.py::
+  test_a_hundred_kills_lose_nothing, tests/test_daemon_crash.py).
+* A piece is never visible without its parent: it is published only in a transaction
+  that finds the parent, and removed with it (tests/test_pieces.py::
+  test_a_corrupt_piece_takes_what_is_built_on_it, test_start_up_drops_pieces_whose_parent_is_gone).
+* Eviction takes leaves, least recently used first, and never a pinned or held entry or
+  anything it is built on (tests/test_store.py::test_disk_eviction_is_least_recently_used_first,
+  test_eviction_never_takes_pinned_or_in_use_entries; tests/test_pieces.py::
+  test_eviction_takes_leaves_first_and_keeps_the_shared_prefix).
+* Room that cannot be made is refused before anything is evicted or dropped
+  (tests/test_store.py::test_a_save_that_cannot_fit_evicts_nothing,
+  test_a_copy_that_cannot_fit_in_ram_drops_no_other_copy).
+* The byte tally equals what the index and files hold after every change
+  (tests/test_store.py::test_tier_counts_follow_every_change).
+* A pin answered OK is never undone by a concurrent removal (tests/test_load.py::
+  test_a_pin_is_never_lost_to_a_concurrent_eviction_prune_or_delete).
+* A bad blob is found before any of its bytes is used, and quarantined
+  (tests/test_corruption.py).
+"""
+
+from __future__ import annotations
+
+from .facade import Store
+from .integrity import NO_SUCH_ENTRY
+from .prune import PruneResult
+from .reads import ReadPin
+from .reservations import Reservation, ReserveResult
+from .settings import GiB, StoreConfig
+from .tiers import BLOB_SUFFIX, TIER_DISK, TIER_RAM, TMP_SUFFIX
+
+__all__ = [
+    "BLOB_SUFFIX",
+    "GiB",
+    "NO_SUCH_ENTRY",
+    "TIER_DISK",
+    "TIER_RAM",
+    "TMP_SUFFIX",
+    "PruneResult",
+    "ReadPin",
+    "Reservation",
+    "ReserveResult",
+    "Store",
+    "StoreConfig",
+]

@@ -1,0 +1,113 @@
+"""Making room: which entries (or RAM copies) go when a tier is full, in kvcache.policy's
+order, and the loops that remove them until a new blob or copy fits."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from ..errors import StoreFull
+from ..index import Index, Record
+from ..policy import eviction_order, leaf_first_order
+
+if TYPE_CHECKING:
+    from .entries import Entries
+    from .reads import ReadPins
+    from .settings import StoreConfig
+    from .tiers import Layout, RamCopies, Tally
+
+
+class Evictor:
+    """Chooses and removes what goes to make room. Pinned entries, held ones (read,
+    checked, being copied, or the parent of a piece being saved) and everything they are
+    built on never go (tests/test_store.py::test_eviction_never_takes_pinned_or_in_use_entries).
+
+    Either tier refuses up front, removing nothing, when removing everything that may go
+    would still not make room (tests/test_store.py::test_a_save_that_cannot_fit_evicts_nothing,
+    test_a_copy_that_cannot_fit_in_ram_drops_no_other_copy).
+
+    make_room_on_disk and make_room_in_ram are called with Store._cond held; candidates
+    takes it itself (it is re-entrant)."""
+
+    def __init__(self, config: StoreConfig, layout: Layout, index: Index, entries: Entries,
+                 tally: Tally, pins: ReadPins, ram: RamCopies, counters: Counter[str],
+                 cond: threading.Condition) -> None:
+        self._config = config
+        self._layout = layout
+        self._index = index
+        self._entries = entries
+        self._tally = tally
+        self._pins = pins
+        self._ram = ram
+        self.counters = counters
+        self._cond = cond
+
+    def candidates(self, ram_only: bool = False) -> list[Record]:
+        """What may go, in order: entries one at a time, each a leaf when its turn comes
+        (see policy.leaf_first_order). For RAM copies, which nothing depends on, the
+        copies of entries others build on follow once the leaves' are gone."""
+        with self._cond:
+            pending = self._pins.last_used()
+            busy = self._pins.busy()
+        records = list(self._index.records())
+        keep = busy | {r.key for r in records if r.pinned}
+        order = leaf_first_order(records, pending, keep)
+        if ram_only:
+            listed = {r.key for r in order}
+            order += [r for r in eviction_order(records, pending)
+                      if r.key not in listed and r.key not in keep]
+            order = [r for r in order if r.in_ram]
+        return order
+
+    def make_room_on_disk(self, size: int) -> None:
+        """Evict until a blob of ``size`` fits the disk budget and the free-space watermark.
+        Raises StoreFull (before anything is written). Store._cond held."""
+        cfg = self._config
+        tally = self._tally
+
+        def fits(freed: int = 0) -> bool:
+            within_budget = tally.disk_used - freed + tally.reserved_bytes + size <= cfg.disk_bytes
+            above_watermark = (self._layout.disk_free() + freed - tally.reserved_bytes - size
+                               >= cfg.min_free_bytes)
+            return within_budget and above_watermark
+
+        if fits():
+            return
+        if size > cfg.disk_bytes:
+            self.counters["saves_refused_full"] += 1
+            raise StoreFull(f"blob of {size} bytes exceeds the disk budget of {cfg.disk_bytes}")
+        candidates = self.candidates()
+        evictable = sum(r.size for r in candidates)
+        # Evict only when evicting every candidate would make room (the rest is pinned or
+        # being read otherwise): a save that is refused evicts nothing.
+        if fits(evictable):
+            for record in candidates:
+                if fits():
+                    return
+                self._entries.remove_entry(record, "evictions_disk")
+        if not fits():
+            self.counters["saves_refused_full"] += 1
+            raise StoreFull(
+                f"no room for {size} bytes: disk tier holds {tally.disk_used} of "
+                f"{cfg.disk_bytes} budget bytes ({tally.reserved_bytes} reserved), "
+                f"{self._layout.disk_free()} bytes free against a watermark of "
+                f"{cfg.min_free_bytes}; "
+                # Not "the rest is pinned": a disk filled by other files has nothing pinned.
+                f"entries not pinned or being read hold only {evictable} bytes"
+            )
+
+    def make_room_in_ram(self, size: int, exclude: bytes = b"") -> bool:
+        """Drop RAM copies (LRU) until ``size`` more bytes fit; False, dropping none, when
+        dropping every copy that may go would not make room. Store._cond held."""
+        budget = self._config.ram_bytes
+        if self._tally.ram_used + size <= budget:
+            return True
+        candidates = [r for r in self.candidates(ram_only=True) if r.key != exclude]
+        if self._tally.ram_used - sum(r.size for r in candidates) + size > budget:
+            return False
+        for record in candidates:
+            self._ram.drop_ram_copy(record, "evictions_ram")
+            if self._tally.ram_used + size <= budget:
+                return True
+        return False

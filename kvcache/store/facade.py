@@ -1,0 +1,351 @@
+"""Store: the thread-safe facade the gRPC service calls. It owns the store lock and the
+background threads, and composes the parts (see the package docstring for the map)."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import BinaryIO
+
+from .. import blob as blobfmt
+from .. import keys, ramtier
+from ..counters import COUNTERS
+from ..errors import DirectoryInUse
+from ..index import Index, Record
+from ..ownership import claim_data_dir
+from .entries import Entries, check_tokens
+from .eviction import Evictor
+from .integrity import Integrity
+from .prune import Pruner, PruneResult
+from .reads import ReadPin, ReadPins, Reads
+from .reconcile import Reconcile
+from .reservations import LeaseTable, Publisher, ReserveResult
+from .settings import StoreConfig
+from .tiers import Layout, RamCopies, RamPlacer, Tally
+
+
+class Store:
+    """The store's one entry point. Thread-safe.
+
+    Locks, in the order they may be taken:
+
+    1. ``Reservation.lock``, one per lease: serialises that lease's writes, commit and
+       abort, and the reaper's expiry of it (which only tries it).
+    2. ``Store._cond``, the store lock: a Condition over an RLock (re-entrant: a part
+       holding it may call another part that takes it). It guards every table and tally:
+       the lease table, read pins and in-use counts, the children map, the byte tally, the
+       RAM worker's schedule and the counters. Readers waiting for an entry being written
+       sleep on it; a commit or an abort wakes them. No blob's bytes are read, written
+       or copied with it held (files may be created, moved and removed under it).
+
+    Background: a reaper thread (expired leases and read pins; reads not yet written to
+    the index, flushed every ``usage_flush_seconds``) and the RAM worker (RamPlacer)."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        self._layout = layout = Layout(config.root, config.ram_dir)
+        self.root = layout.root
+        self.ram_dir = layout.ram_dir
+        self.blob_dir = layout.blob_dir
+        self.tmp_dir = layout.tmp_dir
+        self.quarantine_dir = layout.quarantine_dir
+        claim_data_dir(self.root)
+        layout.make_dirs()
+        self._lock_file = self._lock_data_dir()
+        ram_lock, index = -1, None
+        try:
+            ram_lock = ramtier.claim_tier(self.ram_dir, self.root)
+            index = Index(self.root / "index")
+            self._ram_lock, self.index = ram_lock, index
+            self._start()
+        except BaseException:
+            # Nothing stays held by a store that did not start: a later attempt in this
+            # process must not be told the directory or its RAM tier is in use.
+            if index is not None:
+                index.close()
+            if ram_lock >= 0:
+                os.close(ram_lock)
+            self._lock_file.close()
+            raise
+
+    def _start(self) -> None:
+        config, layout, index = self.config, self._layout, self.index
+        self.counters: Counter[str] = Counter()
+        self.started = time.time()
+        self._cond = cond = threading.Condition(threading.RLock())
+        counters = self.counters
+        self._closed = threading.Event()
+        self._tally = tally = Tally()
+        self._pins = pins = ReadPins()
+        self._leases = leases = LeaseTable()
+        self._entries = entries = Entries(config, layout, index, tally, pins, counters, cond)
+        self._ram = ram = RamCopies(layout, index, tally, counters, cond)
+        self._evictor = evictor = Evictor(config, layout, index, entries, tally, pins, ram,
+                                          counters, cond)
+        self._placer = placer = RamPlacer(config, layout, index, tally, pins, evictor,
+                                          counters, cond, self._closed)
+        self._integrity = integrity = Integrity(config, layout, index, entries, pins, ram,
+                                                counters, cond)
+        self._publisher = Publisher(config, layout, index, entries, tally, pins, leases,
+                                    evictor, placer, counters, cond)
+        self._reads = Reads(config, layout, index, pins, leases, placer, integrity, counters,
+                            cond)
+        self._pruner = Pruner(index, entries, tally, pins, ram, cond)
+        self._reconcile()
+        self._reaper = threading.Thread(target=self._reap_loop, name="kvcache-reaper",
+                                        daemon=True)
+        self._reaper.start()
+
+    def _reconcile(self) -> None:
+        Reconcile(self.config, self._layout, self.index, self._entries, self._tally,
+                  self._integrity, self.counters).run()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._reaper.join(timeout=5)
+        self._placer.shutdown()
+        with self._cond:
+            for lease_id in self._leases.lease_ids():
+                self._publisher.drop_reservation(lease_id, "saves_aborted")
+        self._flush_usage()
+        self.index.close()
+        os.close(self._ram_lock)  # releases the RAM tier
+        self._lock_file.close()  # releases the data directory lock
+
+    def _lock_data_dir(self) -> BinaryIO:
+        """One daemon per data directory: a second one would sweep the first one's
+        in-flight temp files and take over its socket."""
+        f = open(self.root / "daemon.lock", "a+b")  # noqa: SIM115 - held for our lifetime
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise DirectoryInUse(f"another kvcache daemon is using {self.root}") from None
+        return f
+
+    # -- the byte tally (read-only here; see Tally) -----------------------------------------
+
+    @property
+    def disk_used(self) -> int:
+        return self._tally.disk_used
+
+    @property
+    def ram_used(self) -> int:
+        return self._tally.ram_used
+
+    @property
+    def ram_entries(self) -> int:
+        return self._tally.ram_entries
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._tally.reserved_bytes
+
+    @property
+    def logical_bytes(self) -> int:
+        return self._tally.logical_bytes
+
+    @property
+    def _ram_worker(self) -> ThreadPoolExecutor:
+        """The RAM tier's single placement worker (tests wait on it)."""
+        return self._placer.worker
+
+    # -- paths ------------------------------------------------------------------------------
+
+    def blob_path(self, key: bytes) -> Path:
+        return self._layout.blob_path(key)
+
+    def ram_path(self, key: bytes) -> Path:
+        return self._layout.ram_path(key)
+
+    # -- lookup -----------------------------------------------------------------------------
+
+    def lookup(self, ns: bytes, raw_tokens: bytes, max_tokens: int = 0
+               ) -> tuple[Record | None, int]:
+        """The longest entry whose tokens are a whole prefix of the query, and the probes."""
+        check_tokens(raw_tokens, self.config.max_tokens)
+        hashes = keys.block_hashes(ns, raw_tokens, self.config.block_size)
+        record, probes = self.index.longest_prefix(hashes, raw_tokens, self.config.block_size,
+                                                   max_tokens)
+        self._count_lookup(record, record.n_tokens if record else 0, raw_tokens, max_tokens)
+        return record, probes
+
+    def lookup_common_prefix(self, ns: bytes, raw_tokens: bytes, max_tokens: int = 0
+                             ) -> tuple[Record | None, int, int]:
+        """The entry sharing the most leading tokens with the query (it may be longer or
+        diverge), how many it shares, and the probes."""
+        check_tokens(raw_tokens, self.config.max_tokens)
+        hashes = keys.block_hashes(ns, raw_tokens, self.config.block_size)
+        record, shared, probes = self.index.longest_common_prefix(
+            hashes, raw_tokens, self.config.block_size, max_tokens)
+        self._count_lookup(record, shared, raw_tokens, max_tokens)
+        return record, shared, probes
+
+    def _count_lookup(self, record: Record | None, shared: int, raw_tokens: bytes,
+                      max_tokens: int) -> None:
+        n = len(raw_tokens) // 4
+        wanted = min(n, max_tokens) if max_tokens else n
+        with self._cond:
+            self.counters["lookups"] += 1
+            self.counters["lookup_hits" if record else "lookup_misses"] += 1
+            if record:
+                exact = shared == wanted
+                self.counters["lookup_hits_exact" if exact else "lookup_hits_partial"] += 1
+
+    # -- publish protocol (reservations.Publisher) ------------------------------------------
+
+    def reserve(self, ns: bytes, raw_tokens: bytes, size: int, reason: str,
+                model_fingerprint: str, *, tenant_id: str | None = None,
+                parent: bytes = b"", base: int = 0) -> ReserveResult:
+        """Reserve the save of an entry. With ``parent``, the entry is a piece: its blob
+        holds only the cells after its first ``base`` tokens, which the parent's chain
+        holds (checked here against the index); the parent is held until commit or abort."""
+        return self._publisher.reserve(ns, raw_tokens, size, reason, model_fingerprint,
+                                       tenant_id=tenant_id, parent=parent, base=base)
+
+    def lease_progress(self, lease_id: str) -> tuple[int, int]:
+        """``(bytes written, bytes reserved)`` of an open lease (LeaseLost if it is gone)."""
+        res = self._publisher.reservation(lease_id)
+        return res.written, res.size
+
+    def write(self, lease_id: str, offset: int, data: bytes | memoryview) -> int:
+        return self._publisher.write(lease_id, offset, data)
+
+    def commit(self, lease_id: str, local_write: bool = False) -> Record:
+        return self._publisher.commit(lease_id, local_write)
+
+    def abort(self, lease_id: str, *, counter: str = "saves_aborted") -> None:
+        self._publisher.abort(lease_id, counter=counter)
+
+    # -- reads (reads.Reads) ----------------------------------------------------------------
+
+    def open_read(self, key: bytes, wait_ms: int = 0) -> ReadPin:
+        """Pin a published entry for reading and say where its bytes are."""
+        return self._reads.open_read(key, wait_ms)
+
+    def release_read(self, pin_id: str, corrupt: bool = False) -> bool:
+        """Unpin a read. With ``corrupt``, re-verify the entry and quarantine it if bad."""
+        return self._reads.release_read(pin_id, corrupt)
+
+    def iter_read(self, key: bytes, wait_ms: int = 0,
+                  chunk_bytes: int = 1 << 20) -> tuple[ReadPin, Iterator[memoryview]]:
+        """Stream an entry's bytes, verifying them as they go; a bad blob is quarantined
+        and the iterator raises Corrupt at its end."""
+        return self._reads.iter_read(key, wait_ms, chunk_bytes)
+
+    # -- verification and quarantine (integrity.Integrity) ----------------------------------
+
+    def check_entry(self, key: bytes, *, quarantine: bool = True) -> str | None:
+        """Verify every copy of an entry; quarantine it if any is bad (unless not
+        ``quarantine``: an operator's check-only run moves nothing). Returns the error."""
+        return self._integrity.check_entry(key, quarantine=quarantine)
+
+    def quarantine(self, key: bytes) -> None:
+        self._integrity.quarantine(key)
+
+    def verify(self, keys_: list[bytes] | None = None, *, check_only: bool = False
+               ) -> Iterator[tuple[bytes, str | None, int, int]]:
+        """Check the given entries (every entry when none is given): ``(key, error or None,
+        done, total)`` per entry. Bad ones are quarantined unless ``check_only``."""
+        return self._integrity.verify(keys_, check_only=check_only)
+
+    # -- admin ------------------------------------------------------------------------------
+
+    def chain(self, record: Record) -> list[Record]:
+        """The entries whose blobs make up ``record``'s state, root first (``record``
+        last). Raises NotFound when a link is missing (removed meanwhile)."""
+        return self._entries.chain(record)
+
+    def get(self, key: bytes) -> Record:
+        return self._entries.get(key)
+
+    def children(self, key: bytes) -> int:
+        """How many entries are built directly on ``key``."""
+        return self._entries.children(key)
+
+    def dependents(self, key: bytes) -> list[bytes]:
+        """Every entry built on ``key`` (its pieces, theirs, ...), nearest first."""
+        return self._entries.dependents(key)
+
+    def set_pinned(self, key: bytes, pinned: bool) -> Record:
+        return self._entries.set_pinned(key, pinned)
+
+    def delete(self, key: bytes) -> list[Record]:
+        """Remove an entry and the entries built on it (they cannot be restored without
+        it); refused while any of them is pinned or being read. Returns what went,
+        the entry first."""
+        return self._entries.delete(key)
+
+    def inspect(self, key: bytes, tenant_id: str | None = None
+                ) -> tuple[Record, blobfmt.BlobHeader, blobfmt.BlobMeta, Path]:
+        """Metadata of an entry; with ``tenant_id``, another tenant's entry is reported
+        missing before its file is touched (so not even its corruption shows)."""
+        record, header, meta, path = self._integrity.inspect(key, tenant_id)
+        return self._reads.with_pending(record), header, meta, path
+
+    def list(self, predicate: Callable[[Record], bool] | None = None) -> list[Record]:
+        return [self._reads.with_pending(r) for r in self.index.records()
+                if not predicate or predicate(r)]
+
+    def prune(self, predicate: Callable[[Record], bool] | None = None, *,
+              max_disk_bytes: int = 0, max_ram_bytes: int = 0, dry_run: bool = False,
+              ram_predicate: Callable[[Record], bool] | None = None) -> PruneResult:
+        """Remove entries, or only their RAM copies, as an operator asked (see
+        Pruner.prune)."""
+        return self._pruner.prune(predicate, max_disk_bytes=max_disk_bytes,
+                                  max_ram_bytes=max_ram_bytes, dry_run=dry_run,
+                                  ram_predicate=ram_predicate)
+
+    def stats(self) -> dict[str, object]:
+        with self._cond:
+            tally = self._tally
+            return {
+                # Every declared counter, zeros included (rate() works from the start).
+                "counters": {**dict.fromkeys(COUNTERS, 0), **self.counters},
+                "disk_used": tally.disk_used,
+                "ram_used": tally.ram_used,
+                "disk_entries": self.index.count(),
+                "ram_entries": tally.ram_entries,
+                "reserved_bytes": tally.reserved_bytes,
+                "logical_bytes": tally.logical_bytes,
+                "in_flight": len(self._leases.in_flight),
+                "read_pins": len(self._pins.pins),
+                "uptime": time.time() - self.started,
+            }
+
+    # -- background -------------------------------------------------------------------------
+
+    def _reap_loop(self) -> None:
+        last_flush = time.monotonic()
+        while not self._closed.wait(0.2):
+            self.reap_expired()
+            if time.monotonic() - last_flush >= self.config.usage_flush_seconds:
+                self._flush_usage()
+                last_flush = time.monotonic()
+
+    def reap_expired(self) -> None:
+        now = time.monotonic()
+        with self._cond:
+            expired = self._leases.expired(now)
+            pins_expired = self._pins.expire(now)
+            if pins_expired:
+                self.counters["read_pins_expired"] += pins_expired
+        self._publisher.expire(expired)
+
+    def _flush_usage(self) -> None:
+        with self._cond:
+            pending = self._pins.take_usage()
+        # Usage counts are best-effort: losing one second of them on a crash is harmless.
+        with contextlib.suppress(Exception):
+            self.index.record_usage({k: (int(v[0]), v[1]) for k, v in pending.items()})

@@ -1,0 +1,156 @@
+"""Integrity: checking an entry's copies against their checksums and its index row,
+quarantining bad ones, and Inspect (which shows a blob's header only once it is known to
+be the entry's own)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .. import blob as blobfmt
+from .. import keys
+from ..errors import Corrupt, NotFound, StoreError
+from ..index import Index, Record
+
+if TYPE_CHECKING:
+    from .entries import Entries
+    from .reads import ReadPins
+    from .settings import StoreConfig
+    from .tiers import Layout, RamCopies
+
+# Verify's answer for a key with no entry (nothing was checked, nothing moved).
+NO_SUCH_ENTRY = "no such entry"
+
+
+class Integrity:
+    """Checks and quarantine. A bad disk copy takes its entry and everything built on it;
+    a bad RAM copy (the disk copy good) only the copy.
+
+    Thread-safe: an entry is held like a read while its copies are checked, so no
+    eviction, delete or RAM drop takes a file from under the check (tests/test_load.py::
+    test_verify_holds_the_entry_it_checks). Store._cond is taken around the hold and the
+    quarantine bookkeeping, never while a file is read."""
+
+    def __init__(self, config: StoreConfig, layout: Layout, index: Index, entries: Entries,
+                 pins: ReadPins, ram: RamCopies, counters: Counter[str],
+                 cond: threading.Condition) -> None:
+        self._config = config
+        self._layout = layout
+        self._index = index
+        self._entries = entries
+        self._pins = pins
+        self._ram = ram
+        self.counters = counters
+        self._cond = cond
+
+    def check_entry(self, key: bytes, *, quarantine: bool = True) -> str | None:
+        """Verify every copy of an entry; quarantine it if any is bad (unless not
+        ``quarantine``: an operator's check-only run moves nothing). Returns the error."""
+        with self._cond:
+            if self._index.get(key) is None:
+                return None
+            self._pins.hold(key)
+        try:
+            return self._check_held(key, quarantine)
+        finally:
+            with self._cond:
+                self._pins.release(key)
+
+    def _check_held(self, key: bytes, quarantine: bool = True) -> str | None:
+        record = self._index.get(key)
+        if record is None:
+            return None
+        paths = [self._layout.blob_path(key)] + (
+            [self._layout.ram_path(key)] if record.in_ram else [])
+        for path in paths:
+            try:
+                with open(path, "rb") as f:
+                    header, meta = blobfmt.verify_file(f)
+                if header.total_size != record.size or \
+                        keys.entry_key(meta.namespace, meta.tokens,
+                                       self._config.block_size).key != key:
+                    raise blobfmt.BlobError("blob does not match its index entry")
+            except (OSError, blobfmt.BlobError) as exc:
+                if quarantine and path == paths[0]:
+                    self.quarantine(key)
+                elif quarantine:
+                    # Only the RAM copy is bad and the disk copy just verified: keep the entry
+                    # (served from disk, promoted again by a later hit), drop the copy.
+                    self._quarantine_ram_copy(key)
+                return f"{path.name}: {exc}"
+        return None
+
+    def _quarantine_ram_copy(self, key: bytes) -> None:
+        with self._cond:  # evictions drop copies under it too: ram_used is reduced once
+            record = self._index.get(key)
+            if record is None or not record.in_ram:
+                return
+            # /dev/shm is another file system, where the move fails: the drop then unlinks
+            # it (left there, a restart would take it for a good copy again).
+            self.quarantine_file(self._layout.ram_path(key))
+            self._ram.drop_ram_copy(record, "corrupt_blobs")
+
+    def quarantine(self, key: bytes) -> None:
+        record = self._index.get(key)
+        if record is None:
+            return
+        self.quarantine_file(self._layout.blob_path(key))  # kept for post-mortems
+        self._entries.remove_entry(record, "corrupt_blobs")
+
+    def quarantine_file(self, path: Path) -> None:
+        """Move a bad file aside (counted only when there was one to move)."""
+        target = self._layout.quarantine_dir / f"{path.name}.{int(time.time() * 1000)}"
+        try:
+            os.replace(path, target)
+        except OSError:
+            return
+        with self._cond:
+            self.counters["quarantined_files"] += 1
+
+    def verify(self, keys_: list[bytes] | None = None, *, check_only: bool = False
+               ) -> Iterator[tuple[bytes, str | None, int, int]]:
+        """Check the given entries (every entry when none is given): ``(key, error or None,
+        done, total)`` per entry. Bad ones are quarantined unless ``check_only``."""
+        todo = keys_ if keys_ else [r.key for r in self._index.records()]
+        for i, key in enumerate(todo, 1):
+            if self._index.get(key) is None:
+                if not keys_:
+                    # Listed, then evicted or deleted: gone, not bad, and not reported
+                    # (tests/test_load.py::test_verify_skips_entries_removed_while_it_runs).
+                    continue
+                yield key, NO_SUCH_ENTRY, i, len(todo)
+                continue
+            yield key, self.check_entry(key, quarantine=not check_only), i, len(todo)
+
+    def inspect(self, key: bytes, tenant_id: str | None = None
+                ) -> tuple[Record, blobfmt.BlobHeader, blobfmt.BlobMeta, Path]:
+        """Metadata of an entry; with ``tenant_id``, another tenant's entry is reported
+        missing before its file is touched (so not even its corruption shows)."""
+        record = self._entries.get(key)
+        if tenant_id is not None and record.tenant_id != tenant_id:
+            raise NotFound(f"no entry {key.hex()}")
+        path = self._layout.blob_path(key)
+        try:
+            with open(path, "rb") as f:
+                header, meta = blobfmt.read_header_and_meta(f)
+            # A valid blob of another entry (a swapped file) would show its tokens, perhaps
+            # another tenant's: it must be this entry's before any of it is shown.
+            if header.total_size != record.size or keys.entry_key(
+                    meta.namespace, meta.tokens, self._config.block_size).key != key:
+                raise blobfmt.BlobError("the blob holds another entry")
+        except (OSError, blobfmt.BlobError) as exc:
+            # Judged by the full check, which holds the entry: one evicted meanwhile is
+            # missing, not corrupt, and a passing error never quarantines a good blob.
+            error = self.check_entry(key)
+            if error is not None:
+                raise Corrupt(f"entry {key.hex()} is unreadable ({error}); quarantined") \
+                    from None
+            if self._index.get(key) is None:
+                raise NotFound(f"no entry {key.hex()}") from None
+            raise StoreError(f"entry {key.hex()} could not be read: {exc}") from None
+        return record, header, meta, path

@@ -1,0 +1,25 @@
+"""The store's settings: one frozen dataclass, shared by every part of the store."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    root: Path
+    # The folder the RAM tier's own subfolder is made in (see kvcache.ramtier); None: a
+    # memory file system (/dev/shm) when there is one.
+    ram_dir: Path | None = None
+    ram_bytes: int = 2 * GiB
+    disk_bytes: int = 50 * GiB
+    min_free_bytes: int = 1 * GiB
+    block_size: int = 256
+    lease_seconds: float = 30.0
+    pin_seconds: float = 60.0
+    max_tokens: int = 1 << 20
+    max_blob_bytes: int = 16 * GiB
+    usage_flush_seconds: float = 1.0
