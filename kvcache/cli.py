@@ -412,6 +412,22 @@ def _path_given(ctx: click.Context, param: click.Parameter, value: str | None) -
               help="A same-host read pin not released within this long is dropped.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="Serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: any free port).")
+@click.option("--remote", "remote_url", default=None, metavar="URL",
+              help="Shared tier on a Redis/Valkey server: redis://HOST:PORT/DB, "
+                   "rediss://... for TLS, redis+cluster://HOST:PORT,HOST:PORT for a "
+                   "cluster; an ACL user as redis://USER@HOST:PORT. Never a password: see "
+                   "--remote-password-file and --remote-password-env.")
+@click.option("--remote-password-file", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="File holding the remote's password.")
+@click.option("--remote-password-env", default=None, metavar="NAME",
+              help="Environment variable holding the remote's password.")
+@click.option("--remote-signing-key-file", type=click.Path(dir_okay=False, path_type=Path),
+              default=None,
+              help="Sign every value written to the remote (HMAC-SHA256) and refuse unsigned "
+                   "or mis-signed ones; the file (at least 16 bytes, readable by its owner "
+                   "only) is shared by the fleet.")
+@click.option("--remote-timeout", type=PERIOD, default=0.25, show_default=True,
+              help="Deadline of each remote call; a slower remote is a miss.")
 @click.option("--log-level", default="INFO", show_default=True)
 def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
           token_file: Path | None, tls_cert: Path | None, tls_key: Path | None,
@@ -419,9 +435,12 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
           ram_dir: Path | None,
           ram_bytes: int, disk_bytes: int, min_free_bytes: int, block_size: int,
           lease_seconds: float, pin_seconds: float, metrics_port: int | None,
-          log_level: str) -> None:
+          remote_url: str | None, remote_password_file: Path | None,
+          remote_password_env: str | None, remote_signing_key_file: Path | None,
+          remote_timeout: float, log_level: str) -> None:
     """Run the cache daemon until SIGTERM or SIGINT."""
     from .errors import StoreError
+    from .remote import RemoteConfig, load_signing_key
     from .server import Daemon
     from .store import StoreConfig
 
@@ -429,6 +448,19 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Checked before the data directory is created.
     auth = server_auth(listen, token_file, tls_cert, tls_key, tls_client_ca, insecure_tcp)
+    remote = None
+    if remote_url or remote_password_file or remote_password_env or remote_signing_key_file:
+        if not remote_url:
+            raise click.UsageError("the --remote-* options need --remote URL")
+        try:
+            remote = RemoteConfig(
+                remote_url, password_file=remote_password_file,
+                password_env=remote_password_env, op_timeout_s=remote_timeout,
+                signing_key=load_signing_key(remote_signing_key_file)
+                if remote_signing_key_file else None)
+            remote.password()  # a missing file or variable is refused now, not later
+        except (ValueError, OSError) as exc:
+            raise click.ClickException(str(exc)) from None
     root = (data_dir or default_dir()).expanduser().resolve()
     config = StoreConfig(root=root, ram_dir=ram_dir, ram_bytes=ram_bytes, disk_bytes=disk_bytes,
                          min_free_bytes=min_free_bytes, block_size=block_size,
@@ -436,7 +468,7 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
     try:
         daemon = Daemon(config, socket_path=socket_path, listen=listen,
                         metrics_port=metrics_port, auth=auth, insecure_tcp=insecure_tcp,
-                        tcp_admin=tcp_admin)
+                        tcp_admin=tcp_admin, remote=remote)
     except (ValueError, OSError, RuntimeError, StoreError) as exc:
         raise click.ClickException(str(exc)) from None
     daemon.serve_forever()
@@ -456,6 +488,11 @@ def stats_data(s: pb.StatsResponse) -> dict[str, Any]:
                                        "reserved_bytes": t.reserved_bytes,
                                        "free_bytes": t.free_bytes,
                                        "directory": t.directory} for t in s.tiers},
+        "remote": ({"url": s.remote.url, "connected": s.remote.connected,
+                    "cluster": s.remote.cluster, "signed": s.remote.signed,
+                    "queue_depth": s.remote.queue_depth, "queue_max": s.remote.queue_max,
+                    "last_error": s.remote.last_error}
+                   if s.HasField("remote") else None),
         "counters": dict(sorted(s.counters.items())),
         "latencies": {name: {"count": v.count, "window": v.window, "p50_ms": v.p50_ms,
                              "p90_ms": v.p90_ms, "p99_ms": v.p99_ms}
@@ -534,11 +571,26 @@ def print_stats_summary(d: dict[str, Any]) -> None:
         rows.append(("RAM tier", f"{ram['directory']} ({human_bytes(ram['free_bytes'])} free "
                                  "there)"))
     rows.append(("lookups", hit_ratio_text(d["counters"])))
+    if d["remote"]:
+        rows.append(("remote", remote_text(d["remote"], d["counters"])))
     reserved = disk["reserved_bytes"] if disk else 0
     rows.append(("saves in flight", f"{d['in_flight']} ({human_bytes(reserved)} reserved); "
                                     f"{d['read_pins']} read pins"))
     click.echo()
     echo_fields(rows, align="left")
+
+
+def remote_text(remote: dict[str, Any], counters: dict[str, int]) -> str:
+    """The shared tier in one line: where, whether reachable, what moved."""
+    state = "connected" if remote["connected"] else \
+        f"DISCONNECTED ({remote['last_error'] or 'reconnecting'})"
+    errors = sum(v for k, v in counters.items() if k.startswith("remote_errors_"))
+    return (f"{remote['url']}{' (cluster)' if remote['cluster'] else ''}, {state}"
+            f"{', signed' if remote['signed'] else ''}; "
+            f"{human_count(counters.get('remote_hits', 0))} hits, "
+            f"{human_bytes(counters.get('remote_bytes_fetched', 0))} fetched, "
+            f"{human_bytes(counters.get('remote_bytes_sent', 0))} sent, "
+            f"queue {remote['queue_depth']}/{remote['queue_max']}, {human_count(errors)} errors")
 
 
 def counter_value(name: str, value: int) -> str:
@@ -547,16 +599,17 @@ def counter_value(name: str, value: int) -> str:
 
 def print_counters(counters: dict[str, int]) -> None:
     """Counters by topic, in declaration order; a newer daemon's extra ones come last."""
-    from .counters import SECTIONS
+    from .counters import REMOTE_SECTION, SECTIONS
 
     table = Table(title="counters", box=None, pad_edge=False, header_style="bold",
                   title_justify="left")
     table.add_column("COUNTER", no_wrap=True)
     table.add_column("VALUE", justify="right", no_wrap=True)
     table.add_column("MEANING")  # wraps at word boundaries on a narrow terminal
-    known = {name for section in SECTIONS.values() for name in section}
+    sections = {**SECTIONS, "remote": REMOTE_SECTION}
+    known = {name for section in sections.values() for name in section}
     other = {n: "" for n in counters if n not in known}
-    for title, section in [*SECTIONS.items(), ("other", other)]:
+    for title, section in [*sections.items(), ("other", other)]:
         names = [n for n in section if n in counters]
         if not names:
             continue
@@ -657,8 +710,9 @@ def print_columns(headers: Sequence[str], rows: Sequence[dict[str, str]], *,
 @click.option("--model", default="", help=MODEL_HELP)
 @click.option("--tenant", default="", help="Tenant salt (only its entries are listed).")
 @click.option("--reason", type=click.Choice(["", *SAVE_REASONS]), default="")
-@click.option("--tier", type=click.Choice(["", "ram", "disk"]), default="",
-              help="ram: entries with a RAM copy; disk: all (every entry is on disk).")
+@click.option("--tier", type=click.Choice(["", "ram", "disk", "remote"]), default="",
+              help="ram: entries with a RAM copy; disk: all (every entry is on disk); "
+                   "remote: what this host can reach in the shared tier (--remote).")
 @click.option("--min-tokens", type=U32, default=0)
 @click.option("--sort", "sort_by", type=click.Choice(["used", "age", "size", "tokens", "hits"]),
               default="used", show_default=True,

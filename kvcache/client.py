@@ -32,7 +32,8 @@ from .config import CHUNK_BYTES, MAX_MESSAGE_BYTES, default_address, is_local, n
 from .v1 import kvcache_pb2 as pb
 from .v1 import kvcache_pb2_grpc as pb_grpc
 
-TIER_NAMES = {pb.TIER_RAM: "ram", pb.TIER_DISK: "disk", pb.TIER_UNSPECIFIED: ""}
+TIER_NAMES = {pb.TIER_RAM: "ram", pb.TIER_DISK: "disk", pb.TIER_REMOTE: "remote",
+              pb.TIER_UNSPECIFIED: ""}
 
 
 class CacheError(Exception):
@@ -225,6 +226,24 @@ class CacheClient:
         resp = self._rpc("Lookup", pb.LookupRequest(
             identity=identity.message(), packed_tokens=keys.tokens_to_bytes(tokens),
             max_tokens=max_tokens, common_prefix=common_prefix), timeout)
+        return self._lookup_result(resp)
+
+    def lookup_before_save(self, identity: Identity, tokens: Sequence[int], *,
+                           wait_in_flight_ms: int = 0, timeout: float | None = None
+                           ) -> tuple[LookupResult | None, int]:
+        """The stored entry sharing the most leading tokens with ``tokens`` (as
+        ``lookup(common_prefix=True)``), waiting up to ``wait_in_flight_ms`` for a save
+        in flight that shares more; and how many tokens a save still in flight after
+        that wait shares with them (0: none sharing more than the entry found)."""
+        wait_s = wait_in_flight_ms / 1000
+        resp = self._rpc("Lookup", pb.LookupRequest(
+            identity=identity.message(), packed_tokens=keys.tokens_to_bytes(tokens),
+            common_prefix=True, wait_in_flight_ms=wait_in_flight_ms),
+            (timeout or self.timeout) + wait_s)
+        return self._lookup_result(resp), resp.in_flight_tokens
+
+    @staticmethod
+    def _lookup_result(resp: pb.LookupResponse) -> LookupResult | None:
         if not resp.found:
             return None
         chain = tuple(Piece(p.key, p.base, p.n_tokens, p.size, TIER_NAMES[p.tier])
@@ -440,7 +459,8 @@ class CacheClient:
         """Entries passing every filter given, most recently used first. ``model``: the
         model's file name or its beginning, or a fingerprint prefix; ``key_prefix``:
         leading hex digits of the key."""
-        tier_value = {"": 0, "ram": pb.TIER_RAM, "disk": pb.TIER_DISK}[tier]
+        tier_value = {"": 0, "ram": pb.TIER_RAM, "disk": pb.TIER_DISK,
+                      "remote": pb.TIER_REMOTE}[tier]
         resp = self._rpc("List", pb.ListRequest(model=model, tenant=tenant, reason=reason,
                                                 tier=tier_value, min_tokens=min_tokens,
                                                 limit=limit, key_prefix=key_prefix))

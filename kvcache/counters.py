@@ -2,7 +2,8 @@
 Prometheus endpoint report (zeros included, so ``rate()`` works from the first scrape)
 and whose help texts become the metrics' HELP lines.
 
-Names are incremented as literals in store.py and server.py; tests/test_counters.py
+Names are incremented as literals in the store package, server.py and the remote
+package; tests/test_counters.py
 checks both directions (every name used is declared here, every declared name is used)
 and provokes each one against a real daemon.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from .blob import SAVE_REASONS
 
-# store.TIER_RAM and store.TIER_DISK (not imported: store.py imports this module).
+# store.TIER_RAM and store.TIER_DISK (not imported: the store imports this module).
 TIERS = ("ram", "disk")
 
 # Grouped by topic: the sections of the `kvcache stats` table.
@@ -22,6 +23,12 @@ SECTIONS: dict[str, dict[str, str]] = {
         "lookup_hits_exact": "Lookup hits covering every requested token (up to max_tokens)",
         "lookup_hits_partial": "Lookup hits covering a shorter prefix of the request",
         "lookup_misses": "Lookups that found nothing",
+        "lookups_waited_in_flight": "Lookups before a save that waited for another "
+                                    "writer's save of a longer shared prefix, which was "
+                                    "published or dropped meanwhile",
+        "lookups_in_flight_timeout": "Lookups before a save that gave up waiting for "
+                                     "another writer's save of a longer shared prefix "
+                                     "(the saver drops its save)",
     },
     "saves": {
         "reserves": "Reserve calls (save attempts)",
@@ -88,3 +95,43 @@ SECTIONS: dict[str, dict[str, str]] = {
 
 COUNTERS: dict[str, str] = {name: text for section in SECTIONS.values()
                             for name, text in section.items()}
+
+# The shared tier's counters (kvcache/remote/), reported by every daemon next to SECTIONS
+# (zeros without a remote) and shown as their own section by `kvcache stats`.
+# tests/test_counters.py provokes SECTIONS with no redis-server; tests/test_remote.py checks
+# these both ways and, with tests/test_remote_daemon.py, provokes each against real ones.
+REMOTE_ERROR_KINDS = ("connection", "timeout", "response", "auth")
+REMOTE_SECTION: dict[str, str] = {
+    "remote_lookups": "Remote lookups answered",
+    "remote_hits": "Remote lookups that found an entry sharing a prefix with the request",
+    "remote_misses": "Remote lookups that found nothing (the remote down, slow or empty)",
+    "remote_skipped_disconnected": "Remote lookups and fetches answered as misses at once: "
+                                   "the remote was disconnected",
+    "remote_fetches": "Remote fetches of a chain's pieces",
+    "remote_fetch_pieces": "Pieces fetched from the remote and verified",
+    "remote_fetch_short": "Remote fetches that returned only a prefix of the chain asked for "
+                          "(a piece gone, refused or past the fetch budget)",
+    "remote_fetch_failed": "Remote fetches that returned nothing usable",
+    "remote_fetch_budget_exceeded": "Remote fetches stopped by their time budget",
+    "remote_bytes_fetched": "Blob bytes fetched from the remote and verified",
+    "remote_puts": "Entries uploaded to the remote",
+    "remote_bytes_sent": "Bytes written to the remote (parts, records, block index)",
+    "remote_put_skipped_present": "Uploads skipped: the remote already holds the entry",
+    "remote_put_skipped_in_flight": "Uploads skipped: another host was uploading the entry",
+    "remote_put_unreadable": "Uploads abandoned: the local blob was gone or failed "
+                             "verification",
+    "remote_put_errors": "Uploads that failed on the remote (error reply, full, down, slow)",
+    "remote_full": "Uploads refused because the remote is out of memory (maxmemory with "
+                   "noeviction)",
+    "remote_dropped_queue_full": "Uploads dropped: the upload queue was full",
+    "remote_dropped_disconnected": "Uploads dropped: the remote was disconnected",
+    "remote_signature_failures": "Remote values refused: unsigned or signed with another key",
+    "remote_verify_failures": "Remote values refused: malformed, failing checksums or not "
+                              "matching their key",
+    **{f"remote_errors_{kind}": f"Remote calls that failed: {kind}"
+       for kind in REMOTE_ERROR_KINDS},
+    "remote_reconnects": "Reconnections to the remote after it was lost",
+    "remote_fetched_stored": "Fetched pieces committed into the local tiers",
+    "remote_fetched_not_stored": "Fetched pieces the local store refused (full, parent "
+                                 "gone): the lookup was answered from what was stored",
+}

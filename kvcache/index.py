@@ -36,7 +36,7 @@ import lmdb
 import msgpack
 import xxhash
 
-from .keys import KEY_BYTES, key_under
+from .keys import KEY_BYTES, common_prefix_tokens, key_under
 
 # 2: the passes databases. Entries without passes rows (a version-1 index) get them from
 # their blob headers at start-up (Store._reconcile), every other row kept as it is.
@@ -468,7 +468,7 @@ class Index:
                         if scanned == SCAN_LIMIT:
                             crowded = True
                             break
-                        shared = min(base + _common_prefix_tokens(tokens, nxt), limit)
+                        shared = min(base + common_prefix_tokens(tokens, nxt), limit)
                         if shared > best_n:
                             best_keys, best_n = [key], shared
                         elif shared == best_n and shared:
@@ -486,20 +486,6 @@ class Index:
                     return min(records, key=lambda r: r.size), best_n, probes
         return None, 0, probes
 
-
-def _common_prefix_tokens(a: bytes, b: bytes) -> int:
-    """How many leading u32 tokens two packed token strings share."""
-    n = min(len(a), len(b)) // 4
-    if a[: n * 4] == b[: n * 4]:
-        return n
-    lo, hi = 0, n  # a[:4*lo] == b[:4*lo], a[:4*hi] != b[:4*hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[: mid * 4] == b[: mid * 4]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def dir_fsync(path: Path) -> None:

@@ -50,6 +50,22 @@ def bytes_to_tokens(data: bytes) -> list[int]:
     return packed.tolist()
 
 
+def common_prefix_tokens(a: bytes, b: bytes) -> int:
+    """How many leading u32 tokens two packed token strings share (log-many slice
+    comparisons, each a memcmp)."""
+    n = min(len(a), len(b)) // 4
+    if a[: n * 4] == b[: n * 4]:
+        return n
+    lo, hi = 0, n  # a[:4*lo] == b[:4*lo], a[:4*hi] != b[:4*hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[: mid * 4] == b[: mid * 4]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def tenant_id(tenant: str) -> str:
     """Stable, non-reversible label of a tenant salt (the salt itself is never stored)."""
     if not tenant:

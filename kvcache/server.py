@@ -27,11 +27,12 @@ from .auth import (
     tcp_security,
 )
 from .config import MAX_MESSAGE_BYTES, SOCKET_NAME, parse_listen
-from .counters import COUNTERS
+from .counters import COUNTERS, REMOTE_SECTION
 from .errors import InvalidArgument, NotFound, StoreError
 from .index import Record
 from .metrics import LatencyWindows, Metrics
-from .store import TIER_DISK, TIER_RAM, Store, StoreConfig
+from .remote import RemoteConfig, RemoteSync, RemoteTier
+from .store import TIER_DISK, TIER_RAM, Found, Store, StoreConfig
 from .unix_socket import OwnedSocket
 from .v1 import kvcache_pb2 as pb
 from .v1 import kvcache_pb2_grpc as pb_grpc
@@ -91,6 +92,13 @@ def wait_budget_ms(wait_ms: int, context: Any) -> int:
     if remaining is None:
         return wait_ms
     return max(0, int(min(wait_ms, remaining * 1000)))
+
+
+def remote_counters(remote: RemoteSync | None) -> dict[str, int]:
+    """The shared tier's counters (zeros without one: every declared name is reported)."""
+    if remote is None:
+        return dict.fromkeys(REMOTE_SECTION, 0)
+    return remote.tier.stats()["counters"]  # type: ignore[return-value]
 
 
 def tier_of(record: Record) -> int:
@@ -192,15 +200,26 @@ def store_gauges(store: Store) -> dict[tuple[str, tuple[tuple[str, str], ...]], 
         ("tier_budget_bytes", (("tier", "disk"),)): cfg.disk_bytes,
         ("reserved_bytes", ()): s["reserved_bytes"],
         ("in_flight", ()): s["in_flight"],
+        ("waiting_lookups", ()): s["waiting_lookups"],
         ("read_pins", ()): s["read_pins"],
     }
 
 
+def remote_gauges(tier: RemoteTier | None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    if tier is None:
+        return {}
+    r = tier.stats()
+    return {("remote_connected", ()): float(bool(r["connected"])),
+            ("remote_queue_depth", ()): float(r["queue_depth"])}  # type: ignore[arg-type]
+
+
 class KVCacheService(pb_grpc.KVCacheServicer):
-    def __init__(self, store: Store, metrics: Metrics | None = None) -> None:
+    def __init__(self, store: Store, metrics: Metrics | None = None,
+                 remote: RemoteSync | None = None) -> None:
         self.store = store
+        self.remote = remote
         self.metrics = metrics or Metrics("kvcache")
-        self.metrics.describe_counters(COUNTERS)
+        self.metrics.describe_counters({**COUNTERS, **REMOTE_SECTION})
         # Recent samples per series, for the percentiles of `kvcache stats`.
         self.latencies = LatencyWindows()
         self.lookup_seconds = self.metrics.histogram(
@@ -227,28 +246,39 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, details(exc))
         raise AssertionError("unreachable")  # context.abort raises
 
+    def lookup(self, ns: bytes, raw: bytes, max_tokens: int, common_prefix: bool, *,
+               count: bool = True) -> Found:
+        """The local tiers' answer, or the shared tier's when it holds more."""
+        if self.remote is not None:
+            return self.remote.lookup(ns, raw, max_tokens, common_prefix=common_prefix,
+                                      count=count)
+        return self.store.find(ns, raw, max_tokens, common_prefix=common_prefix, count=count)
+
     def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         def run() -> pb.LookupResponse:
             ns = identity_namespace(request.identity)
             raw = request_tokens(request)
             t0 = time.perf_counter()
-            if request.common_prefix:
-                record, matched, probes = self.store.lookup_common_prefix(
-                    ns, raw, request.max_tokens)
-            else:
-                record, probes = self.store.lookup(ns, raw, request.max_tokens)
-                matched = record.n_tokens if record else 0
+            answer = self.lookup(ns, raw, request.max_tokens, request.common_prefix)
+            in_flight = 0
+            wait_ms = wait_budget_ms(request.wait_in_flight_ms, context)
+            if request.common_prefix and wait_ms:
+                in_flight = self.store.wait_in_flight(ns, raw, answer.shared, wait_ms / 1000)
+                if not in_flight:  # published or dropped meanwhile: look again
+                    answer = self.lookup(ns, raw, request.max_tokens, True, count=False)
+            record, matched, probes = answer.record, answer.shared, answer.probes
             self._observe(self.lookup_seconds.labels("hit" if record else "miss"), "lookup", t0)
             try:
                 chain = self.store.chain(record) if record is not None else None
             except NotFound:  # a link removed since the lookup: as good as a miss
                 chain = None
             if record is None or chain is None:
-                return pb.LookupResponse(found=False, probes=probes)
+                return pb.LookupResponse(found=False, probes=probes, in_flight_tokens=in_flight)
             return pb.LookupResponse(
-                found=True, key=record.key, matched_tokens=matched, tier=tier_of(record),
+                found=True, key=record.key, matched_tokens=matched,
+                tier=pb.TIER_REMOTE if answer.from_remote else tier_of(record),
                 size=record.size, probes=probes, entry_tokens=record.n_tokens,
-                chain=chain_message(chain))
+                chain=chain_message(chain), in_flight_tokens=in_flight)
         return self._call(context, run)
 
     def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:
@@ -313,6 +343,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         record = self._call(context,
                             lambda: self.store.commit(request.lease_id, request.local_write))
         self._observe(self.commit_seconds.labels(record.reason), "commit", t0)
+        if self.remote is not None:
+            self.remote.published(record)
         return pb.CommitResponse(key=record.key, size=record.size)
 
     def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:
@@ -377,16 +409,29 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                          budget_bytes=cfg.disk_bytes, reserved_bytes=s["reserved_bytes"],
                          directory=str(self.store.root), free_bytes=free_bytes(self.store.root)),
         ]
-        return pb.StatsResponse(tiers=tiers, counters=s["counters"], block_size=cfg.block_size,
+        counters = {**s["counters"], **remote_counters(self.remote)}
+        remote = None
+        if self.remote is not None:
+            r = self.remote.tier.stats()
+            remote = pb.RemoteStats(url=str(r["url"]), connected=bool(r["connected"]),
+                                    cluster=bool(r["cluster"]), signed=bool(r["signed"]),
+                                    queue_depth=int(r["queue_depth"]),  # type: ignore[call-overload]
+                                    queue_max=int(r["queue_max"]),  # type: ignore[call-overload]
+                                    last_error=str(r["last_error"] or ""))
+        return pb.StatsResponse(tiers=tiers, counters=counters, block_size=cfg.block_size,
+                                remote=remote,
                                 min_free_bytes=cfg.min_free_bytes,
                                 logical_bytes=s["logical_bytes"],
                                 version=__version__, uptime_seconds=s["uptime"],
                                 in_flight=s["in_flight"], read_pins=s["read_pins"],
+                                waiting_lookups=s["waiting_lookups"],
                                 latencies={name: pb.LatencySummary(**vars(summary))
                                            for name, summary in
                                            self.latencies.summaries().items()})
 
     def List(self, request: pb.ListRequest, context: Any) -> pb.ListResponse:
+        if request.tier == pb.TIER_REMOTE:
+            return pb.ListResponse(entries=self._remote_entries(request, context))
         predicate = record_filter(request.model, request.tenant, request.reason, request.tier,
                                   request.min_tokens, now=time.time(),
                                   key_prefix=request.key_prefix)
@@ -396,6 +441,28 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             records = records[: request.limit]
         return pb.ListResponse(entries=[entry_message(r, self.store.children(r.key))
                                         for r in records])
+
+    def _remote_entries(self, request: pb.ListRequest, context: Any) -> list[pb.Entry]:
+        """What this host can reach in the shared tier, newest first (ls --tier remote)."""
+        if self.remote is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          "this daemon has no shared tier (kvcache serve --remote URL)")
+        tenant = keys.tenant_id(request.tenant) if request.tenant else None
+        entries = []
+        for r in self.remote.tier.list_entries(limit=request.limit or 1000):
+            if (tenant is not None and r.tenant_id != tenant) or r.n_tokens < request.min_tokens \
+                    or (request.reason and r.reason != request.reason) \
+                    or not r.key.hex().startswith(request.key_prefix.lower()) \
+                    or (request.model and not (r.model_name.startswith(request.model) or (
+                        len(request.model) >= MIN_FINGERPRINT_PREFIX and
+                        r.model_fingerprint.startswith(request.model.lower())))):
+                continue
+            entries.append(pb.Entry(
+                key=r.key, model_name=r.model_name, model_fingerprint=r.model_fingerprint,
+                tenant_id=r.tenant_id, n_tokens=r.n_tokens, size=r.size,
+                tiers=[pb.TIER_REMOTE], reason=r.reason, created=r.created, codec=r.codec,
+                namespace=r.namespace, parent=r.parent, base=r.base))
+        return entries
 
     def Inspect(self, request: pb.InspectRequest, context: Any) -> pb.EntryDetail:
         # With a tenant, another tenant's entry gets the answer of a missing key.
@@ -489,7 +556,8 @@ class Daemon:
     def __init__(self, config: StoreConfig, socket_path: Path | None = None,
                  listen: str | None = None, workers: int = 32,
                  metrics_port: int | None = None, auth: ServerAuth | None = None,
-                 insecure_tcp: bool = False, tcp_admin: bool = False) -> None:
+                 insecure_tcp: bool = False, tcp_admin: bool = False,
+                 remote: RemoteConfig | None = None) -> None:
         self.auth = auth or ServerAuth()
         if listen:
             parse_listen(listen)  # ValueError for a bad HOST:PORT
@@ -500,9 +568,16 @@ class Daemon:
         # claimed once the directory's lock is held.
         self.socket.check()
         self.store = Store(config)
+        self.remote_tier: RemoteTier | None = None
         try:
+            if remote is not None:
+                # Connecting is tried once here and then in the background: a remote that
+                # is down does not keep the daemon from serving its local tiers.
+                self.remote_tier = RemoteTier(remote, config.block_size).start()
             self._listen(listen, workers, metrics_port, tcp_admin)
         except BaseException:
+            if self.remote_tier is not None:
+                self.remote_tier.close()
             self.store.close()  # releases the data directory for the next attempt
             self.socket.remove()
             raise
@@ -511,10 +586,12 @@ class Daemon:
     def _listen(self, listen: str | None, workers: int, metrics_port: int | None,
                 tcp_admin: bool) -> None:
         self.metrics = Metrics("kvcache")
-        self.metrics.add_snapshot(lambda: self.store.stats()["counters"],  # type: ignore[arg-type,return-value]
-                                  lambda: store_gauges(self.store))
+        sync = RemoteSync(self.store, self.remote_tier) if self.remote_tier else None
+        self.metrics.add_snapshot(
+            lambda: {**self.store.stats()["counters"], **remote_counters(sync)},  # type: ignore[dict-item]
+            lambda: {**store_gauges(self.store), **remote_gauges(self.remote_tier)})
         self.metrics_port = metrics_port
-        self.service = KVCacheService(self.store, self.metrics)
+        self.service = KVCacheService(self.store, self.metrics, sync)
         self.health = health.HealthServicer()
         self.servers = [self._server(workers, [])]
         self.socket.bind(self.servers[0])
@@ -548,6 +625,8 @@ class Daemon:
         stopping = [server.stop(grace) for server in self.servers]
         for event in stopping:
             event.wait()
+        if self.remote_tier is not None:
+            self.remote_tier.close()  # uploads still queued are dropped
         self.store.close()
         self.socket.remove()
 

@@ -82,6 +82,9 @@ class RuntimeConfig:
     session_resume_wait_ms: int = 500  # wait for a session's in-flight save
     cache_timeout_s: float = 2.0  # a cache call slower than this is given up (cold)
     max_pending_saves: int = 8  # saves queued for the sender beyond this are dropped
+    # A save waits this long for another writer's save of a longer shared prefix to be
+    # published (then stores only what follows it); still in flight: dropped.
+    in_flight_wait_ms: int = 1000
     # How often the daemon is probed, so an outage (and its end) is reported when it
     # happens rather than noticed in the hit rates.
     cache_check_interval_s: float = 2.0
@@ -96,7 +99,8 @@ class RuntimeConfig:
                      "max_pending_saves"):
             check_int(name, getattr(self, name), 1)
         check_int("n_seq_max", self.n_seq_max, 1, max_parallel_sequences())
-        for name in ("trim", "min_save_tokens", "continued_interval", "session_resume_wait_ms"):
+        for name in ("trim", "min_save_tokens", "continued_interval", "session_resume_wait_ms",
+                     "in_flight_wait_ms"):
             check_int(name, getattr(self, name), 0)
         check_number("shutdown_deadline_s", self.shutdown_deadline_s, 0)
         check_number("cache_timeout_s", self.cache_timeout_s, 0, above=True)

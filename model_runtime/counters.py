@@ -16,7 +16,7 @@ RESTORED_KINDS = ("exact", "partial")  # sticky reuses a live sequence, cold res
 SAVE_REASONS = ("cold", "continued", "finish", "evict", "shutdown")
 SKIP_STATUSES = ("already_present", "in_flight")  # CacheClient.save's non-saved results
 KEY_SOURCES = ("parent", "session")  # candidates tried before the longest-prefix lookup
-TIERS = ("ram", "disk")
+TIERS = ("ram", "disk", "remote")
 
 COUNTERS: dict[str, str] = {
     # requests
@@ -62,6 +62,9 @@ COUNTERS: dict[str, str] = {
     "saves_dropped": "Saves dropped (backlog, daemon unavailable, or refused)",
     "saves_dropped_backlog": "Saves dropped because max_pending_saves were already queued",
     "saves_dropped_unavailable": "Saves dropped because the daemon was unreachable",
+    "saves_dropped_in_flight_prefix": "Saves dropped because another writer's save of a "
+                                      "longer shared prefix was still being written after "
+                                      "the wait (in_flight_wait_ms)",
     "saves_failed": "Saves the daemon refused (e.g. no room in its disk budget)",
     "shutdown_saves_skipped": "Live sequences not saved at shutdown: the deadline had passed",
     # bugs

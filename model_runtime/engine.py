@@ -32,7 +32,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -60,6 +60,7 @@ log = logging.getLogger("model_runtime")
 HIT_EXACT, HIT_PARTIAL, HIT_COLD, HIT_STICKY = "exact", "partial", "cold", "sticky"
 # cache_tier of a request served by an idle sequence's KV in place (no restore).
 TIER_LIVE = "live"
+TIER_REMOTE = "remote"  # the daemon fetched the entry from its shared tier for this hit
 # Sessions whose last saved key is remembered (the least recently saved are forgotten):
 # one entry per session id ever seen would grow without bound.
 MAX_SESSION_KEYS = 4096
@@ -176,7 +177,8 @@ class Engine:
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()
         self.saver = Saver(cache, self.counters, self._lock, config.max_pending_saves,
-                           min_shared_tokens=config.min_save_tokens)
+                           min_shared_tokens=config.min_save_tokens,
+                           in_flight_wait_ms=config.in_flight_wait_ms)
         self.seqs = [Seq(i) for i in range(ctx.n_seq_max)]
         self.sessions: dict[str, Seq] = {}
         # session -> (key, n_tokens), least recently saved first; written on the model
@@ -534,6 +536,8 @@ class Engine:
                                               shares=hit.matched_tokens,
                                               pieces=hit.pieces_for(hit.matched_tokens),
                                               timeout=timeout * 4)
+                if hit.tier == TIER_REMOTE:  # fetched into the daemon's tiers for this hit
+                    chain[-1] = replace(chain[-1], tier=TIER_REMOTE)
                 self.count(f"restored_from_{chain[-1].tier or 'cache'}")
                 return chain
             except CacheUnavailable:

@@ -45,8 +45,12 @@ class SaveJob:
 class Saver:
     def __init__(self, client: CacheClient | None, counters: Counter[str],
                  counters_lock: threading.Lock, max_pending: int = 8,
-                 min_shared_tokens: int = 64) -> None:
+                 min_shared_tokens: int = 64, in_flight_wait_ms: int = 1000) -> None:
         self.client = client
+        # How long a save waits for another writer's save of a longer shared prefix to be
+        # published, so that it stores only what follows it; still in flight after that,
+        # the save is dropped (the other writer is storing those cells).
+        self.in_flight_wait_ms = in_flight_wait_ms
         # A stored prefix shorter than this is not built on: a piece would keep a whole
         # blob of another entry alive for a few of its cells.
         self.min_shared_tokens = max(1, min_shared_tokens)
@@ -108,6 +112,9 @@ class Saver:
                     self._count("tokens_stored", len(job.tokens) - base)
                     if base:
                         self._count("saves_built_on_prefix")
+                elif result.status == "dropped_in_flight_prefix":
+                    self._count("saves_dropped")
+                    self._count("saves_dropped_in_flight_prefix")
                 else:
                     self._count(f"saves_skipped_{result.status}")
             except CacheUnavailable as exc:
@@ -131,9 +138,14 @@ class Saver:
         if not job.as_cells:
             return client.save(job.identity, job.tokens, job.state, job.reason), 0
         n = len(job.tokens)
-        hit = client.lookup(job.identity, job.tokens, common_prefix=True)
+        hit, in_flight = client.lookup_before_save(job.identity, job.tokens,
+                                                   wait_in_flight_ms=self.in_flight_wait_ms)
         if hit is not None and hit.matched_tokens == hit.entry_tokens == n:
             return SaveResult("already_present", hit.key), 0
+        if in_flight >= n:  # another writer is storing all of it (this key or longer)
+            return SaveResult("in_flight", job.key), 0
+        if in_flight >= self.min_shared_tokens:
+            return SaveResult("dropped_in_flight_prefix", job.key), 0
         # At least the last cell is stored: an entry needs a blob of its own (its key is
         # reported and resumed from), also where a longer entry holds all of it.
         shared = min(hit.matched_tokens, n - 1) if hit is not None else 0

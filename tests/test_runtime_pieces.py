@@ -17,13 +17,14 @@ from typing import Any
 import msgpack
 import pytest
 from conftest_llama import prefill
-from daemon_proc import DaemonProcess
+from daemon_proc import DaemonProcess, wait_for
 from test_kv_cells import fresh_state, new_ctx
 from test_kv_cells import prompt as model_prompt
 from test_runtime import CONFIG, TEXT_A, TEXT_B, daemon_counters, delta, flush, prompt
 
-from kvcache.blob import BlobMeta
+from kvcache.blob import BlobMeta, encode_blob
 from kvcache.client import CacheClient, LoadedBlob
+from kvcache.v1 import kvcache_pb2 as pb
 from model_runtime import kv_cells, pieces
 from model_runtime.llama_backend import LlamaModel
 from model_runtime.runtime import Runtime
@@ -52,6 +53,16 @@ def make_runtime(cache: DaemonProcess, tiny_model: Path) -> Iterator[Callable[..
     yield make
     for rt in reversed(made):
         rt.close()
+
+
+def fingerprint(rt: Runtime) -> str:
+    return rt.identity.model_fingerprint
+
+
+def waiting_lookups(cache: DaemonProcess) -> int:
+    """Lookups now waiting for another writer's save in flight."""
+    with CacheClient(cache.address, timeout=10) as c:
+        return c.stats().waiting_lookups
 
 
 def disk_bytes(address: str) -> tuple[int, int]:
@@ -164,6 +175,64 @@ def test_a_save_after_a_restore_writes_only_new_cells(make_runtime: Callable[...
     assert n_saves and stats["saves_built_on_prefix"] == n_saves
     assert stats["tokens_stored"] <= stats["tokens_saved"] - n_saves * read
     assert delta(before_daemon, daemon_counters(cache.address), "pieces_committed") == n_saves
+
+
+def test_a_save_waits_for_another_writers_longer_prefix_and_builds_on_it(
+        make_runtime: Callable[..., Runtime], cache: DaemonProcess) -> None:
+    rt = make_runtime(in_flight_wait_ms=20_000)
+    system = prompt(rt, 96)
+    # The other writer's state of the system prompt (a real one, from its own context).
+    other = make_runtime(cache_address=None, reuse_live=True)  # keeps its KV afterwards
+    other.complete(tokens=system, max_tokens=1)  # the first token needs no decode
+    root = pieces.cut(bytes(other.ctx.state_seq_get(0)), 0)
+    meta = BlobMeta(namespace=rt.identity.namespace, model_fingerprint=fingerprint(rt),
+                    kv_layout=dict(rt.identity.kv_layout), tokens=system, reason="cold",
+                    cell_layout=root.cell_layout)
+    data = b"".join(bytes(part) for part in encode_blob(meta, root.payload))
+    writer = CacheClient(cache.address, timeout=10)
+    lease = writer.stub.Reserve(pb.ReserveRequest(
+        identity=rt.identity.message(), tokens=system, size=len(data), reason="cold"),
+        timeout=10)
+    before = daemon_counters(cache.address)
+    done = rt.complete(tokens=system + rt.tokenize(TEXT_B)[1:], max_tokens=4)
+    # Its first save (the cold one, of the system prompt) waits for the writer's.
+    wait_for(lambda: waiting_lookups(cache) == 1, "the save to wait for the other writer")
+    writer.stub.Write(iter([pb.WriteChunk(lease_id=lease.lease_id, data=data)]), timeout=10)
+    writer.stub.Commit(pb.CommitRequest(lease_id=lease.lease_id), timeout=10)
+    writer.close()
+    flush(rt)
+    stats = rt.stats()
+    # The cold save of the system prompt waited and found it stored; the finish save
+    # was built on it: only its own cells were sent.
+    assert (stats["saves_skipped_already_present"], stats["saves_built_on_prefix"]) == (1, 1)
+    assert stats["tokens_stored"] == stats["tokens_saved"] - len(system)
+    after = daemon_counters(cache.address)
+    assert delta(before, after, "lookups_waited_in_flight") == 1
+    # The conversation restores from the writer's piece and its own, equal to cold.
+    again = make_runtime()
+    full = system + rt.tokenize(TEXT_B)[1:] + done.tokens[:-1]
+    warm = again.complete(tokens=full + [done.tokens[-1]], max_tokens=6)
+    assert warm.cache_delta["tokens_read"] == len(full)
+    cold = make_runtime(cache_address=None).complete(tokens=full + [done.tokens[-1]],
+                                                     max_tokens=6)
+    assert warm.tokens == cold.tokens
+
+
+def test_a_save_gives_up_on_a_writer_that_does_not_finish(
+        make_runtime: Callable[..., Runtime], cache: DaemonProcess) -> None:
+    rt = make_runtime(in_flight_wait_ms=200)
+    system = prompt(rt, 96)
+    with CacheClient(cache.address, timeout=10) as writer:
+        lease = writer.stub.Reserve(pb.ReserveRequest(
+            identity=rt.identity.message(), tokens=system + [7], size=1000, reason="cold"),
+            timeout=10)
+        rt.complete(tokens=system + rt.tokenize(TEXT_B)[1:], max_tokens=4)
+        flush(rt)
+        writer.stub.Abort(pb.AbortRequest(lease_id=lease.lease_id), timeout=10)
+    stats = rt.stats()
+    # Its finish state shares the 96 tokens being written: dropped, not stored twice.
+    assert stats["saves_dropped_in_flight_prefix"] == 1 and stats["saves_finish"] == 0
+    assert daemon_counters(cache.address)["lookups_in_flight_timeout"] >= 1
 
 
 def test_a_diverging_chain_is_cut_and_matches_cold(make_runtime: Callable[..., Runtime]

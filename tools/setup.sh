@@ -8,6 +8,47 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The remote tier's tests and benchmarks start their own redis-server processes on
+# loopback ports: Debian's redis-server and redis-tools (redis-cli), installed when missing.
+# The package must not leave a system-wide server running: a policy-rc.d that denies
+# service starts is in place while it installs (unless one is there already), and a
+# service started anyway is stopped and disabled.
+install_redis() {
+  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+    redis-server redis-tools
+}
+if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "setup: redis-server is missing; run this script as root to install it" >&2
+    exit 1
+  fi
+  policy=/usr/sbin/policy-rc.d
+  own_policy=0
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' > "$policy"
+    chmod 755 "$policy"
+    own_policy=1
+  fi
+  status=0
+  install_redis || { apt-get update && install_redis; } || status=$?
+  if [ "$own_policy" = 1 ]; then
+    rm -f "$policy"
+  fi
+  if [ "$status" -ne 0 ]; then
+    echo "setup: installing redis-server failed" >&2
+    exit "$status"
+  fi
+  if command -v systemctl >/dev/null 2>&1; then
+    systemctl disable redis-server >/dev/null 2>&1 || true  # not at the next boot either
+    if systemctl is-active --quiet redis-server 2>/dev/null; then
+      systemctl stop redis-server || true
+    fi
+  fi
+  if command -v service >/dev/null 2>&1 && service redis-server status >/dev/null 2>&1; then
+    service redis-server stop || true
+  fi
+fi
+
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 

@@ -66,7 +66,7 @@ Invariants, and the tests that hold them:
 
 from __future__ import annotations
 
-from .facade import Store
+from .facade import Found, Store
 from .integrity import NO_SUCH_ENTRY
 from .prune import PruneResult
 from .reads import ReadPin
@@ -76,6 +76,7 @@ from .tiers import BLOB_SUFFIX, TIER_DISK, TIER_RAM, TMP_SUFFIX
 
 __all__ = [
     "BLOB_SUFFIX",
+    "Found",
     "GiB",
     "NO_SUCH_ENTRY",
     "TIER_DISK",

@@ -11,6 +11,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -29,6 +30,16 @@ from .reconcile import Reconcile
 from .reservations import LeaseTable, Publisher, ReserveResult
 from .settings import StoreConfig
 from .tiers import Layout, RamCopies, RamPlacer, Tally
+
+
+@dataclass(frozen=True)
+class Found:
+    """What a lookup found: the entry, how many leading tokens of the query it holds."""
+
+    record: Record | None
+    shared: int
+    probes: int
+    from_remote: bool = False  # its pieces were fetched from the shared tier for it
 
 
 class Store:
@@ -79,6 +90,7 @@ class Store:
         config, layout, index = self.config, self._layout, self.index
         self.counters: Counter[str] = Counter()
         self.started = time.time()
+        self.waiting_lookups = 0  # lookups waiting for a save in flight (under _cond)
         self._cond = cond = threading.Condition(threading.RLock())
         counters = self.counters
         self._closed = threading.Event()
@@ -171,26 +183,63 @@ class Store:
 
     # -- lookup -----------------------------------------------------------------------------
 
-    def lookup(self, ns: bytes, raw_tokens: bytes, max_tokens: int = 0
+    def lookup(self, ns: bytes, raw_tokens: bytes, max_tokens: int = 0, *, count: bool = True
                ) -> tuple[Record | None, int]:
-        """The longest entry whose tokens are a whole prefix of the query, and the probes."""
+        """The longest entry whose tokens are a whole prefix of the query, and the probes.
+        ``count=False``: a second look for the same request (not counted again)."""
         check_tokens(raw_tokens, self.config.max_tokens)
         hashes = keys.block_hashes(ns, raw_tokens, self.config.block_size)
         record, probes = self.index.longest_prefix(hashes, raw_tokens, self.config.block_size,
                                                    max_tokens)
-        self._count_lookup(record, record.n_tokens if record else 0, raw_tokens, max_tokens)
+        if count:
+            self._count_lookup(record, record.n_tokens if record else 0, raw_tokens,
+                               max_tokens)
         return record, probes
 
-    def lookup_common_prefix(self, ns: bytes, raw_tokens: bytes, max_tokens: int = 0
-                             ) -> tuple[Record | None, int, int]:
+    def lookup_common_prefix(self, ns: bytes, raw_tokens: bytes, max_tokens: int = 0, *,
+                             count: bool = True) -> tuple[Record | None, int, int]:
         """The entry sharing the most leading tokens with the query (it may be longer or
         diverge), how many it shares, and the probes."""
         check_tokens(raw_tokens, self.config.max_tokens)
         hashes = keys.block_hashes(ns, raw_tokens, self.config.block_size)
         record, shared, probes = self.index.longest_common_prefix(
             hashes, raw_tokens, self.config.block_size, max_tokens)
-        self._count_lookup(record, shared, raw_tokens, max_tokens)
+        if count:
+            self._count_lookup(record, shared, raw_tokens, max_tokens)
         return record, shared, probes
+
+    def find(self, ns: bytes, raw_tokens: bytes, max_tokens: int = 0, *,
+             common_prefix: bool = False, count: bool = True) -> Found:
+        """:meth:`lookup_common_prefix` or, without ``common_prefix``, :meth:`lookup`."""
+        if common_prefix:
+            return Found(*self.lookup_common_prefix(ns, raw_tokens, max_tokens, count=count))
+        record, probes = self.lookup(ns, raw_tokens, max_tokens, count=count)
+        return Found(record, record.n_tokens if record else 0, probes)
+
+    def wait_in_flight(self, ns: bytes, raw_tokens: bytes, more_than: int,
+                       timeout: float) -> int:
+        """Wait up to ``timeout`` seconds until no save being written in ``ns`` shares
+        more than ``more_than`` leading tokens with the query (published or dropped by
+        then). Returns how many such a save still shares (0: none left, look again)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            waited = False  # counted only when it made the lookup look again
+            while True:
+                shared = self._leases.shared_in_flight(ns, raw_tokens)
+                if shared <= more_than:
+                    if waited:
+                        self.counters["lookups_waited_in_flight"] += 1
+                    return 0
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.counters["lookups_in_flight_timeout"] += 1
+                    return shared
+                waited = True
+                self.waiting_lookups += 1  # a gauge: Stats shows who waits right now
+                try:
+                    self._cond.wait(left)
+                finally:
+                    self.waiting_lookups -= 1
 
     def _count_lookup(self, record: Record | None, shared: int, raw_tokens: bytes,
                       max_tokens: int) -> None:
@@ -320,6 +369,7 @@ class Store:
                 "reserved_bytes": tally.reserved_bytes,
                 "logical_bytes": tally.logical_bytes,
                 "in_flight": len(self._leases.in_flight),
+                "waiting_lookups": self.waiting_lookups,
                 "read_pins": len(self._pins.pins),
                 "uptime": time.time() - self.started,
             }

@@ -49,6 +49,7 @@ class Reservation:
     tenant_id: str | None = None  # the reserving identity's; None: not checked
     parent: bytes = b""  # a piece's parent, held (like a read) until commit or abort
     base: int = 0
+    raw_tokens: bytes = b""  # what a lookup compares a save in flight with
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,13 @@ class LeaseTable:
 
     def writing(self, key: bytes) -> bool:
         return key in self.in_flight
+
+    def shared_in_flight(self, ns: bytes, raw_tokens: bytes) -> int:
+        """The most leading tokens of ``raw_tokens`` that a save being written in
+        namespace ``ns`` holds (a scan of the open leases: as many as writers at once)."""
+        return max((keys.common_prefix_tokens(res.raw_tokens, raw_tokens)
+                    for res in self.reservations.values()
+                    if res.namespace == ns and not res.done), default=0)
 
     def lease_ids(self) -> list[str]:
         return list(self.reservations)
@@ -160,7 +168,7 @@ class Publisher:
                 reason=reason, size=size, tmp_path=tmp_path,
                 expires=time.monotonic() + cfg.lease_seconds,
                 verifier=blobfmt.StreamVerifier(size), file=os.fdopen(fd, "wb", buffering=0),
-                tenant_id=tenant_id, parent=parent, base=base,
+                tenant_id=tenant_id, parent=parent, base=base, raw_tokens=raw_tokens,
             )
             if parent:
                 self._pins.hold(parent)  # not evicted or deleted under the piece

@@ -1,0 +1,275 @@
+"""What the remote tier stores: key names, the signed value envelope, the entry record.
+
+Everything read back is untrusted: :func:`open_value` and :meth:`RemoteRecord.unpack`
+raise :class:`ValueRefused` (a signature problem) or :class:`ValueInvalid` (anything else)
+for a value that is not exactly what a kvcache daemon wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgpack
+
+from .. import keys
+
+RECORD_VERSION = 1
+_MAGIC = b"KVR1"
+_UNSIGNED = 0
+_SIGNED = 1
+_TAG_BYTES = 32
+_HEAD = len(_MAGIC) + 1
+_SIGN_DOMAIN = b"kvcache.remote.v1\x00"
+# Far beyond any real chain or blob, low enough that a crafted record cannot make a
+# reader build huge key lists.
+MAX_CHAIN = 4096
+MAX_PARTS = 1 << 16
+
+
+class ValueInvalid(ValueError):
+    """A remote value is malformed, or does not match what it claims to be."""
+
+
+class ValueRefused(ValueInvalid):
+    """A remote value is unsigned while a signing key is set, or its signature is wrong."""
+
+
+# -------------------------------------------------------------------------------- names
+
+
+class Names:
+    """Redis key names under one prefix. Every key of an entry shares the hash tag
+    ``{<key hex>}``, so they live in one cluster slot (one node: one round trip)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def record(self, key: bytes) -> bytes:
+        return f"{self.prefix}:{{{key.hex()}}}:rec".encode()
+
+    def part(self, key: bytes, i: int) -> bytes:
+        return f"{self.prefix}:{{{key.hex()}}}:p{i}".encode()
+
+    def lock(self, key: bytes) -> bytes:
+        return f"{self.prefix}:{{{key.hex()}}}:up".encode()
+
+    def block(self, block_hash: bytes) -> bytes:
+        return f"{self.prefix}:b:{block_hash.hex()}".encode()
+
+    @property
+    def record_pattern(self) -> str:
+        """SCAN pattern of every record key."""
+        return f"{self.prefix}:{{*}}:rec"
+
+    def key_of_record_name(self, name: bytes) -> bytes | None:
+        """The entry key in a record key's name (None for a name of another shape)."""
+        text = name.decode(errors="replace")
+        head, tail = f"{self.prefix}:{{", "}:rec"
+        if not (text.startswith(head) and text.endswith(tail)):
+            return None
+        try:
+            key = bytes.fromhex(text[len(head):-len(tail)])
+        except ValueError:
+            return None
+        return key if len(key) == keys.KEY_BYTES else None
+
+
+# -------------------------------------------------------------------------------- envelope
+
+
+def _tag(signing_key: bytes, name: bytes, body: bytes | memoryview) -> bytes:
+    mac = hmac.new(signing_key, _SIGN_DOMAIN, hashlib.sha256)
+    mac.update(struct.pack("<I", len(name)))
+    mac.update(name)
+    mac.update(body)
+    return mac.digest()
+
+
+def seal(name: bytes, body: bytes | memoryview, signing_key: bytes | None) -> bytes:
+    """The value stored under ``name``: a small header, an HMAC-SHA256 over the key name
+    and the body when a signing key is set (a value cannot be moved to another name), then
+    the body."""
+    if signing_key is None:
+        return b"".join((_MAGIC, bytes((_UNSIGNED,)), body))
+    return b"".join((_MAGIC, bytes((_SIGNED,)), _tag(signing_key, name, body), body))
+
+
+def open_value(name: bytes, value: bytes, signing_key: bytes | None) -> memoryview:
+    """The body of a value read from ``name``. With a signing key, only a value signed
+    with it for this very name is accepted. Without one, signatures are not checked (the
+    blob checksums and key recomputation still are)."""
+    view = memoryview(value)
+    if len(view) < _HEAD or view[: len(_MAGIC)] != _MAGIC:
+        raise ValueInvalid(f"{name.decode(errors='replace')}: not a kvcache remote value")
+    flag = view[len(_MAGIC)]
+    if flag == _UNSIGNED:
+        if signing_key is not None:
+            raise ValueRefused(f"{name.decode(errors='replace')}: unsigned value")
+        return view[_HEAD:]
+    if flag != _SIGNED or len(view) < _HEAD + _TAG_BYTES:
+        raise ValueInvalid(f"{name.decode(errors='replace')}: malformed value header")
+    body = view[_HEAD + _TAG_BYTES :]
+    if signing_key is not None and not hmac.compare_digest(
+            view[_HEAD : _HEAD + _TAG_BYTES], _tag(signing_key, name, body)):
+        raise ValueRefused(f"{name.decode(errors='replace')}: signature mismatch")
+    return body
+
+
+def sealed_size(body_len: int, signed: bool) -> int:
+    return _HEAD + (_TAG_BYTES if signed else 0) + body_len
+
+
+# -------------------------------------------------------------------------------- record
+
+
+class _Linkable(Protocol):
+    key: bytes
+    base: int
+    n_tokens: int
+    size: int
+
+
+@dataclass(frozen=True)
+class ChainLink:
+    """One entry of a chain: its key, the tokens it takes from its ancestors (``base``),
+    its length and its blob's size in bytes."""
+
+    key: bytes
+    base: int
+    n_tokens: int
+    size: int
+
+    @classmethod
+    def of(cls, record: _Linkable) -> ChainLink:
+        """From anything with these four fields (e.g. :class:`kvcache.index.Record`)."""
+        return cls(record.key, record.base, record.n_tokens, record.size)
+
+
+def check_chain(chain: Sequence[ChainLink]) -> None:
+    """Root first, each link taking a part of its predecessor's tokens."""
+    if not chain or len(chain) > MAX_CHAIN:
+        raise ValueInvalid(f"a chain of {len(chain)} links")
+    prev: ChainLink | None = None
+    for link in chain:
+        if len(link.key) != keys.KEY_BYTES or link.size <= 0:
+            raise ValueInvalid("a chain link with a bad key or size")
+        if prev is None:
+            if link.base != 0:
+                raise ValueInvalid("a chain whose root is a piece")
+        elif not prev.base < link.base <= prev.n_tokens:
+            raise ValueInvalid(f"a chain link with base {link.base} after one of "
+                               f"[{prev.base}, {prev.n_tokens})")
+        if not link.base < link.n_tokens:
+            raise ValueInvalid(f"a chain link with base {link.base} of {link.n_tokens} tokens")
+        prev = link
+
+
+@dataclass(frozen=True)
+class RemoteRecord:
+    """An entry as the remote holds it: what a lookup needs (namespace, tokens, chain)
+    without reading its parts, and what the operator view shows."""
+
+    key: bytes
+    namespace: bytes
+    tokens: bytes  # packed u32 LE
+    parent: bytes
+    base: int
+    size: int  # bytes of the blob
+    parts: int
+    chain: tuple[ChainLink, ...]  # root first, this entry last
+    codec: str = ""
+    reason: str = ""
+    created: float = 0.0
+    model_name: str = ""
+    model_fingerprint: str = ""
+    tenant_id: str = ""
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens) // 4
+
+    def pack(self) -> bytes:
+        return msgpack.packb({
+            "v": RECORD_VERSION, "key": self.key, "ns": self.namespace, "tokens": self.tokens,
+            "parent": self.parent, "base": self.base, "size": self.size, "parts": self.parts,
+            "chain": [[c.key, c.base, c.n_tokens, c.size] for c in self.chain],
+            "codec": self.codec, "reason": self.reason, "created": self.created,
+            "model_name": self.model_name, "fp": self.model_fingerprint,
+            "tenant": self.tenant_id,
+        }, use_bin_type=True)
+
+    @classmethod
+    def unpack(cls, body: bytes | memoryview, key: bytes, block_size: int) -> RemoteRecord:
+        """Decode and check a record read from ``key``'s record name: well typed, its
+        tokens and namespace recompute to ``key``, its chain ends with it."""
+        try:
+            raw = msgpack.unpackb(body, raw=False)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise ValueInvalid(f"record does not decode: {exc!r}") from None
+        if not isinstance(raw, dict) or raw.get("v") != RECORD_VERSION:
+            raise ValueInvalid("record is not a version-1 map")
+        try:
+            chain = tuple(ChainLink(_bytes(c[0]), _int(c[1]), _int(c[2]), _int(c[3]))
+                          for c in _list(raw["chain"]))
+            record = cls(
+                key=_bytes(raw["key"]), namespace=_bytes(raw["ns"]),
+                tokens=_bytes(raw["tokens"]), parent=_bytes(raw["parent"]),
+                base=_int(raw["base"]), size=_int(raw["size"]), parts=_int(raw["parts"]),
+                chain=chain, codec=_str(raw["codec"]), reason=_str(raw["reason"]),
+                created=_float(raw["created"]), model_name=_str(raw["model_name"]),
+                model_fingerprint=_str(raw["fp"]), tenant_id=_str(raw["tenant"]),
+            )
+        except (KeyError, IndexError, TypeError) as exc:
+            raise ValueInvalid(f"record fields: {exc!r}") from None
+        record.check(key, block_size)
+        return record
+
+    def check(self, key: bytes, block_size: int) -> None:
+        if self.key != key or len(self.namespace) != keys.KEY_BYTES or not self.tokens \
+                or len(self.tokens) % 4:
+            raise ValueInvalid("record key, namespace or tokens malformed")
+        if keys.entry_key(self.namespace, self.tokens, block_size).key != key:
+            raise ValueInvalid("record tokens do not recompute to its key")
+        if not 0 < self.parts <= MAX_PARTS or self.parts > self.size:
+            raise ValueInvalid(f"record of {self.size} bytes in {self.parts} parts")
+        check_chain(self.chain)
+        if self.chain[-1] != ChainLink(key, self.base, self.n_tokens, self.size):
+            raise ValueInvalid("record chain does not end with the entry itself")
+        expected_parent = self.chain[-2].key if len(self.chain) > 1 else b""
+        if self.parent != expected_parent:
+            raise ValueInvalid("record parent differs from its chain")
+
+
+def _bytes(v: Any) -> bytes:
+    if not isinstance(v, bytes):
+        raise TypeError(f"a {type(v).__name__} where bytes belong")
+    return v
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise TypeError(f"{v!r} where a non-negative integer belongs")
+    return v
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"a {type(v).__name__} where a string belongs")
+    return v
+
+
+def _float(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"a {type(v).__name__} where a number belongs")
+    return float(v)
+
+
+def _list(v: Any) -> list[Any]:
+    if not isinstance(v, list) or len(v) > MAX_CHAIN:
+        raise TypeError("the chain is not a list of at most MAX_CHAIN links")
+    return v
