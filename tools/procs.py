@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -127,3 +129,78 @@ def short_workdir(prefix: str) -> Path:
     path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     os.chmod(path, 0o700)
     return path
+
+
+def dies_with_parent(argv: list[str]) -> list[str]:
+    """``argv`` run through ``setpriv --pdeathsig TERM`` (util-linux) when there is one: the
+    child gets SIGTERM if the process that started it dies without stopping it.
+
+    Not a ``preexec_fn``: that makes subprocess fork() instead of vfork(), and in a process
+    whose gRPC channels are active, gRPC's fork handler restarts its poller in the child,
+    which then aborts on the epoll descriptor closed before exec (grpc/grpc#43055)."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--", *argv] if setpriv else argv
+
+
+class RedisServer:
+    """One ``redis-server`` on a free 127.0.0.1 port, persisting nothing, in a temp dir that
+    ``stop`` removes: the shared tier of a benchmark's hosts. (tests/redis_proc.py has the
+    test suite's own, with clusters and faults; tools do not import from tests/.)"""
+
+    def __init__(self, *extra_args: str) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed: run `bash tools/setup.sh`")
+        self.binary = binary
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.extra_args = list(extra_args)
+        self.dir = Path(tempfile.mkdtemp(prefix="kvredis-"))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        self.proc = subprocess.Popen(
+            dies_with_parent([
+                self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", str(self.dir), "--logfile",
+                str(self.dir / "redis.log"), "--daemonize", "no", *self.extra_args]),
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}:\n"
+                                   f"{self.log()}")
+            try:  # PING in the protocol's inline form: no client library needed
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(64).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server on port {self.port} did not answer PING "
+                                   f"within {timeout} s:\n{self.log()}")
+            time.sleep(0.02)
+
+    def log(self) -> str:
+        try:
+            return (self.dir / "redis.log").read_text(errors="replace")[-3000:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM (SIGKILL if it lingers), then remove its directory."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
