@@ -47,7 +47,7 @@ from kvcache.client import (
     LoadedBlob,
 )
 
-from . import pieces
+from . import kv_cells, pieces
 from .config import RuntimeConfig
 from .counters import COUNTERS
 from .kv_cells import StateFormatError
@@ -185,6 +185,9 @@ class Engine:
         # thread only (resolver threads just read it)
         self.session_last_key: OrderedDict[str, tuple[bytes, int]] = OrderedDict()
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        # Restores build llama.cpp's bytes here (model thread only): kept across restores
+        # so its pages are faulted in once, not on every restore.
+        self._join_scratch = kv_cells.Scratch()
         self._waiting: list[Request] = []  # admitted requests wait here for a sequence
         self._active: list[Request] = []
         self._resolving: set[Request] = set()  # waiting for cache I/O on a resolver thread
@@ -581,7 +584,7 @@ class Engine:
         shared = common_prefix(entry.meta.tokens, req.tokens)
         keep = min(shared, len(req.tokens) - 1)
         try:
-            joined = pieces.join(chain, keep, seq.id)
+            joined = pieces.join(chain, keep, seq.id, self._join_scratch)
             ok = self.ctx.state_seq_set(seq.id, joined.state) > 0
         except StateFormatError as exc:
             log.warning("state of %s not restorable: %s", entry.key.hex(), exc)

@@ -71,12 +71,14 @@ class JoinedState:
     n_tokens: int  # tokens it holds (a whole state may hold more than were asked for)
 
 
-def join(chain: Sequence[LoadedBlob], n_tokens: int, seq_id: int) -> JoinedState:
+def join(chain: Sequence[LoadedBlob], n_tokens: int, seq_id: int,
+         scratch: kv_cells.Scratch | None = None) -> JoinedState:
     """The state of the first ``n_tokens`` tokens of a chain (root first, as
     ``CacheClient.load_chain`` returns it; pieces past them are not read), for sequence
     ``seq_id``. A whole state is
     returned as it is: the caller cuts it after the restore. Raises StateFormatError
-    when the pieces do not fit together."""
+    when the pieces do not fit together. With ``scratch`` the state is built in its
+    buffer (valid until the scratch's next use)."""
     if not chain:
         raise ValueError("an empty chain")
     if not chain[-1].meta.cell_layout:
@@ -106,5 +108,6 @@ def join(chain: Sequence[LoadedBlob], n_tokens: int, seq_id: int) -> JoinedState
     if sum(takes) != n_tokens:
         raise StateFormatError(f"the chain holds {sum(takes)} of {n_tokens} tokens")
     return JoinedState(
-        kv_cells.build_state(layout, runs, seq_id=seq_id, forms=forms, takes=takes), n_tokens)
+        kv_cells.build_state(layout, runs, seq_id=seq_id, forms=forms, takes=takes,
+                             scratch=scratch), n_tokens)
 

@@ -25,6 +25,7 @@ from model_runtime.kv_cells import (
     CellState,
     LayerLayout,
     Layout,
+    Scratch,
     StateFormatError,
     build_state,
     cells_bytes,
@@ -216,6 +217,22 @@ def test_runs_of_both_forms_join_and_take_leading_cells(
         build_state(cs.layout, runs, seq_id=1, forms=forms[:2])
     with pytest.raises(ValueError, match="unknown run form"):
         build_state(cs.layout, runs[0], seq_id=1, forms="rows")
+
+
+def test_a_scratch_buffer_is_reused_and_builds_the_same_bytes(
+    kv_ctx: LlamaContext, wide_model: LlamaModel
+) -> None:
+    state = fresh_state(kv_ctx, 1, prompt(wide_model, 300))
+    cs = parse(state)
+    run = planes_bytes(cs, 0, 300)
+    scratch = Scratch()
+    assert build_state(cs.layout, run, seq_id=1, forms=FORM_PLANES, scratch=scratch) == state
+    first = scratch.take(1)
+    shorter = build_state(cs.layout, run, seq_id=1, forms=FORM_PLANES, takes=[100],
+                          scratch=scratch)
+    assert kv_ctx.seq_truncate(1, 100)
+    assert shorter == state_of(kv_ctx, 1)
+    assert np.shares_memory(first, scratch.take(1)), "the buffer is kept, not reallocated"
 
 
 def test_layout_dict_names_its_run_form(small_state: bytes) -> None:
