@@ -550,23 +550,17 @@ def _runtime_traffic(d: DaemonProcess, model: Path) -> tuple[dict[str, float], d
 
         # The key of the coming cold save is being written by someone else: skipped.
         p7 = tokens(21, 100)
-        held = c.stub.Reserve(pb.ReserveRequest(identity=rt.identity.message(),
-                                                tokens=p7[:64], size=1000, reason="cold"),
-                              timeout=10)
-        rt.complete(tokens=p7, max_tokens=4)
-        flush(rt)
-        c.stub.Abort(pb.AbortRequest(lease_id=held.lease_id), timeout=10)
+        with another_writer_saving(c, rt.identity, p7[:64]):
+            rt.complete(tokens=p7, max_tokens=4)
+            flush(rt)
         assert rt.stats()["saves_skipped_in_flight"] >= 1
 
         # A longer state sharing the coming saves' tokens is being written by someone
         # else for longer than the saver waits: its saves are dropped.
         p8 = tokens(23, 100)
-        longer_held = c.stub.Reserve(pb.ReserveRequest(
-            identity=rt.identity.message(), tokens=p8 + [7], size=1000, reason="finish"),
-            timeout=10)
-        rt.complete(tokens=p8, max_tokens=4)
-        flush(rt)
-        c.stub.Abort(pb.AbortRequest(lease_id=longer_held.lease_id), timeout=10)
+        with another_writer_saving(c, rt.identity, p8 + [7]):
+            rt.complete(tokens=p8, max_tokens=4)
+            flush(rt)
         assert rt.stats()["saves_dropped_in_flight_prefix"] >= 1
 
         # The parent a save builds on is deleted between its lookup and its reserve
@@ -618,6 +612,18 @@ def _runtime_traffic(d: DaemonProcess, model: Path) -> tuple[dict[str, float], d
     finally:
         rt.close()
         c.close()
+
+
+@contextlib.contextmanager
+def another_writer_saving(c: CacheClient, identity: Identity, tokens: list[int]
+                          ) -> Iterator[None]:
+    """A save of ``tokens`` reserved (and never written) by another writer meanwhile."""
+    held = c.stub.Reserve(pb.ReserveRequest(identity=identity.message(), tokens=tokens,
+                                            size=1000, reason="cold"), timeout=10)
+    try:
+        yield
+    finally:
+        c.stub.Abort(pb.AbortRequest(lease_id=held.lease_id), timeout=10)
 
 
 def delete_unless_read(c: CacheClient, key: bytes, removed: list[int]) -> bool:
