@@ -2,53 +2,35 @@
 three-node cluster on free loopback ports, each in a temp dir removed when it stops.
 
 Nothing is persisted (``--save '' --appendonly no``). Servers run in the foreground as
-children of the test process, so the leftovers check sees any that a test failed to stop.
+children of the test process (through tools/procs.RedisServer, which also has them die
+with it), so the leftovers check sees any that a test failed to stop.
 When ``redis-server`` is missing the fixtures fail (not skip), naming the set-up script.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
+import procs
 import pytest
 import redis
 
 SETUP_HINT = "redis-server is not installed: run `bash tools/setup.sh` (it installs " \
              "Debian's redis-server and redis-tools)"
-PR_SET_PDEATHSIG = 1
 # A cluster node also listens on its port + 10000 (the cluster bus).
 CLUSTER_BUS_OFFSET = 10000
 
 
-# Loaded here, not in the child: between fork and exec only the call itself runs.
-try:
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # not Linux
-    _prctl = None
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the test process dies (a run killed
-    mid-test leaves no server behind)."""
-    if _prctl is not None:
-        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def require_redis() -> str:
-    """The path of redis-server; fails the calling test when it is missing."""
-    path = shutil.which("redis-server")
-    if path is None or shutil.which("redis-cli") is None:
+def require_redis() -> None:
+    """Fails the calling test when redis-server or redis-cli is missing."""
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         pytest.fail(SETUP_HINT, pytrace=False)
-    return path
 
 
 def _port_free(port: int) -> bool:
@@ -73,66 +55,32 @@ def free_port(cluster: bool = False) -> int:
     raise RuntimeError("no free loopback port found")
 
 
-class RedisServer:
-    """One ``redis-server`` on 127.0.0.1. ``start`` waits for PING; ``stop`` sends
-    SIGTERM, then SIGKILL, and removes its directory."""
+class RedisServer(procs.RedisServer):
+    """tools/procs.RedisServer with what the tests provoke: a password, cluster mode, a
+    client for their own checks, pause/resume (SIGSTOP/SIGCONT), a crash, a restart on the
+    same port, CONFIG SET."""
 
     def __init__(self, *extra_args: str, port: int | None = None, password: str | None = None,
                  cluster: bool = False) -> None:
-        self.binary = require_redis()
+        require_redis()
+        super().__init__(*extra_args, port=port if port is not None else free_port(cluster))
         self.cluster = cluster
-        self.port = port if port is not None else free_port(cluster)
         self.password = password
-        self.extra_args = list(extra_args)
-        self.dir = Path(tempfile.mkdtemp(prefix="kvredis-"))
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
 
     def args(self) -> list[str]:
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
-                "--save", "", "--appendonly", "no", "--dir", str(self.dir),
-                "--logfile", str(self.dir / "redis.log"), "--daemonize", "no"]
+        args = super().args()
         if self.password is not None:
             args += ["--requirepass", self.password]
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file",
                      str(self.dir / "nodes.conf"), "--cluster-node-timeout", "2000"]
-        return args + self.extra_args
+        return args
 
     def client(self, **kwargs: object) -> redis.Redis:
         """A plain client of this server (for the tests' own checks and set-up)."""
         settings: dict[str, object] = {"socket_timeout": 5, "socket_connect_timeout": 5,
                                        "password": self.password, **kwargs}
         return redis.Redis(host="127.0.0.1", port=self.port, **settings)  # type: ignore[arg-type]
-
-    def start(self, timeout: float = 10.0) -> RedisServer:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(self.args(), stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-        deadline = time.monotonic() + timeout
-        with contextlib.closing(self.client(socket_timeout=0.5, socket_connect_timeout=0.5)) as c:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server exited with {self.proc.returncode}:\n"
-                                       f"{self.log()}")
-                try:
-                    if c.ping():
-                        return self
-                except redis.RedisError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server on port {self.port} did not answer "
-                                       f"PING within {timeout} s:\n{self.log()}")
-                time.sleep(0.02)
-
-    def log(self) -> str:
-        try:
-            return (self.dir / "redis.log").read_text(errors="replace")[-4000:]
-        except OSError:
-            return ""
 
     def pause(self) -> None:
         assert self.proc is not None
@@ -149,31 +97,17 @@ class RedisServer:
             self.proc.kill()
             self.proc.wait()
 
-    def terminate(self, timeout: float = 5.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGCONT)
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
     def restart(self) -> RedisServer:
         """Start again on the same port (after kill or terminate)."""
         self.terminate()
-        return self.start()
+        self.start()
+        return self
 
     def set_config(self, **settings: str | int) -> None:
         """CONFIG SET, e.g. ``set_config(maxmemory="2mb", maxmemory_policy="noeviction")``."""
         with contextlib.closing(self.client()) as c:
             for name, value in settings.items():
                 c.config_set(name.replace("_", "-"), value)
-
-    def stop(self) -> None:
-        self.terminate()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class RedisCluster:

@@ -143,18 +143,20 @@ def dies_with_parent(argv: list[str]) -> list[str]:
 
 
 class RedisServer:
-    """One ``redis-server`` on a free 127.0.0.1 port, persisting nothing, in a temp dir that
-    ``stop`` removes: the shared tier of a benchmark's hosts. (tests/redis_proc.py has the
-    test suite's own, with clusters and faults; tools do not import from tests/.)"""
+    """One ``redis-server`` on a 127.0.0.1 port (a free one unless given), persisting
+    nothing, in a temp dir that ``stop`` removes. Benchmarks use it as is; the test suite's
+    harness (tests/redis_proc.py) adds clusters, passwords and faults on top."""
 
-    def __init__(self, *extra_args: str) -> None:
+    def __init__(self, *extra_args: str, port: int | None = None) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed: run `bash tools/setup.sh`")
         self.binary = binary
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        if port is None:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        self.port = port
         self.extra_args = list(extra_args)
         self.dir = Path(tempfile.mkdtemp(prefix="kvredis-"))
         self.proc: subprocess.Popen[bytes] | None = None
@@ -163,12 +165,15 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout: float = 10.0) -> RedisServer:
-        self.proc = subprocess.Popen(
-            dies_with_parent([
-                self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+    def args(self) -> list[str]:
+        return [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no", "--dir", str(self.dir), "--logfile",
-                str(self.dir / "redis.log"), "--daemonize", "no", *self.extra_args]),
+                str(self.dir / "redis.log"), "--daemonize", "no", *self.extra_args]
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        """Start it and wait until it answers (on the same port again after terminate)."""
+        self.proc = subprocess.Popen(
+            dies_with_parent(self.args()),
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while True:
@@ -178,7 +183,8 @@ class RedisServer:
             try:  # PING in the protocol's inline form: no client library needed
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
                     conn.sendall(b"PING\r\n")
-                    if conn.recv(64).startswith(b"+PONG"):
+                    # A server asking for a password answers too (-NOAUTH): it is up.
+                    if conn.recv(64).startswith((b"+PONG", b"-NOAUTH")):
                         return self
             except OSError:
                 pass
@@ -189,18 +195,24 @@ class RedisServer:
 
     def log(self) -> str:
         try:
-            return (self.dir / "redis.log").read_text(errors="replace")[-3000:]
+            return (self.dir / "redis.log").read_text(errors="replace")[-4000:]
         except OSError:
             return ""
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """SIGTERM (SIGKILL if it lingers), then remove its directory."""
+    def terminate(self, timeout: float = 5.0) -> None:
+        """SIGTERM (SIGKILL if it lingers); its directory stays for a restart."""
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGCONT)  # a paused server must run to see SIGTERM
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def stop(self) -> None:
+        """Terminate it and remove its directory."""
+        self.terminate()
         shutil.rmtree(self.dir, ignore_errors=True)
