@@ -64,6 +64,7 @@ class DaemonProcess:
                     except Exception:
                         pass
             time.sleep(0.05)
+        self.kill()  # not left running behind the failed test
         raise RuntimeError(f"daemon did not come up in {timeout} s:\n{self.log()}")
 
     def log(self) -> str:

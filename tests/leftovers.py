@@ -23,7 +23,7 @@ SHM_PREFIXES = (TIER_PREFIX, "kvcrash-", "kvbench-", "kvbc-")
 # Folders the tests make in /tmp for unix sockets (paths must be short): daemon_proc's
 # kvt*, the runtime tests' rtt*, rtc* and rts*, the gateway tests' rtg*.
 TMP = Path("/tmp")
-TMP_PREFIXES = ("kvt", "rtt", "rtc", "rts", "rtg")
+TMP_PREFIXES = ("kvt", "rtt", "rtc", "rts", "rtg", "kvredis-")
 _BEFORE = pytest.StashKey[tuple[set[str], set[str], set[int]]]()
 
 

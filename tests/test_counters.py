@@ -314,6 +314,7 @@ def _daemon_traffic(d: DaemonProcess) -> None:
         reader = threading.Thread(target=wait_for_b)
         reader.start()
         wait_for(lambda: counter(c, "read_waits") >= 2, "the second read to wait")
+        wait_for(lambda: c.stats().waiting_lookups >= 1, "the save's lookup to wait")
         # If a stalled machine let the lease expire first, the reader sees the same abort.
         with contextlib.suppress(grpc.RpcError):
             c.stub.Abort(pb.AbortRequest(lease_id=lease_b.lease_id), timeout=10)

@@ -53,6 +53,9 @@ def test_a_hundred_kills_lose_nothing() -> None:
     assert result["orphans_found"] == 0, where
     assert result["index_file_mismatches"] == 0 and result["unverified"] == 0, where
     assert result["entries_checked"] > 0 and result["saves_acknowledged"] > 0, where
+    # Pieces were saved on acknowledged entries, and their chains checked after restarts.
+    assert result["pieces_acknowledged"] > 0 and result["chains_checked"] > 0, where
+    assert result["broken_chains"] == 0, where
     assert result["ok"], where
 
 

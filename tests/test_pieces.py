@@ -18,7 +18,8 @@ from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
-from daemon_proc import DaemonProcess
+from daemon_proc import DaemonProcess, wait_for
+from test_daemon import blob_file, flip_payload, ram_file, toks
 
 from kvcache import blob as blobfmt
 from kvcache import keys
@@ -30,11 +31,6 @@ WIDTH = 256  # payload bytes per token
 LAYOUT = b"layout-1"  # opaque to the daemon
 
 DaemonFactory = Callable[..., DaemonProcess]
-
-
-def toks(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 60_000) for _ in range(n)]
 
 
 def cells(tokens: list[int], start: int) -> bytes:
@@ -270,14 +266,12 @@ def test_a_corrupt_piece_takes_what_is_built_on_it(daemon: DaemonProcess,
     k1 = save(client, t[:100])
     k2 = save(client, t[:200], parent=k1, base=100)
     k3 = save(client, t, parent=k2, base=200)
-    path = next((daemon.data_dir / "blobs").rglob(f"{k2.hex()}.kvc"))
-    with open(path, "r+b") as f:  # a flipped payload byte, the middle of the chain
-        f.seek(-10, 2)
-        byte = f.read(1)
-        f.seek(-10, 2)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    for ram in daemon.ram_dir.glob(f"{k2.hex()}.kvc"):
-        shutil.copyfile(path, ram)
+    # Both copies of the middle of the chain flipped, once the RAM copy is made (the
+    # daemon makes it in the background).
+    wait_for(lambda: k2 in {e.key for e in client.list_entries(tier="ram")},
+             "the piece's RAM copy")
+    flip_payload(blob_file(daemon, k2))
+    flip_payload(ram_file(daemon, k2))
     hit = client.lookup(IDENT, t, common_prefix=True)
     assert hit is not None and hit.key == k3
     with pytest.raises(CorruptBlob):
@@ -301,7 +295,7 @@ def test_start_up_drops_pieces_whose_parent_is_gone(daemon: DaemonProcess) -> No
         k3 = save(client, t, parent=k2, base=200)
         other = save(client, toks(15, 120))
     daemon.stop()
-    next((daemon.data_dir / "blobs").rglob(f"{k2.hex()}.kvc")).unlink()  # lost
+    blob_file(daemon, k2).unlink()  # lost
     daemon.start()
     with daemon.client() as client:
         assert {e.key for e in client.list_entries()} == {k1, other}

@@ -304,7 +304,8 @@ def test_server_killed_mid_upload_then_restarted(server: RedisServer,
     assert tier.find(NS, chain.tokens) is None
     assert tier.fetch(chain.keys) is None
     assert not tier.publish(chain.links, chain.read_blob)
-    assert time.monotonic() - started < 0.05
+    # Waiting on the remote would cost op_timeout_s (0.25 s) per call: all three, less.
+    assert time.monotonic() - started < 0.25
     got = counters(tier)
     assert got["remote_skipped_disconnected"] == 2 and got["remote_dropped_disconnected"] == 1
 
@@ -361,7 +362,7 @@ def test_server_paused_past_the_deadline(server: RedisServer,
         started = time.monotonic()
         assert tier.find(NS, chain.tokens) is None  # no waiting while it is down
         assert tier.fetch(chain.keys, NS) is None
-        assert time.monotonic() - started < 0.02
+        assert time.monotonic() - started < 0.25  # one wait on the paused server: 0.25 s
         time.sleep(0.5)  # the reconnect thread keeps trying (and timing out)
         assert not tier.connected
     finally:
@@ -593,7 +594,7 @@ def test_upload_queue_is_bounded_and_never_blocks(server: RedisServer,
         assert tier.publish(chain.links, chain.read_blob)  # queued
         started = time.monotonic()
         assert not tier.publish(chain.links, chain.read_blob)  # full: dropped at once
-        assert time.monotonic() - started < 0.01
+        assert time.monotonic() - started < 1.0  # blocking would last until the release
         assert tier.stats()["queue_depth"] == 1
         assert counters(tier)["remote_dropped_queue_full"] == 1
     finally:

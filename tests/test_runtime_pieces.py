@@ -55,10 +55,6 @@ def make_runtime(cache: DaemonProcess, tiny_model: Path) -> Iterator[Callable[..
         rt.close()
 
 
-def fingerprint(rt: Runtime) -> str:
-    return rt.identity.model_fingerprint
-
-
 def waiting_lookups(cache: DaemonProcess) -> int:
     """Lookups now waiting for another writer's save in flight."""
     with CacheClient(cache.address, timeout=10) as c:
@@ -185,7 +181,7 @@ def test_a_save_waits_for_another_writers_longer_prefix_and_builds_on_it(
     other = make_runtime(cache_address=None, reuse_live=True)  # keeps its KV afterwards
     other.complete(tokens=system, max_tokens=1)  # the first token needs no decode
     root = pieces.cut(bytes(other.ctx.state_seq_get(0)), 0)
-    meta = BlobMeta(namespace=rt.identity.namespace, model_fingerprint=fingerprint(rt),
+    meta = BlobMeta(namespace=rt.identity.namespace, model_fingerprint=rt.identity.model_fingerprint,
                     kv_layout=dict(rt.identity.kv_layout), tokens=system, reason="cold",
                     cell_layout=root.cell_layout)
     data = b"".join(bytes(part) for part in encode_blob(meta, root.payload))

@@ -131,15 +131,15 @@ def short_workdir(prefix: str) -> Path:
     return path
 
 
-def dies_with_parent(argv: list[str]) -> list[str]:
-    """``argv`` run through ``setpriv --pdeathsig TERM`` (util-linux) when there is one: the
-    child gets SIGTERM if the process that started it dies without stopping it.
+def dies_with_parent(argv: list[str], signal_name: str = "TERM") -> list[str]:
+    """``argv`` run through ``setpriv --pdeathsig SIGNAL`` (util-linux) when there is one:
+    the child gets that signal if the process that started it dies without stopping it.
 
     Not a ``preexec_fn``: that makes subprocess fork() instead of vfork(), and in a process
     whose gRPC channels are active, gRPC's fork handler restarts its poller in the child,
     which then aborts on the epoll descriptor closed before exec (grpc/grpc#43055)."""
     setpriv = shutil.which("setpriv")
-    return [setpriv, "--pdeathsig", "TERM", "--", *argv] if setpriv else argv
+    return [setpriv, "--pdeathsig", signal_name, "--", *argv] if setpriv else argv
 
 
 class RedisServer:
@@ -172,8 +172,9 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         """Start it and wait until it answers (on the same port again after terminate)."""
+        # KILL, not TERM: a server paused with SIGSTOP would keep a TERM pending forever.
         self.proc = subprocess.Popen(
-            dies_with_parent(self.args()),
+            dies_with_parent(self.args(), "KILL"),
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while True:
