@@ -39,7 +39,7 @@ import xxhash
 from .keys import KEY_BYTES, common_prefix_tokens, key_under
 
 # 2: the passes databases. Entries without passes rows (a version-1 index) get them from
-# their blob headers at start-up (Store._reconcile), every other row kept as it is.
+# their blob headers at start-up (store.reconcile.Reconcile), every other row kept as it is.
 SCHEMA_VERSION = 2
 
 
@@ -187,17 +187,6 @@ class Index:
         for block_hash, block in passes:
             txn.put(block_hash + key, block, db=self._passes)
         txn.put(key, b"".join(h for h, _ in passes), db=self._entry_passes)
-
-    def delete(self, key: bytes) -> Record | None:
-        with self.env.begin(write=True) as txn:
-            data = txn.pop(key, db=self._entries)
-            if data is None:
-                return None
-            record = Record.unpack(data)
-            txn.delete(record.anchor + record.key, db=self._anchors)
-            txn.delete(key, db=self._seals)
-            self._delete_passes(txn, key)
-            return record
 
     def _delete_passes(self, txn: lmdb.Transaction, key: bytes) -> None:
         hashes = txn.pop(key, db=self._entry_passes) or b""

@@ -155,3 +155,21 @@ def test_parse_key_round_trips_hex() -> None:
     key = bytes(range(16))
     assert keys.parse_key(key.hex()) == key
     assert keys.parse_key(f"  {key.hex().upper()}\n") == key
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 64, 1000])
+def test_common_prefix_tokens_counts_leading_tokens_that_agree(n: int) -> None:
+    base = list(range(1, n + 1))
+    for cut in sorted({0, 1, n // 2, max(n - 1, 0), n}):
+        if cut > n:
+            continue
+        other = base[:cut] + [0] * (n - cut + 3)  # differs at `cut`, and is longer
+        assert keys.common_prefix_tokens(keys.tokens_to_bytes(base),
+                                         keys.tokens_to_bytes(other)) == cut
+        # A difference in a token's high byte only (the comparison is per token).
+        if cut < n:
+            high = base[:cut] + [base[cut] + (1 << 24)] + base[cut + 1:]
+            assert keys.common_prefix_tokens(keys.tokens_to_bytes(base),
+                                             keys.tokens_to_bytes(high)) == cut
+    assert keys.common_prefix_tokens(keys.tokens_to_bytes(base),
+                                     keys.tokens_to_bytes(base[: n // 2])) == n // 2

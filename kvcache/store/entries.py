@@ -52,9 +52,8 @@ class Entries:
     the parent gone.
 
     Locking: the children map changes with Store._cond held (add_child, drop_child);
-    children, dependents, set_pinned and delete take it themselves (it is re-entrant);
-    remove_entry takes it around its bookkeeping only, its index transaction and file
-    removals running under whatever lock its caller holds."""
+    children, dependents, set_pinned, delete and remove_entry take it themselves (it is
+    re-entrant); remove_entry's file removals run after it is released."""
 
     def __init__(self, config: StoreConfig, layout: Layout, index: Index, tally: Tally,
                  pins: ReadPins, counters: Counter[str], cond: threading.Condition) -> None:
@@ -142,16 +141,19 @@ class Entries:
                     raise Busy(f"entry {k.hex()}{whose} is pinned; unpin it first")
                 if self._pins.is_held(k):
                     raise Busy(f"entry {k.hex()}{whose} is being read")
-            removed = self.remove_entry(record, "deletes")
-            return sorted(removed, key=lambda r: r.key != key)
+            return self.remove_entry(record, "deletes")  # the entry first
 
     def remove_entry(self, record: Record, counter: str) -> list[Record]:
         """Unpublish an entry and everything built on it, in one index transaction (no
         piece stays visible without its parent), then their files. A piece whose commit
         is under way is in the children map before it is visible, so it is either removed
-        here or its publish finds the parent gone. Returns what was removed."""
-        removed = self._index.delete_many([record.key, *self.dependents(record.key)])
+        here or its publish finds the parent gone. Returns what was removed.
+
+        The dependents are read and removed under the store lock, also when the caller
+        does not hold it (quarantine): a piece added to the children map in between
+        would otherwise stay published without its parent."""
         with self._cond:
+            removed = self._index.delete_many([record.key, *self.dependents(record.key)])
             for r in removed:  # their tiers as they are now, not as when chosen
                 self._tally.entry_removed(r)
                 self._pins.forget_usage(r.key)

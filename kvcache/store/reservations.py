@@ -87,8 +87,8 @@ class LeaseTable:
         """The most leading tokens of ``raw_tokens`` that a save being written in
         namespace ``ns`` holds (a scan of the open leases: as many as writers at once)."""
         return max((keys.common_prefix_tokens(res.raw_tokens, raw_tokens)
-                    for res in self.reservations.values()
-                    if res.namespace == ns and not res.done), default=0)
+                    for res in self.reservations.values() if res.namespace == ns),
+                   default=0)
 
     def lease_ids(self) -> list[str]:
         return list(self.reservations)
