@@ -745,7 +745,7 @@ def ls(address: str | None, model: str, tenant: str, reason: str, tier: str, min
         headers.remove("TENANT")
     hidden = print_columns(headers, [ls_row(r, now) for r in rows], priority=_LS_PRIORITY,
                            right=_LS_RIGHT)
-    click.echo(f"{len(rows)} entr{'y' if len(rows) == 1 else 'ies'}")
+    click.echo(entries_text(len(rows)))
     if hidden and rows:
         click.echo(f"(not shown at this width: {', '.join(hidden).lower()}; see --json)")
 

@@ -94,11 +94,12 @@ def wait_budget_ms(wait_ms: int, context: Any) -> int:
     return max(0, int(min(wait_ms, remaining * 1000)))
 
 
-def remote_counters(remote: RemoteSync | None) -> dict[str, int]:
-    """The shared tier's counters (zeros without one: every declared name is reported)."""
-    if remote is None:
-        return dict.fromkeys(REMOTE_SECTION, 0)
-    return remote.tier.stats()["counters"]  # type: ignore[return-value]
+def remote_state(tier: RemoteTier | None) -> dict[str, object]:
+    """RemoteTier.stats(), or, without a shared tier, its counters at zero (every
+    declared name is reported)."""
+    if tier is None:
+        return {"counters": dict.fromkeys(REMOTE_SECTION, 0)}
+    return tier.stats()
 
 
 def tier_of(record: Record) -> int:
@@ -205,12 +206,13 @@ def store_gauges(store: Store) -> dict[tuple[str, tuple[tuple[str, str], ...]], 
     }
 
 
-def remote_gauges(tier: RemoteTier | None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    if tier is None:
+def remote_gauges(state: dict[str, object]) -> dict[tuple[str, tuple[tuple[str, str], ...]],
+                                                   float]:
+    """The shared tier's gauges, from remote_state (none without a shared tier)."""
+    if "connected" not in state:
         return {}
-    r = tier.stats()
-    return {("remote_connected", ()): float(bool(r["connected"])),
-            ("remote_queue_depth", ()): float(r["queue_depth"])}  # type: ignore[arg-type]
+    return {("remote_connected", ()): float(bool(state["connected"])),
+            ("remote_queue_depth", ()): float(state["queue_depth"])}  # type: ignore[arg-type]
 
 
 class KVCacheService(pb_grpc.KVCacheServicer):
@@ -264,8 +266,9 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             wait_ms = wait_budget_ms(request.wait_in_flight_ms, context)
             if request.common_prefix and wait_ms:
                 in_flight = self.store.wait_in_flight(ns, raw, answer.shared, wait_ms / 1000)
-                if not in_flight:  # published or dropped meanwhile: look again
-                    answer = self.lookup(ns, raw, request.max_tokens, True, count=False)
+                if not in_flight:  # published or dropped here meanwhile: look again, here
+                    answer = self.store.find(ns, raw, request.max_tokens, common_prefix=True,
+                                             count=False)
             record, matched, probes = answer.record, answer.shared, answer.probes
             self._observe(self.lookup_seconds.labels("hit" if record else "miss"), "lookup", t0)
             try:
@@ -409,10 +412,10 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                          budget_bytes=cfg.disk_bytes, reserved_bytes=s["reserved_bytes"],
                          directory=str(self.store.root), free_bytes=free_bytes(self.store.root)),
         ]
-        counters = {**s["counters"], **remote_counters(self.remote)}
-        remote = None
+        remote, remote_stats = None, remote_state(self.remote.tier if self.remote else None)
+        counters = {**s["counters"], **remote_stats["counters"]}  # type: ignore[dict-item]
         if self.remote is not None:
-            r = self.remote.tier.stats()
+            r = remote_stats
             remote = pb.RemoteStats(url=str(r["url"]), connected=bool(r["connected"]),
                                     cluster=bool(r["cluster"]), signed=bool(r["signed"]),
                                     queue_depth=int(r["queue_depth"]),  # type: ignore[call-overload]
@@ -447,22 +450,19 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         if self.remote is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           "this daemon has no shared tier (kvcache serve --remote URL)")
-        tenant = keys.tenant_id(request.tenant) if request.tenant else None
-        entries = []
-        for r in self.remote.tier.list_entries(limit=request.limit or 1000):
-            if (tenant is not None and r.tenant_id != tenant) or r.n_tokens < request.min_tokens \
-                    or (request.reason and r.reason != request.reason) \
-                    or not r.key.hex().startswith(request.key_prefix.lower()) \
-                    or (request.model and not (r.model_name.startswith(request.model) or (
-                        len(request.model) >= MIN_FINGERPRINT_PREFIX and
-                        r.model_fingerprint.startswith(request.model.lower())))):
-                continue
-            entries.append(pb.Entry(
-                key=r.key, model_name=r.model_name, model_fingerprint=r.model_fingerprint,
-                tenant_id=r.tenant_id, n_tokens=r.n_tokens, size=r.size,
-                tiers=[pb.TIER_REMOTE], reason=r.reason, created=r.created, codec=r.codec,
-                namespace=r.namespace, parent=r.parent, base=r.base))
-        return entries
+        # The operator filters of ls, over remote records (they carry every field these
+        # filters read: key, model, tenant, reason, tokens).
+        predicate = record_filter(request.model, request.tenant, request.reason,
+                                  min_tokens=request.min_tokens,
+                                  key_prefix=request.key_prefix)
+        records = self.remote.tier.list_entries(
+            predicate, limit=request.limit or 1000)  # type: ignore[arg-type]
+        return [pb.Entry(key=r.key, model_name=r.model_name,
+                         model_fingerprint=r.model_fingerprint, tenant_id=r.tenant_id,
+                         n_tokens=r.n_tokens, size=r.size, tiers=[pb.TIER_REMOTE],
+                         reason=r.reason, created=r.created, codec=r.codec,
+                         namespace=r.namespace, parent=r.parent, base=r.base)
+                for r in records]
 
     def Inspect(self, request: pb.InspectRequest, context: Any) -> pb.EntryDetail:
         # With a tenant, another tenant's entry gets the answer of a missing key.
@@ -588,8 +588,10 @@ class Daemon:
         self.metrics = Metrics("kvcache")
         sync = RemoteSync(self.store, self.remote_tier) if self.remote_tier else None
         self.metrics.add_snapshot(
-            lambda: {**self.store.stats()["counters"], **remote_counters(sync)},  # type: ignore[dict-item]
-            lambda: {**store_gauges(self.store), **remote_gauges(self.remote_tier)})
+            lambda: {**self.store.stats()["counters"],  # type: ignore[dict-item]
+                     **remote_state(self.remote_tier)["counters"]},  # type: ignore[dict-item]
+            lambda: {**store_gauges(self.store),
+                     **remote_gauges(remote_state(self.remote_tier))})
         self.metrics_port = metrics_port
         self.service = KVCacheService(self.store, self.metrics, sync)
         self.health = health.HealthServicer()

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from daemon_proc import wait_for
 from redis_proc import RedisServer, redis_cluster, redis_server
 
 from kvcache import blob as blobfmt
@@ -30,6 +31,7 @@ from kvcache.remote import (
     ChainLink,
     RemoteConfig,
     RemoteConfigError,
+    RemoteRecord,
     RemoteTier,
     load_signing_key,
     parse_url,
@@ -143,6 +145,7 @@ def publish_all(tier: RemoteTier, chain: Chain) -> None:
 
 
 def entry_keys(client: redis.Redis, key: bytes) -> set[bytes]:
+    """Every remote key of one entry (record, parts, upload claim)."""
     return set(client.scan_iter(match=f"kvc:{{{key.hex()}}}:*", count=1000))
 
 
@@ -153,12 +156,8 @@ def command_calls(client: redis.Redis) -> Counter[str]:
                     for name, value in stats.items() if name != "cmdstat_info"})
 
 
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
+def of_namespace(ns: bytes) -> Callable[[RemoteRecord], bool]:
+    return lambda r: r.namespace == ns
 
 
 # --------------------------------------------------------------------------- round trips
@@ -199,10 +198,10 @@ def test_multi_part_chain_round_trip(server: RedisServer,
     publish_all(b, chain)
     assert counters(b)["remote_put_skipped_present"] == 1 and counters(b)["remote_puts"] == 0
 
-    listed = b.list_entries(NS)
+    listed = b.list_entries(of_namespace(NS))
     assert sorted(r.key for r in listed) == sorted(chain.keys)
     assert {r.n_tokens for r in listed} == {40, 70, 100}
-    assert len(b.list_entries(NS, limit=2)) == 2
+    assert len(b.list_entries(of_namespace(NS), limit=2)) == 2
     s = b.stats()
     assert s["connected"] and s["url"] == server.url and s["queue_depth"] == 0
     assert counters(b)["remote_bytes_fetched"] == sum(len(v) for v in chain.blobs.values())
@@ -526,8 +525,8 @@ def test_tenants_never_see_each_other(server: RedisServer,
     assert host_b.find(ns_a, tokens) is not None  # the same tenant on another host
     assert host_b.find(ns_b, tokens) is None
     assert host_b.find(NS, tokens) is None  # no tenant
-    assert [r.key for r in host_b.list_entries(ns_a)] == chain.keys
-    assert host_b.list_entries(ns_b) == []
+    assert [r.key for r in host_b.list_entries(of_namespace(ns_a))] == chain.keys
+    assert host_b.list_entries(of_namespace(ns_b)) == []
     assert host_b.fetch(chain.keys, ns_b) is None  # keys of another tenant: refused
     # A pointer under tenant b's block hash naming tenant a's entry: refused.
     c = server.client()

@@ -29,6 +29,7 @@ import redis
 from daemon_proc import DaemonProcess, wait_for
 from redis_proc import RedisServer, redis_cluster, redis_server
 from test_metrics import metrics_port, scrape
+from test_remote import entry_keys
 from test_runtime import CONFIG, TEXT_A, TEXT_B, TEXT_C, flush, prompt
 
 from kvcache import keys
@@ -167,10 +168,6 @@ def local_keys(d: DaemonProcess) -> set[bytes]:
     with d.client() as c:
         return {e.key for e in c.list_entries()}
 
-
-def entry_keys(client: redis.Redis, key: bytes) -> set[bytes]:
-    """Every remote key of one entry (record, parts, upload claim)."""
-    return set(client.scan_iter(match=f"kvc:{{{key.hex()}}}:*", count=1000))
 
 
 def key_file(path: Path, text: str) -> Path:

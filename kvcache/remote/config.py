@@ -44,7 +44,7 @@ class Endpoint:
 
 @dataclass(frozen=True)
 class RemoteConfig:
-    url: str
+    url: str  # holds no secret (parse_url refuses a password in it): shown as is
     # The password: from this file, or from the environment variable of this name.
     password_file: Path | None = None
     password_env: str | None = None
@@ -93,11 +93,6 @@ class RemoteConfig:
 
     def endpoint(self) -> Endpoint:
         return parse_url(self.url)
-
-    @property
-    def display_url(self) -> str:
-        """The URL as stats show it (it holds no secret: see parse_url)."""
-        return self.url
 
     def password(self) -> str | None:
         """Read the password now (a rotated file or variable is picked up on reconnect)."""

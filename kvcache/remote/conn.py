@@ -127,7 +127,7 @@ class Connection:
                 client, self._client = self._client, None
                 self._generation += 1
             log.warning("remote %s lost (%s); reconnecting in the background",
-                        self.config.display_url, self.last_error)
+                        self.config.url, self.last_error)
             if client is not None:
                 # Sockets of calls still in flight are shut, so they end now.
                 _close_client(client)
@@ -172,7 +172,7 @@ class Connection:
         self.last_error = ""
         if again:
             self._on_reconnect()
-            log.info("remote %s reconnected", self.config.display_url)
+            log.info("remote %s reconnected", self.config.url)
         return True
 
     def _build(self) -> Client:

@@ -120,10 +120,6 @@ def open_value(name: bytes, value: bytes, signing_key: bytes | None) -> memoryvi
     return body
 
 
-def sealed_size(body_len: int, signed: bool) -> int:
-    return _HEAD + (_TAG_BYTES if signed else 0) + body_len
-
-
 # -------------------------------------------------------------------------------- record
 
 

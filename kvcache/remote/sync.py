@@ -36,9 +36,11 @@ class RemoteSync:
         """Queue the upload of a committed entry (and of any ancestor the remote lacks)."""
         try:
             chain = self.store.chain(record)
+            self.tier.publish([ChainLink.of(r) for r in chain], self._read_blob)
         except StoreError:  # removed since the commit: nothing to share
-            return
-        self.tier.publish([ChainLink.of(r) for r in chain], self._read_blob)
+            pass
+        except ValueError:  # the commit stands, whatever the upload makes of the chain
+            log.exception("entry %s not queued for the shared tier", record.key.hex())
 
     def _read_blob(self, key: bytes) -> bytes:
         # Evicted meanwhile: FileNotFoundError, counted by the uploader as unreadable.
@@ -48,13 +50,20 @@ class RemoteSync:
                common_prefix: bool = False, count: bool = True) -> Found:
         """The store's lookup (Store.find), extended by the remote when it holds more of
         the prompt: then the pieces the local store lacks are fetched and stored, and the
-        answer is the local store's again, marked ``from_remote``."""
+        answer is the local store's again, marked ``from_remote``. The lookup counters
+        count the final answer."""
         local = self.store.find(ns, raw_tokens, max_tokens, common_prefix=common_prefix,
-                                count=count)
+                                count=False)
+        answer = self._extended(ns, raw_tokens, max_tokens, common_prefix, local)
+        if count:
+            self.store.count_lookup(answer.record, answer.shared, raw_tokens, max_tokens)
+        return answer
+
+    def _extended(self, ns: bytes, raw_tokens: bytes, max_tokens: int, common_prefix: bool,
+                  local: Found) -> Found:
         n = len(raw_tokens) // 4
-        wanted = min(n, max_tokens) if max_tokens else n
-        if local.shared >= wanted or not self.tier.connected:
-            return local
+        if local.shared >= (min(n, max_tokens) if max_tokens else n):
+            return local  # the remote cannot hold more of the prompt
         match = self.tier.find(ns, raw_tokens, max_tokens)
         if match is None:
             return local
@@ -100,11 +109,12 @@ class RemoteSync:
                     self.store.write(lease, 0, data)
                     self.store.commit(lease)
                     self._count("remote_fetched_stored")
-            except (StoreError, blobfmt.BlobError) as exc:
-                if lease:
+            except Exception as exc:  # a refusal (full, parent gone) or a fault: never
+                if lease:               # the request's failure, the local answer stands
                     with contextlib.suppress(StoreError):
                         self.store.abort(lease)
-                log.info("fetched piece not stored locally: %s", exc)
+                log.info("fetched piece not stored locally: %s", exc,
+                         exc_info=not isinstance(exc, (StoreError, blobfmt.BlobError)))
                 self._count("remote_fetched_not_stored")
                 break
             held += 1

@@ -47,11 +47,6 @@ class RemoteMatch:
     def chain_keys(self) -> list[bytes]:
         return [link.key for link in self.chain]
 
-    @property
-    def chain_bytes(self) -> int:
-        """Bytes a fetch of the whole chain moves (as its writers had them)."""
-        return sum(link.size for link in self.chain)
-
 
 class RemoteTier:
     """A Redis/Valkey tier shared by a fleet. Thread-safe."""
@@ -108,7 +103,7 @@ class RemoteTier:
         """State and counters (every name of counters.REMOTE_SECTION, zeros included)."""
         return {
             "connected": self.connected,
-            "url": self.config.display_url,
+            "url": self.config.url,
             "cluster": self._core.conn.cluster,
             "signed": self.config.signing_key is not None,
             "queue_depth": self._uploader.queue.qsize(),
@@ -311,19 +306,22 @@ class RemoteTier:
 
     # -- operators --------------------------------------------------------------------------
 
-    def list_entries(self, ns: bytes | None = None, limit: int = 1000) -> list[RemoteRecord]:
-        """The entries the remote holds (of namespace ``ns`` when given), newest first, at
-        most ``limit``: SCAN over the record keys (every primary of a cluster), records
-        checked like a lookup's. Reads at most MAX_SCAN record names. [] on any failure."""
+    def list_entries(self, predicate: Callable[[RemoteRecord], bool] | None = None,
+                     limit: int = 1000) -> list[RemoteRecord]:
+        """The entries the remote holds that ``predicate`` accepts (all when None), newest
+        first, at most ``limit``: SCAN over the record keys (every primary of a cluster),
+        records checked like a lookup's. Reads at most MAX_SCAN record names. [] on any
+        failure."""
         try:
-            return self._list(ns, limit)
+            return self._list(predicate, limit)
         except Failed:
             return []
         except Exception:  # see find()
             log.exception("remote listing failed")
             return []
 
-    def _list(self, ns: bytes | None, limit: int) -> list[RemoteRecord]:
+    def _list(self, predicate: Callable[[RemoteRecord], bool] | None,
+              limit: int) -> list[RemoteRecord]:
         core = self._core
 
         def scan(client: object) -> list[bytes]:
@@ -331,7 +329,7 @@ class RemoteTier:
             for name in client.scan_iter(match=self.names.record_pattern,  # type: ignore[attr-defined]
                                          count=1000):
                 found.append(name)
-                if len(found) >= MAX_SCAN or (ns is None and len(found) >= limit):
+                if len(found) >= MAX_SCAN:
                     break
             return found
 
@@ -343,7 +341,7 @@ class RemoteTier:
             values = core.call(lambda c, batch=batch: core.mget(c, [n for n, _ in batch]))
             for (_, key), value in zip(batch, values, strict=True):
                 record = core.record(key, value)
-                if record is not None and (ns is None or record.namespace == ns):
+                if record is not None and (predicate is None or predicate(record)):
                     entries.append(record)
         entries.sort(key=lambda r: r.created, reverse=True)
         return entries[:limit]

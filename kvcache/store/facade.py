@@ -192,7 +192,7 @@ class Store:
         record, probes = self.index.longest_prefix(hashes, raw_tokens, self.config.block_size,
                                                    max_tokens)
         if count:
-            self._count_lookup(record, record.n_tokens if record else 0, raw_tokens,
+            self.count_lookup(record, record.n_tokens if record else 0, raw_tokens,
                                max_tokens)
         return record, probes
 
@@ -205,7 +205,7 @@ class Store:
         record, shared, probes = self.index.longest_common_prefix(
             hashes, raw_tokens, self.config.block_size, max_tokens)
         if count:
-            self._count_lookup(record, shared, raw_tokens, max_tokens)
+            self.count_lookup(record, shared, raw_tokens, max_tokens)
         return record, shared, probes
 
     def find(self, ns: bytes, raw_tokens: bytes, max_tokens: int = 0, *,
@@ -241,8 +241,9 @@ class Store:
                 finally:
                     self.waiting_lookups -= 1
 
-    def _count_lookup(self, record: Record | None, shared: int, raw_tokens: bytes,
-                      max_tokens: int) -> None:
+    def count_lookup(self, record: Record | None, shared: int, raw_tokens: bytes,
+                     max_tokens: int) -> None:
+        """Count a lookup's answer (hit exact or partial, or miss)."""
         n = len(raw_tokens) // 4
         wanted = min(n, max_tokens) if max_tokens else n
         with self._cond:
