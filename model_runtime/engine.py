@@ -85,7 +85,7 @@ class Completion:
     timings: dict[str, float]  # milliseconds: ttft, restore, prefill, decode, total
     prompt_tokens: int
     session_id: str = ""
-    cache_tier: str = ""  # where reused KV came from: ram | disk | live ("" if none)
+    cache_tier: str = ""  # where reused KV came from: ram | disk | remote | live ("" if none)
     saves: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -584,7 +584,8 @@ class Engine:
         shared = common_prefix(entry.meta.tokens, req.tokens)
         keep = min(shared, len(req.tokens) - 1)
         try:
-            joined = pieces.join(chain, keep, seq.id, self._join_scratch)
+            joined = pieces.join(chain, keep, seq.id, self._join_scratch,
+                                 n_stream=self.ctx.state_streams)
             ok = self.ctx.state_seq_set(seq.id, joined.state) > 0
         except StateFormatError as exc:
             log.warning("state of %s not restorable: %s", entry.key.hex(), exc)

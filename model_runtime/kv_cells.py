@@ -516,13 +516,14 @@ def build_state(
     seq_id: int,
     positions: Sequence[int] | np.ndarray | None = None,
     first_pos: int = 0,
-    forms: str | Sequence[str] = FORM_CELLS,
+    forms: str | Sequence[str],
     takes: Sequence[int] | None = None,
     scratch: Scratch | None = None,
 ) -> memoryview:
     """llama.cpp's state bytes for ``cells`` (one run, or runs to join in order).
 
-    ``forms`` names the form of every run (one string) or of each run in turn;
+    ``forms`` names the form of every run (one string) or of each run in turn (always
+    given: both forms have the same size, so a wrong one would pass unnoticed);
     ``takes``, how many leading cells of each run to use (default: all of them).
     With ``scratch`` the bytes are built in its buffer (valid until its next use).
     Positions are ``first_pos, first_pos + 1, ...`` unless ``positions`` gives one per

@@ -663,6 +663,13 @@ class LlamaContext(_Owner):
         return self._mem
 
     # -- state
+    @property
+    def state_streams(self) -> int:
+        """The stream count of a plain-attention state this context restores as it is:
+        a single-stream state is widened to it (one copy) by :meth:`state_seq_set`, so
+        a caller building a state can write it so instead."""
+        return self._n_stream if self._canonical() else 1
+
     def _canonical(self) -> bool:
         """Whether states are converted to/from the single-stream form (see state_seq_get)."""
         return self._plain_kv and self._n_stream > 1

@@ -16,7 +16,7 @@ Pure functions over bytes; the byte layout of llama.cpp's states is kv_cells'.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgpack
 
@@ -72,13 +72,15 @@ class JoinedState:
 
 
 def join(chain: Sequence[LoadedBlob], n_tokens: int, seq_id: int,
-         scratch: kv_cells.Scratch | None = None) -> JoinedState:
+         scratch: kv_cells.Scratch | None = None, n_stream: int = 1) -> JoinedState:
     """The state of the first ``n_tokens`` tokens of a chain (root first, as
     ``CacheClient.load_chain`` returns it; pieces past them are not read), for sequence
     ``seq_id``. A whole state is
     returned as it is: the caller cuts it after the restore. Raises StateFormatError
     when the pieces do not fit together. With ``scratch`` the state is built in its
-    buffer (valid until the scratch's next use)."""
+    buffer (valid until the scratch's next use). ``n_stream``: the KV streams of the
+    context it is for (LlamaContext.state_streams): the cells go in the first, the
+    others are written empty, so llama.cpp takes the bytes as they are."""
     if not chain:
         raise ValueError("an empty chain")
     if not chain[-1].meta.cell_layout:
@@ -107,6 +109,8 @@ def join(chain: Sequence[LoadedBlob], n_tokens: int, seq_id: int,
         takes.append(min(end, n_tokens) - meta.base)
     if sum(takes) != n_tokens:
         raise StateFormatError(f"the chain holds {sum(takes)} of {n_tokens} tokens")
+    if layout.n_stream == 1 and n_stream > 1:
+        layout = replace(layout, n_stream=n_stream, stream=0)
     return JoinedState(
         kv_cells.build_state(layout, runs, seq_id=seq_id, forms=forms, takes=takes,
                              scratch=scratch), n_tokens)

@@ -105,6 +105,8 @@ class Saver:
                 assert self.client is not None
                 t0 = time.perf_counter()
                 result, base = self._send(job)
+                if result is None:  # dropped by _send, and counted there
+                    continue  # (the finally below still runs)
                 if result.status == "saved":
                     self.on_saved(job.reason, time.perf_counter() - t0)
                     self._count(f"saves_{job.reason}")
@@ -112,9 +114,6 @@ class Saver:
                     self._count("tokens_stored", len(job.tokens) - base)
                     if base:
                         self._count("saves_built_on_prefix")
-                elif result.status == "dropped_in_flight_prefix":
-                    self._count("saves_dropped")
-                    self._count("saves_dropped_in_flight_prefix")
                 else:
                     self._count(f"saves_skipped_{result.status}")
             except CacheUnavailable as exc:
@@ -131,8 +130,9 @@ class Saver:
             finally:
                 self._finish(job.key)
 
-    def _send(self, job: SaveJob) -> tuple[SaveResult, int]:
-        """Save the job's state; returns the result and the tokens taken from a parent."""
+    def _send(self, job: SaveJob) -> tuple[SaveResult | None, int]:
+        """Save the job's state; returns the result (None: dropped, counted here) and the
+        tokens taken from a parent."""
         client = self.client
         assert client is not None
         if not job.as_cells:
@@ -144,8 +144,10 @@ class Saver:
             return SaveResult("already_present", hit.key), 0
         if in_flight >= n:  # another writer is storing all of it (this key or longer)
             return SaveResult("in_flight", job.key), 0
-        if in_flight >= self.min_shared_tokens:
-            return SaveResult("dropped_in_flight_prefix", job.key), 0
+        if in_flight >= self.min_shared_tokens:  # the other writer stores those cells
+            self._count("saves_dropped")
+            self._count("saves_dropped_in_flight_prefix")
+            return None, 0
         # At least the last cell is stored: an entry needs a blob of its own (its key is
         # reported and resumed from), also where a longer entry holds all of it.
         shared = min(hit.matched_tokens, n - 1) if hit is not None else 0

@@ -172,7 +172,7 @@ def test_cut_anywhere_and_joined_is_llama_cpp_bytes(
     odd = [c for c in (1, 37, 255, 256, 299) if c < n]
     assert rebuilt(cs, odd, seq_id=1) == state
     whole = b"".join(bytes(cells_bytes(cs, a, b)) for a, b in ((0, n // 3), (n // 3, n)))
-    assert build_state(cs.layout, whole, seq_id=1) == state
+    assert build_state(cs.layout, whole, forms=FORM_CELLS, seq_id=1) == state
 
 
 @pytest.mark.parametrize("n", [1, 257, 600])
@@ -249,7 +249,7 @@ def test_prefix_of_state_is_llama_cpp_state_after_seq_rm(
     cs = parse(fresh_state(kv_ctx, 2, prompt(wide_model, 600)))
     for k in (599, 300, 257, 256, 255, 37, 1):
         assert kv_ctx.seq_truncate(2, k)
-        prefix = build_state(cs.layout, cells_bytes(cs, 0, k), seq_id=2)
+        prefix = build_state(cs.layout, cells_bytes(cs, 0, k), forms=FORM_CELLS, seq_id=2)
         assert prefix == state_of(kv_ctx, 2), f"prefix of {k} cells"
 
 
@@ -300,7 +300,7 @@ def test_restored_prefix_continues_like_cold_prefill(
     cs = parse(fresh_state(ctx, 0, tokens))
     ctx.seq_clear(0)  # room for a warm and a cold copy in the shared buffer
     prefix = build_state(
-        cs.layout, [cells_bytes(cs, 0, k // 2), cells_bytes(cs, k // 2, k)], seq_id=0
+        cs.layout, [cells_bytes(cs, 0, k // 2), cells_bytes(cs, k // 2, k)], forms=FORM_CELLS, seq_id=0
     )
     warm = warm_greedy(ctx, 2, prefix, tokens[:k])
     assert warm == cold_greedy(ctx, 3, tokens[:k])
@@ -311,7 +311,7 @@ def test_restored_prefix_continues_like_cold_prefill_with_flash_attention(
 ) -> None:
     tokens = prompt(wide_model, 300)
     cs = parse(fresh_state(kv_ctx, 0, tokens))
-    prefix = build_state(cs.layout, cells_bytes(cs, 0, 137), seq_id=0)
+    prefix = build_state(cs.layout, cells_bytes(cs, 0, 137), forms=FORM_CELLS, seq_id=0)
     assert warm_greedy(kv_ctx, 1, prefix, tokens[:137]) == cold_greedy(kv_ctx, 2, tokens[:137])
 
 
@@ -319,7 +319,7 @@ def test_built_state_restores_into_another_sequence(ctx: LlamaContext, model: Ll
     tokens = prompt(model, 300)
     cs = parse(fresh_state(ctx, 0, tokens))
     for seq in (1, 3):
-        built = build_state(cs.layout, cells_bytes(cs, 0, 200), seq_id=seq)
+        built = build_state(cs.layout, cells_bytes(cs, 0, 200), forms=FORM_CELLS, seq_id=seq)
         assert ctx.state_seq_set(seq, built) == len(built)
         assert state_of(ctx, seq) == built
 
@@ -327,8 +327,8 @@ def test_built_state_restores_into_another_sequence(ctx: LlamaContext, model: Ll
 def test_empty_run_builds_llama_cpp_empty_state(ctx: LlamaContext, model: LlamaModel) -> None:
     cs = parse(fresh_state(ctx, 0, prompt(model, 10)))
     empty = state_of(ctx, 2)
-    assert build_state(cs.layout, [], seq_id=2) == empty
-    assert build_state(cs.layout, cells_bytes(cs, 4, 4), seq_id=2) == empty
+    assert build_state(cs.layout, [], forms=FORM_CELLS, seq_id=2) == empty
+    assert build_state(cs.layout, cells_bytes(cs, 4, 4), forms=FORM_CELLS, seq_id=2) == empty
     with pytest.raises(StateFormatError, match="no cells"):
         parse(empty)
 
@@ -350,7 +350,7 @@ def test_state_of_one_sequence_among_others(model: LlamaModel, kv_unified: bool)
         assert rebuilt(cs, [64, 65, 257], seq_id=1, form=FORM_PLANES) == state
         for k in (257, 64, 3):
             assert c.seq_truncate(1, k)
-            assert build_state(cs.layout, cells_bytes(cs, 0, k), seq_id=1) == state_of(c, 1)
+            assert build_state(cs.layout, cells_bytes(cs, 0, k), forms=FORM_CELLS, seq_id=1) == state_of(c, 1)
         assert c.seq_pos_max(0) == 169 and c.seq_pos_max(2) == 349
 
 
@@ -380,16 +380,16 @@ def test_cells_out_of_position_order_are_cut_by_position(
 def test_positions_may_start_anywhere_or_be_given(ctx: LlamaContext, model: LlamaModel) -> None:
     cs = parse(fresh_state(ctx, 0, prompt(model, 20)))
     run = cells_bytes(cs, 0, 20)
-    shifted = parse(build_state(cs.layout, run, seq_id=0, first_pos=5))
+    shifted = parse(build_state(cs.layout, run, forms=FORM_CELLS, seq_id=0, first_pos=5))
     assert shifted.positions.tolist() == list(range(5, 25)) and not shifted.is_prefix
     given = list(range(20))
-    assert build_state(cs.layout, run, seq_id=0, positions=given) == build_state(
-        cs.layout, run, seq_id=0
+    assert build_state(cs.layout, run, forms=FORM_CELLS, seq_id=0, positions=given) == build_state(
+        cs.layout, run, forms=FORM_CELLS, seq_id=0
     )
     with pytest.raises(ValueError, match="19 positions for 20 cells"):
-        build_state(cs.layout, run, seq_id=0, positions=given[:-1])
+        build_state(cs.layout, run, forms=FORM_CELLS, seq_id=0, positions=given[:-1])
     with pytest.raises(ValueError, match="int32"):
-        build_state(cs.layout, run, seq_id=0, first_pos=2**31 - 5)
+        build_state(cs.layout, run, forms=FORM_CELLS, seq_id=0, first_pos=2**31 - 5)
 
 
 # --------------------------------------------------------------------------- streams
@@ -525,9 +525,9 @@ def test_bad_ranges_and_runs_are_value_errors(small_state: bytes) -> None:
         with pytest.raises(ValueError, match="outside"):
             planes_bytes(cs, a, b)
     with pytest.raises(ValueError, match="not a multiple"):
-        build_state(cs.layout, [cells_bytes(cs, 0, 2), b"\0"], seq_id=1)
+        build_state(cs.layout, [cells_bytes(cs, 0, 2), b"\0"], forms=FORM_CELLS, seq_id=1)
     with pytest.raises(ValueError, match="int32"):
-        build_state(cs.layout, cells_bytes(cs, 0, 2), seq_id=2**31)
+        build_state(cs.layout, cells_bytes(cs, 0, 2), forms=FORM_CELLS, seq_id=2**31)
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import redis
 from daemon_proc import DaemonProcess, wait_for
 from redis_proc import RedisServer, redis_cluster, redis_server
 from test_metrics import metrics_port, scrape

@@ -109,6 +109,21 @@ def test_cell_major_pieces_of_the_first_piece_format_join_with_planar_ones(
         assert bytes(pieces.join(chain, 90, seq_id=2).state) == fresh_state(ctx, 2, tokens[:90])
 
 
+def test_a_join_for_a_split_cache_is_taken_as_it_is(tiny_model: Path) -> None:
+    with LlamaModel(tiny_model) as model, new_ctx(model, kv_unified=False) as ctx:
+        assert ctx.state_streams == 4  # one KV stream per sequence
+        tokens = model_prompt(model, 120)
+        state = fresh_state(ctx, 0, tokens)  # single-stream (canonical) bytes
+        root = pieces.cut(state, 0)
+        joined = pieces.join([blob(tokens[:120], root.payload, layout=root.cell_layout)],
+                             90, seq_id=2, n_stream=ctx.state_streams)
+        assert kv_cells.parse(joined.state).layout.n_stream == 4
+        # All of it consumed as written: no widening copy, nothing added.
+        assert ctx.state_seq_set(2, joined.state) == len(joined.state)
+        restored = bytes(ctx.state_seq_get(2))
+        assert restored == fresh_state(ctx, 2, tokens[:90])
+
+
 def test_pieces_that_do_not_fit_are_refused() -> None:
     layout = b"\x85"  # not a layout
     with pytest.raises(pieces.StateFormatError):
