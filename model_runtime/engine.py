@@ -777,10 +777,11 @@ class Engine:
             self.count("saves_dropped_unavailable")
             return b""
         t0 = time.perf_counter()
-        state = self.ctx.state_seq_get(seq.id)
+        buffer = self.saver.buffers.take(self.ctx.state_seq_size(seq.id))
+        state = self.ctx.state_seq_get(seq.id, out=buffer)
         self.on_latency("state_get", time.perf_counter() - t0)
         job = SaveJob(self.identity, tuple(seq.tokens), state, reason, key,
-                      as_cells=self.ctx.can_truncate_restored())
+                      as_cells=self.ctx.can_truncate_restored(), buffer=buffer)
         if not self.saver.submit(job):  # dropped (counted): no entry to name or skip
             return b""
         seq.saved_len, seq.saved_key = n, key

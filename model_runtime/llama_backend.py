@@ -682,23 +682,29 @@ class LlamaContext(_Owner):
             raise LlamaError("llama_state_seq_get_size failed")
         return n - 4 * (self._n_stream - 1) if self._canonical() else n
 
-    def state_seq_get(self, seq_id: int) -> memoryview:
+    def state_seq_get(self, seq_id: int, out: np.ndarray | None = None) -> memoryview:
         """The KV state of ``seq_id`` (read-only bytes-like), restorable with
-        :meth:`state_seq_set`.
+        :meth:`state_seq_set`. With ``out`` (a uint8 buffer; see state_buffers.py for
+        why) the state is written there and the result is a view of it, valid while
+        ``out`` is not reused; a buffer too small for what llama.cpp writes (a split
+        cache writes a few bytes more than :meth:`state_seq_size`) is not used.
 
         llama.cpp writes one cell count per KV stream; with a split (non-unified) cache
         every stream but the sequence's own holds a zero count.  For plain attention
         models those zero words are dropped and the header says ``n_stream = 1``: the
         result is byte-for-byte what a unified / single-sequence context would produce,
         and restores into any context of the same KV layout.  llama.cpp writes into one
-        uninitialized buffer; the only copy is the final ``bytes``.
+        uninitialized buffer, the only copy.
         """
         self._check_seq(seq_id)
         ctx = self._h()
         size = int(_lc.llama_state_seq_get_size(ctx, seq_id))
         if size == 0:
             raise LlamaError("llama_state_seq_get_size failed")
-        buf = np.empty(size, dtype=np.uint8)
+        if out is not None and out.dtype != np.uint8:
+            raise ValueError(f"state_seq_get writes into a uint8 buffer, not {out.dtype}")
+        fits = out is not None and out.ndim == 1 and len(out) >= size
+        buf = out[:size] if fits else np.empty(size, dtype=np.uint8)
         got = int(
             _lc.llama_state_seq_get_data(
                 ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, seq_id

@@ -23,11 +23,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 
 from kvcache.client import CacheClient, CacheError, CacheUnavailable, Identity, SaveResult
 
 from . import pieces
 from .kv_cells import StateFormatError
+from .state_buffers import StateBuffers
 
 log = logging.getLogger("model_runtime.saver")
 
@@ -40,6 +42,7 @@ class SaveJob:
     reason: str
     key: bytes  # the key the daemon will give it (computed locally for finish_key)
     as_cells: bool = False  # a plain-attention state: stored as a run of cells
+    buffer: np.ndarray | None = None  # holds ``state``: back to Saver.buffers when done
 
 
 class Saver:
@@ -58,6 +61,7 @@ class Saver:
         self._lock = counters_lock
         self._queue: queue.Queue[SaveJob | None] = queue.Queue(maxsize=max_pending)
         self._in_flight: dict[bytes, threading.Event] = {}
+        self.buffers = StateBuffers()  # what the model thread copies states into
         # (reason, seconds) of every save the daemon published: reserve, write, commit.
         self.on_saved: Callable[[str, float], None] = lambda reason, seconds: None
         self._thread = threading.Thread(target=self._run, name="kvcache-saver", daemon=True)
@@ -75,7 +79,7 @@ class Saver:
         try:
             self._queue.put_nowait(job)
         except queue.Full:
-            self._finish(job.key)
+            self._finish(job)
             self._count("saves_dropped")
             self._count("saves_dropped_backlog")
             return False
@@ -90,9 +94,11 @@ class Saver:
         with self._lock:
             return self._in_flight.get(key)
 
-    def _finish(self, key: bytes) -> None:
+    def _finish(self, job: SaveJob) -> None:
+        if job.buffer is not None:  # nothing refers to the state any more
+            self.buffers.give_back(job.buffer)
         with self._lock:
-            event = self._in_flight.pop(key, None)
+            event = self._in_flight.pop(job.key, None)
         if event is not None:
             event.set()
 
@@ -128,7 +134,7 @@ class Saver:
                 log.warning("save of %d tokens (%s) failed: %s", len(job.tokens), job.reason,
                             exc, exc_info=not isinstance(exc, CacheError))
             finally:
-                self._finish(job.key)
+                self._finish(job)
 
     def _send(self, job: SaveJob) -> tuple[SaveResult | None, int]:
         """Save the job's state; returns the result (None: dropped, counted here) and the

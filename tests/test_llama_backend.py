@@ -251,6 +251,25 @@ def test_state_is_portable_across_seq_count_and_unified(model: LlamaModel) -> No
         assert warm_start(dst, 0, uni_state, prompt) == cold
 
 
+def test_state_get_into_a_kept_buffer_equals_a_fresh_copy(model: LlamaModel) -> None:
+    """Saves copy states into reused buffers (state_buffers.py): the same bytes, also for a
+    split cache whose state is made canonical in place; a short buffer is left alone."""
+    prompt = sample_prompt(model.tokenize, 120)
+    for kw in ({"n_seq_max": 1}, {"n_seq_max": 3}):
+        with new_ctx(model, **kw) as c:
+            seq = c.n_seq_max - 1
+            prefill(c, seq, prompt)
+            fresh = bytes(c.state_seq_get(seq))
+            buffer = np.full(c.state_seq_size(seq) + 4096, 0xAB, dtype=np.uint8)
+            assert bytes(c.state_seq_get(seq, out=buffer)) == fresh, kw
+            assert bytes(c.state_seq_get(seq, out=buffer)) == fresh, kw  # reused again
+            short = np.zeros(100, dtype=np.uint8)
+            assert bytes(c.state_seq_get(seq, out=short)) == fresh, kw
+            assert not short.any()
+            with pytest.raises(ValueError, match="uint8"):
+                c.state_seq_get(seq, out=np.empty(len(buffer), dtype=np.float32))
+
+
 def test_state_set_accepts_bytes_bytearray_memoryview(ctx: LlamaContext, model: LlamaModel) -> None:
     prompt = sample_prompt(model.tokenize, 50)
     prefill(ctx, 0, prompt)

@@ -1,0 +1,58 @@
+"""The buffers saves copy states into: reused, smallest fit first, kept up to a budget."""
+
+from __future__ import annotations
+
+import threading
+
+from model_runtime.state_buffers import StateBuffers
+
+
+def test_a_given_back_buffer_is_taken_again_for_a_state_that_fits() -> None:
+    pool = StateBuffers(max_kept_bytes=1 << 20)
+    first = pool.take(1000)
+    assert len(first) >= 1000
+    pool.give_back(first)
+    again = pool.take(900)
+    assert again is first
+    assert pool.kept_bytes() == 0
+
+
+def test_a_state_larger_than_every_kept_buffer_gets_a_new_one_with_room_to_grow() -> None:
+    pool = StateBuffers(max_kept_bytes=1 << 20)
+    small = pool.take(100)
+    pool.give_back(small)
+    big = pool.take(8000)
+    assert big is not small and len(big) >= 8000 + 8000 // 8
+    assert pool.kept_bytes() == len(small)  # the small one is still there for later
+
+
+def test_the_smallest_buffer_that_fits_is_taken() -> None:
+    pool = StateBuffers(max_kept_bytes=1 << 20)
+    buffers = [pool.take(n) for n in (4000, 1000, 2000)]
+    for b in buffers:
+        pool.give_back(b)
+    assert pool.take(1500) is buffers[2]
+
+
+def test_buffers_beyond_the_budget_are_freed_the_largest_kept() -> None:
+    pool = StateBuffers(max_kept_bytes=10_000)
+    big, small = pool.take(7000), pool.take(3000)
+    pool.give_back(small)
+    pool.give_back(big)
+    assert pool.kept_bytes() == len(big)  # 7,875 + 3,375 > 10,000: the small one goes
+    assert pool.take(3000) is big
+
+
+def test_take_and_give_back_from_two_threads_lose_nothing() -> None:
+    pool = StateBuffers(max_kept_bytes=1 << 30)
+
+    def churn() -> None:
+        for _ in range(500):
+            pool.give_back(pool.take(64))
+
+    threads = [threading.Thread(target=churn) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert 1 <= len(pool._free) <= 2
