@@ -5,7 +5,7 @@ from pathlib import Path
 
 import leftovers
 import pytest
-from daemon_proc import DaemonProcess
+from procs import Daemon
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -18,12 +18,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 @pytest.fixture
-def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
+def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
     """Start real daemons: ``daemon_factory("--ram-bytes", "10M")``. All are killed after."""
-    started: list[DaemonProcess] = []
+    started: list[Daemon] = []
 
-    def start(*args: str, name: str = "data") -> DaemonProcess:
-        d = DaemonProcess(tmp_path / name, *args)
+    def start(*args: str, name: str = "data") -> Daemon:
+        d = Daemon(tmp_path / name, *args)
         started.append(d)
         return d.start()
 
@@ -33,7 +33,7 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
 
 
 @pytest.fixture
-def daemon(daemon_factory: Callable[..., DaemonProcess]) -> DaemonProcess:
+def daemon(daemon_factory: Callable[..., Daemon]) -> Daemon:
     return daemon_factory()
 
 

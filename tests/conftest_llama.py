@@ -10,19 +10,13 @@ fixtures and calls these functions, e.g.::
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO / "tools") not in sys.path:  # pyproject's pytest pythonpath already does this
-    sys.path.insert(0, str(REPO / "tools"))
-
-from make_tiny_gguf import write_tiny_llama_gguf, write_tiny_swa_gguf  # noqa: E402
+from make_tiny_gguf import write_tiny_llama_gguf, write_tiny_swa_gguf
 
 if TYPE_CHECKING:
     from model_runtime.llama_backend import LlamaContext
@@ -99,3 +93,4 @@ def generate_greedy(
         next_pos += 1
         idx = 0
     return out
+

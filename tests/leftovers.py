@@ -20,7 +20,7 @@ from kvcache.ramtier import TIER_PREFIX, lock_is_held
 SHM = Path("/dev/shm")
 # The RAM-tier folders kvcache makes, and the per-run folders the tools make for them.
 SHM_PREFIXES = (TIER_PREFIX, "kvcrash-", "kvbench-", "kvbc-")
-# Folders the tests make in /tmp for unix sockets (paths must be short): daemon_proc's
+# Folders the tests make in /tmp for unix sockets (paths must be short): procs.Daemon's
 # kvt*, the runtime tests' rtt*, rtc* and rts*, the gateway tests' rtg*.
 TMP = Path("/tmp")
 TMP_PREFIXES = ("kvt", "rtt", "rtc", "rts", "rtg", "kvredis-")

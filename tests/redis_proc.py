@@ -57,8 +57,8 @@ def free_port(cluster: bool = False) -> int:
 
 class RedisServer(procs.RedisServer):
     """tools/procs.RedisServer with what the tests provoke: a password, cluster mode, a
-    client for their own checks, pause/resume (SIGSTOP/SIGCONT), a crash, a restart on the
-    same port, CONFIG SET."""
+    client for their own checks, pause/resume (SIGSTOP/SIGCONT), a restart on the same
+    port, CONFIG SET."""
 
     def __init__(self, *extra_args: str, port: int | None = None, password: str | None = None,
                  cluster: bool = False) -> None:
@@ -67,8 +67,8 @@ class RedisServer(procs.RedisServer):
         self.cluster = cluster
         self.password = password
 
-    def args(self) -> list[str]:
-        args = super().args()
+    def argv(self) -> list[str]:
+        args = super().argv()
         if self.password is not None:
             args += ["--requirepass", self.password]
         if self.cluster:
@@ -90,18 +90,11 @@ class RedisServer(procs.RedisServer):
         assert self.proc is not None
         self.proc.send_signal(signal.SIGCONT)
 
-    def kill(self) -> None:
-        """SIGKILL, at once (a crash): the directory stays for a restart on the same port."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)  # a stopped process dies all the same
-            self.proc.kill()
-            self.proc.wait()
-
     def restart(self) -> RedisServer:
-        """Start again on the same port (after kill or terminate)."""
-        self.terminate()
-        self.start()
-        return self
+        """Start again on the same port (after ``kill``, a crash, or ``stop``: both keep
+        the directory)."""
+        self.stop()
+        return self.start()
 
     def set_config(self, **settings: str | int) -> None:
         """CONFIG SET, e.g. ``set_config(maxmemory="2mb", maxmemory_policy="noeviction")``."""
@@ -145,9 +138,9 @@ class RedisCluster:
         text = info.decode() if isinstance(info, bytes) else str(info)
         return "cluster_state:ok" in text
 
-    def stop(self) -> None:
+    def close(self) -> None:
         for node in self.nodes:
-            node.stop()
+            node.close()
 
 
 @contextlib.contextmanager
@@ -156,7 +149,7 @@ def redis_server(*extra_args: str, password: str | None = None) -> Iterator[Redi
     try:
         yield server.start()
     finally:
-        server.stop()
+        server.close()
 
 
 @contextlib.contextmanager
@@ -165,4 +158,4 @@ def redis_cluster(n_nodes: int = 3) -> Iterator[RedisCluster]:
     try:
         yield cluster.start()
     finally:
-        cluster.stop()
+        cluster.close()

@@ -64,10 +64,10 @@ import msgpack
 import pytest
 from conftest_llama import make_tiny_model, sample_prompt
 from daemon_proc import DaemonProcess, wait_for
+from payloads import payload_for
 from test_daemon import blob_file
 
 from kvcache import blob as blobfmt
-from kvcache import keys
 from kvcache.client import CacheClient, CacheError, CorruptBlob, Identity
 from kvcache.v1 import kvcache_pb2 as pb
 from model_runtime.config import RuntimeConfig
@@ -124,13 +124,9 @@ def random_tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1, 60_000) for _ in range(n)]
 
 
-def payload_for(ident: Identity, tokens: list[int]) -> bytes:
-    # Distinct per namespace and tokens, so a wrong state can never compare equal.
-    return random.Random(ident.namespace + keys.tokens_to_bytes(tokens)).randbytes(PAYLOAD)
-
-
 def save(c: CacheClient, ident: Identity, tokens: list[int]) -> Saved:
-    payload = payload_for(ident, tokens)
+    # Distinct per namespace and tokens, so a wrong state can never compare equal.
+    payload = payload_for(tokens, PAYLOAD, salt=ident.namespace)
     done = c.save(ident, tokens, payload, "cold")
     assert done.status == "saved", done
     return Saved(ident, tokens, payload, done.key)

@@ -22,6 +22,7 @@ import grpc
 import pytest
 from crash_harness import Settings, run
 from daemon_proc import DaemonProcess, wait_for
+from procs import pythonpath_env
 from test_daemon_crash import BLOCK, IDENT, counters, leftovers, payload_for, toks
 
 from kvcache import keys
@@ -66,8 +67,7 @@ def test_a_hundred_kills_lose_nothing() -> None:
 # now and then: each chunk renews its lease, so it is still in flight however long the test
 # takes to kill the writer, and never complete.
 WRITER_SCRIPT = """
-import json, os, sys, threading, time
-sys.path.insert(0, {tests!r})
+import json, os, threading, time
 from kvcache import keys
 from kvcache.client import CacheClient
 from kvcache.v1 import kvcache_pb2 as pb
@@ -113,9 +113,9 @@ def start_writer(d: DaemonProcess, fast: list[int] | None = None,
                  stream: list[int] | None = None) -> tuple[subprocess.Popen[str],
                                                            dict[str, list]]:
     """The writer process and what it holds: per path [temp file, bytes written, size]."""
-    script = WRITER_SCRIPT.format(tests=str(Path(__file__).parent), address=d.address,
-                                  fast=fast or [], stream=stream or [])
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    script = WRITER_SCRIPT.format(address=d.address, fast=fast or [], stream=stream or [])
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            env=pythonpath_env())
     line = proc.stdout.readline()  # type: ignore[union-attr]
     if not line:
         proc.kill()

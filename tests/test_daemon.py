@@ -21,6 +21,8 @@ import pytest
 from daemon_proc import DaemonProcess, wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from payloads import blob_bytes, payload_for
+from procs import pythonpath_env
 from test_auth import tcp_address
 
 from kvcache import blob as blobfmt
@@ -43,21 +45,6 @@ def toks(seed: int, n: int) -> list[int]:
     """A token list of its own for each test (so a shared daemon never mixes them)."""
     rng = random.Random(seed)
     return [rng.randrange(1, 60_000) for _ in range(n)]
-
-
-def payload_for(tokens: list[int], size: int) -> bytes:
-    return random.Random(keys.tokens_to_bytes(tokens)).randbytes(size)
-
-
-def blob_bytes(identity: Identity, tokens: list[int], payload: bytes, reason: str = "cold",
-               created: float | None = None) -> bytes:
-    """The blob exactly as ``CacheClient.save`` encodes it."""
-    meta = blobfmt.BlobMeta(
-        namespace=identity.namespace, model_fingerprint=identity.model_fingerprint,
-        kv_layout=dict(identity.kv_layout), tokens=list(tokens), reason=reason,
-        model_name=identity.model_name, tenant_id=keys.tenant_id(identity.tenant),
-        **({"created": created} if created is not None else {}))
-    return b"".join(bytes(p) for p in blobfmt.encode_blob(meta, payload))
 
 
 def client_for(d: DaemonProcess, path: str) -> CacheClient:
@@ -435,10 +422,9 @@ def test_writer_cancelling_its_stream_loses_the_reservation(
 
 
 WRITER_SCRIPT = """
-import sys, time
+import time
 from kvcache.client import CacheClient, Identity
 from kvcache.v1 import kvcache_pb2 as pb
-sys.path.insert(0, {tests!r})
 from test_daemon import IDENT, blob_bytes, payload_for, reserve
 tokens = {tokens!r}
 data = blob_bytes(IDENT, tokens, payload_for(tokens, 100_000))
@@ -455,9 +441,9 @@ c.stub.Write(chunks(), timeout=600)
 def test_writer_process_killed_mid_stream_loses_the_reservation(
         block_daemon: DaemonProcess) -> None:
     tokens = toks(27, 40)
-    script = WRITER_SCRIPT.format(tests=str(Path(__file__).parent), tokens=tokens,
-                                  address=block_daemon.address)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    script = WRITER_SCRIPT.format(tokens=tokens, address=block_daemon.address)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            env=pythonpath_env())
     try:
         tmp = Path(proc.stdout.readline().strip())  # type: ignore[union-attr]
         assert tmp.parent == block_daemon.data_dir / "tmp", f"writer said {tmp}"

@@ -3,19 +3,20 @@ nothing half-written becomes visible, and index and files always end up agreeing
 
 from __future__ import annotations
 
+import functools
 import os
-import random
 import shutil
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
+import payloads
 import pytest
 from daemon_proc import DaemonProcess, wait_for
+from payloads import blob_bytes
 from test_daemon import blob_file, counters, toks
 
-from kvcache import blob as blobfmt
 from kvcache import keys
 from kvcache.client import CacheClient, CacheError, Identity
 from kvcache.v1 import kvcache_pb2 as pb
@@ -26,23 +27,8 @@ IDENT = Identity("fp-test", {"type_k": "f16"}, model_name="tiny.gguf")
 DaemonFactory = Callable[..., DaemonProcess]
 
 
-def payload_size(tokens: list[int]) -> int:
-    return random.Random(tokens[0] * 7 + len(tokens)).randrange(1_000, 300_000)
-
-
-def payload_for(tokens: list[int], size: int | None = None) -> bytes:
-    """Size and bytes follow from the tokens: any entry found can be checked on its own."""
-    n = payload_size(tokens) if size is None else size
-    return random.Random(keys.tokens_to_bytes(tokens)).randbytes(n)
-
-
-def blob_bytes(identity: Identity, tokens: list[int], payload: bytes,
-               reason: str = "cold") -> bytes:
-    meta = blobfmt.BlobMeta(
-        namespace=identity.namespace, model_fingerprint=identity.model_fingerprint,
-        kv_layout=dict(identity.kv_layout), tokens=list(tokens), reason=reason,
-        model_name=identity.model_name, tenant_id=keys.tenant_id(identity.tenant))
-    return b"".join(bytes(p) for p in blobfmt.encode_blob(meta, payload))
+# payload_for(tokens): 1 kB to 300 kB, size and bytes following from the tokens.
+payload_for = functools.partial(payloads.payload_for, size=(1_000, 300_000))
 
 
 def leftovers(d: DaemonProcess) -> list[str]:

@@ -11,6 +11,7 @@ Each client thread has its own CacheClient; even threads use the same-host fast 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import threading
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import payloads
 import pytest
 from daemon_proc import DaemonProcess, wait_for
 from test_daemon import blob_file
@@ -62,10 +64,9 @@ EXPECTED: dict[str, set[grpc.StatusCode]] = {
 FAILED = object()  # what Client.call returns for a call that ended with an error status
 
 
-def payload_for(tokens: list[int]) -> bytes:
-    """Size and bytes follow from the tokens, so any blob read can be checked on its own."""
-    rng = random.Random(keys.tokens_to_bytes(tokens))
-    return rng.randbytes(rng.randrange(2_000, 150_000))
+# payload_for(tokens): 2 kB to 150 kB, size and bytes following from the tokens, so any
+# blob read can be checked on its own.
+payload_for = functools.partial(payloads.payload_for, size=(2_000, 150_000))
 
 
 def key_of(tokens: list[int]) -> bytes:

@@ -7,16 +7,20 @@ short timeouts, eviction order, RAM placement, start-up reconciliation details.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import payloads
 import pytest
 from daemon_proc import wait_for
+from payloads import payload_for
 
 from kvcache import blob as blobfmt
 from kvcache import keys
+from kvcache.client import Identity
 from kvcache.errors import (
     Busy,
     DirectoryInUse,
@@ -36,15 +40,8 @@ NS = keys.namespace(FP, LAYOUT)
 BLOCK = 16
 
 
-def blob_bytes(tokens: list[int], payload: bytes, reason: str = "cold", ns: bytes = NS) -> bytes:
-    meta = blobfmt.BlobMeta(namespace=ns, model_fingerprint=FP, kv_layout=LAYOUT,
-                            tokens=tokens, reason=reason)
-    return b"".join(bytes(p) for p in blobfmt.encode_blob(meta, payload))
-
-
-def payload_for(tokens: list[int], size: int) -> bytes:
-    """A payload determined by the tokens, so any entry can be checked on its own."""
-    return random.Random(keys.tokens_to_bytes(tokens)).randbytes(size)
+# blob_bytes(tokens, payload, reason="cold"): the blob of an entry of namespace NS.
+blob_bytes = functools.partial(payloads.blob_bytes, Identity(FP, LAYOUT))
 
 
 def raw(tokens: list[int]) -> bytes:

@@ -26,9 +26,9 @@ from pathlib import Path
 import grpc
 import pytest
 from daemon_proc import DaemonProcess, wait_for
+from payloads import blob_bytes
 from test_daemon import toks
 
-from kvcache import blob as blobfmt
 from kvcache import keys
 from kvcache.client import CacheClient, Identity
 from kvcache.v1 import kvcache_pb2 as pb
@@ -39,17 +39,6 @@ ALICE = Identity("fp-tenants", LAYOUT, tenant="alice", model_name="tiny.gguf")
 BOB = Identity("fp-tenants", LAYOUT, tenant="bob", model_name="tiny.gguf")
 NOBODY = Identity("fp-tenants", LAYOUT, model_name="tiny.gguf")  # no tenant at all
 TENANTS = {"alice": ALICE, "bob": BOB, "": NOBODY}
-
-
-def blob_bytes(identity: Identity, tokens: list[int], payload: bytes,
-               tenant_id: str | None = None) -> bytes:
-    """The blob ``CacheClient.save`` would write, with the tenant label chosen freely."""
-    meta = blobfmt.BlobMeta(
-        namespace=identity.namespace, model_fingerprint=identity.model_fingerprint,
-        kv_layout=dict(identity.kv_layout), tokens=list(tokens), reason="cold",
-        model_name=identity.model_name,
-        tenant_id=keys.tenant_id(identity.tenant) if tenant_id is None else tenant_id)
-    return b"".join(bytes(p) for p in blobfmt.encode_blob(meta, payload))
 
 
 def status(fn: object, *args: object, **kwargs: object) -> tuple[grpc.StatusCode, str]:

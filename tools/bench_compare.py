@@ -85,24 +85,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import llama_cpp
 import numpy as np
+from llama_server_arm import DEFAULT_BINARY, LlamaServer
+from procs import Daemon, short_workdir
+from system_prompt import USER_MESSAGES, build_system_prompt
+
+from kvcache.client import CacheClient
+from kvcache.v1 import kvcache_pb2 as pb
+from model_runtime.config import RuntimeConfig
+from model_runtime.llama_backend import ContextParams, LlamaContext, LlamaModel
+from model_runtime.engine import Completion, TokenEvent, common_prefix
+from model_runtime.runtime import Runtime, default_model_path
 
 TOOLS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TOOLS))
-sys.path.insert(0, str(TOOLS.parent))
-
-import llama_cpp  # noqa: E402
-from llama_server_arm import DEFAULT_BINARY, LlamaServer  # noqa: E402
-from procs import Proc, short_workdir, start_daemon  # noqa: E402
-from system_prompt import USER_MESSAGES, build_system_prompt  # noqa: E402
-
-from kvcache.client import CacheClient  # noqa: E402
-from kvcache.v1 import kvcache_pb2 as pb  # noqa: E402
-from model_runtime.config import RuntimeConfig  # noqa: E402
-from model_runtime.engine import Completion, TokenEvent, common_prefix  # noqa: E402
-from model_runtime.llama_backend import ContextParams, LlamaContext, LlamaModel  # noqa: E402
-from model_runtime.runtime import Runtime, default_model_path  # noqa: E402
-
 Message = dict[str, str]
 REQUEST_TIMEOUT_S = 900.0
 TARGET_SPEEDUP_OVER_LLAMA_CACHES = 10.0
@@ -482,24 +478,21 @@ class KvStack:
         shm = Path("/dev/shm")
         self.ram_dir = Path(tempfile.mkdtemp(prefix="kvbc-ram-",
                                              dir=shm if shm.is_dir() else workdir))
-        self.socket = workdir / "kv.sock"
-        self.address = f"unix:{self.socket}"
-        self.daemon = Proc("kvcache daemon", [
-            sys.executable, "-m", "kvcache.cli", "serve", "--dir", str(self.data_dir),
-            "--socket", str(self.socket), "--ram-dir", str(self.ram_dir),
-            "--min-free-bytes", "0", "--ram-bytes", "8G", "--log-level", "WARNING"],
-            workdir / "daemon.log")
+        self.daemon = Daemon(self.data_dir, "--ram-bytes", "8G", "--log-level", "WARNING",
+                             ram_parent=self.ram_dir, socket=workdir / "kv.sock",
+                             log_path=workdir / "daemon.log", name="kvcache daemon")
+        self.address = self.daemon.address
         self.runtime: Runtime | None = None
 
     def start(self) -> None:
-        start_daemon(self.daemon, self.address, time.monotonic() + 120)
+        self.daemon.start(timeout=120)
         self.runtime = new_runtime(self.model, self.settings, self.address)
 
     def stop(self) -> None:
         if self.runtime is not None:
             self.runtime.close()
             self.runtime = None
-        self.daemon.stop()
+        self.daemon.stop(timeout=60)
 
     def close(self) -> None:
         self.stop()

@@ -53,20 +53,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import benchlib as bl
 import numpy as np
 import xxhash
 import zstandard
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import benchlib as bl  # noqa: E402 - tools/ is not a package
-
-from kvcache import blob as blobfmt  # noqa: E402
-from kvcache import keys  # noqa: E402
-from kvcache.client import CacheClient, Identity  # noqa: E402
-from kvcache.server import identity_namespace  # noqa: E402
-from kvcache.store import Store, StoreConfig  # noqa: E402
-from kvcache.v1 import kvcache_pb2 as pb  # noqa: E402
+from kvcache import blob as blobfmt
+from kvcache import keys
+from kvcache.client import CacheClient, Identity
+from kvcache.server import identity_namespace
+from kvcache.store import Store, StoreConfig
+from kvcache.v1 import kvcache_pb2 as pb
 
 IDENTITY = Identity(model_fingerprint="bench-fingerprint-0001",
                     kv_layout={"type_k": "f16", "type_v": "f16", "n_layer": "30",
@@ -677,7 +674,7 @@ def bench_startup(ws: Workspace, populated: Path, repeats: int) -> dict[str, Any
     counter = iter(range(10_000))
 
     def start_stop(d: bl.Daemon) -> float:
-        seconds = d.start()
+        seconds = d.start().start_seconds
         d.stop()
         return seconds
 

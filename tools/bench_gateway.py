@@ -19,69 +19,21 @@ Prints ONE JSON document on stdout (progress on stderr). A real kvcache daemon a
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import grpc
 from benchlib import Daemon, emit_json, log, machine_info, paired_ratio, summarize
-from procs import short_workdir
+from procs import Gateway, short_workdir
 from system_prompt import build_system_prompt
 
 from model_runtime.v1 import runtime_pb2 as pb
 from model_runtime.v1 import runtime_pb2_grpc as pb_grpc
-
-
-class Gateway:
-    def __init__(self, workdir: Path, model: str | None, workers: int, threads: int,
-                 cache: str) -> None:
-        self.log_path = workdir / "gateway.log"
-        model_args = ["--model", f"bench={model}"] if model else []
-        self.argv = [sys.executable, "-m", "model_runtime.cli", "gateway",
-                     "--listen", "127.0.0.1:0", "--run-dir", str(workdir / "run"),
-                     "--cache", cache, "--workers", str(workers), "--threads", str(threads),
-                     "--n-seq-max", "2", "--n-ctx", "4096", *model_args]
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.url = ""
-
-    def start(self, timeout: float = 300.0) -> None:
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"gateway did not come up:\n{self.log_tail()}")
-            found = re.search(r"listening on (https?://[^\s;]+)", self.log_tail(100_000))
-            if found:
-                self.url = found.group(1)
-                if all(w["state"] == "ready" for w in self.status()["workers"]):
-                    return
-            time.sleep(0.1)
-
-    def status(self) -> dict[str, Any]:
-        with urllib.request.urlopen(f"{self.url}/status", timeout=10) as resp:
-            return json.loads(resp.read())
-
-    def log_tail(self, n: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def messages(system: str, user: str) -> list[dict[str, str]]:
@@ -146,19 +98,20 @@ def main() -> None:
 
     workdir = short_workdir("kvbg")
     daemon = Daemon(workdir / "data", workdir / "ram", log_dir=workdir)
-    gateway = Gateway(workdir, args.model, args.workers, args.threads, "")
+    model_args = ["--model", f"bench={args.model}"] if args.model else []
+    gateway = Gateway(workdir / "gateway.log", "--workers", str(args.workers), "--n-seq-max",
+                      "2", "--n-ctx", "4096", *model_args, cache=daemon.address,
+                      threads=args.threads)
     doc: dict[str, Any] = {"benchmark": "gateway", "machine": machine_info(),
                            "settings": vars(args) | {"out": str(args.out)}}
     try:
         daemon.start()
-        gateway.argv[gateway.argv.index("--cache") + 1] = daemon.address
         log("starting the gateway and its workers")
         t0 = time.perf_counter()
-        gateway.start()
+        gateway.start(timeout=300)
         doc["gateway_start_s"] = round(time.perf_counter() - t0, 3)
         model = gateway.status()["models"][0]["id"]
-        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0,
-                               timeout=300)
+        client = gateway.client(timeout=300)
         system = build_system_prompt(400)
 
         # 1. TTFT, gateway vs the worker's own gRPC socket, interleaved.
@@ -214,8 +167,7 @@ def main() -> None:
         latencies: list[float] = []
 
         def client_loop(index: int) -> None:
-            own = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none",
-                                max_retries=0, timeout=300)
+            own = gateway.client(timeout=300)
             for j in range(args.requests):
                 start = time.perf_counter()
                 try:
@@ -263,7 +215,7 @@ def main() -> None:
                           "first_request_tokens_restored": done.cache_delta.tokens_read,
                           "restart_history": w["restart_history"]}
     finally:
-        gateway.stop()
+        gateway.close()
         daemon.close()
         shutil.rmtree(workdir, ignore_errors=True)
     emit_json(doc, args.out)

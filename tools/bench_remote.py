@@ -50,8 +50,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -62,13 +60,8 @@ from typing import Any
 
 import numpy as np
 import redis
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench_runtime import Prompts, check, model_info, ms_summary, rows_summary, timing_row  # noqa: E402
-from benchlib import (  # noqa: E402
-    REPO_ROOT,
+from bench_runtime import Prompts, check, model_info, ms_summary, rows_summary, timing_row
+from benchlib import (
     Daemon,
     cached_fraction,
     drop_tree_from_page_cache,
@@ -80,17 +73,17 @@ from benchlib import (  # noqa: E402
     throughput_mb_s,
     timed,
 )
-from procs import RedisServer, dies_with_parent  # noqa: E402
-from system_prompt import USER_MESSAGES  # noqa: E402
+from procs import RedisServer
+from system_prompt import USER_MESSAGES
 
-from kvcache import blob as blobfmt  # noqa: E402
-from kvcache import keys  # noqa: E402
-from kvcache.client import CacheClient, CacheUnavailable  # noqa: E402
-from kvcache.remote import RemoteConfig, RemoteTier  # noqa: E402
-from kvcache.store import BLOB_SUFFIX  # noqa: E402
-from model_runtime.config import RuntimeConfig  # noqa: E402
-from model_runtime.engine import Completion  # noqa: E402
-from model_runtime.runtime import Runtime, default_model_path  # noqa: E402
+from kvcache import blob as blobfmt
+from kvcache import keys
+from kvcache.client import CacheClient, CacheUnavailable
+from kvcache.remote import RemoteConfig, RemoteTier
+from kvcache.store import BLOB_SUFFIX
+from model_runtime.config import RuntimeConfig
+from model_runtime.engine import Completion
+from model_runtime.runtime import Runtime, default_model_path
 
 REQUEST_TIMEOUT_S = 900.0
 UPLOAD_TIMEOUT_S = 60.0
@@ -143,24 +136,6 @@ def median(samples: Sequence[float]) -> float:
 # -- a host: a daemon with the remote tier and a runtime on it ---------------------------------
 
 
-class SpawnedDaemon(Daemon):
-    """benchlib's Daemon, started without a ``preexec_fn`` (see procs.dies_with_parent):
-    host B's daemon is restarted under a runtime whose gRPC channels are active."""
-
-    def start(self, timeout: float = 60.0) -> float:
-        if self.proc is not None:
-            raise RuntimeError(f"{self.name} is already running")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p))
-        with open(self.log_path, "ab") as log_file:
-            t0 = time.perf_counter()
-            self.proc = subprocess.Popen(dies_with_parent(self.argv()), stdout=log_file,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         cwd=REPO_ROOT, env=env)
-        self._wait_ready(t0 + timeout)
-        return time.perf_counter() - t0
-
-
 class Host:
     """One host of the fleet: a kvcache daemon (child process, ``--remote URL``) with its
     own data directory and RAM tier, and an in-process runtime using it."""
@@ -175,7 +150,7 @@ class Host:
         self.data_dir = workdir / "data"
         self.ram_parent = ram_root / name
         self.ram_parent.mkdir()
-        self.daemon = SpawnedDaemon(self.data_dir, self.ram_parent, "--remote", remote_url,
+        self.daemon = Daemon(self.data_dir, self.ram_parent, "--remote", remote_url,
                                     name=f"daemon-{name}", log_dir=workdir)
         self.probe: CacheClient | None = None
         self.runtime: Runtime | None = None
@@ -281,7 +256,7 @@ class Host:
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"host {self.name}: the daemon or its remote is not "
-                                   f"reachable\n{self.daemon.log_tail()}")
+                                   f"reachable\n{self.daemon.log()[-3000:]}")
             time.sleep(0.01)
 
     def wait_uploaded(self, puts_before: int, timeout: float = UPLOAD_TIMEOUT_S) -> float:
@@ -642,7 +617,7 @@ def run(s: Settings, model: Path, root: Path, ram_root: Path) -> dict[str, Any]:
     finally:
         for host in hosts:
             host.close()
-        server.stop()
+        server.close()
     return {"warmup": warmup, "ttft": ttft, "fetch": fetch, "crossover": crossover,
             "daemon_remote_counters": counters, "remote_server": remote_info,
             "host_b_resets": b_resets}

@@ -38,7 +38,6 @@ import contextlib
 import importlib.metadata
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -48,11 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchlib import (  # noqa: E402
+from benchlib import (
     Daemon,
     cached_fraction,
     drop_tree_from_page_cache,
@@ -64,14 +59,14 @@ from benchlib import (  # noqa: E402
     summarize,
     timed,
 )
-from system_prompt import USER_MESSAGES, build_system_prompt  # noqa: E402
+from system_prompt import USER_MESSAGES, build_system_prompt
 
-from kvcache import blob as blobfmt  # noqa: E402
-from kvcache.client import CacheClient  # noqa: E402
-from kvcache.store import BLOB_SUFFIX  # noqa: E402
-from model_runtime.config import RuntimeConfig  # noqa: E402
-from model_runtime.engine import Completion  # noqa: E402
-from model_runtime.runtime import Runtime, default_model_path  # noqa: E402
+from kvcache import blob as blobfmt
+from kvcache.client import CacheClient
+from kvcache.store import BLOB_SUFFIX
+from model_runtime.config import RuntimeConfig
+from model_runtime.engine import Completion
+from model_runtime.runtime import Runtime, default_model_path
 
 STORY_SUBJECTS = [
     "a dragon who learns to sing", "a lighthouse keeper on a distant planet",

@@ -1,5 +1,5 @@
 """Small helpers shared by the benchmarks in tools/: timing, percentiles, page-cache
-control, machine info, JSON output, and a kvcache daemon run as a child process.
+control, machine info, JSON output, and the benchmarks' settings of procs.Daemon.
 
 Kept free of any import from tests/ (tools must run without the test suite).
 """
@@ -14,22 +14,16 @@ import json
 import mmap
 import os
 import platform
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import grpc
+import procs
 
 from kvcache.index import dir_fsync
-from kvcache.ramtier import tier_dir
-from kvcache.v1 import kvcache_pb2 as pb
-from kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -274,121 +268,16 @@ def emit_json(doc: dict[str, Any], out: Path | None) -> None:
 # -- a daemon in a child process -------------------------------------------------------------
 
 
-_PR_SET_PDEATHSIG = 1
+class Daemon(procs.Daemon):
+    """``kvcache serve`` as the benchmarks run it: WARNING-level logs into ``NAME.log`` in
+    ``log_dir`` (by default beside the data dir), the RAM tier's parent given, a minute to
+    start (a big index is rebuilt at start-up). ``start_seconds`` after ``start()`` is the
+    time from spawning it to its first Stats answer (the start-up a client sees)."""
 
-
-def die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` (Linux): the child gets SIGTERM if the benchmark dies without
-    stopping it. libc and its prctl are looked up here, in the parent: between fork and
-    exec the child makes one plain call (no dlopen or symbol lookup, whose locks another
-    thread of the parent may hold)."""
-    try:
-        prctl = _load_libc().prctl
-    except (OSError, AttributeError):
-        return None
-
-    def preexec() -> None:  # pragma: no cover - runs in the child between fork and exec
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-    return preexec
-
-
-class Daemon:
-    """``python -m kvcache.cli serve`` in a child process, on a short unix socket path.
-
-    ``start()`` returns the seconds from spawning the process to its first successful
-    Stats RPC (the start-up time a client sees).
-    """
+    start_timeout = 60.0
+    stop_timeout = 20.0
 
     def __init__(self, data_dir: Path, ram_parent: Path, *extra_args: str, name: str = "daemon",
                  log_dir: Path | None = None) -> None:
-        self.data_dir = data_dir
-        self.ram_parent = ram_parent  # --ram-dir: the tier is the daemon's own subfolder
-        self.extra_args = list(extra_args)
-        self.name = name
-        # sun_path is 108 bytes: keep the socket in a short directory of its own.
-        self._sock_dir = Path(tempfile.mkdtemp(prefix="kvb", dir="/tmp"))
-        self.socket = self._sock_dir / "kv.sock"
-        self.log_path = (log_dir or data_dir.parent) / f"{name}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def address(self) -> str:
-        return f"unix:{self.socket}"
-
-    @property
-    def ram_dir(self) -> Path:
-        """The RAM tier folder the daemon makes under ``ram_parent``."""
-        return tier_dir(self.data_dir, self.ram_parent)
-
-    def argv(self) -> list[str]:
-        return [sys.executable, "-m", "kvcache.cli", "serve", "--dir", str(self.data_dir),
-                "--socket", str(self.socket), "--ram-dir", str(self.ram_parent),
-                "--min-free-bytes", "0", "--log-level", "WARNING", *self.extra_args]
-
-    def start(self, timeout: float = 60.0) -> float:
-        if self.proc is not None:
-            raise RuntimeError(f"{self.name} is already running")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p))
-        preexec = die_with_parent()
-        with open(self.log_path, "ab") as log_file:
-            t0 = time.perf_counter()
-            self.proc = subprocess.Popen(self.argv(), stdout=log_file, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, cwd=REPO_ROOT, env=env,
-                                         preexec_fn=preexec)
-        self._wait_ready(t0 + timeout)
-        return time.perf_counter() - t0
-
-    def _wait_ready(self, deadline: float) -> None:
-        """Poll for the socket every 2 ms, then one Stats RPC that waits for the channel.
-        Short reconnect backoffs keep the measured time within a few ms of the truth."""
-        while not self.socket.exists():
-            self._check_alive()
-            if time.perf_counter() > deadline:
-                raise RuntimeError(f"{self.name}: no socket before the deadline\n{self.log_tail()}")
-            time.sleep(0.002)
-        options = [("grpc.initial_reconnect_backoff_ms", 5), ("grpc.min_reconnect_backoff_ms", 5),
-                   ("grpc.max_reconnect_backoff_ms", 20)]
-        with grpc.insecure_channel(self.address, options=options) as channel:
-            stub = pb_grpc.KVCacheStub(channel)
-            while True:
-                self._check_alive()
-                left = deadline - time.perf_counter()
-                if left <= 0:
-                    raise RuntimeError(f"{self.name}: no Stats answer in time\n{self.log_tail()}")
-                try:
-                    stub.Stats(pb.StatsRequest(), timeout=min(left, 1.0), wait_for_ready=True)
-                    return
-                except grpc.RpcError:
-                    continue
-
-    def _check_alive(self) -> None:
-        if self.proc is not None and self.proc.poll() is not None:
-            code = self.proc.returncode
-            self.proc = None
-            raise RuntimeError(f"{self.name} exited with {code}:\n{self.log_tail()}")
-
-    def log_tail(self, n_chars: int = 3000) -> str:
-        if not self.log_path.exists():
-            return ""
-        return self.log_path.read_text(errors="replace")[-n_chars:]
-
-    def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM (a clean shutdown), SIGKILL if it does not exit in time."""
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-    def close(self) -> None:
-        """Stop it and remove its socket folder and RAM tier (a tier outlives its daemon
-        on purpose, so nothing else would)."""
-        self.stop()
-        shutil.rmtree(self._sock_dir, ignore_errors=True)
-        shutil.rmtree(self.ram_dir, ignore_errors=True)
+        super().__init__(data_dir, "--log-level", "WARNING", *extra_args, ram_parent=ram_parent,
+                         log_path=(log_dir or data_dir.parent) / f"{name}.log", name=name)

@@ -61,7 +61,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from procs import Proc  # tools/ is on the path: the script's directory, or pytest's pythonpath
+from payloads import payload_for
+from procs import Daemon
 
 from kvcache import blob as blobfmt
 from kvcache import keys
@@ -74,7 +75,7 @@ from kvcache.client import (
     SaveResult,
 )
 from kvcache.config import CHUNK_BYTES
-from kvcache.ramtier import RAM_MARKER, tier_dir
+from kvcache.ramtier import RAM_MARKER
 from kvcache.v1 import kvcache_pb2 as pb
 
 BLOCK = 16
@@ -108,16 +109,15 @@ def payload_size(tokens: list[int]) -> int:
     return rng.randrange(200, 16_000)
 
 
-def payload_for(tokens: list[int], base: int = 0) -> bytes:
+def entry_payload(tokens: list[int], base: int = 0) -> bytes:
     """Size and bytes follow from the tokens (and, for a piece, its base) alone: any
     entry found can be checked."""
-    seed = keys.tokens_to_bytes(tokens) + (f"/{base}".encode() if base else b"")
-    return random.Random(seed).randbytes(payload_size(tokens))
+    return payload_for(tokens, payload_size(tokens), salt=f"/{base}".encode() if base else b"")
 
 
 def saved_payload(meta: blobfmt.BlobMeta) -> bytes:
     """What was saved as the blob of this metadata."""
-    return payload_for(list(meta.tokens), meta.base)
+    return entry_payload(list(meta.tokens), meta.base)
 
 
 def entry_key(identity: Identity, tokens: list[int]) -> bytes:
@@ -266,7 +266,7 @@ class Worker:
     def _save(self, client: CacheClient, identity: Identity, tokens: list[int]) -> SaveResult:
         reason = self.rng.choice(blobfmt.SAVE_REASONS)
         codec = "zstd" if self.rng.random() < 0.1 else "none"  # both codecs' blobs verify
-        result = client.save(identity, tokens, payload_for(tokens), reason, codec=codec)
+        result = client.save(identity, tokens, entry_payload(tokens), reason, codec=codec)
         self.ledger.count(f"saves_{result.status}")
         if result.status == "saved" and result.key != entry_key(identity, tokens):
             self.ledger.problem("wrong_keys", f"commit answered key {result.key.hex()}")
@@ -294,7 +294,7 @@ class Worker:
                                          for _ in range(self.rng.randrange(1, 40))]
         reason = self.rng.choice(blobfmt.SAVE_REASONS)
         try:
-            result = client.save(KEPT, tokens, payload_for(tokens, base), reason,
+            result = client.save(KEPT, tokens, entry_payload(tokens, base), reason,
                                  parent=parent, base=base)
         except CacheError as exc:
             if exc.code is not None and exc.code.name == "NOT_FOUND":
@@ -482,15 +482,14 @@ class CrashHarness:
         # the daemon's own subfolder of a folder made for this run.
         self.ram_parent = (Path(tempfile.mkdtemp(prefix="kvcrash-", dir=shm)) if shm.is_dir()
                            else self.workdir / "ram")
-        self.ram_dir = tier_dir(self.data_dir, self.ram_parent)
         self.socket = self.workdir / "kv.sock"
-        self.address = f"unix:{self.socket}"
-        self.daemon = Proc("kvcache daemon", [
-            sys.executable, "-m", "kvcache.cli", "serve", "--dir", str(self.data_dir),
-            "--socket", str(self.socket), "--ram-dir", str(self.ram_parent),
-            "--block-size", str(BLOCK), "--lease-seconds", str(settings.lease_seconds),
-            "--ram-bytes", "1G", "--disk-bytes", "100G", "--min-free-bytes", "0",
-            "--log-level", "WARNING"], self.workdir / "daemon.log")
+        self.daemon = Daemon(
+            self.data_dir, "--block-size", str(BLOCK), "--lease-seconds",
+            str(settings.lease_seconds), "--ram-bytes", "1G", "--disk-bytes", "100G",
+            "--log-level", "WARNING", ram_parent=self.ram_parent, socket=self.socket,
+            log_path=self.workdir / "daemon.log", name="kvcache daemon")
+        self.ram_dir = self.daemon.ram_dir
+        self.address = self.daemon.address
         self.kills = self.kills_under_load = self.startup_kills = self.restarts = 0
         self.shutdown_kills = self.clean_stops = 0
         self.restart_seconds: list[float] = []
@@ -506,33 +505,22 @@ class CrashHarness:
     # -- the daemon ---------------------------------------------------------------------------
 
     def start_daemon(self, timeout: float = 60.0) -> None:
-        """Start the daemon and wait until it answers. The stale socket of a killed daemon
-        is removed first, so the socket appearing means the new one has bound it."""
+        """Start the daemon and wait until it answers, to the checker's own channel too.
+        The stale socket of a killed daemon is removed first, so the socket appearing
+        means the new one has bound it."""
         t0 = time.monotonic()
         self.socket.unlink(missing_ok=True)
-        self.daemon.start()
-        deadline = t0 + timeout
-        while not self.socket.exists():
-            self.daemon.check_alive()
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the daemon did not bind {self.socket} in {timeout} s")
-            time.sleep(0.005)
-        while True:
-            self.daemon.check_alive()
-            try:
-                self.fast.wait_ready(timeout=max(0.1, deadline - time.monotonic()))
-                self.fast.stats()
-                break
-            except CacheError as exc:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the daemon did not answer in {timeout} s: {exc}") from None
-                time.sleep(0.01)
+        self.daemon.start(timeout)
+        try:
+            self.fast.wait_ready(timeout=max(0.1, t0 + timeout - time.monotonic()))
+        except CacheError as exc:
+            raise RuntimeError(f"the daemon did not answer in {timeout} s: {exc}") from None
         self.restart_seconds.append(time.monotonic() - t0)
 
     def kill_during_startup(self) -> None:
         """Kill a daemon that is still importing, sweeping or reconciling."""
         self.socket.unlink(missing_ok=True)
-        self.daemon.start()
+        self.daemon.spawn()
         time.sleep(self.rng.uniform(0.1, 0.5))
         self.daemon.kill()
         self.kills += 1
@@ -784,12 +772,12 @@ class CrashHarness:
             # A clean stop after all that leaves nothing behind either. The final check
             # then runs on a fresh start: on the same daemon, RAM copies scheduled by the
             # last check's loads were still being made while it compared index and files.
-            self.daemon.stop()
+            self.daemon.stop(timeout=60)
             for path in self.orphans():
                 self.ledger.problem("orphans_found", f"after a clean stop: {path}")
             self.start_daemon()
             self.check(final=True)
-            self.daemon.stop()
+            self.daemon.stop(timeout=60)
         except RuntimeError as exc:  # the daemon did not come back: the worst outcome
             kill_phase = kill_phase or time.monotonic() - t0
             self.ledger.problem("restart_failures", str(exc)[-2000:])

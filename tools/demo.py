@@ -14,13 +14,10 @@ import argparse
 import json
 import shutil
 import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from procs import Stack, short_workdir  # noqa: E402
-from system_prompt import USER_MESSAGES, build_system_prompt  # noqa: E402
+from procs import Stack, short_workdir
+from system_prompt import USER_MESSAGES, build_system_prompt
 
 
 def run(model: str | None, threads: int, n_requests: int, max_tokens: int,

@@ -23,14 +23,13 @@ import json
 import os
 import re
 import socket
-import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchlib import die_with_parent
+from procs import Proc
 
 SDIST_VERSION = "0.3.36"
 # The build script's output (tools/build_llama_server.sh, LLAMA_SERVER_DIR overrides the root).
@@ -71,14 +70,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class LlamaServer:
-    """A ``llama-server`` child process; ``start()`` waits for ``/health``, ``stop()``
-    terminates it (SIGKILL after a grace period). Use as a context manager so it is never
-    left running."""
+class LlamaServer(Proc):
+    """A ``llama-server`` child process (tools/procs.py); ``start()`` waits for ``/health``,
+    ``stop()`` terminates it (SIGKILL after a grace period). Use as a context manager so it
+    is never left running."""
+
+    start_timeout = 120.0
+    stop_timeout = 20.0
 
     def __init__(self, binary: Path, model: Path, *, threads: int, n_ctx: int,
                  log_path: Path, parallel: int = 1, n_batch: int = 512,
                  extra_args: Sequence[str] = ()) -> None:
+        super().__init__("llama-server", [], log_path)
         self.binary = binary
         self.model = model
         self.threads = threads
@@ -86,10 +89,7 @@ class LlamaServer:
         self.parallel = parallel
         self.n_batch = n_batch
         self.extra_args = list(extra_args)
-        self.log_path = log_path
         self.port = 0
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log_offset = 0
 
     def argv(self) -> list[str]:
         # Batch sizes and flash attention match model_runtime's context (n_batch = n_ubatch
@@ -101,63 +101,22 @@ class LlamaServer:
                 "--ubatch-size", str(self.n_batch), "--flash-attn", "off",
                 "--log-verbosity", "4", *self.extra_args]
 
-    def start(self, timeout: float = 120.0) -> float:
-        """Spawn and wait until ``/health`` answers 200; the seconds that took."""
-        if self.proc is not None:
+    def start(self, timeout: float | None = None) -> LlamaServer:
+        """Spawn it on a free port and wait until ``/health`` answers 200."""
+        if self.running:
             raise LlamaServerError("llama-server is already running")
         if not self.binary.is_file():
             raise LlamaServerError(f"llama-server binary not found: {self.binary}")
         self.port = free_port()
-        preexec = die_with_parent()
-        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        with open(self.log_path, "ab") as log:
-            t0 = time.perf_counter()
-            self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, preexec_fn=preexec)
-        try:
-            self._wait_healthy(t0 + timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return time.perf_counter() - t0
+        return super().start(timeout)
 
-    def _wait_healthy(self, deadline: float) -> None:
-        while True:
-            self._check_alive()
+    def wait_ready(self, deadline: float) -> None:
+        def healthy() -> bool:
             with contextlib.suppress(OSError, http.client.HTTPException):
-                status, _ = self._get("/health", timeout=2.0)
-                if status == 200:
-                    return
-            if time.perf_counter() > deadline:
-                raise LlamaServerError(f"llama-server not healthy in time\n{self.log_tail()}")
-            time.sleep(0.1)
+                return self._get("/health", timeout=2.0)[0] == 200
+            return False
 
-    def _check_alive(self) -> None:
-        if self.proc is None:
-            raise LlamaServerError("llama-server is not running")
-        if self.proc.poll() is not None:
-            code = self.proc.returncode
-            self.proc = None
-            raise LlamaServerError(f"llama-server exited with {code}\n{self.log_tail()}")
-
-    def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM, then SIGKILL if it has not exited within ``timeout``; always reaped."""
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-    def __enter__(self) -> LlamaServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        self.poll_until(healthy, deadline, "not healthy", interval=0.1)
 
     # -- HTTP ------------------------------------------------------------------------------
 
@@ -203,7 +162,7 @@ class LlamaServer:
     def complete(self, prompt: str | Sequence[int], n_predict: int,
                  timeout: float = 900.0) -> ServerReply:
         """One streamed, greedy ``/completion`` with prompt caching on."""
-        self._check_alive()
+        self.check_alive()
         payload = {"prompt": prompt if isinstance(prompt, str) else [int(t) for t in prompt],
                    "n_predict": n_predict, "temperature": 0.0, "cache_prompt": True,
                    "stream": True, "return_tokens": True}
@@ -257,14 +216,7 @@ class LlamaServer:
 
     def log_text(self) -> str:
         """This run's part of the log (the file is appended to across restarts)."""
-        if not self.log_path.exists():
-            return ""
-        with open(self.log_path, "rb") as f:
-            f.seek(self._log_offset)
-            return f.read().decode(errors="replace")
-
-    def log_tail(self, n_chars: int = 3000) -> str:
-        return self.log_text()[-n_chars:]
+        return self.log(this_run=True)
 
     def prompt_cache_state(self) -> dict[str, Any]:
         """The RAM prompt cache (``--cache-ram``) as last logged: states held and MiB."""

@@ -20,9 +20,8 @@ f32; the same arguments always give a byte-identical file.  The output projectio
 large scale on purpose: it spreads the logits so that greedy argmax is not decided by
 float rounding (restored vs. cold prefill must give the same greedy tokens).
 
-Importing from tests: ``tools/`` is not a package.  Tests load this file by path::
+Importing from tests: ``tools/`` is on pytest's ``pythonpath`` (pyproject.toml)::
 
-    sys.path.insert(0, str(REPO / "tools"))
     from make_tiny_gguf import write_tiny_llama_gguf
 
 :func:`write_tiny_swa_gguf` writes the same thing as a sliding-window model (architecture
