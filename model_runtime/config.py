@@ -1,7 +1,7 @@
 """Runtime settings with their documented defaults, and the ranges they must lie in.
 
 The ranges are checked here, when a :class:`RuntimeConfig` is made, so every entry point
-(the command line, the Python API, ``kvcache warm``) refuses a bad setting with the same
+(the command line, the Python API, ``model-runtime warm``) refuses a bad setting with the same
 message before any model is loaded. llama.cpp itself would abort, hang or fail with no
 reason given on several of them.
 """

@@ -2,21 +2,25 @@
 RPC and Prometheus endpoint report (zeros included) and whose help texts become the
 metrics' HELP lines.
 
-Names are counted as literals or f-strings in engine.py and saver.py;
+Names are counted as literals or f-strings in the engine, executor, resolver, save_points
+and saver modules;
 tests/test_counters.py checks that every name used is declared here (and every declared
 name is used) and provokes each one with a real runtime and a real daemon.
 """
 
 from __future__ import annotations
 
-# engine.HIT_* (kept literal so this module stays import-light; a test compares them).
-HIT_KINDS = ("exact", "partial", "cold", "sticky")
-RESTORED_KINDS = ("exact", "partial")  # sticky reuses a live sequence, cold restores nothing
-# The save points the engine takes (kvcache's "manual" is for tools, not the runtime).
-SAVE_REASONS = ("cold", "continued", "finish", "evict", "shutdown")
+from kvcache.common import (
+    HIT_EXACT,
+    HIT_KINDS,
+    HIT_PARTIAL,
+    RESTORE_TIERS,
+    RUNTIME_SAVE_REASONS,
+)
+
+RESTORED_KINDS = (HIT_EXACT, HIT_PARTIAL)  # sticky reuses a live sequence, cold restores nothing
 SKIP_STATUSES = ("already_present", "in_flight")  # CacheClient.save's non-saved results
 KEY_SOURCES = ("parent", "session")  # candidates tried before the longest-prefix lookup
-TIERS = ("ram", "disk", "remote")
 
 COUNTERS: dict[str, str] = {
     # requests
@@ -33,10 +37,8 @@ COUNTERS: dict[str, str] = {
     **{f"{source}_key_unusable": f"{source.capitalize()} keys that could not be loaded or "
                                  "did not fit the prompt" for source in KEY_SOURCES},
     **{f"restored_from_{tier}": f"Longest-prefix hits loaded from the daemon's {tier} tier"
-       for tier in TIERS},
+       for tier in RESTORE_TIERS},
     "restored_from_cache": "Longest-prefix hits loaded without the daemon naming a tier",
-    **{f"restores_{kind}": f"States restored into a sequence for {kind} hits"
-       for kind in RESTORED_KINDS},
     "live_reuses": "Requests served in place by an idle sequence's live KV (tier live, "
                    "no restore)",
     "restore_failed": "States llama.cpp rejected on restore (the request went cold)",
@@ -47,9 +49,9 @@ COUNTERS: dict[str, str] = {
     "cache_errors": "Cache calls the daemon answered with an error (the request went cold)",
     # saves
     **{f"saves_queued_{reason}": f"{reason.capitalize()} saves queued for the daemon"
-       for reason in SAVE_REASONS},
+       for reason in RUNTIME_SAVE_REASONS},
     **{f"saves_{reason}": f"{reason.capitalize()} saves the daemon published"
-       for reason in SAVE_REASONS},
+       for reason in RUNTIME_SAVE_REASONS},
     "tokens_saved": "Tokens in the states the daemon published",
     "tokens_stored": "Tokens whose cells those saves sent: a piece's own, after the prefix "
                      "the daemon already held",

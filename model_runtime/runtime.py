@@ -20,21 +20,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvcache import keys
 from kvcache.client import CacheClient
+from kvcache.common import TIER_LIVE
 from kvcache.metrics import LatencySummary, LatencyWindows, Metrics
 
 from .config import RuntimeConfig, SettingError
 from .counters import COUNTERS
-from .engine import (
-    TIER_LIVE,
-    Completion,
-    Engine,
-    Request,
-    RuntimeError_,
-    TokenEvent,
-    common_prefix,
-)
+from .engine import Engine
 from .identity import runtime_identity
 from .llama_backend import ContextParams, LlamaContext, LlamaModel
+from .request import Completion, Phase, Request, RequestError, TokenEvent, common_prefix
 from .sampling import SamplingParams
 
 Message = dict[str, str]
@@ -182,11 +176,11 @@ class Runtime:
                  prefix_tokens: int) -> tuple[list[int], int]:
         given = sum(x is not None for x in (prompt, tokens, messages))
         if given != 1:
-            raise RuntimeError_("invalid_argument",
-                                "give exactly one of prompt, tokens or messages")
+            raise RequestError("invalid_argument",
+                               "give exactly one of prompt, tokens or messages")
         if messages is not None:
             if not messages:
-                raise RuntimeError_("invalid_argument", "messages is empty")
+                raise RequestError("invalid_argument", "messages is empty")
             return self.render_chat(messages)
         if prompt is not None and system is not None:
             chat = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
@@ -197,7 +191,7 @@ class Runtime:
         toks = [int(t) for t in tokens]
         bad = [t for t in toks if not 0 <= t < self.model.n_vocab]
         if bad:
-            raise RuntimeError_("invalid_argument", f"token ids out of range: {bad[:5]}")
+            raise RequestError("invalid_argument", f"token ids out of range: {bad[:5]}")
         return toks, prefix_tokens
 
     # -- completion -------------------------------------------------------------------------
@@ -237,7 +231,7 @@ class Runtime:
                 if isinstance(event, Completion):
                     return
         finally:
-            if req.phase != "done":
+            if req.phase is not Phase.DONE:
                 self.engine.cancel(req)
 
     # -- lifecycle --------------------------------------------------------------------------

@@ -1,7 +1,12 @@
-"""Per-request sampling over one logits row: pure functions of (logits, settings, rng)."""
+"""Per-request sampling and text: a token from one logits row (a pure function of
+logits, settings and rng), and the generated text as it streams out, cut at the first
+stop string. Run on the model thread, one request at a time.
+"""
 
 from __future__ import annotations
 
+import codecs
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,7 +61,62 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     return int(rng.choice(probs.size, p=probs))
 
 
-def find_stop(text: str, stops: tuple[str, ...]) -> int:
-    """Index where the earliest stop string starts in ``text``, or -1."""
-    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    return min(hits) if hits else -1
+class StopScanner:
+    """Finds the earliest stop string in a text that only grows, scanning each character
+    a bounded number of times: per call, the new text and the last ``hold`` characters
+    before it (where a stop string split across tokens starts). Empty stop strings never
+    match."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        #: Characters at the end of the text that may still begin a stop string.
+        self.hold = max((len(s) - 1 for s in self.stops), default=0)
+        self._clean = 0  # text[:_clean] holds no stop string
+
+    def find(self, text: str) -> int:
+        """Index where the earliest stop string starts in ``text`` (the text of the
+        previous call with more appended), or -1."""
+        start = max(0, self._clean - self.hold)
+        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+        if hits:
+            return min(hits)
+        self._clean = len(text)
+        return -1
+
+
+class TextStream:
+    """A request's generated text as it is streamed: token bytes in, text out.
+
+    An incomplete UTF-8 sequence waits in the decoder for its next bytes; invalid bytes
+    become U+FFFD, as in the final text. Text that could still be the start of a stop
+    string is held back until it is known not to be, and a stop string ends the text
+    before it. The pieces handed out always add up to the final text (see close)."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.text = ""
+        self.emitted = 0  # characters of text handed out so far
+        self.stopped = False  # a stop string ended the text
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stops = StopScanner(stops)
+
+    def add(self, piece: bytes) -> tuple[str, bool]:
+        """Append one token's bytes. Returns the text that may be streamed now, and
+        whether a stop string ended the text (it then ends where the stop string began)."""
+        self.text += self._decoder.decode(piece)
+        at = self._stops.find(self.text)
+        if at >= 0:
+            self.text, self.stopped = self.text[:at], True
+            return self._take(self.text), True
+        return self._take(self.text[: max(self.emitted, len(self.text) - self._stops.hold)]), False
+
+    def close(self) -> tuple[str, str]:
+        """The final text, and its end not streamed yet (held back, or bytes still in the
+        decoder; "" when nothing is left)."""
+        if not self.stopped:
+            self.text += self._decoder.decode(b"", final=True)
+        return self.text, self._take(self.text)
+
+    def _take(self, upto: str) -> str:
+        piece = upto[self.emitted :]
+        self.emitted = max(self.emitted, len(upto))
+        return piece

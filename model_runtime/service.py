@@ -13,10 +13,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from kvcache.auth import ServerAuth, add_tcp_port, refuse_unprotected_tcp, tcp_security
-from kvcache.server import details, grpc_server
+from kvcache.common import details, grpc_server
 from kvcache.unix_socket import OwnedSocket
 
-from .engine import Completion, RuntimeError_, TokenEvent
+from .request import Completion, RequestError, TokenEvent
 from .runtime import Runtime
 from .v1 import runtime_pb2 as pb
 from .v1 import runtime_pb2_grpc as pb_grpc
@@ -91,7 +91,7 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
                     yield pb.CompleteEvent(done=completion_message(event))
         # Messages are cut (details): one echoing a long field did not fit gRPC's 16 KiB
         # of metadata, and the refusal arrived as RESOURCE_EXHAUSTED.
-        except RuntimeError_ as exc:
+        except RequestError as exc:
             context.abort(ERROR_CODES.get(exc.code, grpc.StatusCode.UNKNOWN),
                           details(RuntimeError(f"{exc.code}: {exc}")))
         except ValueError as exc:

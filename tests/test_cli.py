@@ -1,8 +1,10 @@
-"""The ``kvcache`` operator commands, run as real processes against a real daemon.
+"""The ``kvcache`` operator commands, run as real processes against a real daemon, and the
+cache commands that need a model (``model-runtime warm``, ``model-runtime inspect``).
 
 Every command is run against a live daemon (and once against none), including ``prune``
 while writers on both client paths keep saving. Commands that only read are started
-together: each is a Python process start, and they spend it waiting on imports.
+together: each is a Python process start, and they spend it waiting on imports. The old
+spellings ``kvcache warm`` and ``kvcache inspect --model`` run the model-runtime commands.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 from click.testing import CliRunner
 from daemon_proc import wait_for
+from test_auth import tcp_address, write_token
 from test_daemon import (
     BLOCK,
     IDENT,
@@ -32,6 +36,7 @@ from test_daemon import (
 )
 
 from kvcache import blob as blobfmt
+from kvcache import cli as kvcache_cli
 from kvcache.cli import main as kvcache_main
 from kvcache.client import CacheError, Identity
 from kvcache.counters import COUNTERS
@@ -46,10 +51,20 @@ TENANT = Identity(IDENT.model_fingerprint, IDENT.kv_layout, tenant="t1",
                   model_name=IDENT.model_name)
 
 
+RUNTIME = "model-runtime"  # a command starting with this word is model-runtime's
+
+
+def command_line(args: Sequence[str]) -> list[str]:
+    """``("stats", ...)``: a kvcache command; ``("model-runtime", "warm", ...)``: that one."""
+    if args[0] == RUNTIME:
+        return [sys.executable, "-m", "model_runtime.cli", *args[1:]]
+    return [sys.executable, "-m", "kvcache.cli", *args]
+
+
 def cli_many(*commands: Sequence[str], timeout: float = 120) -> list[subprocess.CompletedProcess[str]]:
-    """Run ``kvcache`` commands side by side; results in order. Their stdin is not a
-    terminal, as in a script: destructive commands do not ask first."""
-    procs = [subprocess.Popen([sys.executable, "-m", "kvcache.cli", *args], env=ENV, text=True,
+    """Run commands side by side; results in order. Their stdin is not a terminal, as in
+    a script: destructive commands do not ask first."""
+    procs = [subprocess.Popen(command_line(args), env=ENV, text=True,
                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE)
              for args in commands]
@@ -65,7 +80,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def ok(result: subprocess.CompletedProcess[str]) -> str:
-    assert result.returncode == 0, f"kvcache {' '.join(result.args)} failed " \
+    assert result.returncode == 0, f"{' '.join(command_line(result.args))} failed " \
         f"({result.returncode}):\n{result.stdout}{result.stderr}"
     return result.stdout
 
@@ -92,8 +107,8 @@ def test_every_command_against_a_real_daemon(daemon_factory: DaemonFactory, tiny
         expected_first_text = m.detokenize(text_tokens[:32])
     # a..g: different models, tenants, reasons, sizes, lengths and ages.
     t = {n: toks(200 + i, 20 + 5 * i) for i, n in enumerate("abcdefg")}
-    t["f"] = text_tokens  # real tokens of the tiny model, for `inspect --model`
-    # `inspect --model` decodes only with the model the entry was saved with.
+    t["f"] = text_tokens  # real tokens of the tiny model, for `model-runtime inspect`
+    # `model-runtime inspect` decodes only with the model the entry was saved with.
     tiny = Identity(hash_file(tiny_model), IDENT.kv_layout, model_name=IDENT.model_name)
     k = {
         "a": c.save(IDENT, t["a"], payload_for(t["a"], 1000), "cold").key,
@@ -195,7 +210,7 @@ def test_every_command_against_a_real_daemon(daemon_factory: DaemonFactory, tiny
     # inspect: JSON, decoded through the model, as a table, and an unknown key.
     detail, decoded, shown, unknown, malformed = cli_many(
         ("inspect", h["a"], *a, "--json"),
-        ("inspect", h["f"], *a, "--json", "--model", str(tiny_model)),
+        (RUNTIME, "inspect", h["f"], *a, "--json", "--model", str(tiny_model)),
         ("inspect", h["e"], *a, "--tenant", "t1"),
         ("inspect", "ab" * 16, *a),
         ("inspect", "not-a-key", *a))
@@ -285,10 +300,11 @@ def test_every_command_against_a_real_daemon(daemon_factory: DaemonFactory, tiny
     assert len(os.listdir(d.data_dir / "quarantine")) == 1
     assert ok(cli("verify", *a)).strip().endswith("1 checked, 0 bad")
 
-    # warm: prefill a system prompt with the tiny model and save it (pinned the 2nd time).
+    # model-runtime warm: prefill a system prompt with the tiny model and save it (pinned
+    # the 2nd time).
     system = tmp_path / "system.txt"
     system.write_text("You are a terse assistant. " * 20)
-    warm = ("warm", *a, "--model", str(tiny_model), "--system-file", str(system),
+    warm = (RUNTIME, "warm", *a, "--model", str(tiny_model), "--system-file", str(system),
             "--threads", "1", "--n-ctx", "1024")
     first = cli_json(*warm)
     assert first["tokens"] > 100 and first["hit_kind"] == "cold" and not first["pinned"]
@@ -308,12 +324,95 @@ def test_every_command_against_a_missing_daemon_names_the_address(tmp_path: Path
     key = "ab" * 16
     commands = [("stats",), ("stats", "--json"), ("ls",), ("inspect", key), ("verify",),
                 ("prune", "--older-than", "1d"), ("evict", key), ("pin", key), ("unpin", key),
-                ("warm", "--model", str(tiny_model), "--system-file", str(system))]
+                (RUNTIME, "warm", "--model", str(tiny_model), "--system-file", str(system)),
+                (RUNTIME, "inspect", key, "--model", str(tiny_model))]
     results = cli_many(*[(*cmd, "-a", address) for cmd in commands])
     for cmd, out in zip(commands, results, strict=True):
         assert out.returncode == 1, (cmd, out)
         assert f"no kvcache daemon at {address}" in out.stderr, (cmd, out.stderr)
         assert "Traceback" not in out.stderr
+
+
+# --------------------------------------------------------------------------- old spellings
+# `kvcache warm` and `kvcache inspect --model` run the model-runtime commands in their place
+# (kvcache never loads a model itself: tests/test_layering.py).
+
+
+def moved_note(old: str, new: str) -> str:
+    return f"note: `kvcache {old}` is now `model-runtime {new}`; running that"
+
+
+def test_kvcache_warm_runs_model_runtime_warm(daemon_factory: DaemonFactory, tiny_model: Path,
+                                              tmp_path: Path) -> None:
+    d = daemon_factory()
+    system = tmp_path / "system.txt"
+    system.write_text("You are a terse assistant. " * 20)
+    args = ("-a", d.address, "--model", str(tiny_model), "--system-file", str(system),
+            "--threads", "1", "--n-ctx", "1024")
+    old = cli("warm", *args, "--json", "--pin")
+    saved = json.loads(ok(old))
+    assert old.stderr.strip() == moved_note("warm", "warm"), old.stderr
+    assert saved["tokens"] > 100 and saved["pinned"] and saved["hit_kind"] == "cold"
+    with d.client() as c:
+        (entry,) = c.list_entries()
+    assert entry.key.hex() == saved["key"] and entry.pinned
+    # The same command: model-runtime warm finds the state the old spelling saved.
+    again, refused, usage = cli_many((RUNTIME, "warm", *args), ("warm", *args, "--threads", "0"),
+                                     ("warm", "--help"))
+    assert ok(again).startswith(f"already warm: {saved['key']}")
+    # Its refusals and exit codes come through as they are.
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "--threads" in refused.stderr.splitlines()[-1], refused.stderr
+    assert ok(usage).startswith("Usage: model-runtime warm [OPTIONS]"), usage.stdout
+
+
+def test_kvcache_inspect_with_a_model_runs_model_runtime_inspect(
+        daemon_factory: DaemonFactory, tiny_model: Path, tmp_path: Path) -> None:
+    """Over TCP with a token and a tenant: every option reaches model-runtime inspect."""
+    token = write_token(tmp_path / "token")
+    d = daemon_factory("--listen", "127.0.0.1:0", "--token-file", str(token), "--tcp-admin")
+    with LlamaModel(tiny_model) as m:
+        tokens = m.tokenize("the cat sat on the mat with a hat, " * 3)
+        first_text = m.detokenize(tokens[:4])
+    tiny = Identity(hash_file(tiny_model), IDENT.kv_layout, tenant="t1",
+                    model_name=tiny_model.name)
+    with d.client() as c:
+        key = c.save(tiny, tokens, payload_for(tokens, 1000), "cold").key
+    args = (key.hex()[:8], "--address", tcp_address(d), "--token-file", str(token),
+            "--tenant", "t1", "--tokens", "4", "--model", str(tiny_model))
+    old, new, old_text, other_tenant, no_token = cli_many(
+        ("inspect", *args, "--json"), (RUNTIME, "inspect", *args, "--json"),
+        ("inspect", *args), ("inspect", *args, "--tenant", "t2"),
+        ("inspect", key.hex(), "--address", tcp_address(d), "--model", str(tiny_model)))
+    shown = json.loads(ok(old))
+    assert old.stderr.strip() == moved_note("inspect --model", "inspect"), old.stderr
+    assert shown["key"] == key.hex() and shown["tenant_id"]  # the salt's id, not the salt
+    assert shown["first_tokens"] == tokens[:4] and shown["first_text"] == first_text
+    same = json.loads(ok(new))
+    assert {k: v for k, v in shown.items() if k != "age_seconds"} == \
+        {k: v for k, v in same.items() if k != "age_seconds"}
+    assert "first text: " + json.dumps(first_text) in ok(old_text)
+    assert other_tenant.returncode == 1 and "Traceback" not in other_tenant.stderr
+    assert no_token.returncode == 1 and "token" in no_token.stderr.lower(), no_token.stderr
+
+
+@pytest.mark.parametrize("args, old, new", [
+    (("warm", "--system-file", "system.txt"), "warm", "warm"),
+    (("inspect", "ab" * 16, "--model", "model.gguf"), "inspect --model", "inspect"),
+])
+def test_an_old_spelling_names_its_new_command_when_model_runtime_is_missing(
+        args: tuple[str, ...], old: str, new: str, monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    for name in ("system.txt", "model.gguf"):
+        (tmp_path / name).write_text("x")
+    monkeypatch.chdir(tmp_path)
+    # In-process, and with a name found nowhere: the command cannot run in its place.
+    monkeypatch.setattr(kvcache_cli, "RUNTIME_SCRIPT", "model-runtime-missing")
+    result = CliRunner().invoke(kvcache_main, list(args))
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith(
+        f"Error: `kvcache {old}` is now `model-runtime-missing {new}`, and no "
+        "model-runtime-missing command was found (in "), result.output
 
 
 # --------------------------------------------------------------------------- prune under load

@@ -1,13 +1,14 @@
-"""The ``kvcache`` operator commands as operators meet them: real daemon processes, the
-real command line, piped and on a real terminal (a pseudo-terminal of a set width).
+"""The ``kvcache`` operator commands, and the ``model-runtime`` ones that need a model
+(``warm``, ``inspect``), as operators meet them: real daemon processes, the real command
+line, piped and on a real terminal (a pseudo-terminal of a set width).
 
 Each test provokes one rule: prune filters narrow every byte target and the RAM target
 only drops copies; destructive commands ask first on a terminal and only there; keys are
 never cut and any unique prefix names an entry; stats is a short summary with details on
-request; inspect speaks in dates, words and the entry's own model; verify can check
-without moving anything; messages are plain sentences without gRPC's own log lines;
-numbers are checked before they reach the wire; warm refuses bad input in one line; long
-commands show progress only on a terminal.
+request; inspect speaks in dates, words and (model-runtime inspect) the entry's own model;
+verify can check without moving anything; messages are plain sentences without gRPC's
+own log lines; numbers are checked before they reach the wire; model-runtime warm refuses
+bad input in one line; long commands show progress only on a terminal.
 """
 
 from __future__ import annotations
@@ -54,10 +55,20 @@ def env(tmp_path: Path) -> dict[str, str]:
     return {**base, "XDG_CACHE_HOME": str(tmp_path / "xdg-cache")}
 
 
+RUNTIME = "model-runtime"  # a command starting with this word is model-runtime's
+
+
+def command_line(args: Sequence[str]) -> list[str]:
+    """``("stats", ...)``: a kvcache command; ``("model-runtime", "warm", ...)``: that one."""
+    if args[0] == RUNTIME:
+        return [sys.executable, "-m", "model_runtime.cli", *args[1:]]
+    return [sys.executable, "-m", "kvcache.cli", *args]
+
+
 def cli_many(env: dict[str, str], *commands: Sequence[str], timeout: float = 120
              ) -> list[subprocess.CompletedProcess[str]]:
-    """Run ``kvcache`` commands side by side, stdin not a terminal; results in order."""
-    procs = [subprocess.Popen([sys.executable, "-m", "kvcache.cli", *args], env=env, text=True,
+    """Run commands side by side, stdin not a terminal; results in order."""
+    procs = [subprocess.Popen(command_line(args), env=env, text=True,
                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE)
              for args in commands]
@@ -79,7 +90,7 @@ def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def ok(result: subprocess.CompletedProcess[str]) -> str:
-    assert result.returncode == 0, f"kvcache {' '.join(result.args)} failed " \
+    assert result.returncode == 0, f"{' '.join(command_line(result.args))} failed " \
         f"({result.returncode}):\n{result.stdout}{result.stderr}"
     return result.stdout
 
@@ -434,9 +445,10 @@ def test_inspect_speaks_in_dates_and_words_and_checks_the_model(
     human, every, every_json, decoded, wrong, *bad = cli_many(
         env, ("inspect", k.hex(), *a), ("inspect", k.hex(), "--tokens", "0", *a),
         ("inspect", k.hex(), "--tokens", "0", "--json", *a),
-        ("inspect", k.hex(), "--tokens", "0", "--json", "--model", str(tiny_model), *a),
-        ("inspect", other.hex(), "--model", str(tiny_model), *a),
-        *[("inspect", claims[name].hex(), "--model", str(path), *a)
+        (RUNTIME, "inspect", k.hex(), "--tokens", "0", "--json", "--model", str(tiny_model),
+         *a),
+        (RUNTIME, "inspect", other.hex(), "--model", str(tiny_model), *a),
+        *[(RUNTIME, "inspect", claims[name].hex(), "--model", str(path), *a)
           for name, path in bad_files.items()])
     shown = ok(human)
     assert "tiers: disk, ram" in shown and "pinned: no" in shown, shown
@@ -608,7 +620,7 @@ def test_warm_refuses_bad_input_in_one_line(daemon: DaemonProcess, env: dict[str
     cut_gguf = tmp_path / "cut.gguf"
     cut_gguf.write_bytes(tiny_model.read_bytes()[:100_000])
     model = ("--model", str(tiny_model))
-    warm = ("warm", *a, "--threads", "1")
+    warm = (RUNTIME, "warm", *a, "--threads", "1")
     cases = {
         ("--system-file", str(latin1), *model): ("--system-file", "not UTF-8", "0xea at offset 5"),
         ("--system-file", str(long_prompt), *model, "--n-ctx", "256"):

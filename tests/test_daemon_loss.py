@@ -23,7 +23,7 @@ from daemon_proc import DaemonProcess
 
 from kvcache.client import CacheClient
 from model_runtime.config import RuntimeConfig
-from model_runtime.engine import Completion
+from model_runtime.request import Completion
 from model_runtime.runtime import Runtime
 
 CONFIG = RuntimeConfig(n_ctx=1024, n_batch=256, n_seq_max=2, n_threads=1, prefill_chunk=128,
@@ -31,7 +31,7 @@ CONFIG = RuntimeConfig(n_ctx=1024, n_batch=256, n_seq_max=2, n_threads=1, prefil
                        cache_timeout_s=1.0, shutdown_deadline_s=10.0,
                        reuse_live=False)  # these tests follow the daemon path
 T = CONFIG.cache_timeout_s
-# The most cache I/O one request can wait for (engine._find_state): the block size (a
+# The most cache I/O one request can wait for (Resolver.find_state): the block size (a
 # Stats call, once), then up to two rounds of lookup (T) + load (4 T).
 RESOLVE_WORST_S = T + 2 * (T + 4 * T)
 WORKERS = 3  # on CONFIG.n_seq_max = 2 sequences: requests also queue for a sequence

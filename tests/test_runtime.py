@@ -32,7 +32,7 @@ from daemon_proc import DaemonProcess, wait_for
 from kvcache.client import CacheClient
 from model_runtime.config import RuntimeConfig
 from model_runtime.counters import COUNTERS
-from model_runtime.engine import Completion, RuntimeError_, TokenEvent, common_prefix
+from model_runtime.request import Completion, RequestError, TokenEvent, common_prefix
 from model_runtime.runtime import Runtime
 
 CONFIG = RuntimeConfig(n_ctx=1024, n_batch=256, n_seq_max=2, n_threads=1, prefill_chunk=128,
@@ -417,7 +417,7 @@ def test_close_saves_live_sequences_as_shutdown_and_a_new_runtime_restores_them(
 def test_requests_after_close_are_refused(make_runtime: Callable[..., Runtime]) -> None:
     rt = make_runtime()
     rt.engine.close()
-    with pytest.raises(RuntimeError_) as err:
+    with pytest.raises(RequestError) as err:
         rt.complete(tokens=[1, 5, 6, 7], max_tokens=2)
     assert err.value.code == "unavailable"
 
@@ -449,7 +449,7 @@ def test_close_fails_waiting_requests_without_evicting_a_session_for_them(
     rt.close()
     for running in (in_session, other):
         assert list(running)[-1].finish_reason == "shutdown"  # type: ignore[call-overload]
-    with pytest.raises(RuntimeError_) as err:
+    with pytest.raises(RequestError) as err:
         list(waiting)  # type: ignore[call-overload]
     assert err.value.code == "unavailable"
     stats = rt.stats()
@@ -491,10 +491,10 @@ def test_a_dropped_save_is_not_reported_nor_taken_as_saved(
 def test_session_keys_are_kept_for_the_most_recent_sessions_only(
         make_runtime: Callable[..., Runtime]) -> None:
     rt = make_runtime(n_seq_max=4)
-    rt.engine.max_session_keys = 2
+    rt.engine.save_points.max_session_keys = 2
     for session in ("a", "b", "c"):
         assert rt.complete(tokens=prompt(rt, 20), max_tokens=2, session_id=session).finish_key
-    assert list(rt.engine.session_last_key) == ["b", "c"]
+    assert list(rt.engine.save_points.session_last_key) == ["b", "c"]
 
 
 def test_engine_stats_report_every_declared_counter(plain: Runtime) -> None:
@@ -634,7 +634,7 @@ def test_sticky_busy(make_runtime: Callable[..., Runtime], tiny_model_no_eog: Pa
     running = rt.complete(tokens=prompt(rt, 30), max_tokens=2000, session_id="s",
                           stream=True)
     assert isinstance(next(running), TokenEvent)  # type: ignore[call-overload]
-    with pytest.raises(RuntimeError_) as err:
+    with pytest.raises(RequestError) as err:
         rt.complete(tokens=prompt(rt, 30), max_tokens=2, session_id="s")
     assert err.value.code == "sticky_busy"
     # Other sessions are unaffected; the busy one is free again once its request ends.
@@ -649,10 +649,10 @@ def test_prompt_longer_than_context_is_refused_and_serving_goes_on(
         make_runtime: Callable[..., Runtime]) -> None:
     rt = make_runtime(cache=None)
     too_long = prompt(rt, rt.ctx.n_ctx + 10)
-    with pytest.raises(RuntimeError_) as err:
+    with pytest.raises(RequestError) as err:
         rt.complete(tokens=too_long, max_tokens=4)
     assert err.value.code == "prompt_too_long"
-    with pytest.raises(RuntimeError_) as err:
+    with pytest.raises(RequestError) as err:
         rt.complete(tokens=too_long[: rt.ctx.n_ctx], max_tokens=4)  # no room for a token
     assert err.value.code == "prompt_too_long"
     # The longest prompt that fits generates exactly one token (the context is full).
@@ -671,7 +671,7 @@ def test_prompt_longer_than_context_is_refused_and_serving_goes_on(
 def test_invalid_requests_are_refused(make_runtime: Callable[..., Runtime],
                                       bad: dict[str, Any]) -> None:
     rt = make_runtime(cache=None)
-    with pytest.raises(RuntimeError_) as err:
+    with pytest.raises(RequestError) as err:
         rt.complete(max_tokens=2, **bad)
     assert err.value.code == "invalid_argument"
 

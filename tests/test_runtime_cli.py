@@ -238,7 +238,7 @@ def test_a_bad_gguf_file_is_one_clear_line(tiny_model: Path, tmp_path: Path, kin
                                            fragment: str) -> None:
     path = tmp_path / "model.gguf"
     path.write_bytes(bad_gguf_bytes(kind, tiny_model))
-    # The exception callers (e.g. ``kvcache warm``) catch: a ValueError naming the file.
+    # The exception callers (e.g. ``model-runtime warm``) catch: a ValueError naming the file.
     with pytest.raises(ModelFileError) as err:
         LlamaModel(path)
     assert isinstance(err.value, ValueError) and isinstance(err.value, LlamaLoadError)

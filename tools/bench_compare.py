@@ -95,7 +95,7 @@ from kvcache.client import CacheClient
 from kvcache.v1 import kvcache_pb2 as pb
 from model_runtime.config import RuntimeConfig
 from model_runtime.llama_backend import ContextParams, LlamaContext, LlamaModel
-from model_runtime.engine import Completion, TokenEvent, common_prefix
+from model_runtime.request import Completion, TokenEvent, common_prefix
 from model_runtime.runtime import Runtime, default_model_path
 
 TOOLS = Path(__file__).resolve().parent

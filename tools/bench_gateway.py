@@ -70,7 +70,7 @@ def direct_ttft(stub: pb_grpc.ModelRuntimeStub, msgs: list[dict[str, str]]) -> t
 
 def in_process_ttft(rt: Any, msgs: list[dict[str, str]]) -> tuple[float, str]:
     """Seconds to the first token of an in-process Runtime, and its hit kind."""
-    from model_runtime.engine import Completion, TokenEvent
+    from model_runtime.request import Completion, TokenEvent
 
     start = time.perf_counter()
     first = None

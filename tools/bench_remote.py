@@ -82,7 +82,7 @@ from kvcache.client import CacheClient, CacheUnavailable
 from kvcache.remote import RemoteConfig, RemoteTier
 from kvcache.store import BLOB_SUFFIX
 from model_runtime.config import RuntimeConfig
-from model_runtime.engine import Completion
+from model_runtime.request import Completion
 from model_runtime.runtime import Runtime, default_model_path
 
 REQUEST_TIMEOUT_S = 900.0

@@ -65,7 +65,7 @@ from kvcache import blob as blobfmt
 from kvcache.client import CacheClient
 from kvcache.store import BLOB_SUFFIX
 from model_runtime.config import RuntimeConfig
-from model_runtime.engine import Completion
+from model_runtime.request import Completion
 from model_runtime.runtime import Runtime, default_model_path
 
 STORY_SUBJECTS = [

@@ -66,13 +66,14 @@ Invariants, and the tests that hold them:
 
 from __future__ import annotations
 
+from ..common import TIER_DISK, TIER_RAM
 from .facade import Found, Store
 from .integrity import NO_SUCH_ENTRY
 from .prune import PruneResult
 from .reads import ReadPin
 from .reservations import Reservation, ReserveResult
 from .settings import GiB, StoreConfig
-from .tiers import BLOB_SUFFIX, TIER_DISK, TIER_RAM, TMP_SUFFIX
+from .tiers import BLOB_SUFFIX, TMP_SUFFIX
 
 __all__ = [
     "BLOB_SUFFIX",

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from .. import blob as blobfmt
 from .. import keys
+from ..common import TIER_DISK, TIER_RAM
 from ..errors import Corrupt, LeaseLost, NotFound, WaitTimeout
 from ..index import Index, Record
-from .tiers import TIER_DISK, TIER_RAM
 
 if TYPE_CHECKING:
     from .integrity import Integrity

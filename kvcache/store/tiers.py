@@ -27,8 +27,6 @@ if TYPE_CHECKING:
 
 BLOB_SUFFIX = ".kvc"
 TMP_SUFFIX = ".part"
-TIER_RAM = "ram"
-TIER_DISK = "disk"
 
 
 class Layout:

@@ -1,0 +1,163 @@
+"""The model thread's hands on llama.cpp: everything the engine does to the context.
+
+A thin layer over :class:`~model_runtime.llama_backend.LlamaContext` that keeps each
+``Seq.tokens`` equal to what its KV cells hold: restore a saved chain (join its pieces,
+set the state, cut it where it leaves the prompt), reuse a live sequence in place,
+truncate or clear a sequence, run a batch plan, sample from a row of logits, and copy
+a sequence's state out for a save (the one place ``state_seq_get`` is called; the
+bytes go to the background :class:`~model_runtime.saver.Saver`). Model thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from kvcache.client import CacheClient, Identity, LoadedBlob
+from kvcache.common import HIT_EXACT, HIT_PARTIAL, TIER_LIVE
+
+from . import kv_cells, pieces
+from .config import RuntimeConfig
+from .kv_cells import StateFormatError
+from .llama_backend import LlamaContext
+from .request import Request, Seq, common_prefix
+from .sampling import sample
+from .saver import SaveJob, Saver
+from .scheduler import BatchPlan
+
+log = logging.getLogger("model_runtime")
+
+
+class Executor:
+    def __init__(self, ctx: LlamaContext, identity: Identity, cache: CacheClient | None,
+                 saver: Saver, config: RuntimeConfig, *, count: Callable[[str], None],
+                 key_of: Callable[[Sequence[int]], bytes],
+                 on_latency: Callable[[str, float], None]) -> None:
+        self.ctx = ctx
+        self.identity = identity
+        self.cache = cache
+        self.saver = saver
+        self.config = config
+        self.count = count
+        self.key_of = key_of  # the key of a state (b"" while the block size is unknown)
+        self.on_latency = on_latency
+        # Restores build llama.cpp's bytes here: kept across restores so its pages are
+        # faulted in once, not on every restore.
+        self._join_scratch = kv_cells.Scratch()
+
+    # -- reuse: a saved state, or a live sequence -----------------------------------------
+
+    def restore(self, req: Request, seq: Seq, chain: list[LoadedBlob]) -> bool:
+        """Restore a saved state into the request's sequence. False when llama.cpp
+        refuses it: the sequence is left empty (the request goes cold)."""
+        t0 = time.perf_counter()
+        entry = chain[-1]
+        # Tokens the state shares with the prompt; all but the prompt's last are kept
+        # (that one is decoded again for fresh logits), and whatever follows is cut:
+        # pieces are joined up to there, a whole state is cut after its restore.
+        shared = common_prefix(entry.meta.tokens, req.tokens)
+        keep = min(shared, len(req.tokens) - 1)
+        try:
+            joined = pieces.join(chain, keep, seq.id, self._join_scratch,
+                                 n_stream=self.ctx.state_streams)
+            ok = self.ctx.state_seq_set(seq.id, joined.state) > 0
+        except StateFormatError as exc:
+            log.warning("state of %s not restorable: %s", entry.key.hex(), exc)
+            ok = False
+        if ok:
+            seq.tokens = list(entry.meta.tokens[: joined.n_tokens])
+            seq.restored = True
+            # The state of an entry of these tokens: its key is computed when needed (a
+            # live sequence's previous key no longer names it).
+            seq.saved_len, seq.saved_key = len(seq.tokens), b""
+            if keep < len(seq.tokens) and not self.truncate(seq, keep):
+                ok = False
+        if ok:
+            self._served(req, shared, entry.tier, len(seq.tokens))
+            self.count(f"restores_{req.cache.hit_kind}")
+        else:
+            self.clear(seq)
+            self.count("restore_failed")
+        req.timings.restore = time.perf_counter() - t0
+        return ok
+
+    def reuse_live(self, req: Request, seq: Seq) -> None:
+        """Serve the prompt's first ``live_keep`` tokens from the sequence's own KV."""
+        t0 = time.perf_counter()
+        keep = req.live_keep
+        shared = min(common_prefix(seq.tokens, req.tokens), len(req.tokens))
+        if self.truncate(seq, keep):
+            self._served(req, shared, TIER_LIVE, keep)
+            self.count("live_reuses")
+        else:
+            self.clear(seq)
+        req.timings.restore = time.perf_counter() - t0
+
+    @staticmethod
+    def _served(req: Request, shared: int, tier: str, n_past: int) -> None:
+        # Exact when the state held the whole prompt (its last token is decoded again).
+        req.cache.hit_kind = HIT_EXACT if shared == len(req.tokens) else HIT_PARTIAL
+        req.cache.tokens_read = shared
+        req.cache.tier = tier
+        req.n_past = n_past
+
+    # -- sequences ------------------------------------------------------------------------
+
+    def truncate(self, seq: Seq, n_keep: int) -> bool:
+        """Keep the sequence's first ``n_keep`` tokens; False if llama.cpp refuses."""
+        if n_keep < len(seq.tokens) and not self.ctx.seq_truncate(seq.id, n_keep):
+            return False
+        del seq.tokens[n_keep:]
+        if n_keep < seq.saved_len:
+            # The last save no longer matches this sequence. Left as it was, a later state
+            # of the same length but other tokens would be taken as saved: its save skipped
+            # and its key reported as finish_key although no such entry exists
+            # (tests/test_runtime.py::test_sticky_truncation_then_finish_key_names_a_real_entry).
+            seq.saved_len, seq.saved_key = 0, b""
+        return True
+
+    def clear(self, seq: Seq) -> None:
+        self.ctx.seq_clear(seq.id)
+        seq.tokens.clear()
+        seq.saved_len, seq.saved_key = 0, b""
+        seq.restored = False
+
+    # -- a tick ---------------------------------------------------------------------------
+
+    def run(self, plan: BatchPlan) -> None:
+        """One ``llama_decode`` of the plan; raises LlamaDecodeError or ValueError."""
+        self.ctx.decode(plan.tokens, plan.positions, plan.seq_ids, plan.logits)
+
+    def sample(self, req: Request, batch_index: int) -> int:
+        return sample(self.ctx.logits(batch_index), req.sampling, req.rng)
+
+    # -- saves ----------------------------------------------------------------------------
+
+    def save(self, seq: Seq, reason: str, req: Request | None) -> bytes:
+        """Copy a sequence's state out (model thread) and queue it for the daemon.
+        Returns the key of the sequence's saved state (also when it was saved before, or
+        restored as it is), or b"" when there is none."""
+        n = len(seq.tokens)
+        if n < self.config.min_save_tokens or self.cache is None:
+            return b""
+        if n == seq.saved_len:
+            return seq.saved_key or self.key_of(seq.tokens)
+        key = self.key_of(seq.tokens)
+        if not key:
+            self.count("saves_dropped")
+            self.count("saves_dropped_unavailable")
+            return b""
+        t0 = time.perf_counter()
+        buffer = self.saver.buffers.take(self.ctx.state_seq_size(seq.id))
+        state = self.ctx.state_seq_get(seq.id, out=buffer)
+        self.on_latency("state_get", time.perf_counter() - t0)
+        job = SaveJob(self.identity, tuple(seq.tokens), state, reason, key,
+                      as_cells=self.ctx.can_truncate_restored(), buffer=buffer)
+        if not self.saver.submit(job):  # dropped (counted): no entry to name or skip
+            return b""
+        seq.saved_len, seq.saved_key = n, key
+        if req is not None:
+            req.cache.tokens_saved = max(req.cache.tokens_saved, n - req.cache.tokens_read)
+            req.cache.saves.append({"reason": reason, "tokens": n, "key": key.hex()})
+        return key

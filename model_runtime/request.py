@@ -1,0 +1,206 @@
+"""A request and the plain types that travel with it: its phase, the sequence it runs
+on, what it streams and how it ends, and the messages of the model thread's inbox.
+
+Data only. A request is created by ``Engine.submit`` (any thread) and from then on
+written by the model thread alone; its caller reads ``events`` (TokenEvent pieces, then
+a Completion or a RequestError).
+"""
+
+from __future__ import annotations
+
+import enum
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvcache.client import LoadedBlob
+from kvcache.common import HIT_COLD
+
+from .sampling import SamplingParams, TextStream
+
+
+class RequestError(Exception):
+    """A request the runtime refuses, with a machine-readable ``code``."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Phase(enum.Enum):
+    ADMIT = "admit"  # submitted, or waiting for a free sequence
+    RESOLVE = "resolve"  # bound to a sequence, cache resolution on a resolver thread
+    PREFILL = "prefill"  # its prompt runs through the model, in chunks
+    DECODE = "decode"  # one token per tick
+    DONE = "done"  # completed, failed or cancelled: its sequence is released
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass
+class Completion:
+    text: str
+    tokens: list[int]
+    finish_reason: str  # stop | length | shutdown
+    finish_key: str  # hex key of the finish save ("" when none was made)
+    cache_hit_kind: str  # exact | partial | cold | sticky
+    cache_delta: dict[str, int]  # tokens_read, tokens_saved
+    timings: dict[str, float]  # milliseconds: ttft, restore, prefill, decode, total
+    prompt_tokens: int
+    session_id: str = ""
+    cache_tier: str = ""  # where reused KV came from: ram | disk | remote | live ("" if none)
+    saves: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason,
+            "finish_key": self.finish_key, "cache_hit_kind": self.cache_hit_kind,
+            "cache_delta": self.cache_delta, "timings": self.timings,
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
+            "session_id": self.session_id, "cache_tier": self.cache_tier, "saves": self.saves,
+        }
+
+
+@dataclass
+class TokenEvent:
+    token: int  # the sampled token, or -1: text flushed when the request ends
+    text: str
+
+
+@dataclass
+class CacheUse:
+    """What the cache gave a request and what was saved of it."""
+
+    hit_kind: str = HIT_COLD
+    tier: str = ""  # where reused KV came from (Completion.cache_tier)
+    tokens_read: int = 0  # prompt tokens served from a saved or live state
+    tokens_saved: int = 0  # tokens its saves hold beyond those read
+    saves: list[dict[str, Any]] = field(default_factory=list)  # reason, tokens, key (hex)
+
+
+@dataclass
+class Timings:
+    """Seconds (perf_counter): when it arrived and its first token came, and the time
+    spent restoring, prefilling and decoding (a batch's time is shared by its tokens)."""
+
+    arrived: float = field(default_factory=time.perf_counter)
+    first: float = 0.0
+    restore: float = 0.0
+    prefill: float = 0.0
+    decode: float = 0.0
+
+    def to_ms(self, now: float) -> dict[str, float]:
+        return {
+            "ttft_ms": round(((self.first or now) - self.arrived) * 1000, 3),
+            "restore_ms": round(self.restore * 1000, 3),
+            "prefill_ms": round(self.prefill * 1000, 3),
+            "decode_ms": round(self.decode * 1000, 3),
+            "total_ms": round((now - self.arrived) * 1000, 3),
+        }
+
+
+@dataclass(eq=False)
+class Request:
+    """One completion request: what was asked, where it stands, what it produced."""
+
+    # -- what was asked (fixed at submit)
+    id: int
+    tokens: list[int]
+    sampling: SamplingParams
+    session_id: str = ""
+    parent_key: bytes = b""
+    boundary: int = 0  # explicit cold save boundary (end of the system message); 0: none
+    # -- where it stands
+    phase: Phase = Phase.ADMIT
+    seq: Seq | None = None
+    n_past: int = 0  # prompt tokens in the sequence so far
+    save_at: int = 0  # cold save boundary still to take (0: none)
+    # Prompt tokens an idle sequence's live KV can serve in place (0: none). Resolution
+    # restores from the daemon only when that covers more; a live sequence wins a tie.
+    live_keep: int = 0
+    cancelled: bool = False
+    # -- what it produced
+    generated: list[int] = field(default_factory=list)
+    pending: int = -1  # sampled, not yet decoded
+    cache: CacheUse = field(default_factory=CacheUse)
+    timings: Timings = field(default_factory=Timings)
+    events: queue.Queue[Any] = field(default_factory=queue.Queue)
+    stream: TextStream = field(init=False)
+    rng: np.random.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stream = TextStream(self.sampling.stop)
+        self.rng = np.random.default_rng(self.sampling.seed)
+
+    def completion(self, reason: str, finish_key: bytes, text: str, now: float) -> Completion:
+        return Completion(
+            text=text, tokens=list(self.generated), finish_reason=reason,
+            finish_key=finish_key.hex(), cache_hit_kind=self.cache.hit_kind,
+            cache_delta={"tokens_read": self.cache.tokens_read,
+                         "tokens_saved": self.cache.tokens_saved},
+            timings=self.timings.to_ms(now), prompt_tokens=len(self.tokens),
+            session_id=self.session_id, cache_tier=self.cache.tier, saves=self.cache.saves)
+
+
+@dataclass(eq=False)
+class Seq:
+    """One of the context's sequences, as the model thread sees it."""
+
+    id: int
+    tokens: list[int] = field(default_factory=list)  # exactly what the KV cells hold
+    session: str = ""  # the session pinned to it ("" for none)
+    request: Request | None = None  # the request running on it
+    last_used: float = 0.0  # time.monotonic() of its last bind or release
+    saved_len: int = 0  # length of the last state saved from this sequence
+    saved_key: bytes = b""  # its key, when this process computed it
+    restored: bool = False  # holds a restored state (matters for SWA/recurrent models)
+
+
+# -- the model thread's inbox ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Submit:
+    request: Request
+
+
+@dataclass(frozen=True)
+class Cancel:
+    request: Request
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Cache resolution is done: the saved state to restore (root first), or None."""
+
+    request: Request
+    chain: list[LoadedBlob] | None
+
+
+@dataclass(frozen=True)
+class Call:
+    """Run ``fn`` on the model thread; ``(True, value)`` or ``(False, error)`` goes to
+    ``result``."""
+
+    fn: Callable[[], Any]
+    result: queue.Queue[tuple[bool, Any]]
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    done: threading.Event
+
+
+Message = Submit | Cancel | Resolved | Call | Shutdown

@@ -1,0 +1,211 @@
+"""Cache resolution: the saved state a request starts from, found on resolver threads
+so that cache I/O never stalls decoding.
+
+In order: the request's ``parent_key``; the session's last saved state (waiting up to
+``session_resume_wait_ms`` for its save to be published); the daemon's longest common
+prefix of the prompt. A state is used only where it covers more of the prompt than an
+idle sequence's live KV (``Request.live_keep``): a live sequence wins a tie, as it
+needs no restore. A corrupt or missing blob is counted and skipped (the lookup is
+tried once more); a daemon that is down or slow makes the request cold, never fail.
+
+Also the runtime's other cache I/O that must stay off the model thread: the daemon's
+block size (keys depend on it) and deleting a state llama.cpp refused. Runs on the
+resolver pool; reads the session keys the model thread writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+from kvcache import keys
+from kvcache.client import (
+    CacheClient,
+    CacheError,
+    CacheUnavailable,
+    CorruptBlob,
+    Identity,
+    LoadedBlob,
+)
+from kvcache.common import TIER_REMOTE
+
+from .config import RuntimeConfig
+from .request import Request, common_prefix
+from .saver import Saver
+
+log = logging.getLogger("model_runtime")
+
+Chain = list[LoadedBlob]  # a saved state's blobs, root first
+
+
+class Resolver:
+    def __init__(self, cache: CacheClient | None, identity: Identity, saver: Saver,
+                 config: RuntimeConfig, *, plain_kv: bool, count: Callable[[str], None],
+                 session_keys: Mapping[str, tuple[bytes, int]]) -> None:
+        self.cache = cache
+        self.identity = identity
+        self._namespace = identity.namespace  # computed once: key_of runs on every save
+        self.saver = saver
+        self.config = config
+        # A restored plain-attention state can be cut anywhere (see llama_backend's
+        # LlamaContext.can_truncate_restored); SWA and recurrent states cannot.
+        self.plain_kv = plain_kv
+        self._count = count
+        self.session_keys = session_keys  # session -> (key, n_tokens) of its last save
+        self._block_size: int | None = None
+        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-resolve")
+
+    def submit(self, req: Request, done: Callable[[Request, Chain | None], None]) -> None:
+        """Resolve ``req`` on a resolver thread; ``done(req, chain or None)`` follows."""
+        self.pool.submit(self._run, req, done)
+
+    def _run(self, req: Request, done: Callable[[Request, Chain | None], None]) -> None:
+        chain = None
+        try:
+            chain = self.find_state(req)
+        except Exception:  # a cache problem must never fail the request
+            log.exception("cache resolution failed; going cold")
+            self._count("cache_errors")
+        if chain and min(common_prefix(chain[-1].meta.tokens, req.tokens),
+                         len(req.tokens) - 1) <= req.live_keep:
+            chain = None  # the live sequence covers as much: a tie goes to it (no restore)
+        done(req, chain)
+
+    def find_state(self, req: Request) -> Chain | None:
+        """The blobs of the best saved state for the request, root first (one blob for
+        a whole state, a chain of pieces otherwise), or None: cold, or a live sequence
+        serves as much."""
+        if self.cache is None:
+            return None
+        self.fetch_block_size()  # off the model thread: later saves need it for keys
+        tokens = req.tokens
+        # A restored state needs its last cell dropped to get fresh logits; where that
+        # is impossible (SWA/recurrent), only strictly shorter states are usable.
+        limit = len(tokens) if self.plain_kv else len(tokens) - 1
+        timeout = self.config.cache_timeout_s
+        wait_ms = self.config.session_resume_wait_ms
+        candidates: list[tuple[str, bytes]] = []
+        if req.parent_key:
+            candidates.append(("parent", req.parent_key))
+        last = self.session_keys.get(req.session_id) if req.session_id else None
+        # (Not worth loading when a live sequence already serves as much.)
+        if last and last[1] <= limit and min(last[1], len(tokens) - 1) > req.live_keep:
+            candidates.append(("session", last[0]))
+        for source, key in candidates:
+            event = self.saver.in_flight(key)
+            if event is not None:  # still being sent from this process
+                event.wait(wait_ms / 1000)
+            try:
+                chain = self.cache.load_chain(key, prefix_of=tokens, wait_ms=wait_ms,
+                                              timeout=timeout + wait_ms / 1000)
+            except CacheUnavailable:
+                self._count("cache_unavailable")
+                return None
+            except CacheError as exc:
+                if isinstance(exc, CorruptBlob):  # quarantined: counted like a lookup hit's
+                    self._count("corrupt_blobs")
+                self._count(f"{source}_key_unusable")
+                log.info("%s key %s unusable: %s", source, key.hex(), exc)
+                continue
+            if len(chain[-1].meta.tokens) <= limit:
+                self._count(f"resolved_by_{source}")
+                return chain
+            # The whole prompt, where a restored state cannot be cut (SWA/recurrent).
+            self._count(f"{source}_key_unusable")
+        return self._longest_prefix(req, limit)
+
+    def _longest_prefix(self, req: Request, limit: int) -> Chain | None:
+        # A plain-attention state can be cut anywhere: any entry sharing leading tokens
+        # with the prompt serves them (longer or diverging ones are cut after restore).
+        assert self.cache is not None
+        tokens = req.tokens
+        timeout = self.config.cache_timeout_s
+        for _attempt in range(2):  # a corrupt hit is quarantined: look again, once
+            try:
+                hit = self.cache.lookup(self.identity, tokens, max_tokens=limit,
+                                        common_prefix=self.plain_kv, timeout=timeout)
+                if hit is None or min(hit.matched_tokens, len(tokens) - 1) <= req.live_keep:
+                    return None  # a live sequence serves as much without a restore
+                if hit.entry_tokens > hit.matched_tokens < self.config.min_save_tokens:
+                    return None  # restoring a whole state for a few tokens costs more
+                chain = self.cache.load_chain(hit.key, prefix_of=tokens,
+                                              shares=hit.matched_tokens,
+                                              pieces=hit.pieces_for(hit.matched_tokens),
+                                              timeout=timeout * 4)
+                if hit.tier == TIER_REMOTE:  # fetched into the daemon's tiers for this hit
+                    chain[-1] = replace(chain[-1], tier=TIER_REMOTE)
+                self._count(f"restored_from_{chain[-1].tier or 'cache'}")
+                return chain
+            except CacheUnavailable:
+                self._count("cache_unavailable")
+                return None
+            except CorruptBlob:
+                self._count("corrupt_blobs")
+            except CacheError as exc:
+                self._count("cache_errors")
+                log.warning("cache lookup failed: %s", exc)
+                return None
+        return None
+
+    # -- keys -----------------------------------------------------------------------------
+
+    def block_size(self, *, wait: bool) -> int | None:
+        """The daemon's block size (keys depend on it); None while it is unknown. Without
+        ``wait`` (the model thread) an unknown block size is fetched in the background
+        and the caller goes without a key this time."""
+        if self._block_size is None and self.cache is not None:
+            if wait:
+                self.fetch_block_size()
+            else:
+                with contextlib.suppress(RuntimeError):  # the pool is shutting down
+                    self.pool.submit(self.fetch_block_size)
+        return self._block_size
+
+    def fetch_block_size(self) -> None:
+        if self._block_size is None and self.cache is not None:
+            with contextlib.suppress(CacheError):
+                self._block_size = int(self.cache.stats().block_size) or None
+
+    def key_of(self, tokens: list[int] | tuple[int, ...], *, wait: bool) -> bytes:
+        """The daemon's key for a state of ``tokens``; b"" while the block size is
+        unknown."""
+        bs = self.block_size(wait=wait)
+        if bs is None:
+            return b""
+        return keys.entry_key(self._namespace, tokens, bs).key
+
+    # -- rejected states ------------------------------------------------------------------
+
+    def forget_later(self, blob: LoadedBlob) -> None:
+        """Delete a state llama.cpp refused: kept, every later request with its prefix
+        would try it again, and its key would stop a good state from ever being saved."""
+        cache, tokens = self.cache, list(blob.meta.tokens)
+        if cache is None:
+            return
+
+        def forget() -> None:
+            key = self.key_of(tokens, wait=True)
+            # The daemon refuses to delete an entry while it is read (by another runtime,
+            # or by its own copy into the RAM tier): that passes in moments, so retry
+            # (tests/test_counters.py holds a read open across the delete). A pinned
+            # entry stays, as it should.
+            for delay in (0.05, 0.2, 0.5, 1.0, 0.0):
+                try:
+                    if key:
+                        cache.delete(key)
+                        self._count("rejected_states_deleted")
+                    return
+                except CacheError as exc:
+                    if not delay or exc.code is None or exc.code.name != "FAILED_PRECONDITION":
+                        return
+                time.sleep(delay)
+
+        with contextlib.suppress(RuntimeError):
+            self.pool.submit(forget)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,111 @@
+"""When a sequence's state is saved: the five save points, and each session's last key.
+
+====================  =====================================================================
+``cold``              during prefill, at the save boundary: the request's explicit boundary
+                      (the end of the system message, or a declared prefix length), else
+                      the last ``save_block``-aligned position at least ``trim`` tokens
+                      before the prompt's end. The scheduler stops prefill chunks there.
+``continued``         every ``continued_interval`` generated tokens
+``finish``            when a request ends: the whole sequence; its key is ``finish_key``
+``evict``             an idle session's sequence taken for another request
+``shutdown``          at close: requests still running, then every idle session, within
+                      ``shutdown_deadline_s``
+====================  =====================================================================
+
+A session's last saved key is remembered so that its next request, on another sequence
+after an eviction, resumes from it (the resolver tries it before the longest-prefix
+lookup). Model thread only; the copy is :meth:`Executor.save`'s, the sending the
+:class:`~model_runtime.saver.Saver`'s.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+from .config import RuntimeConfig
+from .executor import Executor
+from .request import Request, Seq
+
+# Sessions whose last saved key is remembered (the least recently saved are forgotten):
+# one entry per session id ever seen would grow without bound.
+MAX_SESSION_KEYS = 4096
+
+
+class SavePoints:
+    max_session_keys = MAX_SESSION_KEYS
+
+    def __init__(self, config: RuntimeConfig, executor: Executor,
+                 count: Callable[[str], None]) -> None:
+        self.config = config
+        self.executor = executor
+        self._count = count
+        # session -> (key, n_tokens), least recently saved first; written on the model
+        # thread only (resolver threads just read it)
+        self.session_last_key: OrderedDict[str, tuple[bytes, int]] = OrderedDict()
+
+    def plan_cold(self, req: Request) -> None:
+        """Where prefill must stop to save a reusable prefix (``req.save_at``; 0: nowhere)."""
+        cfg = self.config
+        at = req.boundary or (len(req.tokens) - cfg.trim) // cfg.save_block * cfg.save_block
+        if at >= cfg.min_save_tokens and at > req.n_past and at > req.cache.tokens_read:
+            req.save_at = at
+
+    def after_prefill(self, req: Request) -> None:
+        """A prefill chunk ran: the ``cold`` save when it reached the boundary."""
+        assert req.seq is not None
+        if req.save_at and req.n_past == req.save_at:
+            self.executor.save(req.seq, "cold", req)
+            req.save_at = 0
+
+    def after_token(self, req: Request) -> None:
+        """A token was generated: the ``continued`` save every interval."""
+        assert req.seq is not None
+        interval = self.config.continued_interval
+        if interval and len(req.generated) % interval == 0:
+            self.executor.save(req.seq, "continued", req)
+
+    def at_end(self, req: Request, reason: str) -> bytes:
+        """The request ends for ``reason``: its ``finish`` save (``shutdown`` at close;
+        none when cancelled). Returns the key of the sequence's state, or b"" for none."""
+        seq = req.seq
+        if seq is None or reason == "cancelled":
+            return b""
+        key = b""
+        if reason == "shutdown":
+            enabled, save_reason = self.config.save_shutdown, "shutdown"
+        else:
+            enabled, save_reason = self.config.save_finish, "finish"
+        if enabled:
+            key = self.executor.save(seq, save_reason, req)
+        if req.session_id and key:
+            self._remember(req.session_id, key, len(seq.tokens))
+        return key
+
+    def evict(self, seq: Seq) -> None:
+        """An idle session's sequence is taken: its ``evict`` save, which the session's
+        next request resumes from."""
+        if self.config.save_evict:
+            key = self.executor.save(seq, "evict", None)
+            if key:
+                self._remember(seq.session, key, len(seq.tokens))
+
+    def shutdown(self, seqs: Iterable[Seq], deadline: float) -> None:
+        """The ``shutdown`` save of every idle session's sequence until ``deadline``
+        (time.monotonic). A free sequence's state was saved as ``finish`` when its request
+        ended, unless finish saves are off or that save was dropped."""
+        if not self.config.save_shutdown:
+            return
+        for seq in (s for s in seqs if s.session):
+            if time.monotonic() > deadline:
+                self._count("shutdown_saves_skipped")
+                continue
+            self.executor.save(seq, "shutdown", None)
+
+    def _remember(self, session: str, key: bytes, n_tokens: int) -> None:
+        last = self.session_last_key
+        last[session] = (key, n_tokens)
+        last.move_to_end(session)
+        while len(last) > self.max_session_keys:
+            last.popitem(last=False)

@@ -1,0 +1,258 @@
+"""Which request runs on which sequence, and what each tick decodes.
+
+Owns the sequence pool and the request queues: admission (a free sequence, or the
+session's pinned one; with none free, the least recently used idle session's), the
+requests waiting for a sequence, and each tick's batch plan (tokens, positions,
+sequence ids and which positions want logits) as plain data. Decisions only: it never
+touches llama.cpp or the cache. The engine carries them out (a truncate, a clear, an
+``evict`` save) and tells it what ran. Called on the model thread only.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .request import Phase, Request, RequestError, Seq, common_prefix
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Where a new request goes: refused (``error``), a sequence, or (neither) it waits."""
+
+    seq: Seq | None = None
+    # The sequence is an idle session's: its state is saved (``evict``) and the session
+    # unpinned before the request takes it.
+    evict: bool = False
+    error: RequestError | None = None
+
+
+class Reuse(enum.Enum):
+    """What a bound request keeps of its sequence's live KV."""
+
+    NONE = "none"  # nothing: an empty sequence (cache resolution may restore a state)
+    STICKY = "sticky"  # its session's own sequence goes on from ``keep`` tokens
+    LIVE = "live"  # an idle sequence's ``keep`` tokens, unless the cache covers more
+
+
+@dataclass(frozen=True)
+class Binding:
+    reuse: Reuse
+    keep: int = 0  # tokens of the sequence's live KV the prompt can keep
+
+
+@dataclass(frozen=True)
+class Row:
+    """One request's part of a batch: ``n`` tokens from batch index ``start``."""
+
+    request: Request
+    start: int
+    n: int
+    decode: bool  # one sampled token; else a chunk of the prompt
+
+    @property
+    def last(self) -> int:
+        return self.start + self.n - 1
+
+
+@dataclass
+class BatchPlan:
+    """One ``llama_decode``: entry i is ``tokens[i]`` at ``positions[i]`` of sequence
+    ``seq_ids[i]``, with logits kept where ``logits[i]``."""
+
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    seq_ids: list[int] = field(default_factory=list)
+    logits: list[bool] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)
+
+    def add(self, req: Request, tokens: Sequence[int], first_pos: int, decode: bool,
+            wants_logits: bool) -> None:
+        assert req.seq is not None
+        n = len(tokens)
+        self.rows.append(Row(req, len(self.tokens), n, decode))
+        self.tokens.extend(tokens)
+        self.positions.extend(range(first_pos, first_pos + n))
+        self.seq_ids.extend([req.seq.id] * n)
+        self.logits.extend([False] * (n - 1) + [wants_logits])
+
+
+class Scheduler:
+    def __init__(self, n_seq: int, n_batch: int, *, cut_restored: bool,
+                 cut_live: bool = True) -> None:
+        self.seqs = [Seq(i) for i in range(n_seq)]
+        self.sessions: dict[str, Seq] = {}  # session id -> its pinned sequence
+        self.waiting: list[Request] = []  # admitted, waiting for a sequence (oldest first)
+        self.resolving: set[Request] = set()  # waiting for cache I/O
+        self.running: list[Request] = []  # prefill or decode, in the order they started
+        self.n_batch = n_batch  # tokens per llama_decode, across sequences
+        # Whether a sequence may be cut: a restored one where states can be cut (plain
+        # attention); a live one unless the model is recurrent (see can_cut).
+        self.cut_restored = cut_restored
+        self.cut_live = cut_live
+
+    # -- admission ------------------------------------------------------------------------
+
+    def admit(self, req: Request) -> Admission:
+        """A session's request goes to its pinned sequence (busy: ``sticky_busy``);
+        any other to a free sequence, else an idle session's; else it waits (queued
+        here)."""
+        sid = req.session_id
+        if sid and sid in self.sessions:
+            seq = self.sessions[sid]
+            if seq.request is not None:
+                return Admission(error=RequestError(
+                    "sticky_busy", f"session {sid!r} has a request running"))
+            return Admission(seq)
+        if sid and any(r.session_id == sid for r in self.waiting):
+            return Admission(error=RequestError(
+                "sticky_busy", f"session {sid!r} has a request waiting"))
+        admission = self._place(req)
+        if admission.seq is None:
+            self.waiting.append(req)
+        return admission
+
+    def next_waiting(self) -> tuple[Request, Admission] | None:
+        """The oldest waiting request, taken off the queue, and the sequence it gets now;
+        None while no sequence is free for it."""
+        if not self.waiting:
+            return None
+        admission = self._place(self.waiting[0])
+        if admission.seq is None:
+            return None
+        return self.waiting.pop(0), admission
+
+    def _place(self, req: Request) -> Admission:
+        free = [s for s in self.seqs if s.request is None and not s.session]
+        if free:
+            # The one whose live KV serves the most of the prompt; else the least recently
+            # used, so the most recent finished states stay reusable longest.
+            return Admission(max(free, key=lambda s: (self.reusable_prefix(s, req.tokens),
+                                                      -s.last_used)))
+        idle = [s for s in self.seqs if s.request is None and s.session]
+        if not idle:
+            return Admission()
+        return Admission(min(idle, key=lambda s: s.last_used), evict=True)
+
+    def unpin(self, seq: Seq) -> None:
+        """The sequence no longer belongs to its session (it was evicted)."""
+        del self.sessions[seq.session]
+        seq.session = ""
+
+    def bind(self, req: Request, seq: Seq) -> Binding:
+        """Put ``req`` on ``seq`` (pinning its session there) and say what of the
+        sequence's live KV it can keep."""
+        own_session = bool(req.session_id) and seq.session == req.session_id
+        req.seq = seq
+        seq.request = req
+        seq.last_used = time.monotonic()
+        if req.session_id:
+            seq.session = req.session_id
+            self.sessions[req.session_id] = seq
+        keep = self.reusable_prefix(seq, req.tokens)
+        if own_session and keep:
+            return Binding(Reuse.STICKY, keep)
+        if own_session or not keep:
+            return Binding(Reuse.NONE)
+        req.live_keep = keep
+        return Binding(Reuse.LIVE, keep)
+
+    def reusable_prefix(self, seq: Seq, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` the sequence's live KV can serve in place: the common
+        prefix, less the last prompt token (decoded again for fresh logits), and 0 where
+        cutting the sequence is not safe (a restored SWA/recurrent state)."""
+        keep = min(common_prefix(seq.tokens, tokens), len(tokens) - 1)
+        if keep <= 0 or (keep < len(seq.tokens) and not self.can_cut(seq)):
+            return 0
+        return keep
+
+    def can_cut(self, seq: Seq) -> bool:
+        """Whether the sequence may be cut: a plain-attention one always; a live
+        sliding-window one too (llama.cpp keeps its full-size SWA cache by default); a
+        restored SWA state or a recurrent/hybrid state never (llama.cpp would empty it,
+        or refuses a partial removal)."""
+        return self.cut_restored or (not seq.restored and self.cut_live)
+
+    # -- phases ---------------------------------------------------------------------------
+
+    def resolve(self, req: Request) -> None:
+        req.phase = Phase.RESOLVE
+        self.resolving.add(req)
+
+    def resolved(self, req: Request) -> None:
+        self.resolving.discard(req)
+
+    def start(self, req: Request) -> None:
+        """Its sequence holds what it reuses: the rest of the prompt runs from the next
+        tick."""
+        req.phase = Phase.PREFILL
+        self.running.append(req)
+
+    def release(self, req: Request) -> Seq | None:
+        """The request is done: off every queue, its sequence (returned) free again. A
+        finished sequence keeps its KV: the next request sharing a prefix with it can
+        reuse it in place, as llama.cpp's server does with its slots."""
+        req.phase = Phase.DONE
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        seq = req.seq
+        if seq is not None:
+            seq.request = None
+            seq.last_used = time.monotonic()
+        return seq
+
+    # -- one tick -------------------------------------------------------------------------
+
+    def plan(self, prefill_chunk: int) -> BatchPlan | None:
+        """The next batch: one token of every decoding request, then prompt chunks of
+        at most ``prefill_chunk`` tokens while the batch has room (None: nothing runs).
+        A chunk stops at the request's cold save boundary: a state can only be taken of
+        the whole sequence, so prefill pauses there for the save."""
+        plan = BatchPlan()
+        budget = self.n_batch
+        for req in [r for r in self.running if r.phase is Phase.DECODE]:
+            if budget == 0:
+                break
+            assert req.seq is not None
+            plan.add(req, [req.pending], len(req.seq.tokens), decode=True, wants_logits=True)
+            budget -= 1
+        for req in [r for r in self.running if r.phase is Phase.PREFILL]:
+            if budget == 0:
+                break
+            stop = req.save_at if req.save_at > req.n_past else len(req.tokens)
+            n = min(prefill_chunk, budget, stop - req.n_past)
+            plan.add(req, req.tokens[req.n_past : req.n_past + n], req.n_past, decode=False,
+                     wants_logits=req.n_past + n == len(req.tokens))
+            budget -= n
+        return plan if plan.rows else None
+
+    def advance(self, row: Row) -> bool:
+        """The batch ran: the row's tokens are in its sequence. True when that completed
+        the prompt (the request decodes from now on)."""
+        req = row.request
+        seq = req.seq
+        assert seq is not None
+        if row.decode:
+            seq.tokens.append(req.pending)
+            return False
+        seq.tokens.extend(req.tokens[req.n_past : req.n_past + row.n])
+        req.n_past += row.n
+        if req.n_past < len(req.tokens):
+            return False
+        req.phase = Phase.DECODE
+        return True
+
+    # -- gauges ---------------------------------------------------------------------------
+
+    def busy(self) -> int:
+        return sum(s.request is not None for s in self.seqs)
+
+    def idle_sessions(self) -> int:
+        return sum(s.request is None and bool(s.session) for s in self.seqs)
+
+    def free(self) -> int:
+        return sum(s.request is None and not s.session for s in self.seqs)
