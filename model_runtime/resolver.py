@@ -3,7 +3,8 @@ so that cache I/O never stalls decoding.
 
 In order: the request's ``parent_key``; the session's last saved state (waiting up to
 ``session_resume_wait_ms`` for its save to be published); the daemon's longest common
-prefix of the prompt. A state is used only where it covers more of the prompt than an
+prefix of the prompt (waiting as long for this runtime's own queued saves that share more
+of it). A state is used only where it covers more of the prompt than an
 idle sequence's live KV (``Request.live_keep``): a live sequence wins a tie, as it
 needs no restore. A corrupt or missing blob is counted and skipped (the lookup is
 tried once more); a daemon that is down or slow makes the request cold, never fail.
@@ -124,6 +125,7 @@ class Resolver:
         assert self.cache is not None
         tokens = req.tokens
         timeout = self.config.cache_timeout_s
+        self._wait_for_own_saves(req)
         for _attempt in range(2):  # a corrupt hit is quarantined: look again, once
             try:
                 hit = self.cache.lookup(self.identity, tokens, max_tokens=limit,
@@ -150,6 +152,22 @@ class Resolver:
                 log.warning("cache lookup failed: %s", exc)
                 return None
         return None
+
+    def _wait_for_own_saves(self, req: Request) -> None:
+        """Wait (up to ``session_resume_wait_ms``) for this runtime's saves still queued
+        that would serve more of the prompt than its live KV: the previous turn of a
+        conversation whose sequence another request has taken since is otherwise
+        prefilled cold when it comes back before its ``finish`` save is published
+        (tests/test_runtime.py::test_a_prompt_waits_for_this_runtime_s_queued_save_of_its_prefix)."""
+        if req.live_keep >= len(req.tokens) - 1:
+            return  # the live KV serves all a state could
+        events = self.saver.in_flight_sharing(req.tokens, more_than=req.live_keep)
+        if not events:
+            return
+        self._count("lookups_waited_own_save")
+        deadline = time.monotonic() + self.config.session_resume_wait_ms / 1000
+        for event in events:
+            event.wait(max(0.0, deadline - time.monotonic()))
 
     # -- keys -----------------------------------------------------------------------------
 

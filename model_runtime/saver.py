@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -60,7 +60,8 @@ class Saver:
         self.counters = counters
         self._lock = counters_lock
         self._queue: queue.Queue[SaveJob | None] = queue.Queue(maxsize=max_pending)
-        self._in_flight: dict[bytes, threading.Event] = {}
+        # Saves queued or being sent: key -> (tokens, set when done).
+        self._in_flight: dict[bytes, tuple[tuple[int, ...], threading.Event]] = {}
         self.buffers = StateBuffers()  # what the model thread copies states into
         # (reason, seconds) of every save the daemon published: reserve, write, commit.
         self.on_saved: Callable[[str, float], None] = lambda reason, seconds: None
@@ -75,7 +76,7 @@ class Saver:
         """Queue ``job``; False (counted) when the backlog is full. The engine never
         submits without a client (it takes no saves then)."""
         with self._lock:
-            self._in_flight.setdefault(job.key, threading.Event())
+            self._in_flight.setdefault(job.key, (job.tokens, threading.Event()))
         try:
             self._queue.put_nowait(job)
         except queue.Full:
@@ -92,15 +93,26 @@ class Saver:
     def in_flight(self, key: bytes) -> threading.Event | None:
         """An event set when the save of ``key`` (queued here) has finished, or None."""
         with self._lock:
-            return self._in_flight.get(key)
+            entry = self._in_flight.get(key)
+        return entry[1] if entry is not None else None
+
+    def in_flight_sharing(self, tokens: Sequence[int], more_than: int) -> list[threading.Event]:
+        """Events of the saves queued here whose states share more than ``more_than``
+        leading tokens with ``tokens``: until they are published the daemon cannot
+        serve those tokens (the resolver waits for them, bounded)."""
+        with self._lock:
+            queued = list(self._in_flight.values())
+        return [event for saved, event in queued
+                if len(saved) > more_than and len(tokens) > more_than
+                and saved[:more_than + 1] == tuple(tokens[:more_than + 1])]
 
     def _finish(self, job: SaveJob) -> None:
         if job.buffer is not None:  # nothing refers to the state any more
             self.buffers.give_back(job.buffer)
         with self._lock:
-            event = self._in_flight.pop(job.key, None)
-        if event is not None:
-            event.set()
+            entry = self._in_flight.pop(job.key, None)
+        if entry is not None:
+            entry[1].set()
 
     def _run(self) -> None:
         while True:

@@ -10,9 +10,11 @@ fixtures and calls these functions, e.g.::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -94,3 +96,23 @@ def generate_greedy(
         idx = 0
     return out
 
+
+@contextlib.contextmanager
+def saves_held(saver: Any) -> Iterator[threading.Event]:
+    """Within the block, the saver's next save waits before it asks the daemon anything
+    until the yielded event is set (at the latest when the block ends): a save that stays
+    queued in the runtime, with the real client and daemon behind it."""
+    gate = threading.Event()
+    client = saver.client
+    lookup_before_save = client.lookup_before_save
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        gate.wait(30)
+        return lookup_before_save(*args, **kwargs)
+
+    client.lookup_before_save = held
+    try:
+        yield gate
+    finally:
+        gate.set()
+        client.lookup_before_save = lookup_before_save

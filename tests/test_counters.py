@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 import pytest
+from conftest_llama import saves_held
 from daemon_proc import DaemonProcess, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from test_daemon import IDENT as RESERVE_IDENT  # the identity reserve() saves under
@@ -573,6 +574,19 @@ def _runtime_traffic(d: DaemonProcess, model: Path) -> tuple[dict[str, float], d
             rt.engine.saver.client.close()
             rt.engine.saver.client = rt.engine.cache
         assert rt.stats()["saves_parent_gone"] == 1
+
+        # The previous turn's finish save is still queued in the runtime when the next
+        # turn comes, and no live sequence serves it (reuse_live is off here): the
+        # lookup waits for that save (lookups_waited_own_save) and restores from it.
+        p10 = tokens(27, 80)
+        config = rt.engine.config
+        rt.engine.config = replace(config, session_resume_wait_ms=10_000)  # a loaded machine
+        with saves_held(rt.engine.saver) as gate:
+            turn = rt.complete(tokens=p10, max_tokens=4)
+            threading.Timer(0.3, gate.set).start()
+            next_turn = rt.complete(tokens=p10 + turn.tokens + tokens(28, 10), max_tokens=4)
+        assert next_turn.cache_delta["tokens_read"] == len(p10) + len(turn.tokens) - 1
+        rt.engine.config = config
 
         # A state bigger than the daemon's whole disk budget is refused.
         rt.complete(tokens=tokens(22, 7000), max_tokens=2)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest_llama import sample_prompt
+from conftest_llama import sample_prompt, saves_held
 from daemon_proc import DaemonProcess, wait_for
 
 from kvcache.client import CacheClient
@@ -392,6 +392,26 @@ def test_evict_when_sessions_outnumber_sequences(
     assert rt.stats()["resolved_by_session"] == 1
     assert rt.stats()["sessions_evicted"] == 2
     assert back.tokens == plain.complete(tokens=a, max_tokens=8).tokens
+
+
+def test_a_prompt_waits_for_this_runtime_s_queued_save_of_its_prefix(
+        make_runtime: Callable[..., Runtime], plain: Runtime) -> None:
+    """The previous turn's sequence is gone (no live reuse here) and its finish save is
+    still queued in this runtime: the next turn waits for it instead of going cold."""
+    rt = make_runtime(reuse_live=False, session_resume_wait_ms=10_000)
+    first_prompt = prompt(rt, 60)
+    first = rt.complete(tokens=first_prompt, max_tokens=4)
+    flush(rt)
+    with saves_held(rt.engine.saver) as gate:
+        second_prompt = first_prompt + first.tokens + prompt(rt, 20, TEXT_B)[1:]
+        second = rt.complete(tokens=second_prompt, max_tokens=4)  # its finish save waits
+        assert rt.engine.saver.in_flight(bytes.fromhex(second.finish_key)) is not None
+        threading.Timer(0.3, gate.set).start()
+        third_prompt = second_prompt + second.tokens + prompt(rt, 20, TEXT_C)[1:]
+        third = rt.complete(tokens=third_prompt, max_tokens=4)
+    assert kinds(third) == ("partial", len(second_prompt) + len(second.tokens) - 1)
+    assert rt.stats()["lookups_waited_own_save"] == 1
+    assert third.tokens == plain.complete(tokens=third_prompt, max_tokens=4).tokens
 
 
 def test_close_saves_live_sequences_as_shutdown_and_a_new_runtime_restores_them(
