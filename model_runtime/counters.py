@@ -39,8 +39,9 @@ COUNTERS: dict[str, str] = {
     **{f"restored_from_{tier}": f"Longest-prefix hits loaded from the daemon's {tier} tier"
        for tier in RESTORE_TIERS},
     "restored_from_cache": "Longest-prefix hits loaded without the daemon naming a tier",
-    "lookups_waited_own_save": "Lookups that first waited for this runtime's queued saves "
-                               "sharing more of the prompt than a live sequence "
+    "lookups_waited_own_save": "Lookups asked again after waiting for this runtime's "
+                               "queued saves that serve more of the prompt than the "
+                               "daemon's answer or a live sequence "
                                "(session_resume_wait_ms)",
     **{f"restores_{kind}": f"States restored into a sequence for {kind} hits"
        for kind in RESTORED_KINDS},

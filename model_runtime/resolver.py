@@ -3,8 +3,8 @@ so that cache I/O never stalls decoding.
 
 In order: the request's ``parent_key``; the session's last saved state (waiting up to
 ``session_resume_wait_ms`` for its save to be published); the daemon's longest common
-prefix of the prompt (waiting as long for this runtime's own queued saves that share more
-of it). A state is used only where it covers more of the prompt than an
+prefix of the prompt (asked again after waiting as long for this runtime's own queued
+saves that would serve more of it). A state is used only where it covers more of the prompt than an
 idle sequence's live KV (``Request.live_keep``): a live sequence wins a tie, as it
 needs no restore. A corrupt or missing blob is counted and skipped (the lookup is
 tried once more); a daemon that is down or slow makes the request cold, never fail.
@@ -31,6 +31,7 @@ from kvcache.client import (
     CorruptBlob,
     Identity,
     LoadedBlob,
+    LookupResult,
 )
 from kvcache.common import TIER_REMOTE
 
@@ -125,11 +126,9 @@ class Resolver:
         assert self.cache is not None
         tokens = req.tokens
         timeout = self.config.cache_timeout_s
-        self._wait_for_own_saves(req)
         for _attempt in range(2):  # a corrupt hit is quarantined: look again, once
             try:
-                hit = self.cache.lookup(self.identity, tokens, max_tokens=limit,
-                                        common_prefix=self.plain_kv, timeout=timeout)
+                hit = self._lookup(req, limit)
                 if hit is None or min(hit.matched_tokens, len(tokens) - 1) <= req.live_keep:
                     return None  # a live sequence serves as much without a restore
                 if hit.entry_tokens > hit.matched_tokens < self.config.min_save_tokens:
@@ -153,21 +152,34 @@ class Resolver:
                 return None
         return None
 
-    def _wait_for_own_saves(self, req: Request) -> None:
-        """Wait (up to ``session_resume_wait_ms``) for this runtime's saves still queued
-        that would serve more of the prompt than its live KV: the previous turn of a
-        conversation whose sequence another request has taken since is otherwise
-        prefilled cold when it comes back before its ``finish`` save is published
+    def _lookup(self, req: Request, limit: int) -> LookupResult | None:
+        """The daemon's longest-common-prefix answer; asked again after waiting (up to
+        ``session_resume_wait_ms``) where a save still queued in this runtime would
+        serve more of the prompt than that answer or a live sequence. Otherwise a
+        conversation's next turn whose sequence another request has taken since would
+        be prefilled cold when it comes back before its ``finish`` save is published
         (tests/test_runtime.py::test_a_prompt_waits_for_this_runtime_s_queued_save_of_its_prefix)."""
-        if req.live_keep >= len(req.tokens) - 1:
-            return  # the live KV serves all a state could
-        events = self.saver.in_flight_sharing(req.tokens, more_than=req.live_keep)
-        if not events:
-            return
+        assert self.cache is not None
+        tokens = req.tokens
+
+        def ask() -> LookupResult | None:
+            assert self.cache is not None
+            return self.cache.lookup(self.identity, tokens, max_tokens=limit,
+                                     common_prefix=self.plain_kv,
+                                     timeout=self.config.cache_timeout_s)
+
+        hit = ask()
+        served = max(req.live_keep, min(hit.matched_tokens, len(tokens) - 1) if hit else 0)
+        if served >= len(tokens) - 1:
+            return hit
+        queued = self.saver.in_flight_sharing(tokens, more_than=served)
+        if not queued:
+            return hit
         self._count("lookups_waited_own_save")
         deadline = time.monotonic() + self.config.session_resume_wait_ms / 1000
-        for event in events:
+        for event in queued:
             event.wait(max(0.0, deadline - time.monotonic()))
+        return ask()
 
     # -- keys -----------------------------------------------------------------------------
 
