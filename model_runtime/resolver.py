@@ -155,7 +155,8 @@ class Resolver:
     def _lookup(self, req: Request, limit: int) -> LookupResult | None:
         """The daemon's longest-common-prefix answer; asked again after waiting (up to
         ``session_resume_wait_ms``) where a save still queued in this runtime would
-        serve more of the prompt than that answer or a live sequence. Otherwise a
+        serve at least ``min_save_tokens`` more of the prompt than that answer or a live
+        sequence. Otherwise a
         conversation's next turn whose sequence another request has taken since would
         be prefilled cold when it comes back before its ``finish`` save is published
         (tests/test_runtime.py::test_a_prompt_waits_for_this_runtime_s_queued_save_of_its_prefix)."""
@@ -170,9 +171,11 @@ class Resolver:
 
         hit = ask()
         served = max(req.live_keep, min(hit.matched_tokens, len(tokens) - 1) if hit else 0)
-        if served >= len(tokens) - 1:
+        # Worth a wait only for at least min_save_tokens more: fewer are cheaper to prefill.
+        more_than = served + self.config.min_save_tokens - 1
+        if more_than >= len(tokens) - 1:
             return hit
-        queued = self.saver.in_flight_sharing(tokens, more_than=served)
+        queued = self.saver.in_flight_sharing(tokens, more_than=more_than)
         if not queued:
             return hit
         self._count("lookups_waited_own_save")

@@ -45,6 +45,7 @@ FLUSH_S = 30.0  # upper bound for the background saves to reach the daemon
 TEXT_A = "the cat and the dog sat on the mat with a hat, "
 TEXT_B = "in the end it is what it is, or so they say to you. "
 TEXT_C = "Numbers: 3.14159, 2718, 42! Letters: abc def ghi. "
+TEXT_D = "we went up the hill and down the road to see the sea. "
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -606,7 +607,7 @@ def test_concurrent_requests_match_requests_run_alone(
         {"tokens": prompt(rt, 40, TEXT_A), "max_tokens": 30},
         {"tokens": prompt(rt, 150, TEXT_B), "max_tokens": 20},
         {"tokens": prompt(rt, 300, TEXT_C), "max_tokens": 25},
-        {"tokens": prompt(rt, 90, TEXT_B + TEXT_A), "max_tokens": 30, "temperature": 0.8,
+        {"tokens": prompt(rt, 90, TEXT_D + TEXT_A), "max_tokens": 30, "temperature": 0.8,
          "top_k": 40, "seed": 11},
     ]
     alone = [plain.complete(**job).tokens for job in jobs]
@@ -638,7 +639,9 @@ def test_concurrent_requests_match_requests_run_alone(
             t.join(180)
         return results
 
-    cold = run_all()  # all cold, prefills interleaved with decodes
+    # All cold, prefills interleaved with decodes: no prompt shares a prefix with another
+    # (a request may otherwise wait for another's cold save, see Resolver._lookup).
+    cold = run_all()
     assert [c.tokens for c in cold] == alone
     assert {c.cache_hit_kind for c in cold} == {"cold"}
     flush(rt)
