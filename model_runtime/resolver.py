@@ -154,20 +154,19 @@ class Resolver:
 
     def _lookup(self, req: Request, limit: int) -> LookupResult | None:
         """The daemon's longest-common-prefix answer; asked again after waiting (up to
-        ``session_resume_wait_ms``) where a save still queued in this runtime would
-        serve at least ``min_save_tokens`` more of the prompt than that answer or a live
-        sequence. Otherwise a
-        conversation's next turn whose sequence another request has taken since would
-        be prefilled cold when it comes back before its ``finish`` save is published
+        ``session_resume_wait_ms``) where a save still queued in this runtime would serve
+        at least ``min_save_tokens`` more of the prompt than that answer or a live
+        sequence. Otherwise a conversation's next turn whose sequence another request has
+        taken since would be prefilled cold when it comes back before its ``finish`` save
+        is published
         (tests/test_runtime.py::test_a_prompt_waits_for_this_runtime_s_queued_save_of_its_prefix)."""
-        assert self.cache is not None
-        tokens = req.tokens
+        cache, tokens = self.cache, req.tokens
+        assert cache is not None
 
         def ask() -> LookupResult | None:
-            assert self.cache is not None
-            return self.cache.lookup(self.identity, tokens, max_tokens=limit,
-                                     common_prefix=self.plain_kv,
-                                     timeout=self.config.cache_timeout_s)
+            return cache.lookup(self.identity, tokens, max_tokens=limit,
+                                common_prefix=self.plain_kv,
+                                timeout=self.config.cache_timeout_s)
 
         hit = ask()
         served = max(req.live_keep, min(hit.matched_tokens, len(tokens) - 1) if hit else 0)
