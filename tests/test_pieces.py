@@ -58,6 +58,13 @@ def joined(chain: list[LoadedBlob], n: int) -> bytes:
     return out
 
 
+def placed(client: CacheClient, *keys: bytes) -> None:
+    """Wait for the entries' RAM copies: placing one (in the background) holds the entry,
+    and prune and evict skip held entries, so a test of their plans waits first."""
+    wait_for(lambda: set(keys) <= {e.key for e in client.list_entries(tier="ram")},
+             "the RAM copies")
+
+
 def stored_files(d: DaemonProcess) -> dict[str, int]:
     return {p.stem: p.stat().st_size for p in (d.data_dir / "blobs").rglob("*.kvc")}
 
@@ -248,6 +255,7 @@ def test_prune_removes_an_entry_only_with_what_is_built_on_it(client: CacheClien
     t = toks(12, 300)
     root = save(client, t[:200], reason="cold")
     leaf = save(client, t, parent=root, base=200, reason="finish")
+    placed(client, root, leaf)
     # Only the root matches: it stays (the finish entry is built on it), said so.
     resp = client.prune(reason="cold")
     assert not resp.removed and resp.skipped_shared == 1
@@ -344,6 +352,7 @@ def test_operators_see_pieces_in_stats_ls_inspect_evict_and_prune(
     t = toks(19, 300)
     root = save(client, t[:200], reason="cold")
     leaf = save(client, t, parent=root, base=200)
+    placed(client, root, leaf)
     sock = ["--address", daemon.address]
 
     stats = cli_json("stats", *sock)
