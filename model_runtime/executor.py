@@ -55,7 +55,7 @@ class Executor:
         entry = chain[-1]
         # Tokens the state shares with the prompt; all but the prompt's last are kept
         # (that one is decoded again for fresh logits), and whatever follows is cut:
-        # pieces are joined up to there, a whole state is cut after its restore.
+        # pieces are joined up to there, a state set as stored is cut after its restore.
         shared = common_prefix(entry.meta.tokens, req.tokens)
         keep = min(shared, len(req.tokens) - 1)
         try:
@@ -66,7 +66,7 @@ class Executor:
             log.warning("state of %s not restorable: %s", entry.key.hex(), exc)
             ok = False
         if ok:
-            seq.tokens = list(entry.meta.tokens[: joined.n_tokens])
+            seq.tokens = list(joined.tokens)
             seq.restored = True
             # The state of an entry of these tokens: its key is computed when needed (a
             # live sequence's previous key no longer names it).

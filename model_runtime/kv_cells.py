@@ -20,8 +20,8 @@ The format (llama.cpp as vendored by llama-cpp-python 0.3.36, ``llama-context.cp
 ``v_trans`` is 1 when flash attention is off.  Cells appear in KV-buffer order, which is
 usually, but not always, position order.
 
-Two forms of a run of ``n`` cells, both ``n * layout.cell_width`` bytes, both consumed
-by :func:`build_state` (runs of either form join in one state):
+Three forms of a run of ``n`` cells (:func:`run_size`), all consumed by
+:func:`build_state` (runs of any forms join in one state):
 
 - planes (:func:`planes_bytes`, what pieces are stored in): llama.cpp's own data section
   restricted to the run, without headers: every layer's ``n`` K rows, then every layer's
@@ -32,6 +32,9 @@ by :func:`build_state` (runs of either form join in one state):
   of every layer, a transposed V untransposed (the cell's ``n_embd_v_gqa`` elements side
   by side), so every cell is one contiguous record.  Pieces written by kvcache 0.1's
   first piece format are in this form and stay readable.
+- state: llama.cpp's own bytes of a state holding exactly positions ``0..n-1`` in order
+  (what a root piece is stored as: saving it copies nothing, and restoring all of it
+  hands llama.cpp the stored bytes as they are).  ``layout.state_size(n)`` bytes.
 
 Refused (:class:`StateFormatError`), because cutting them would be wrong or the bytes
 cannot be rebuilt exactly: sliding-window and hybrid models (their state holds a second
@@ -53,6 +56,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 __all__ = [
+    "FORM_CELLS",
+    "FORM_PLANES",
+    "FORM_STATE",
     "STATE_MAGIC",
     "CellState",
     "LayerLayout",
@@ -64,13 +70,14 @@ __all__ = [
     "layout_of",
     "parse",
     "planes_bytes",
+    "run_size",
 ]
 
 STATE_MAGIC = 0xAF143CD8
-FORM_CELLS, FORM_PLANES = "cells", "planes"
+FORM_CELLS, FORM_PLANES, FORM_STATE = "cells", "planes", "state"
 # A layout dict's version names the form of the runs it describes, so a reader that
 # knows only cell-major runs refuses planar ones instead of restoring scrambled bytes.
-_LAYOUT_VERSIONS = {FORM_CELLS: 1, FORM_PLANES: 2}
+_LAYOUT_VERSIONS = {FORM_CELLS: 1, FORM_PLANES: 2, FORM_STATE: 3}
 _FORMS = {v: k for k, v in _LAYOUT_VERSIONS.items()}
 
 BytesLike = bytes | bytearray | memoryview
@@ -222,12 +229,22 @@ class Layout:
 
 
 def form_of(d: dict[str, Any]) -> str:
-    """The form (:data:`FORM_CELLS` or :data:`FORM_PLANES`) of the runs a layout dict
-    goes with; :class:`StateFormatError` for a version this module does not know."""
+    """The form (:data:`FORM_CELLS`, :data:`FORM_PLANES` or :data:`FORM_STATE`) of the
+    runs a layout dict goes with; :class:`StateFormatError` for a version this module
+    does not know."""
     version = d.get("version") if isinstance(d, dict) else None
     if isinstance(version, bool) or version not in _FORMS:
         raise StateFormatError(f"unsupported layout version {version!r}")
     return _FORMS[version]
+
+
+def run_size(layout: Layout, form: str, n_cells: int) -> int:
+    """Bytes of a run of ``n_cells`` cells in ``form``."""
+    if form == FORM_STATE:
+        return layout.state_size(n_cells)
+    if form in (FORM_CELLS, FORM_PLANES):
+        return n_cells * layout.cell_width
+    raise ValueError(f"unknown run form {form!r}")
 
 
 def _as_int(v: Any) -> int:
@@ -523,7 +540,8 @@ def build_state(
     """llama.cpp's state bytes for ``cells`` (one run, or runs to join in order).
 
     ``forms`` names the form of every run (one string) or of each run in turn (always
-    given: both forms have the same size, so a wrong one would pass unnoticed);
+    given: the cells and planes forms have the same size, so a wrong one would pass
+    unnoticed);
     ``takes``, how many leading cells of each run to use (default: all of them).
     With ``scratch`` the bytes are built in its buffer (valid until its next use).
     Positions are ``first_pos, first_pos + 1, ...`` unless ``positions`` gives one per
@@ -572,8 +590,8 @@ class Scratch:
 @dataclass(frozen=True)
 class _Run:
     """Views of one run's planes: ``k[l]`` is ``(n, k_row)`` bytes; ``v[l]`` is ``(n,
-    v_cell)`` bytes (a cell-major run, or rows), or, for a planar run of a transposed V,
-    ``(n_embd_v_gqa, n)`` elements already in llama.cpp's orientation."""
+    v_cell)`` bytes (a cell-major run, or rows), or, for a planar or state run of a
+    transposed V, ``(n_embd_v_gqa, n)`` elements already in llama.cpp's orientation."""
 
     n: int
     k: list[np.ndarray]
@@ -594,6 +612,11 @@ def _runs(
     width = layout.cell_width
     runs = []
     for i, (item, form) in enumerate(zip(items, run_forms, strict=True)):
+        if form not in _LAYOUT_VERSIONS:
+            raise ValueError(f"unknown run form {form!r}")
+        if form == FORM_STATE:
+            runs.append(_state_run(layout, item, None if takes is None else takes[i], i))
+            continue
         flat = np.frombuffer(item, dtype=np.uint8)
         if len(flat) % width:
             raise ValueError(f"run {i} has {len(flat)} bytes, not a multiple of {width}")
@@ -603,10 +626,8 @@ def _runs(
             raise ValueError(f"run {i} holds {n} cells, {take} asked for")
         if form == FORM_CELLS:
             runs.append(_cell_major_run(layout, flat.reshape(n, width)[:take]))
-        elif form == FORM_PLANES:
-            runs.append(_planar_run(layout, flat, n, take))
         else:
-            raise ValueError(f"unknown run form {form!r}")
+            runs.append(_planar_run(layout, flat, n, take))
     return runs
 
 
@@ -614,6 +635,21 @@ def _cell_major_run(layout: Layout, run: np.ndarray) -> _Run:
     k = [run[:, col : col + width] for col, width in layout.k_columns()]
     v = [run[:, col : col + width] for col, width in layout.v_columns()]
     return _Run(len(run), k, v, v_in_channels=False)
+
+
+def _state_run(layout: Layout, state: BytesLike, take: int | None, i: int) -> _Run:
+    """A run stored as llama.cpp's bytes: its planes, viewed where they lie."""
+    cs = parse(state)
+    if (cs.layout.v_trans, cs.layout.layers) != (layout.v_trans, layout.layers):
+        raise StateFormatError(f"run {i} is a state of another layout")
+    if not cs.is_prefix:
+        raise StateFormatError(f"run {i} is a state that does not hold positions 0..n-1")
+    take = cs.n_cells if take is None else take
+    if not 0 <= take <= cs.n_cells:
+        raise ValueError(f"run {i} holds {cs.n_cells} cells, {take} asked for")
+    k = [plane[:take] for plane in cs.k_planes]
+    v = [plane[:, :take] if layout.v_trans else plane[:take] for plane in cs.v_planes]
+    return _Run(take, k, v, v_in_channels=layout.v_trans)
 
 
 def _planar_run(layout: Layout, flat: np.ndarray, n: int, take: int) -> _Run:

@@ -1,11 +1,13 @@
 """Entries as pieces: the cells a save stores, and the state a restore joins.
 
-A plain-attention state is stored as runs of cells (kv_cells' planar form): an entry
-whose first ``base`` tokens another entry's chain already holds stores only the cells
-of tokens ``[base, n)`` and names that entry as its parent, so each shared prefix is
-stored once. A restore reads the chain, root first, takes from each piece the cells up
-to where the next one starts (or the prompt stops), and joins them into the bytes
-``llama_state_seq_set_data`` takes. States that cannot be cut (sliding-window,
+A plain-attention state is stored as runs of cells: an entry whose first ``base``
+tokens another entry's chain already holds stores only the cells of tokens ``[base, n)``
+(kv_cells' planar form) and names that entry as its parent, so each shared prefix is
+stored once; an entry with no parent stores the state as llama.cpp gave it (the state
+form, no copy). A restore reads the chain, root first, takes from each piece the cells
+up to where the next one starts (or the prompt stops), and joins them into the bytes
+``llama_state_seq_set_data`` takes; a restore served by a root's cells alone hands
+llama.cpp the stored bytes as they are. States that cannot be cut (sliding-window,
 recurrent, hybrid models) and entries of the previous version are whole states: one
 blob, no cell layout. Pieces of the first piece format hold cell-major runs (their
 layout says so) and join with planar ones.
@@ -28,9 +30,9 @@ from .kv_cells import Layout, StateFormatError
 __all__ = ["Cut", "JoinedState", "cut", "decode_layout", "encode_layout", "join"]
 
 
-def encode_layout(layout: Layout) -> bytes:
-    """The ``cell_layout`` a piece's blob carries (its runs are planar)."""
-    return msgpack.packb(layout.to_dict(kv_cells.FORM_PLANES), use_bin_type=True)
+def encode_layout(layout: Layout, form: str = kv_cells.FORM_PLANES) -> bytes:
+    """The ``cell_layout`` a piece's blob carries, naming the form of its run."""
+    return msgpack.packb(layout.to_dict(form), use_bin_type=True)
 
 
 def decode_layout(data: bytes) -> tuple[Layout, str]:
@@ -54,13 +56,18 @@ class Cut:
 
 
 def cut(state: bytes | memoryview, base: int) -> Cut:
-    """The cells of a captured state from ``base`` on. Raises StateFormatError for a
-    state that is not one run of cells holding positions 0..n-1 (those are saved whole)."""
+    """The cells of a captured state from ``base`` on: from 0, the state itself (a view
+    of ``state``, which must outlive the Cut); from later, its planes from ``base``.
+    Raises StateFormatError for a state that is not one run of cells holding positions
+    0..n-1 (those are saved whole)."""
     cells = kv_cells.parse(state)
     if not cells.is_prefix:
         raise StateFormatError("the state's cells do not hold positions 0..n-1")
     if not 0 <= base < cells.n_cells:
         raise ValueError(f"base {base} outside a state of {cells.n_cells} cells")
+    if base == 0:
+        return Cut(memoryview(state).toreadonly(),
+                   encode_layout(cells.layout, kv_cells.FORM_STATE), cells.n_cells)
     return Cut(kv_cells.planes_bytes(cells, base, cells.n_cells), encode_layout(cells.layout),
                cells.n_cells)
 
@@ -68,17 +75,25 @@ def cut(state: bytes | memoryview, base: int) -> Cut:
 @dataclass(frozen=True)
 class JoinedState:
     state: bytes | memoryview  # for llama_state_seq_set_data
-    n_tokens: int  # tokens it holds (a whole state may hold more than were asked for)
+    tokens: Sequence[int]  # the tokens it holds (maybe more than were asked for)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
 
 
 def join(chain: Sequence[LoadedBlob], n_tokens: int, seq_id: int,
          scratch: kv_cells.Scratch | None = None, n_stream: int = 1) -> JoinedState:
     """The state of the first ``n_tokens`` tokens of a chain (root first, as
     ``CacheClient.load_chain`` returns it; pieces past them are not read), for sequence
-    ``seq_id``. A whole state is
-    returned as it is: the caller cuts it after the restore. Raises StateFormatError
-    when the pieces do not fit together. With ``scratch`` the state is built in its
-    buffer (valid until the scratch's next use). ``n_stream``: the KV streams of the
+    ``seq_id``. Raises StateFormatError when the pieces do not fit together.
+
+    A whole state, and a root stored in the state form that serves every cell asked
+    for and holds at most twice as many, are returned as stored, with all their tokens:
+    the caller cuts them after the restore (llama.cpp reads neither the sequence id in
+    the header nor those of the cells, and setting and then freeing the extra cells costs
+    less than building a copy). Otherwise the state is built: in ``scratch``'s
+    buffer when given (valid until its next use). ``n_stream``: the KV streams of the
     context it is for (LlamaContext.state_streams): the cells go in the first, the
     others are written empty, so llama.cpp takes the bytes as they are."""
     if not chain:
@@ -86,32 +101,44 @@ def join(chain: Sequence[LoadedBlob], n_tokens: int, seq_id: int,
     if not chain[-1].meta.cell_layout:
         if len(chain) > 1:
             raise StateFormatError("a whole state cannot follow other pieces")
-        return JoinedState(chain[0].payload, len(chain[0].meta.tokens))
+        return JoinedState(chain[0].payload, chain[0].meta.tokens)
     layout, _ = decode_layout(chain[0].meta.cell_layout)
-    width = layout.cell_width
-    runs: list[memoryview] = []
-    forms: list[str] = []
-    takes: list[int] = []
+    used: list[tuple[LoadedBlob, str, int]] = []  # (piece, form, cells taken)
     for i, blob in enumerate(chain):
         meta = blob.meta
         piece_layout, form = decode_layout(meta.cell_layout)
         if piece_layout != layout:
             raise StateFormatError(f"piece {i} has another cell layout than its chain")
         own = len(meta.tokens) - meta.base
-        if len(blob.payload) != own * width:
-            raise StateFormatError(f"piece {i} holds {len(blob.payload)} bytes, not "
-                                   f"{own} cells of {width}")
+        if form == kv_cells.FORM_STATE and meta.base:
+            raise StateFormatError(f"piece {i} is a whole state but has a parent")
+        size = kv_cells.run_size(layout, form, own)
+        if len(blob.payload) != size:
+            raise StateFormatError(f"piece {i} holds {len(blob.payload)} bytes, not the "
+                                   f"{size} of {own} cells")
         if meta.base >= n_tokens:
             break  # this piece and the rest hold only later tokens
         end = chain[i + 1].meta.base if i + 1 < len(chain) else len(meta.tokens)
-        runs.append(blob.payload)
-        forms.append(form)
-        takes.append(min(end, n_tokens) - meta.base)
-    if sum(takes) != n_tokens:
-        raise StateFormatError(f"the chain holds {sum(takes)} of {n_tokens} tokens")
+        used.append((blob, form, min(end, n_tokens) - meta.base))
+    if sum(take for _, _, take in used) != n_tokens:
+        raise StateFormatError(f"the chain holds {sum(t for _, _, t in used)} of "
+                               f"{n_tokens} tokens")
+    root, form, _ = used[0]
+    if len(used) == 1 and form == kv_cells.FORM_STATE and layout.n_stream == n_stream \
+            and len(root.meta.tokens) <= 2 * n_tokens:
+        _check_state(root.payload, layout)
+        return JoinedState(root.payload, root.meta.tokens)
     if layout.n_stream == 1 and n_stream > 1:
         layout = replace(layout, n_stream=n_stream, stream=0)
-    return JoinedState(
-        kv_cells.build_state(layout, runs, seq_id=seq_id, forms=forms, takes=takes,
-                             scratch=scratch), n_tokens)
+    state = kv_cells.build_state(layout, [blob.payload for blob, _, _ in used],
+                                 seq_id=seq_id, forms=[form for _, form, _ in used],
+                                 takes=[take for _, _, take in used], scratch=scratch)
+    return JoinedState(state, chain[-1].meta.tokens[:n_tokens])
 
+
+def _check_state(state: memoryview, layout: Layout) -> None:
+    """A stored state given to llama.cpp as it is: it must be what its layout says, its
+    cells positions 0..n-1 (llama.cpp would take any positions)."""
+    cells = kv_cells.parse(state)
+    if cells.layout != layout or not cells.is_prefix:
+        raise StateFormatError("a stored state does not match its cell layout")

@@ -21,6 +21,7 @@ from make_tiny_gguf import write_tiny_llama_gguf
 from model_runtime.kv_cells import (
     FORM_CELLS,
     FORM_PLANES,
+    FORM_STATE,
     STATE_MAGIC,
     CellState,
     LayerLayout,
@@ -33,6 +34,7 @@ from model_runtime.kv_cells import (
     layout_of,
     parse,
     planes_bytes,
+    run_size,
 )
 from model_runtime.llama_backend import ContextParams, LlamaContext, LlamaLoadError, LlamaModel
 
@@ -200,19 +202,31 @@ def test_planar_run_is_llama_cpp_planes_without_headers(
     assert planes_bytes(cs, 3, 9) == b"".join(w.tobytes() for w in want)
 
 
-def test_runs_of_both_forms_join_and_take_leading_cells(
+def test_runs_of_every_form_join_and_take_leading_cells(
     kv_ctx: LlamaContext, wide_model: LlamaModel
 ) -> None:
     tokens = prompt(wide_model, 300)
     cs = parse(fresh_state(kv_ctx, 1, tokens))
-    runs = [cells_bytes(cs, 0, 100), planes_bytes(cs, 100, 257), planes_bytes(cs, 257, 300)]
-    forms = [FORM_CELLS, FORM_PLANES, FORM_PLANES]
-    for takes, k in (([100, 157, 43], 300), ([100, 60, 0], 160), ([37, 0, 0], 37)):
+    # A state-form run is llama.cpp's bytes of its cells, whatever sequence they came from.
+    as_state = bytes(build_state(cs.layout, planes_bytes(cs, 0, 60), seq_id=5,
+                                 forms=FORM_PLANES))
+    assert len(as_state) == run_size(cs.layout, FORM_STATE, 60)
+    runs = [as_state, cells_bytes(cs, 60, 100), planes_bytes(cs, 100, 257),
+            planes_bytes(cs, 257, 300)]
+    forms = [FORM_STATE, FORM_CELLS, FORM_PLANES, FORM_PLANES]
+    for takes, k in (([60, 40, 157, 43], 300), ([60, 40, 60, 0], 160), ([37, 0, 0, 0], 37)):
         joined = build_state(cs.layout, runs, seq_id=1, forms=forms, takes=takes)
         assert kv_ctx.seq_truncate(1, k)
         assert joined == state_of(kv_ctx, 1), f"first {k} cells"
     with pytest.raises(ValueError, match="asked for"):
-        build_state(cs.layout, runs, seq_id=1, forms=forms, takes=[101, 0, 0])
+        build_state(cs.layout, runs, seq_id=1, forms=forms, takes=[61, 0, 0, 0])
+    shifted = bytes(build_state(cs.layout, planes_bytes(cs, 0, 60), seq_id=1,
+                                forms=FORM_PLANES, first_pos=5))
+    with pytest.raises(StateFormatError, match="positions 0..n-1"):
+        build_state(cs.layout, shifted, seq_id=1, forms=FORM_STATE)
+    other = Layout(cs.layout.v_trans, cs.layout.layers[:1])
+    with pytest.raises(StateFormatError, match="another layout"):
+        build_state(other, as_state, seq_id=1, forms=FORM_STATE)
     with pytest.raises(ValueError, match="forms and takes"):
         build_state(cs.layout, runs, seq_id=1, forms=forms[:2])
     with pytest.raises(ValueError, match="unknown run form"):
@@ -237,10 +251,12 @@ def test_a_scratch_buffer_is_reused_and_builds_the_same_bytes(
 
 def test_layout_dict_names_its_run_form(small_state: bytes) -> None:
     layout = layout_of(small_state)
-    for form in (FORM_CELLS, FORM_PLANES):
+    for form in (FORM_CELLS, FORM_PLANES, FORM_STATE):
         d = layout.to_dict(form)
         assert form_of(d) == form and Layout.from_dict(d) == layout
-    assert layout.to_dict()["version"] == 2  # planar by default; version 1 is cell-major
+    # Planar by default; version 1 is cell-major, 3 llama.cpp's own bytes.
+    assert [layout.to_dict(f)["version"] for f in (FORM_PLANES, FORM_CELLS, FORM_STATE)] == \
+        [2, 1, 3]
 
 
 def test_prefix_of_state_is_llama_cpp_state_after_seq_rm(

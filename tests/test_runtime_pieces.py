@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 from conftest_llama import prefill
 from daemon_proc import DaemonProcess, wait_for
@@ -88,11 +89,41 @@ def test_joined_pieces_are_llama_cpp_bytes(tiny_model: Path) -> None:
                 chain.append(blob(tokens[:end], piece.payload, base,
                                   b"p" * 16 if base else b"", piece.cell_layout))
             assert bytes(pieces.join(chain, 150, seq_id=0).state) == state
-            # Any shorter prefix of the chain is llama.cpp's state of those tokens.
-            assert bytes(pieces.join(chain, 100, seq_id=0).state) == \
-                fresh_state(ctx, 0, tokens[:100])
-        assert bytes(pieces.join(chain, 100, seq_id=3).state) == \
-            fresh_state(ctx, 3, tokens[:100])
+            # A shorter prefix is llama.cpp's state of those tokens, for the sequence asked
+            # for; or, when the root alone serves it and holds at most twice as many
+            # tokens, the root as stored (llama.cpp's bytes, cut after the restore).
+            root_tokens = cuts[1] if len(cuts) > 1 else len(tokens)
+            for n, seq in ((100, 0), (60, 3), (100, 3)):
+                joined = pieces.join(chain, n, seq_id=seq)
+                as_stored = root_tokens >= n and root_tokens <= 2 * n
+                assert list(joined.tokens) == tokens[: root_tokens if as_stored else n]
+                want = chain[0].payload if as_stored else fresh_state(ctx, seq, tokens[:n])
+                assert bytes(joined.state) == bytes(want), (cuts, n, seq)
+                if as_stored:  # not a copy
+                    assert np.shares_memory(np.frombuffer(joined.state, np.uint8),
+                                            np.frombuffer(chain[0].payload, np.uint8))
+
+
+def test_a_root_is_stored_as_llama_cpp_s_bytes_and_restored_as_stored(
+        tiny_model: Path) -> None:
+    with LlamaModel(tiny_model) as model, new_ctx(model) as ctx:
+        tokens = model_prompt(model, 120)
+        state = fresh_state(ctx, 0, tokens)
+        root = pieces.cut(state, 0)
+        assert bytes(root.payload) == state and root.n_cells == 120
+        assert kv_cells.form_of(msgpack.unpackb(root.cell_layout)) == kv_cells.FORM_STATE
+        chain = [blob(tokens, root.payload, layout=root.cell_layout)]
+        # Set as stored into another sequence and cut: llama.cpp's state of the prefix.
+        joined = pieces.join(chain, 90, seq_id=2)
+        assert ctx.state_seq_set(2, joined.state) == len(joined.state)
+        assert ctx.seq_truncate(2, 90)
+        assert bytes(ctx.state_seq_get(2)) == fresh_state(ctx, 2, tokens[:90])
+        # A root that does not hold positions 0..n-1 is refused, not handed to llama.cpp.
+        layout = kv_cells.layout_of(state)
+        shifted = kv_cells.build_state(layout, kv_cells.planes_bytes(state, 0, 120),
+                                       seq_id=0, forms=kv_cells.FORM_PLANES, first_pos=1)
+        with pytest.raises(pieces.StateFormatError, match="does not match"):
+            pieces.join([blob(tokens, shifted, layout=root.cell_layout)], 90, seq_id=2)
 
 
 def test_cell_major_pieces_of_the_first_piece_format_join_with_planar_ones(
