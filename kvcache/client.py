@@ -18,6 +18,7 @@ import itertools
 import mmap
 import os
 import re
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -122,13 +123,17 @@ class Identity:
 
 @dataclass(frozen=True)
 class Piece:
-    """One blob of an entry's state: the cells of tokens ``[base, n_tokens)``."""
+    """One blob of an entry's state: the cells of tokens ``[base, n_tokens)``. A piece
+    a lookup opened (``lookup(open_min_tokens=...)``) also says where its file is and holds a read
+    pin (``pin_id``) until it is loaded or released."""
 
     key: bytes
     base: int
     n_tokens: int
     size: int
     tier: str
+    path: str = ""
+    pin_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,7 @@ class LookupResult:
     probes: int
     entry_tokens: int = 0  # the entry's own length (a common-prefix hit may be longer)
     chain: tuple[Piece, ...] = ()  # the blobs making up its state, root first
+    block_size: int = 0  # the daemon's, when it opened pieces (their key check needs it)
 
     def pieces_for(self, n_tokens: int) -> tuple[Piece, ...]:
         """The pieces holding the first ``n_tokens`` tokens (those starting below it)."""
@@ -180,6 +186,18 @@ def map_file(f: BinaryIO, size: int) -> memoryview:
     return memoryview(mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ))
 
 
+@dataclass(frozen=True)
+class _Opened:
+    """A blob the daemon pinned for this client's read (OpenRead, or a lookup that
+    opened its pieces): where it is, and the block size its key is checked with."""
+
+    path: str
+    size: int
+    pin_id: str
+    tier: str
+    block_size: int
+
+
 class CacheClient:
     def __init__(self, address: str | None = None, *, timeout: float = 10.0,
                  fast_path: bool | None = None, auth: ClientAuth | None = None) -> None:
@@ -199,8 +217,12 @@ class CacheClient:
             ("grpc.max_reconnect_backoff_ms", 2000),
         ])
         self.stub = pb_grpc.KVCacheStub(self.channel)
+        # Read pins released without waiting for the answer (see _release_later).
+        self._releases: list[grpc.Future] = []
+        self._releases_lock = threading.Lock()
 
     def close(self) -> None:
+        self._settle_releases()
         self.channel.close()
 
     def __enter__(self) -> CacheClient:
@@ -210,22 +232,50 @@ class CacheClient:
         self.close()
 
     def _rpc(self, method: str, request: object, timeout: float | None = None) -> object:
+        if self._releases:
+            self._settle_releases()  # this client's later calls see its reads released
         try:
             return getattr(self.stub, method)(request, timeout=timeout or self.timeout)
         except grpc.RpcError as exc:
             raise _wrap(exc, self.address) from None
 
+    def _release_later(self, pin_id: str) -> None:
+        """Release a read pin of a blob read well, without waiting for the answer: it is
+        off a restore's path (a round trip of ~0.5 ms). The client's next call, or its
+        close, waits for it first; a release that fails leaves the pin to expire."""
+        future = self.stub.ReleaseRead.future(pb.ReleaseReadRequest(pin_id=pin_id),
+                                              timeout=5.0)
+        with self._releases_lock:
+            self._releases.append(future)
+
+    def _settle_releases(self) -> None:
+        with self._releases_lock:
+            pending, self._releases = self._releases, []
+        for future in pending:
+            with contextlib.suppress(grpc.RpcError):
+                future.result()
+
+    def release(self, hit: LookupResult) -> None:
+        """Release the pins of the pieces a lookup opened that will not be loaded."""
+        for piece in hit.chain:
+            if piece.pin_id:
+                self._release_later(piece.pin_id)
+
     # -- cache use --------------------------------------------------------------------------
 
     def lookup(self, identity: Identity, tokens: Sequence[int], *, max_tokens: int = 0,
-               common_prefix: bool = False, timeout: float | None = None
-               ) -> LookupResult | None:
+               common_prefix: bool = False, open_min_tokens: int = 0,
+               timeout: float | None = None) -> LookupResult | None:
         """The longest saved prefix of ``tokens``, or None. With ``common_prefix``, the
         entry sharing the most leading tokens, also one longer than ``tokens`` or
-        diverging from them (``entry_tokens`` > ``matched_tokens``: cut it there)."""
+        diverging from them (``entry_tokens`` > ``matched_tokens``: cut it there). When at
+        least ``open_min_tokens`` tokens match (and the daemon is on this host), the
+        pieces holding them are opened in the same call: pass them to :meth:`load_chain`,
+        or :meth:`release` the hit."""
         resp = self._rpc("Lookup", pb.LookupRequest(
             identity=identity.message(), packed_tokens=keys.tokens_to_bytes(tokens),
-            max_tokens=max_tokens, common_prefix=common_prefix), timeout)
+            max_tokens=max_tokens, common_prefix=common_prefix,
+            open_min_tokens=open_min_tokens if self.fast_path else 0), timeout)
         return self._lookup_result(resp)
 
     def lookup_before_save(self, identity: Identity, tokens: Sequence[int], *,
@@ -246,10 +296,11 @@ class CacheClient:
     def _lookup_result(resp: pb.LookupResponse) -> LookupResult | None:
         if not resp.found:
             return None
-        chain = tuple(Piece(p.key, p.base, p.n_tokens, p.size, TIER_NAMES[p.tier])
-                      for p in resp.chain)
+        chain = tuple(Piece(p.key, p.base, p.n_tokens, p.size, TIER_NAMES[p.tier],
+                            p.path, p.pin_id) for p in resp.chain)
         return LookupResult(resp.key, resp.matched_tokens, TIER_NAMES[resp.tier], resp.size,
-                            resp.probes, resp.entry_tokens or resp.matched_tokens, chain)
+                            resp.probes, resp.entry_tokens or resp.matched_tokens, chain,
+                            resp.block_size)
 
     def save(self, identity: Identity, tokens: Sequence[int], payload: bytes | memoryview,
              reason: str, *, codec: str = "none", timeout: float | None = None,
@@ -341,9 +392,16 @@ class CacheClient:
         """Fetch and verify a blob. With ``prefix_of``, also prove that its tokens are a
         prefix of that prompt (the hash is not the proof); with ``shares`` N as well, only
         that its first N tokens are the prompt's (a common-prefix hit)."""
+        return self._load(key, prefix_of, shares, wait_ms, timeout)
+
+    def _load(self, key: bytes, prefix_of: Sequence[int] | None, shares: int, wait_ms: int,
+              timeout: float | None, opened: _Opened | None = None) -> LoadedBlob:
         t = timeout or max(self.timeout, wait_ms / 1000 + 5)
-        load = self._load_local if self.fast_path else self._load_stream
-        blob, tier = load(key, wait_ms, t)
+        if opened is not None:
+            blob, tier = self._read_opened(key, opened, wait_ms, t)
+        else:
+            load = self._load_local if self.fast_path else self._load_stream
+            blob, tier = load(key, wait_ms, t)
         tokens = blob.meta.tokens
         if prefix_of is not None:
             n = shares or len(tokens)
@@ -355,21 +413,30 @@ class CacheClient:
                           key)
 
     def load_chain(self, key: bytes, *, prefix_of: Sequence[int], shares: int = 0,
-                   pieces: Sequence[Piece] = (), wait_ms: int = 0,
+                   pieces: Sequence[Piece] = (), block_size: int = 0, wait_ms: int = 0,
                    timeout: float | None = None) -> list[LoadedBlob]:
         """The blobs holding entry ``key``'s first ``shares`` tokens (default: all of
         them), root first, each proven to hold the prompt's tokens it covers. ``pieces``
-        (a lookup's chain) names them; without it they are found by following each
-        blob's parent. A missing or corrupt link raises as :meth:`load` does."""
+        (a lookup's chain) names them, and those the lookup opened are read where it
+        said (``block_size``: the lookup's) and their pins released, also on a failure;
+        without ``pieces`` they are found by following each blob's parent. A missing or
+        corrupt link raises as :meth:`load` does."""
         blobs: list[LoadedBlob] = []
         if pieces:
-            for i, piece in enumerate(pieces):
-                # A parent is proven only up to where its child takes over: past that
-                # it may well diverge from the prompt.
-                end = pieces[i + 1].base if i + 1 < len(pieces) else piece.n_tokens
-                need = min(shares, end) if shares else end
-                blobs.append(self.load(piece.key, prefix_of=prefix_of, shares=need,
-                                       wait_ms=wait_ms, timeout=timeout))
+            try:
+                for i, piece in enumerate(pieces):
+                    # A parent is proven only up to where its child takes over: past that
+                    # it may well diverge from the prompt.
+                    end = pieces[i + 1].base if i + 1 < len(pieces) else piece.n_tokens
+                    need = min(shares, end) if shares else end
+                    opened = _Opened(piece.path, piece.size, piece.pin_id, piece.tier,
+                                     block_size) if piece.pin_id else None
+                    blobs.append(self._load(piece.key, prefix_of, need, wait_ms, timeout,
+                                            opened))
+            finally:
+                for piece in pieces[len(blobs) + 1:]:  # (the one that failed released its own)
+                    if piece.pin_id:
+                        self._release_later(piece.pin_id)
         else:
             blob = self.load(key, prefix_of=prefix_of, shares=shares, wait_ms=wait_ms,
                              timeout=timeout)
@@ -393,18 +460,27 @@ class CacheClient:
 
     def _load_local(self, key: bytes, wait_ms: int, timeout: float) -> tuple[blobfmt.Blob, str]:
         resp = self._rpc("OpenRead", pb.OpenReadRequest(key=key, wait_ms=wait_ms), timeout)
+        return self._read_opened(key, _Opened(resp.path, resp.size, resp.pin_id,
+                                              TIER_NAMES[resp.tier], resp.block_size),
+                                 wait_ms, timeout)
+
+    def _read_opened(self, key: bytes, opened: _Opened, wait_ms: int, timeout: float
+                     ) -> tuple[blobfmt.Blob, str]:
+        """Map and verify a blob the daemon opened (pinned) for this client, and release
+        its pin: at once and reported for quarantine when the blob is bad, in the
+        background when it is good."""
         blob: blobfmt.Blob | None = None
         unreadable = False
         try:
-            with open(resp.path, "rb", buffering=0) as f:
-                if os.fstat(f.fileno()).st_size == resp.size:
-                    blob = blobfmt.decode_blob(map_file(f, resp.size))
+            with open(opened.path, "rb", buffering=0) as f:
+                if os.fstat(f.fileno()).st_size == opened.size:
+                    blob = blobfmt.decode_blob(map_file(f, opened.size))
             # Checksums pass any valid blob, and one of another entry (same size: same
             # prompt length and model shape) would restore another prompt's, tenant's or
             # model's state. The blob's own namespace and tokens must give the key asked
             # for. (The streamed path is checked by the daemon.)
-            if blob is not None and resp.block_size and keys.entry_key(
-                    blob.meta.namespace, blob.meta.tokens, resp.block_size).key != key:
+            if blob is not None and opened.block_size and keys.entry_key(
+                    blob.meta.namespace, blob.meta.tokens, opened.block_size).key != key:
                 blob = None  # a swapped or misplaced file
         except FileNotFoundError:
             blob = None  # the daemon vouched for a file that is gone: let it check
@@ -418,15 +494,17 @@ class CacheClient:
         except blobfmt.BlobError:
             blob = None
         finally:
-            # Release the pin; a bad blob is reported so the daemon verifies and quarantines.
-            with contextlib.suppress(CacheError):
-                self._rpc("ReleaseRead", pb.ReleaseReadRequest(
-                    pin_id=resp.pin_id, corrupt=blob is None and not unreadable), 5.0)
+            if blob is not None:
+                self._release_later(opened.pin_id)
+            else:  # a bad blob is reported so the daemon verifies and quarantines it
+                with contextlib.suppress(CacheError):
+                    self._rpc("ReleaseRead", pb.ReleaseReadRequest(
+                        pin_id=opened.pin_id, corrupt=not unreadable), 5.0)
         if unreadable:
             return self._load_stream(key, wait_ms, timeout)
         if blob is None:
             raise CorruptBlob(f"entry {key.hex()} failed verification; reported for quarantine")
-        return blob, TIER_NAMES[resp.tier]
+        return blob, opened.tier
 
     def _load_stream(self, key: bytes, wait_ms: int, timeout: float) -> tuple[blobfmt.Blob, str]:
         buf = bytearray()

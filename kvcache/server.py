@@ -264,12 +264,39 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 chain = None
             if record is None or chain is None:
                 return pb.LookupResponse(found=False, probes=probes, in_flight_tokens=in_flight)
-            return pb.LookupResponse(
+            resp = pb.LookupResponse(
                 found=True, key=record.key, matched_tokens=matched,
                 tier=pb.TIER_REMOTE if answer.from_remote else tier_of(record),
                 size=record.size, probes=probes, entry_tokens=record.n_tokens,
                 chain=chain_message(chain), in_flight_tokens=in_flight)
+            if request.open_min_tokens and matched >= request.open_min_tokens:
+                self._open_pieces(resp)
+            return resp
         return self._call(context, run)
+
+    def _open_pieces(self, resp: pb.LookupResponse) -> None:
+        """Open the pieces holding the matched tokens as OpenRead would (pinned, the path
+        of their fastest copy), so a local restore needs no call per piece. When one is
+        gone since the lookup none is opened: the caller opens them one by one and learns
+        why."""
+        t0 = time.perf_counter()
+        pins = []
+        try:
+            for piece in resp.chain:
+                if piece.base >= resp.matched_tokens:
+                    break
+                pins.append(self.store.open_read(piece.key))
+        except StoreError:
+            for pin in pins:
+                with contextlib.suppress(StoreError):
+                    self.store.release_read(pin.pin_id)
+            return
+        for piece, pin in zip(resp.chain, pins, strict=False):
+            piece.path, piece.pin_id, piece.tier = str(pin.path), pin.pin_id, TIERS[pin.tier]
+            self._observe(self.read_seconds.labels(pin.tier, "local"),
+                          f"read_{pin.tier}_local", t0)
+        resp.pin_seconds = self.store.config.pin_seconds
+        resp.block_size = self.store.config.block_size
 
     def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:
         def run() -> pb.ReserveResponse:

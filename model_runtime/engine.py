@@ -352,6 +352,7 @@ class EngineCore:
             if prompt_done:
                 req.timings.first = time.perf_counter()
                 self._after_sample(req, self.executor.sample(req, row.last))
+                req.restored_from = []  # unmapped now, after the first token
 
     def _after_sample(self, req: Request, token: int) -> None:
         seq = req.seq
@@ -399,6 +400,7 @@ class EngineCore:
         req.events.put(exc)
 
     def _release(self, req: Request) -> None:
+        req.restored_from = []
         seq = self.scheduler.release(req)
         if seq is not None and not seq.session and not self.config.reuse_live:
             self.executor.clear(seq)

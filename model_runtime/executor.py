@@ -74,6 +74,7 @@ class Executor:
             if keep < len(seq.tokens) and not self.truncate(seq, keep):
                 ok = False
         if ok:
+            req.restored_from = chain
             self._served(req, shared, entry.tier, len(seq.tokens))
             self.count(f"restores_{req.cache.hit_kind}")
         else:

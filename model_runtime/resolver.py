@@ -129,13 +129,18 @@ class Resolver:
         for _attempt in range(2):  # a corrupt hit is quarantined: look again, once
             try:
                 hit = self._lookup(req, limit)
-                if hit is None or min(hit.matched_tokens, len(tokens) - 1) <= req.live_keep:
-                    return None  # a live sequence serves as much without a restore
-                if hit.entry_tokens > hit.matched_tokens < self.config.min_save_tokens:
-                    return None  # restoring a whole state for a few tokens costs more
+                if hit is None:
+                    return None
+                if min(hit.matched_tokens, len(tokens) - 1) <= req.live_keep or \
+                        hit.entry_tokens > hit.matched_tokens < self.config.min_save_tokens:
+                    # A live sequence serves as much without a restore, or restoring a
+                    # whole state for a few tokens costs more than prefilling them.
+                    self.cache.release(hit)
+                    return None
                 chain = self.cache.load_chain(hit.key, prefix_of=tokens,
                                               shares=hit.matched_tokens,
                                               pieces=hit.pieces_for(hit.matched_tokens),
+                                              block_size=hit.block_size,
                                               timeout=timeout * 4)
                 if hit.tier == TIER_REMOTE:  # fetched into the daemon's tiers for this hit
                     chain[-1] = replace(chain[-1], tier=TIER_REMOTE)
@@ -163,9 +168,14 @@ class Resolver:
         cache, tokens = self.cache, req.tokens
         assert cache is not None
 
+        # A hit that will be restored has its pieces opened in the same call (a restore
+        # needs no more); one that serves no more than the live sequence, or only a few
+        # tokens of a longer state, would not be restored (see _longest_prefix).
+        open_min = max(req.live_keep + 1, self.config.min_save_tokens)
+
         def ask() -> LookupResult | None:
             return cache.lookup(self.identity, tokens, max_tokens=limit,
-                                common_prefix=self.plain_kv,
+                                common_prefix=self.plain_kv, open_min_tokens=open_min,
                                 timeout=self.config.cache_timeout_s)
 
         hit = ask()
@@ -181,6 +191,8 @@ class Resolver:
         deadline = time.monotonic() + self.config.session_resume_wait_ms / 1000
         for event in queued:
             event.wait(max(0.0, deadline - time.monotonic()))
+        if hit is not None:
+            cache.release(hit)
         return ask()
 
     # -- keys -----------------------------------------------------------------------------

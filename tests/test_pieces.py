@@ -292,6 +292,72 @@ def test_a_corrupt_piece_takes_what_is_built_on_it(daemon: DaemonProcess,
     assert {e.key for e in client.list_entries()} == {k1}
 
 
+# -- a lookup that opens its pieces ---------------------------------------------------------
+
+
+def read_pins(daemon: DaemonProcess) -> int:
+    """Read pins the daemon holds now, as another client sees them."""
+    with daemon.client() as other:
+        return other.stats().read_pins
+
+
+def test_a_lookup_opens_the_pieces_it_matched_and_loading_them_releases_them(
+        daemon: DaemonProcess, client: CacheClient) -> None:
+    t = toks(21, 300)
+    root = save(client, t[:200], reason="cold")
+    leaf = save(client, t, parent=root, base=200)
+    prompt = t[:250] + toks(22, 10)  # both pieces hold some of its tokens
+    # Not opened when fewer tokens match than the caller would restore.
+    hit = client.lookup(IDENT, prompt, common_prefix=True, open_min_tokens=251)
+    assert hit is not None and hit.matched_tokens == 250
+    assert not any(p.pin_id for p in hit.chain) and read_pins(daemon) == 0
+    hit = client.lookup(IDENT, prompt, common_prefix=True, open_min_tokens=250)
+    assert hit is not None and hit.matched_tokens == 250
+    assert [p.key for p in hit.chain] == [root, leaf] and hit.block_size == 256
+    assert all(p.pin_id and p.path.endswith(".kvc") for p in hit.chain)
+    assert read_pins(daemon) == 2  # held until loaded: no eviction in between
+    chain = client.load_chain(hit.key, prefix_of=prompt, shares=250,
+                              pieces=hit.pieces_for(250), block_size=hit.block_size)
+    assert joined(chain, 250) == cells(t[:250], 0)
+    client.stats()  # a client's next call follows its releases (sent in the background)
+    assert read_pins(daemon) == 0
+    # Only the pieces holding matched tokens are opened; a hit not loaded is released.
+    hit = client.lookup(IDENT, t[:150], common_prefix=True, open_min_tokens=1)
+    assert hit is not None and hit.matched_tokens == 150
+    assert [bool(p.pin_id) for p in hit.chain] == [p.base < 150 for p in hit.chain]
+    assert read_pins(daemon) == 1
+    client.release(hit)
+    client.close()  # waits for the release
+    assert read_pins(daemon) == 0
+    # A client of a daemon on another host reads by streaming: nothing to open.
+    with CacheClient(daemon.address, fast_path=False) as remote:
+        hit = remote.lookup(IDENT, prompt, common_prefix=True, open_min_tokens=1)
+        assert hit is not None and not any(p.pin_id or p.path for p in hit.chain)
+        chain = remote.load_chain(hit.key, prefix_of=prompt, shares=250,
+                                  pieces=hit.pieces_for(250))
+        assert joined(chain, 250) == cells(t[:250], 0)
+    assert read_pins(daemon) == 0
+
+
+def test_a_corrupt_opened_piece_is_quarantined_and_the_other_pins_released(
+        daemon: DaemonProcess, client: CacheClient) -> None:
+    t = toks(23, 300)
+    k1 = save(client, t[:100])
+    k2 = save(client, t[:200], parent=k1, base=100)
+    k3 = save(client, t, parent=k2, base=200)
+    placed(client, k2)
+    flip_payload(blob_file(daemon, k2))
+    flip_payload(ram_file(daemon, k2))
+    hit = client.lookup(IDENT, t, common_prefix=True, open_min_tokens=1)
+    assert hit is not None and [p.key for p in hit.chain] == [k1, k2, k3]
+    with pytest.raises(CorruptBlob):
+        client.load_chain(hit.key, prefix_of=t, pieces=hit.pieces_for(len(t)),
+                          block_size=hit.block_size)
+    client.stats()
+    assert read_pins(daemon) == 0  # k1's (read well) and k3's (never read) released too
+    assert {e.key for e in client.list_entries()} == {k1}  # k2 quarantined, k3 with it
+
+
 # -- start-up -------------------------------------------------------------------------------
 
 
