@@ -13,8 +13,9 @@ Python, llama-cpp-python, model file and size), then per thread count:
    (read file, ``state_seq_set``, drop the last cell, decode it, argmax), timed end to end
    on the runtime's own context and model thread. Two ways to read the file: ``numpy``
    (an uninitialized buffer: the floor of the target) and ``bytearray`` (a zero-filled
-   buffer). The warm path reads pieces (cell-major runs) and joins them into llama.cpp's
-   format, where the floor sets llama.cpp's own bytes. Target: warm / numpy floor <= 1.3x
+   buffer). The warm path maps the entry's pieces and sets them (a root stored as
+   llama.cpp's bytes as it is; pieces joined into llama.cpp's format). Target: warm /
+   numpy floor <= 1.3x
    (median of interleaved pairs). ``resolve_breakdown`` times the cache I/O piece by piece.
 3. ``decode``: generation speed with ``continued`` saves every 64 tokens vs saves off
    (``finish`` saves off in both), after the cached system prompt. The headline is the
@@ -62,7 +63,7 @@ from benchlib import (
 from system_prompt import USER_MESSAGES, build_system_prompt
 
 from kvcache import blob as blobfmt
-from kvcache.client import CacheClient
+from kvcache.client import CacheClient, map_file
 from kvcache.store import BLOB_SUFFIX
 from model_runtime.config import RuntimeConfig
 from model_runtime.request import Completion
@@ -76,10 +77,11 @@ STORY_SUBJECTS = [
 REQUEST_TIMEOUT_S = 900.0
 NOTES = {
     "ttft_ms": "submit to first sampled token, from the Completion's timings",
-    "restore_ms": "state_seq_set (incl. widening to the context's KV streams) + truncate",
+    "restore_ms": "join (none for a root restored as stored) + state_seq_set + truncate",
     "prefill_ms": "for a warm exact hit: the primer, one decode of the prompt's last token",
-    "resolve_ms": "ttft - restore - prefill: queueing, Lookup RPC and blob load (OpenRead, "
-                  "file read, checksums, ReleaseRead) on the resolver thread",
+    "resolve_ms": "ttft - restore - prefill: queueing, the Lookup RPC (which opens the "
+                  "pieces) and the blob load (map, checksums, key check) on the resolver "
+                  "thread",
     "ratios": "*_paired: median of per-pair ratios of interleaved runs (robust to drift)",
     "decode.wall_tok_s": "(completion tokens - 1) / (total - ttft): includes state_seq_get "
                          "of continued saves and CPU taken by the sender and the daemon",
@@ -355,28 +357,33 @@ def capture_state(bench: Bench, tokens: list[int], path: Path, repeats: int = 5
 
 
 def resolve_breakdown(bench: Bench, tokens: list[int], repeats: int) -> dict[str, Any]:
-    """The cache I/O of a warm hit, piece by piece, from this process: the Lookup RPC,
-    the whole load (OpenRead RPC, file read, checksums, ReleaseRead RPC), and on their
-    own a read of the RAM-tier file and ``decode_blob`` (checksum verification)."""
+    """The cache I/O of a warm hit, piece by piece, from this process, as the runtime's
+    resolver does it: the Lookup RPC that also opens the pieces, the load of the chain
+    (map, checksums, key check; the read pins are released in the background), and on
+    its own ``decode_blob`` (checksum verification) of the mapped RAM-tier file."""
     probe = bench.probe
     assert probe is not None
     identity = bench.rt.identity
-    rows: dict[str, list[float]] = {"lookup_ms": [], "load_ms": [], "file_read_ms": [],
-                                    "decode_blob_ms": []}
+    rows: dict[str, list[float]] = {"lookup_ms": [], "load_ms": [], "decode_blob_ms": []}
     key = b""
     for _ in range(repeats):
-        t, hit = timed(lambda: probe.lookup(identity, tokens, max_tokens=len(tokens)))
+        t, hit = timed(lambda: probe.lookup(identity, tokens, max_tokens=len(tokens),
+                                            common_prefix=True, open_min_tokens=1))
         rows["lookup_ms"].append(t * 1e3)
         assert hit is not None
         key = hit.key
-        t, _blob = timed(lambda: probe.load(key, prefix_of=tokens))  # noqa: B023
+        t, _chain = timed(lambda: probe.load_chain(  # noqa: B023
+            hit.key, prefix_of=tokens, shares=hit.matched_tokens,  # noqa: B023
+            pieces=hit.pieces_for(hit.matched_tokens), block_size=hit.block_size))  # noqa: B023
         rows["load_ms"].append(t * 1e3)
+        del _chain
         path = bench.ram_path(key)
         if path.exists():
-            t, raw = timed(path.read_bytes)
-            rows["file_read_ms"].append(t * 1e3)
-            t, _ = timed(lambda: blobfmt.decode_blob(raw))  # noqa: B023
+            with open(path, "rb", buffering=0) as f:
+                mapped = map_file(f, path.stat().st_size)
+            t, _ = timed(lambda: blobfmt.decode_blob(mapped))  # noqa: B023
             rows["decode_blob_ms"].append(t * 1e3)
+            del mapped, _  # unmapped
     out = {name: ms_summary(values) for name, values in rows.items()}
     out["key"] = key.hex()
     return out
