@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -149,6 +150,10 @@ class Runtime:
         # Recent latencies per series, for the percentiles of the Stats RPC.
         self.latency_windows = LatencyWindows()
         self.metrics = runtime_metrics(self.engine, self.latency_windows)
+        # The tokens of recent system messages: a shared system prompt is tokenized for its
+        # save boundary once, not on every request (1.7 ms for 2,000 tokens).
+        self._head_tokens = functools.lru_cache(maxsize=32)(
+            lambda head: tuple(self.tokenize(head)))
         self._closed = False
 
     # -- prompts ----------------------------------------------------------------------------
@@ -168,7 +173,7 @@ class Runtime:
         if 0 < n_system < len(messages):
             head = self.model.apply_chat_template(list(messages[:n_system]),
                                                   add_generation_prompt=False)
-            boundary = common_prefix(self.tokenize(head), tokens)
+            boundary = common_prefix(self._head_tokens(head), tokens)
         return tokens, boundary
 
     def _prepare(self, prompt: str | None, tokens: Sequence[int] | None,

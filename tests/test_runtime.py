@@ -170,6 +170,7 @@ def test_explicit_and_system_message_boundaries(make_runtime: Callable[..., Runt
     assert boundary == expected and tokens[:boundary] == rt.tokenize(
         rt.model.apply_chat_template([{"role": "system", "content": system}],
                                      add_generation_prompt=False))
+    assert rt._head_tokens.cache_info().hits >= 1  # the system message tokenized once
     flush(rt)
     # The system message's state is there; the first chat's finish state also holds the
     # user turn's opening tokens, so it serves a little more than the boundary.

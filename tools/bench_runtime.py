@@ -360,7 +360,8 @@ def resolve_breakdown(bench: Bench, tokens: list[int], repeats: int) -> dict[str
     """The cache I/O of a warm hit, piece by piece, from this process, as the runtime's
     resolver does it: the Lookup RPC that also opens the pieces, the load of the chain
     (map, checksums, key check; the read pins are released in the background), and on
-    its own ``decode_blob`` (checksum verification) of the mapped RAM-tier file."""
+    its own ``decode_blob`` of a freshly mapped RAM-tier file (its checksum pass faults
+    the pages in)."""
     probe = bench.probe
     assert probe is not None
     identity = bench.rt.identity
