@@ -124,7 +124,7 @@ class Identity:
 @dataclass(frozen=True)
 class Piece:
     """One blob of an entry's state: the cells of tokens ``[base, n_tokens)``. A piece
-    a lookup opened (``lookup(open_min_tokens=...)``) also says where its file is and holds a read
+    a lookup opened (``open_min_tokens``) also says where its file is, and holds a read
     pin (``pin_id``) until it is loaded or released."""
 
     key: bytes
