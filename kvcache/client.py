@@ -245,8 +245,11 @@ class CacheClient:
         """Release a read pin of a blob read well, without waiting for the answer: it is
         off a restore's path (a round trip of ~0.5 ms). The client's next call, or its
         close, waits for it first; a release that fails leaves the pin to expire."""
-        future = self.stub.ReleaseRead.future(pb.ReleaseReadRequest(pin_id=pin_id),
-                                              timeout=5.0)
+        try:
+            future = self.stub.ReleaseRead.future(pb.ReleaseReadRequest(pin_id=pin_id),
+                                                  timeout=5.0)
+        except (ValueError, grpc.RpcError):  # the channel is closed: the pin will expire
+            return
         with self._releases_lock:
             self._releases.append(future)
 
