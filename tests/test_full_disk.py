@@ -27,7 +27,7 @@ from typing import Any
 
 import grpc
 import pytest
-from daemon_proc import DaemonProcess
+from daemon_proc import DaemonProcess, wait_for
 from test_daemon import payload_for
 
 from kvcache import keys
@@ -208,6 +208,9 @@ def test_disk_filling_after_the_reservation_aborts_the_write_cleanly(
         # short last chunk used to be published as a truncated blob, answered "saved".)
         churn = [c.save(IDENT, toks(10 + i), payload_for(toks(10 + i), 1000), "cold").key
                  for i in range(5)]
+        # The daemon's background RAM copy holds an entry, and a held one is not deleted.
+        wait_for(lambda: set(churn) <= {e.key for e in c.list_entries(tier="ram")},
+                 "the RAM copies")
         for key in churn:
             c.delete(key)
         old = toks(3)
