@@ -69,6 +69,7 @@ __all__ = [
     "cells_bytes",
     "layout_of",
     "parse",
+    "parse_state_run",
     "planes_bytes",
     "run_size",
 ]
@@ -637,13 +638,21 @@ def _cell_major_run(layout: Layout, run: np.ndarray) -> _Run:
     return _Run(len(run), k, v, v_in_channels=False)
 
 
-def _state_run(layout: Layout, state: BytesLike, take: int | None, i: int) -> _Run:
-    """A run stored as llama.cpp's bytes: its planes, viewed where they lie."""
+def parse_state_run(state: BytesLike, layout: Layout) -> CellState:
+    """A run stored in the state form, parsed: its cells must be of ``layout`` (layers
+    and V orientation; the stream count may differ) and hold positions 0..n-1, as
+    llama.cpp would otherwise take them as they are. :class:`StateFormatError` if not."""
     cs = parse(state)
     if (cs.layout.v_trans, cs.layout.layers) != (layout.v_trans, layout.layers):
-        raise StateFormatError(f"run {i} is a state of another layout")
+        raise StateFormatError("a state-form run of another layout")
     if not cs.is_prefix:
-        raise StateFormatError(f"run {i} is a state that does not hold positions 0..n-1")
+        raise StateFormatError("a state-form run that does not hold positions 0..n-1")
+    return cs
+
+
+def _state_run(layout: Layout, state: BytesLike, take: int | None, i: int) -> _Run:
+    """A run stored as llama.cpp's bytes: its planes, viewed where they lie."""
+    cs = parse_state_run(state, layout)
     take = cs.n_cells if take is None else take
     if not 0 <= take <= cs.n_cells:
         raise ValueError(f"run {i} holds {cs.n_cells} cells, {take} asked for")

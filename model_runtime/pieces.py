@@ -126,7 +126,9 @@ def join(chain: Sequence[LoadedBlob], n_tokens: int, seq_id: int,
     root, form, _ = used[0]
     if len(used) == 1 and form == kv_cells.FORM_STATE and layout.n_stream == n_stream \
             and len(root.meta.tokens) <= 2 * n_tokens:
-        _check_state(root.payload, layout)
+        # Checked before llama.cpp takes it as it is (it would take any positions).
+        if kv_cells.parse_state_run(root.payload, layout).layout.n_stream != n_stream:
+            raise StateFormatError("a stored state does not match its cell layout")
         return JoinedState(root.payload, root.meta.tokens)
     if layout.n_stream == 1 and n_stream > 1:
         layout = replace(layout, n_stream=n_stream, stream=0)
@@ -135,10 +137,3 @@ def join(chain: Sequence[LoadedBlob], n_tokens: int, seq_id: int,
                                  takes=[take for _, _, take in used], scratch=scratch)
     return JoinedState(state, chain[-1].meta.tokens[:n_tokens])
 
-
-def _check_state(state: memoryview, layout: Layout) -> None:
-    """A stored state given to llama.cpp as it is: it must be what its layout says, its
-    cells positions 0..n-1 (llama.cpp would take any positions)."""
-    cells = kv_cells.parse(state)
-    if cells.layout != layout or not cells.is_prefix:
-        raise StateFormatError("a stored state does not match its cell layout")
