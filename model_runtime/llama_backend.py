@@ -59,6 +59,8 @@ from typing import Any, TypeVar
 import llama_cpp as _lc
 import numpy as np
 
+from .token_seams import SpecialToken, is_seam
+
 __all__ = [
     "KV_CACHE_TYPES",
     "LOG_ENV",
@@ -75,6 +77,13 @@ __all__ = [
 ]
 
 LOG_ENV = "KVCACHE_LLAMA_LOG"
+
+#: Vocabulary types whose tokenizer handles each piece between special tokens alone
+#: (llama_vocab::impl::tokenize): SPM (its space prefix follows a special token either
+#: way), BPE, UGM, RWKV, PLaMo-2.
+PIECEWISE_VOCAB_TYPES = frozenset({
+    _lc.LLAMA_VOCAB_TYPE_SPM, _lc.LLAMA_VOCAB_TYPE_BPE, _lc.LLAMA_VOCAB_TYPE_UGM,
+    _lc.LLAMA_VOCAB_TYPE_RWKV, _lc.LLAMA_VOCAB_TYPE_PLAMO2})
 
 #: KV cache element types accepted for ``type_k`` / ``type_v`` (ggml type ids).
 KV_CACHE_TYPES: Mapping[str, int] = {
@@ -325,6 +334,12 @@ class LlamaModel(_Owner):
         self.bos_token: int = _lc.llama_vocab_bos(self._vocab)
         self.eos_token: int = _lc.llama_vocab_eos(self._vocab)
         self.add_bos: bool = bool(_lc.llama_vocab_get_add_bos(self._vocab))
+        # Whether the pieces between special tokens are tokenized each alone and nothing
+        # is added at the end: WPM appends SEP; a vocabulary adding EOS, EOS.
+        self._pieces_tokenized_alone = (
+            _lc.llama_vocab_type(self._vocab) in PIECEWISE_VOCAB_TYPES
+            and not _lc.llama_vocab_get_add_eos(self._vocab))
+        self._special_tokens: tuple[SpecialToken, ...] | None = None
         self._template_src: str | None = None
         self._template: Any = None
         raw = _lc.llama_model_chat_template(model, None)
@@ -377,6 +392,29 @@ class LlamaModel(_Owner):
             if -n <= cap:  # should not happen; avoid looping forever
                 raise LlamaError(f"llama_tokenize failed ({n})")
             cap = -n
+
+    def tokenize_after(self, head_tokens: Sequence[int], text: str, at: int) -> list[int] | None:
+        """``tokenize(text)`` where ``head_tokens`` are ``tokenize(text[:at])``, tokenizing
+        only ``text[at:]``; None where that could give other tokens (see
+        :mod:`~model_runtime.token_seams`; tests/test_token_seams.py compares both ways)."""
+        if not self._pieces_tokenized_alone or not is_seam(text, at, self.special_tokens()):
+            return None
+        return [*head_tokens, *self.tokenize(text[at:], add_special=False)]
+
+    def special_tokens(self) -> tuple[SpecialToken, ...]:
+        """The tokens llama.cpp cuts a text at before tokenizing it (read once)."""
+        if self._special_tokens is None:
+            vocab = self._vocab_h()
+            cut = _lc.LLAMA_TOKEN_ATTR_CONTROL | _lc.LLAMA_TOKEN_ATTR_USER_DEFINED | \
+                _lc.LLAMA_TOKEN_ATTR_UNKNOWN
+            specials = []
+            for token in range(self.n_vocab):
+                attr = _lc.llama_vocab_get_attr(vocab, token)
+                if attr & cut:
+                    specials.append(SpecialToken(
+                        self.token_text(token), bool(attr & _lc.LLAMA_TOKEN_ATTR_LSTRIP)))
+            self._special_tokens = tuple(specials)
+        return self._special_tokens
 
     def token_to_piece(self, token: int, *, render_special: bool = False) -> bytes:
         """The raw bytes of one token (may be a partial UTF-8 sequence).

@@ -150,10 +150,12 @@ class Runtime:
         # Recent latencies per series, for the percentiles of the Stats RPC.
         self.latency_windows = LatencyWindows()
         self.metrics = runtime_metrics(self.engine, self.latency_windows)
-        # The tokens of recent system messages: a shared system prompt is tokenized for its
-        # save boundary once, not on every request (1.7 ms for 2,000 tokens).
+        # The tokens of recent system messages: a shared system prompt is tokenized once,
+        # not on every request (see render_chat).
         self._head_tokens = functools.lru_cache(maxsize=32)(
             lambda head: tuple(self.tokenize(head)))
+        if self.model.chat_template() is not None:
+            self.model.special_tokens()  # read here, not in the first chat's TTFT (~12 ms)
         self._closed = False
 
     # -- prompts ----------------------------------------------------------------------------
@@ -165,16 +167,23 @@ class Runtime:
         """Tokens of a chat rendered by the model's own template, and the save boundary:
         the end of the leading system message(s), so a shared system prompt is cached
         whatever follows it."""
-        tokens = self.tokenize(self.model.apply_chat_template(list(messages)))
+        text = self.model.apply_chat_template(list(messages))
         n_system = 0
         while n_system < len(messages) and messages[n_system].get("role") == "system":
             n_system += 1
-        boundary = 0
-        if 0 < n_system < len(messages):
-            head = self.model.apply_chat_template(list(messages[:n_system]),
-                                                  add_generation_prompt=False)
-            boundary = common_prefix(self._head_tokens(head), tokens)
-        return tokens, boundary
+        if not 0 < n_system < len(messages):
+            return self.tokenize(text), 0
+        head = self.model.apply_chat_template(list(messages[:n_system]),
+                                              add_generation_prompt=False)
+        head_tokens = self._head_tokens(head)
+        # The system message's tokens are known: where the tokenizer cuts the text after
+        # it anyway, only the rest is tokenized (render_chat of a 1,470-token chat:
+        # 1.19 -> 0.09 ms).
+        if text.startswith(head) and (
+                tokens := self.model.tokenize_after(head_tokens, text, len(head))) is not None:
+            return tokens, len(head_tokens)
+        tokens = self.tokenize(text)
+        return tokens, common_prefix(head_tokens, tokens)
 
     def _prepare(self, prompt: str | None, tokens: Sequence[int] | None,
                  messages: Sequence[Message] | None, system: str | None,
