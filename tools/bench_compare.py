@@ -54,7 +54,7 @@ neither cache nor live-KV reuse (``cold``), over one ~1,400-token system prompt:
         --arms kvcache,llama-server[,cold] [--llama-server PATH] [--system-tokens N]
 
 * ``shared``: distinct user messages after the system prompt (as above; 1 + ``--repeats``
-  requests, default 5 repeats); the ``cold`` arm serves the first two, and no other workload;
+  requests, default 15 repeats); the ``cold`` arm serves the first two, and no other workload;
 * ``agent``: a raw-prompt agent loop of 8 steps; each step appends the reply and an
   observation whose first characters re-tokenize the reply's last token (checked with the
   tokenizer and reported per step);
@@ -63,7 +63,8 @@ neither cache nor live-KV reuse (``cold``), over one ~1,400-token system prompt:
   deleted, blobs dropped from the page cache), then one new message.
 
 Each arm and workload reports per request TTFT, prompt tokens prefilled and reused, and the
-bytes its cache stores; requests of the arms are interleaved one by one. Outputs
+bytes its cache stores; requests of the arms are interleaved one by one, each after
+``--settle-ms`` (250) of idle time. Outputs
 ``OUT_DIR/bench_llama_server.json`` (also on stdout) and ``OUT_DIR/bench_llama_server.png``.
 """
 
@@ -138,6 +139,7 @@ class Settings:
     max_tokens: int = 8
     n_ctx: int = 8192
     quick: bool = False
+    settle_s: float = 0.0  # side by side: idle time before every request (see --settle-ms)
 
 
 def log(message: str) -> None:
@@ -1184,6 +1186,15 @@ def in_turn(arms: list[SideArm], step: int) -> list[SideArm]:
     return arms if step % 2 == 0 else arms[::-1]
 
 
+def settled(arm: SideArm, st: Settings, **request: Any) -> Served:
+    """``arm.request`` after ``st.settle_s`` of idle time: what one arm does after its reply
+    (its llama.cpp threads spinning down, its background work) does not run into the next
+    arm's request. Without it the arm that went second was slowed by the first one's tail
+    (alternating the order only shared that out), as if two servers shared these cores."""
+    time.sleep(st.settle_s)
+    return arm.request(**request)
+
+
 def record(step: int, served: Served, **extra: Any) -> dict[str, Any]:
     return {"step": step, **asdict(served), **extra}
 
@@ -1205,9 +1216,18 @@ def run_shared_side(arms: list[SideArm], wl: Workload, st: Settings, want_shared
         for arm in in_turn(arms, i):
             if arm.name == "cold" and i >= st.cold_repeats:
                 continue
-            served = arm.request(max_tokens=st.max_tokens, messages=wl.messages(i))
+            served = settled(arm, st, max_tokens=st.max_tokens, messages=wl.messages(i))
             log_served("shared", arm.name, i, served)
             turns[arm.name].append(record(i, served))
+        if i == st.cold_repeats - 1:
+            # Done with the cold arm: its idle runtime would slow the kvcache arm's. Two
+            # llama.cpp contexts driven from two threads of one process make libgomp
+            # count more threads than cores and stop spinning at its barriers, so every
+            # graph node waits on a futex: prefill here was ~30% slower after an idle
+            # pause with the cold runtime alive, back to normal once it was closed.
+            for arm in arms:
+                if arm.name == "cold":
+                    arm.close()
     out: dict[str, dict[str, Any]] = {}
     if want_shared:
         out["shared"] = {a.name: {"turns": turns[a.name], "stored": a.stored()} for a in arms}
@@ -1217,7 +1237,7 @@ def run_shared_side(arms: list[SideArm], wl: Workload, st: Settings, want_shared
             if arm.name == "cold":
                 continue
             facts = arm.restart()
-            served = arm.request(max_tokens=st.max_tokens, messages=wl.messages(n))
+            served = settled(arm, st, max_tokens=st.max_tokens, messages=wl.messages(n))
             log_served("restart", arm.name, n, served)
             restarted[arm.name] = {"turns": [record(n, served, restart=facts)],
                                    "stored": arm.stored()}
@@ -1273,7 +1293,7 @@ def run_agent_side(arms: list[SideArm], model: LlamaModel, wl: Workload, st: Set
         for arm in in_turn(arms, step):
             text = texts[arm.name]
             prompt_tokens = model.tokenize(text)
-            served = arm.request(max_tokens=REPLY_TOKENS, prompt=text)
+            served = settled(arm, st, max_tokens=REPLY_TOKENS, prompt=text)
             log_served("agent", arm.name, step, served)
             texts[arm.name], check_ = next_agent_prompt(model, text, prompt_tokens, served,
                                                         step + 1)
@@ -1301,7 +1321,7 @@ def run_chat_side(arms: list[SideArm], wl: Workload, st: Settings) -> dict[str, 
             for arm in in_turn(arms, step):
                 history = chats[arm.name][c]
                 history.append({"role": "user", "content": user})
-                served = arm.request(max_tokens=REPLY_TOKENS, messages=list(history))
+                served = settled(arm, st, max_tokens=REPLY_TOKENS, messages=list(history))
                 history.append({"role": "assistant", "content": served.text})
                 log_served("chat", arm.name, step, served)
                 turns[arm.name].append(record(step, served, chat=c, turn=turn))
@@ -1537,7 +1557,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="1,000 tokens only, 1 repeat, no waiting: a smoke run")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=None,
-                        help="warm requests per arm (default 7; --quick: 1)")
+                        help="warm requests per arm (default 7, side by side 15; --quick: 1)")
     parser.add_argument("--out-dir", type=Path, default=TOOLS.parent / "docs")
     parser.add_argument("--no-wait", action="store_true",
                         help="do not wait for a quiet machine before a full run")
@@ -1552,6 +1572,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="llama-server binary (tools/build_llama_server.sh builds it)")
     parser.add_argument("--system-tokens", type=int, default=SIDE_SYSTEM_TOKENS,
                         help="side-by-side system prompt size, tokens")
+    parser.add_argument("--settle-ms", type=float, default=250.0,
+                        help="side by side: idle time before every request, so that one "
+                             "arm's work after its reply does not overlap the next arm's "
+                             "request (default 250)")
     args = parser.parse_args(argv)
     if args.workloads is not None or args.arms is not None:
         args.side_workloads = choices(parser, "--workloads", args.workloads or
@@ -1587,9 +1611,10 @@ def main_side(args: argparse.Namespace) -> None:
     if args.replot:
         plot_side(json.loads(out.read_text()), chart)
         return
-    repeats = args.repeats or (1 if args.quick else 5)
+    repeats = args.repeats or (1 if args.quick else 15)
     st = Settings(lengths=(args.system_tokens,), repeats=repeats,
-                  cold_repeats=min(2, repeats), threads=args.threads, quick=args.quick)
+                  cold_repeats=min(2, repeats), threads=args.threads, quick=args.quick,
+                  settle_s=args.settle_ms / 1000)
     doc = run_side(args, st, args.side_workloads, args.side_arms)
     text = json.dumps(doc, indent=2)
     out.parent.mkdir(parents=True, exist_ok=True)
