@@ -480,27 +480,31 @@ def decode_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def measure_decode(bench: Bench, prompts: Prompts, system: list[int]) -> dict[str, Any]:
-    """Pairs of identical greedy requests (same subject) on two runtimes sharing the
-    daemon: continued saves every ``continued_interval`` tokens vs none."""
+    """Pairs of identical greedy requests (same subject) on the runtime: continued saves
+    every ``continued_interval`` tokens vs none, its config switched between requests. (A
+    second runtime in this process would slow both: see the README's "One runtime per
+    process".)"""
     s = bench.settings
-    with_saves = bench.rt
-    without = bench.new_runtime(replace(bench.config, continued_interval=0))
+    rt = bench.rt
+    configs = {"with_saves": bench.config,
+               "without_saves": replace(bench.config, continued_interval=0)}
     rows: dict[str, list[dict[str, Any]]] = {"with_saves": [], "without_saves": []}
     try:
         for i in range(s.decode_pairs):
             ask = f"Write a very long story about {STORY_SUBJECTS[i % len(STORY_SUBJECTS)]}. " \
                   "Use many chapters and describe everything in detail."
             tokens = system + prompts.ask(ask)
-            pair = [("with_saves", with_saves), ("without_saves", without)]
-            for name, rt in pair if i % 2 == 0 else pair[::-1]:
-                row = decode_row(bench.request(tokens, runtime=rt, prefix_tokens=len(system),
+            names = ["with_saves", "without_saves"]
+            for name in names if i % 2 == 0 else names[::-1]:
+                rt.engine.config = configs[name]
+                row = decode_row(bench.request(tokens, prefix_tokens=len(system),
                                                max_tokens=s.decode_tokens))
                 rows[name].append(row)
                 log(f"  decode {name} #{i}: {row['completion_tokens']} tokens "
                     f"{row['wall_tok_s']:.1f} tok/s wall ({row['decode_tok_s']:.1f} in decode), "
                     f"hit {row['hit']}, saves {row['saves']}")
     finally:
-        without.close()
+        rt.engine.config = bench.config
     wall_with = [1 / r["wall_tok_s"] for r in rows["with_saves"]]
     wall_without = [1 / r["wall_tok_s"] for r in rows["without_saves"]]
     dec_with = [1 / r["decode_tok_s"] for r in rows["with_saves"]]
