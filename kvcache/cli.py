@@ -1120,8 +1120,9 @@ KEYS_ARGUMENT = click.argument("key_texts", metavar="KEY...", nargs=-1, required
 def evict(address: str | None, key_texts: tuple[str, ...], yes: bool) -> None:
     """Remove entries (KEY: a full key or a unique prefix), each with the entries built on
     it (they cannot be restored without it); refused for one that is pinned or being
-    read, or that a pinned entry is built on. On a terminal it shows them and asks first
-    (--yes: don't ask)."""
+    read by a client, or that a pinned entry is built on (the daemon's own work on it,
+    such as its RAM copy right after a save, is waited for, up to 5 s). On a terminal it
+    shows them and asks first (--yes: don't ask)."""
     with connect(address) as client:
         wanted = resolve_keys(client, key_texts)
         if asks_first(yes):

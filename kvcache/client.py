@@ -574,7 +574,10 @@ class CacheClient:
         self._rpc("Unpin", pb.KeyRequest(key=key))
 
     def delete(self, key: bytes) -> int:
-        """Remove an entry and the entries built on it; returns how many of those went."""
+        """Remove an entry and the entries built on it; returns how many of those went.
+        Refused (FAILED_PRECONDITION) while one is pinned or read by a client; the daemon's
+        own work on them (a RAM copy being made, a piece being saved on one) is waited for,
+        up to its ``delete_wait_seconds``."""
         return self._rpc("Delete", pb.KeyRequest(key=key)).dependents_removed
 
     def wait_ready(self, timeout: float = 10.0) -> None:

@@ -233,10 +233,10 @@ class Resolver:
 
         def forget() -> None:
             key = self.key_of(tokens, wait=True)
-            # The daemon refuses to delete an entry while it is read (by another runtime,
-            # or by its own copy into the RAM tier): that passes in moments, so retry
-            # (tests/test_counters.py holds a read open across the delete). A pinned
-            # entry stays, as it should.
+            # The daemon refuses to delete an entry while another runtime reads it (its
+            # own work on it, such as its RAM copy, it waits for): that passes in
+            # moments, so retry (tests/test_counters.py holds a read open across the
+            # delete). A pinned entry stays, as it should.
             for delay in (0.05, 0.2, 0.5, 1.0, 0.0):
                 try:
                     if key:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import random
 import shutil
+import threading
+import time
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -60,7 +62,7 @@ def joined(chain: list[LoadedBlob], n: int) -> bytes:
 
 def placed(client: CacheClient, *keys: bytes) -> None:
     """Wait for the entries' RAM copies: placing one (in the background) holds the entry,
-    and prune and evict skip held entries, so a test of their plans waits first."""
+    and prune skips held entries, so a test of its plans waits first."""
     wait_for(lambda: set(keys) <= {e.key for e in client.list_entries(tier="ram")},
              "the RAM copies")
 
@@ -249,6 +251,36 @@ def test_pins_and_reads_protect_what_an_entry_is_built_on(
         keys_now = {e.key for e in client.list_entries()}
         assert root not in keys_now and leaf not in keys_now
         assert leaf.hex() not in stored_files(d) and root.hex() not in stored_files(d)
+
+
+
+def test_a_delete_waits_for_the_daemon_s_own_work_on_an_entry(
+        daemon: DaemonProcess, client: CacheClient) -> None:
+    """What the daemon itself does with an entry holds it for a moment (its RAM copy
+    being made right after a save, a piece being saved on it): an operator's delete
+    waits for that instead of failing."""
+    from test_cli import cli, ok
+
+    # Right after a save its RAM copy is being made: evict it at once.
+    t = toks(20, 300)
+    root = save(client, t[:200], reason="cold")
+    out = ok(cli("evict", root.hex(), "--address", daemon.address))
+    assert f"evicted {root.hex()}" in out and client.list_entries() == []
+    # A piece being saved on an entry: the delete returns once that save has ended.
+    root = save(client, t[:200], reason="cold")
+    placed(client, root)
+    lease = client.stub.Reserve(pb.ReserveRequest(
+        identity=IDENT.message(), packed_tokens=keys.tokens_to_bytes(t), size=100 * WIDTH,
+        reason="finish", parent=root, base=200), timeout=10)
+    assert lease.status == pb.ReserveResponse.GRANTED
+    ended = threading.Timer(0.3, lambda: client.stub.Abort(
+        pb.AbortRequest(lease_id=lease.lease_id), timeout=10))
+    ended.start()
+    started = time.monotonic()
+    client.delete(root)
+    assert time.monotonic() - started >= 0.25
+    ended.join()
+    assert client.list_entries() == []
 
 
 def test_prune_removes_an_entry_only_with_what_is_built_on_it(client: CacheClient) -> None:

@@ -10,6 +10,8 @@ import dataclasses
 import functools
 import os
 import random
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -468,6 +470,48 @@ def test_read_pins_expire(make_store: Callable[..., Store]) -> None:
         store.release_read(pin.pin_id)
     store.delete(key)
     assert present(store, A) == [False]
+
+
+
+def test_a_delete_waits_for_the_daemon_s_own_work_bounded(
+        make_store: Callable[..., Store]) -> None:
+    """A piece being saved on an entry holds it, as the entry's RAM copy being made does:
+    a delete waits for that work (bounded), where a client's read is refused at once."""
+    store = make_store(delete_wait_seconds=1.0, ram_bytes=0)
+    root = put(store, A).key
+    piece = A + [7, 7, 7]
+
+    def reserve_piece() -> str:
+        res = store.reserve(NS, raw(piece), entry_size(piece), "finish", FP, parent=root,
+                            base=len(A))
+        assert res.status == "granted", res
+        return res.lease_id
+
+    # Work that never ends within the wait: refused, after waiting, nothing removed.
+    lease = reserve_piece()
+    started = time.monotonic()
+    with pytest.raises(Busy, match="by the daemon.*try again"):
+        store.delete(root)
+    assert time.monotonic() - started >= 1.0
+    assert present(store, A) == [True]
+    store.abort(lease)
+    # Work that ends while the delete waits: the delete goes through once it has.
+    lease = reserve_piece()
+    ended = threading.Timer(0.2, store.abort, args=(lease,))
+    ended.start()
+    started = time.monotonic()
+    assert [r.key for r in store.delete(root)] == [root]
+    assert 0.15 <= time.monotonic() - started < 1.0
+    ended.join()
+    assert present(store, A) == [False]
+    # A client's read is no work of the daemon's: refused at once.
+    key = put(store, B).key
+    pin = store.open_read(key)
+    started = time.monotonic()
+    with pytest.raises(Busy, match="being read$"):
+        store.delete(key)
+    assert time.monotonic() - started < 0.5
+    store.release_read(pin.pin_id)
 
 
 def test_prune_targets_and_protection(make_store: Callable[..., Store]) -> None:

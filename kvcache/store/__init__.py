@@ -60,6 +60,9 @@ Invariants, and the tests that hold them:
   (tests/test_store.py::test_tier_counts_follow_every_change).
 * A pin answered OK is never undone by a concurrent removal (tests/test_load.py::
   test_a_pin_is_never_lost_to_a_concurrent_eviction_prune_or_delete).
+* A delete never removes a pinned entry or one a client reads; it waits (bounded) for
+  the daemon's own work on an entry (tests/test_store.py::
+  test_a_delete_waits_for_the_daemon_s_own_work_bounded).
 * A bad blob is found before any of its bytes is used, and quarantined
   (tests/test_corruption.py).
 """

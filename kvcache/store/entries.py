@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -129,19 +130,34 @@ class Entries:
 
     def delete(self, key: bytes) -> list[Record]:
         """Remove an entry and the entries built on it (they cannot be restored without
-        it); refused while any of them is pinned or being read. Returns what went,
-        the entry first."""
+        it); refused while any of them is pinned or read by a client. Held only by the
+        daemon's own work (its RAM copy being made, a check, a piece being saved on it),
+        it is waited for, up to ``delete_wait_seconds``: an operator's delete right after
+        a save must not fail on a copy it cannot see (tests/test_pieces.py::
+        test_a_delete_waits_for_the_daemon_s_own_work_on_an_entry). Returns what went,
+        the entry first. Takes the store lock (and gives it up while waiting)."""
+        deadline = time.monotonic() + self._config.delete_wait_seconds
         with self._cond:
-            record = self.get(key)
-            dependents = self.dependents(key)
-            for k in (key, *dependents):
-                r = record if k == key else self._index.get(k)
-                whose = "" if k == key else f" (built on {key.hex()})"
-                if r is not None and r.pinned:
-                    raise Busy(f"entry {k.hex()}{whose} is pinned; unpin it first")
-                if self._pins.is_held(k):
-                    raise Busy(f"entry {k.hex()}{whose} is being read")
-            return self.remove_entry(record, "deletes")  # the entry first
+            while True:
+                record = self.get(key)
+                dependents = self.dependents(key)
+                busy = ""
+                for k in (key, *dependents):
+                    r = record if k == key else self._index.get(k)
+                    whose = "" if k == key else f" (built on {key.hex()})"
+                    if r is not None and r.pinned:
+                        raise Busy(f"entry {k.hex()}{whose} is pinned; unpin it first")
+                    if self._pins.is_read(k):
+                        raise Busy(f"entry {k.hex()}{whose} is being read")
+                    if not busy and self._pins.is_held(k):
+                        busy = f"entry {k.hex()}{whose} is being read (by the daemon: a " \
+                               "copy, a check or a piece saved on it); try again"
+                if not busy:
+                    return self.remove_entry(record, "deletes")  # the entry first
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Busy(busy)
+                self._cond.wait(left)  # woken whenever an entry stops being held
 
     def remove_entry(self, record: Record, counter: str) -> list[Record]:
         """Unpublish an entry and everything built on it, in one index transaction (no

@@ -95,7 +95,7 @@ class Store:
         counters = self.counters
         self._closed = threading.Event()
         self._tally = tally = Tally()
-        self._pins = pins = ReadPins()
+        self._pins = pins = ReadPins(on_free=cond.notify_all)
         self._leases = leases = LeaseTable()
         self._entries = entries = Entries(config, layout, index, tally, pins, counters, cond)
         self._ram = ram = RamCopies(layout, index, tally, counters, cond)
@@ -333,8 +333,8 @@ class Store:
 
     def delete(self, key: bytes) -> list[Record]:
         """Remove an entry and the entries built on it (they cannot be restored without
-        it); refused while any of them is pinned or being read. Returns what went,
-        the entry first."""
+        it); refused while any of them is pinned or being read (the daemon's own work on
+        them is waited for, bounded). Returns what went, the entry first."""
         return self._entries.delete(key)
 
     def inspect(self, key: bytes, tenant_id: str | None = None

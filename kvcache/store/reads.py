@@ -8,7 +8,7 @@ import secrets
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
@@ -49,12 +49,14 @@ class ReadPins:
     Reads are counted here as they happen (hits and last use per key) and written to the
     index about once a second; eviction order and prune filters take them into account.
 
-    Not thread-safe: every method is called with Store._cond held."""
+    Not thread-safe: every method is called with Store._cond held; ``on_free`` (its
+    notify_all) is called whenever an entry stops being held, for deletes waiting on it."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_free: Callable[[], None] = lambda: None) -> None:
         self.pins: dict[str, tuple[bytes, float]] = {}  # pin_id -> (key, expires)
         self.in_use: Counter[bytes] = Counter()
         self._pending_use: dict[bytes, list[float]] = {}  # key -> [hits, last_used]
+        self._on_free = on_free
 
     def hold(self, key: bytes) -> None:
         self.in_use[key] += 1
@@ -63,9 +65,14 @@ class ReadPins:
         self.in_use[key] -= 1
         if self.in_use[key] <= 0:
             del self.in_use[key]
+            self._on_free()
 
     def is_held(self, key: bytes) -> bool:
         return bool(self.in_use.get(key))
+
+    def is_read(self, key: bytes) -> bool:
+        """Whether a client holds a read pin on ``key`` (not only the daemon's own work)."""
+        return any(k == key for k, _expires in self.pins.values())
 
     def busy(self) -> set[bytes]:
         """The keys held now."""

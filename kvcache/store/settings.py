@@ -20,6 +20,10 @@ class StoreConfig:
     block_size: int = 256
     lease_seconds: float = 30.0
     pin_seconds: float = 60.0
+    # How long a delete waits for the daemon's own work on an entry (its RAM copy being
+    # made, a check of its copies, a piece being saved on it) before refusing: an
+    # operator's delete right after a save should not fail on a copy it cannot see.
+    delete_wait_seconds: float = 5.0
     max_tokens: int = 1 << 20
     max_blob_bytes: int = 16 * GiB
     usage_flush_seconds: float = 1.0
