@@ -397,7 +397,8 @@ class LlamaModel(_Owner):
         """``tokenize(text)`` where ``head_tokens`` are ``tokenize(text[:at])``, tokenizing
         only ``text[at:]``; None where that could give other tokens (see
         :mod:`~model_runtime.token_seams`; tests/test_token_seams.py compares both ways)."""
-        if not self._pieces_tokenized_alone or not is_seam(text, at, self.special_tokens()):
+        specials = self.special_tokens()  # read first: reading them may rule seams out
+        if not self._pieces_tokenized_alone or not is_seam(text, at, specials):
             return None
         return [*head_tokens, *self.tokenize(text[at:], add_special=False)]
 
@@ -410,9 +411,16 @@ class LlamaModel(_Owner):
             specials = []
             for token in range(self.n_vocab):
                 attr = _lc.llama_vocab_get_attr(vocab, token)
-                if attr & cut:
-                    specials.append(SpecialToken(
-                        self.token_text(token), bool(attr & _lc.LLAMA_TOKEN_ATTR_LSTRIP)))
+                if not attr & cut:
+                    continue
+                try:
+                    text = (_lc.llama_vocab_get_text(vocab, token) or b"").decode("utf-8")
+                except UnicodeDecodeError:
+                    # llama.cpp matches its bytes, which no text of ours contains: seams
+                    # are not judged on a vocabulary like that.
+                    self._pieces_tokenized_alone = False
+                    continue
+                specials.append(SpecialToken(text, bool(attr & _lc.LLAMA_TOKEN_ATTR_LSTRIP)))
             self._special_tokens = tuple(specials)
         return self._special_tokens
 
