@@ -428,6 +428,9 @@ def _path_given(ctx: click.Context, param: click.Parameter, value: str | None) -
               help="Sign every value written to the remote (HMAC-SHA256) and refuse unsigned "
                    "or mis-signed ones; the file (at least 16 bytes, readable by its owner "
                    "only) is shared by the fleet.")
+@click.option("--remote-tls-ca", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, help="CA certificates (PEM) that verify a rediss:// server "
+                                 "(default: the system's).")
 @click.option("--remote-timeout", type=PERIOD, default=0.25, show_default=True,
               help="Deadline of each remote call; a slower remote is a miss.")
 @click.option("--log-level", default="INFO", show_default=True)
@@ -439,7 +442,7 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
           lease_seconds: float, pin_seconds: float, metrics_port: int | None,
           remote_url: str | None, remote_password_file: Path | None,
           remote_password_env: str | None, remote_signing_key_file: Path | None,
-          remote_timeout: float, log_level: str) -> None:
+          remote_tls_ca: Path | None, remote_timeout: float, log_level: str) -> None:
     """Run the cache daemon until SIGTERM or SIGINT."""
     from .errors import StoreError
     from .remote import RemoteConfig, load_signing_key
@@ -451,7 +454,8 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
     # Checked before the data directory is created.
     auth = server_auth(listen, token_file, tls_cert, tls_key, tls_client_ca, insecure_tcp)
     remote = None
-    if remote_url or remote_password_file or remote_password_env or remote_signing_key_file:
+    if remote_url or remote_password_file or remote_password_env or remote_signing_key_file \
+            or remote_tls_ca:
         if not remote_url:
             raise click.UsageError("the --remote-* options need --remote URL")
         try:
@@ -459,7 +463,7 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
                 remote_url, password_file=remote_password_file,
                 password_env=remote_password_env, op_timeout_s=remote_timeout,
                 signing_key=load_signing_key(remote_signing_key_file)
-                if remote_signing_key_file else None)
+                if remote_signing_key_file else None, tls_ca_file=remote_tls_ca)
             remote.password()  # a missing file or variable is refused now, not later
         except (ValueError, OSError) as exc:
             raise click.ClickException(str(exc)) from None

@@ -13,6 +13,7 @@ import contextlib
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from collections.abc import Iterator
 import procs
 import pytest
 import redis
+import trustme
 
 SETUP_HINT = "redis-server is not installed: run `bash tools/setup.sh` (it installs " \
              "Debian's redis-server and redis-tools)"
@@ -103,6 +105,46 @@ class RedisServer(procs.RedisServer):
                 c.config_set(name.replace("_", "-"), value)
 
 
+class TlsRedisServer(RedisServer):
+    """A server that speaks only TLS, on its port, with a certificate for 127.0.0.1 issued
+    by a CA of its own (``ca_file``: what a client must trust). Clients need not present
+    certificates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        ca = trustme.CA()
+        issued = ca.issue_cert("127.0.0.1", "localhost")
+        self.ca_file = self.dir / "ca.pem"
+        self.cert_file = self.dir / "server.pem"
+        self.key_file = self.dir / "server.key"
+        ca.cert_pem.write_to_path(str(self.ca_file))
+        self.cert_file.write_bytes(b"".join(b.bytes() for b in issued.cert_chain_pems))
+        issued.private_key_pem.write_to_path(str(self.key_file))
+
+    @property
+    def url(self) -> str:
+        return f"rediss://127.0.0.1:{self.port}/0"
+
+    def argv(self) -> list[str]:
+        args = super().argv()
+        args[args.index("--port") + 1] = "0"  # no plain-text port
+        return args + ["--tls-port", str(self.port), "--tls-cert-file", str(self.cert_file),
+                       "--tls-key-file", str(self.key_file), "--tls-auth-clients", "no"]
+
+    def _pong(self) -> bool:
+        context = ssl.create_default_context(cafile=str(self.ca_file))
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as raw, \
+                    context.wrap_socket(raw, server_hostname="127.0.0.1") as conn:
+                conn.sendall(b"PING\r\n")
+                return conn.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def client(self, **kwargs: object) -> redis.Redis:
+        return super().client(ssl=True, ssl_ca_certs=str(self.ca_file), **kwargs)
+
+
 class RedisCluster:
     """Three ``redis-server`` nodes joined by ``redis-cli --cluster create`` (no replicas)."""
 
@@ -146,6 +188,15 @@ class RedisCluster:
 @contextlib.contextmanager
 def redis_server(*extra_args: str, password: str | None = None) -> Iterator[RedisServer]:
     server = RedisServer(*extra_args, password=password)
+    try:
+        yield server.start()
+    finally:
+        server.close()
+
+
+@contextlib.contextmanager
+def tls_redis_server() -> Iterator[TlsRedisServer]:
+    server = TlsRedisServer()
     try:
         yield server.start()
     finally:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import redis
 from daemon_proc import wait_for
-from redis_proc import RedisServer, redis_cluster, redis_server
+from redis_proc import RedisServer, redis_cluster, redis_server, tls_redis_server
 
 from kvcache import blob as blobfmt
 from kvcache import keys
@@ -573,6 +573,34 @@ def test_password_from_a_file_or_the_environment(tmp_path: Path,
         got = counters(reader)
         assert got["remote_errors_response"] == 1 and got["remote_put_errors"] == 1
         assert reader.connected  # an error reply is not a lost remote
+
+
+
+def test_tls_with_the_server_s_ca_and_refused_without_it(
+        tiers: Callable[..., RemoteTier]) -> None:
+    """rediss://: with the CA that issued the server's certificate (``tls_ca_file``) a tier
+    connects, uploads and another fetches what it stored; trusting only the system's CAs,
+    or speaking plain text to the TLS port, it never connects and every call is a miss at
+    once, counted."""
+    with tls_redis_server() as server:
+        a = tiers(server.url, tls_ca_file=server.ca_file)
+        chain = make_chain(prompt(27), [40, 70])
+        publish_all(a, chain)
+        b = tiers(server.url, tls_ca_file=server.ca_file)
+        match = b.find(NS, chain.tokens)
+        assert match is not None and match.shared == 70
+        assert b.fetch(match.chain_keys, NS) == [chain.blobs[k] for k in chain.keys]
+        assert entry_keys(server.client(), chain.keys[-1])  # stored on the server
+
+        plain_url = server.url.replace("rediss://", "redis://")
+        for url, error in ((server.url, "CERTIFICATE_VERIFY_FAILED"), (plain_url, "")):
+            started = time.monotonic()
+            refused = tiers(url, connect=False)
+            assert refused.find(NS, chain.tokens) is None and not refused.connected
+            assert time.monotonic() - started < 5
+            wait_for(lambda: counters(refused)["remote_errors_connection"] >= 1,  # noqa: B023
+                     "the refused connection to be counted")
+            assert error in str(refused.stats()["last_error"])
 
 
 def test_upload_queue_is_bounded_and_never_blocks(server: RedisServer,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 from daemon_proc import DaemonProcess, wait_for
-from redis_proc import RedisServer, redis_cluster, redis_server
+from redis_proc import RedisServer, redis_cluster, redis_server, tls_redis_server
 from test_metrics import metrics_port, scrape
 from test_remote import entry_keys
 from test_runtime import CONFIG, TEXT_A, TEXT_B, TEXT_C, flush, prompt
@@ -625,6 +625,39 @@ def test_cli_shows_the_remote_and_refuses_secrets_in_the_url(
                            name="guarded")
         wait_connected(d)
         d.close()
+
+
+
+def test_a_tls_remote_verified_with_its_ca(daemon_factory: Callable[..., DaemonProcess],
+                                           tmp_path: Path) -> None:
+    """rediss:// with --remote-tls-ca: the daemon connects and uploads over TLS; without
+    that CA the server's certificate is refused (said in stats); a CA given for a plain
+    redis:// URL is refused at start-up."""
+    with tls_redis_server() as server:
+        d = daemon_factory("--remote", server.url, "--remote-tls-ca", str(server.ca_file),
+                           name="tls")
+        wait_connected(d)
+        key = save(d, toks(60, 100))
+        wait_uploads(d, 1)
+        assert entry_keys(server.client(), key)  # on the server
+        d.close()
+
+        untrusted = daemon_factory("--remote", server.url, name="untrusted")
+        wait_for(lambda: "CERTIFICATE_VERIFY_FAILED" in cli(
+            "stats", "--json", "--address", untrusted.address).stdout,
+            "the refused certificate in stats")
+        assert remote_state(untrusted)[0] is False
+        untrusted.close()
+
+    never = tmp_path / "never"
+    done = cli("serve", "--dir", str(never), "--remote", "redis://127.0.0.1:1/0",
+               "--remote-tls-ca", str(tmp_path / "missing.pem"))
+    assert done.returncode != 0 and "missing.pem" in done.stderr
+    ca = key_file(tmp_path / "ca.pem", "not used")
+    done = cli("serve", "--dir", str(never), "--remote", "redis://127.0.0.1:1/0",
+               "--remote-tls-ca", str(ca))
+    assert done.returncode != 0 and "rediss://" in done.stderr
+    assert "Traceback" not in done.stderr and not never.exists()
 
 
 # --------------------------------------------------------------------------- stored locally

@@ -74,7 +74,10 @@ class RemoteConfig:
     upload_lock_s: float = 60.0
 
     def __post_init__(self) -> None:
-        self.endpoint()  # raises on a bad URL
+        endpoint = self.endpoint()  # raises on a bad URL
+        if self.tls_ca_file is not None and not endpoint.tls:
+            raise RemoteConfigError(f"a TLS CA file was given for {self.url}, which is not "
+                                    "TLS: use rediss:// (or rediss+cluster://)")
         if self.password_file is not None and self.password_env is not None:
             raise RemoteConfigError("give the remote password from a file or from an "
                                     "environment variable, not both")
