@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import struct
@@ -334,12 +335,6 @@ class LlamaModel(_Owner):
         self.bos_token: int = _lc.llama_vocab_bos(self._vocab)
         self.eos_token: int = _lc.llama_vocab_eos(self._vocab)
         self.add_bos: bool = bool(_lc.llama_vocab_get_add_bos(self._vocab))
-        # Whether the pieces between special tokens are tokenized each alone and nothing
-        # is added at the end: WPM appends SEP; a vocabulary adding EOS, EOS.
-        self._pieces_tokenized_alone = (
-            _lc.llama_vocab_type(self._vocab) in PIECEWISE_VOCAB_TYPES
-            and not _lc.llama_vocab_get_add_eos(self._vocab))
-        self._special_tokens: tuple[SpecialToken, ...] | None = None
         self._template_src: str | None = None
         self._template: Any = None
         raw = _lc.llama_model_chat_template(model, None)
@@ -397,32 +392,34 @@ class LlamaModel(_Owner):
         """``tokenize(text)`` where ``head_tokens`` are ``tokenize(text[:at])``, tokenizing
         only ``text[at:]``; None where that could give other tokens (see
         :mod:`~model_runtime.token_seams`; tests/test_token_seams.py compares both ways)."""
-        specials = self.special_tokens()  # read first: reading them may rule seams out
-        if not self._pieces_tokenized_alone or not is_seam(text, at, specials):
+        specials = self.seam_specials
+        if specials is None or not is_seam(text, at, specials):
             return None
         return [*head_tokens, *self.tokenize(text[at:], add_special=False)]
 
-    def special_tokens(self) -> tuple[SpecialToken, ...]:
-        """The tokens llama.cpp cuts a text at before tokenizing it (read once)."""
-        if self._special_tokens is None:
-            vocab = self._vocab_h()
-            cut = _lc.LLAMA_TOKEN_ATTR_CONTROL | _lc.LLAMA_TOKEN_ATTR_USER_DEFINED | \
-                _lc.LLAMA_TOKEN_ATTR_UNKNOWN
-            specials = []
-            for token in range(self.n_vocab):
-                attr = _lc.llama_vocab_get_attr(vocab, token)
-                if not attr & cut:
-                    continue
+    @functools.cached_property
+    def seam_specials(self) -> tuple[SpecialToken, ...] | None:
+        """The tokens llama.cpp cuts a text at before tokenizing it (read once), or None
+        where a text is never tokenized in parts: a vocabulary whose pieces are not
+        tokenized each alone or that adds something at the end (WPM appends SEP; others
+        may add EOS), or one with a special token whose text is not UTF-8 (llama.cpp
+        matches its bytes, which no text of ours contains)."""
+        vocab = self._vocab_h()
+        if _lc.llama_vocab_type(vocab) not in PIECEWISE_VOCAB_TYPES or \
+                _lc.llama_vocab_get_add_eos(vocab):
+            return None
+        cut = _lc.LLAMA_TOKEN_ATTR_CONTROL | _lc.LLAMA_TOKEN_ATTR_USER_DEFINED | \
+            _lc.LLAMA_TOKEN_ATTR_UNKNOWN
+        specials = []
+        for token in range(self.n_vocab):
+            attr = _lc.llama_vocab_get_attr(vocab, token)
+            if attr & cut:
                 try:
                     text = (_lc.llama_vocab_get_text(vocab, token) or b"").decode("utf-8")
                 except UnicodeDecodeError:
-                    # llama.cpp matches its bytes, which no text of ours contains: seams
-                    # are not judged on a vocabulary like that.
-                    self._pieces_tokenized_alone = False
-                    continue
+                    return None
                 specials.append(SpecialToken(text, bool(attr & _lc.LLAMA_TOKEN_ATTR_LSTRIP)))
-            self._special_tokens = tuple(specials)
-        return self._special_tokens
+        return tuple(specials)
 
     def token_to_piece(self, token: int, *, render_special: bool = False) -> bytes:
         """The raw bytes of one token (may be a partial UTF-8 sequence).

@@ -155,7 +155,7 @@ class Runtime:
         self._head_tokens = functools.lru_cache(maxsize=32)(
             lambda head: tuple(self.tokenize(head)))
         if self.model.chat_template() is not None:
-            self.model.special_tokens()  # read here, not in the first chat's TTFT (~12 ms)
+            _ = self.model.seam_specials  # read here, not in the first chat's TTFT (~12 ms)
         self._closed = False
 
     # -- prompts ----------------------------------------------------------------------------

@@ -52,7 +52,7 @@ class ReadPins:
     Not thread-safe: every method is called with Store._cond held; ``on_free`` (its
     notify_all) is called whenever an entry stops being held, for deletes waiting on it."""
 
-    def __init__(self, on_free: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, on_free: Callable[[], None]) -> None:
         self.pins: dict[str, tuple[bytes, float]] = {}  # pin_id -> (key, expires)
         self.in_use: Counter[bytes] = Counter()
         self._pending_use: dict[bytes, list[float]] = {}  # key -> [hits, last_used]
