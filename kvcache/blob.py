@@ -22,7 +22,9 @@ reason, created time, producer version and tenant id: the index can be rebuilt f
 files alone. A *piece* (an entry stored as the cells beyond another entry's) also names
 that ``parent`` entry and ``base``, the tokens it takes from the parent's chain: its
 payload holds only what follows them. ``cell_layout`` is the producer's own description
-of such a payload (opaque here: the daemon never reads payloads). Hit counts and last-use times are never written here (they live in the
+of such a payload, and ``logits`` the producer's scores for the token after the entry's
+last one, so that a restore of exactly these tokens needs no decode to go on (both opaque
+here: the daemon never reads them). Hit counts and last-use times are never written here (they live in the
 index), so a published blob never changes.
 """
 
@@ -50,7 +52,7 @@ MAX_META_BYTES = 64 * 1024 * 1024  # 16M tokens of ids, far beyond any context
 
 CODECS = {"none": 0, "zstd": 1}
 CODEC_NAMES = {v: k for k, v in CODECS.items()}
-SAVE_REASONS = ("cold", "continued", "finish", "evict", "shutdown", "manual")
+SAVE_REASONS = ("cold", "prompt", "continued", "finish", "evict", "shutdown", "manual")
 
 
 class BlobError(ValueError):
@@ -90,6 +92,7 @@ class BlobMeta:
     parent: bytes = b""  # the entry this one's first ``base`` tokens come from (b"": none)
     base: int = 0
     cell_layout: bytes = b""  # producer-defined (a run of cells' layout); b"": whole state
+    logits: bytes = b""  # producer-defined: the next token's scores after the last token
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -114,6 +117,7 @@ class BlobMeta:
             # previous version wrote (and readable by it).
             **({"parent": self.parent, "base": self.base} if self.parent else {}),
             **({"cell_layout": self.cell_layout} if self.cell_layout else {}),
+            **({"logits": self.logits} if self.logits else {}),
         }
 
     @classmethod
@@ -123,7 +127,7 @@ class BlobMeta:
         for name in ("namespace", "tokens"):
             if not isinstance(d.get(name), bytes):
                 raise BlobError(f"bad blob metadata: {name} is not a byte string")
-        for name in ("parent", "cell_layout"):
+        for name in ("parent", "cell_layout", "logits"):
             if not isinstance(d.get(name, b""), bytes):
                 raise BlobError(f"bad blob metadata: {name} is not a byte string")
         try:
@@ -140,6 +144,7 @@ class BlobMeta:
                 parent=bytes(d.get("parent", b"")),
                 base=_as_int(d.get("base", 0)),
                 cell_layout=bytes(d.get("cell_layout", b"")),
+                logits=bytes(d.get("logits", b"")),
             )
         except BlobError:
             raise

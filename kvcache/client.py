@@ -309,18 +309,20 @@ class CacheClient:
 
     def save(self, identity: Identity, tokens: Sequence[int], payload: bytes | memoryview,
              reason: str, *, codec: str = "none", timeout: float | None = None,
-             parent: bytes = b"", base: int = 0, cell_layout: bytes = b"") -> SaveResult:
+             parent: bytes = b"", base: int = 0, cell_layout: bytes = b"",
+             logits: bytes = b"") -> SaveResult:
         """Reserve, write and commit one state. Duplicates are dropped by the daemon.
 
         With ``parent``, a piece: ``payload`` holds only what follows the first ``base``
         tokens, which entry ``parent``'s chain holds (see LookupResult.parent_for); a
         parent gone meanwhile raises CacheError with code NOT_FOUND. ``cell_layout``
-        describes the payload for whoever joins pieces (stored, never read here)."""
+        describes the payload for whoever joins pieces, ``logits`` the scores of the token
+        after the last one (both stored, never read here)."""
         meta = blobfmt.BlobMeta(
             namespace=identity.namespace, model_fingerprint=identity.model_fingerprint,
             kv_layout=dict(identity.kv_layout), tokens=list(tokens), reason=reason,
             model_name=identity.model_name, tenant_id=keys.tenant_id(identity.tenant),
-            parent=parent, base=base, cell_layout=cell_layout)
+            parent=parent, base=base, cell_layout=cell_layout, logits=logits)
         parts = blobfmt.encode_blob(meta, payload, codec)
         size = blobfmt.blob_size(parts)
         deadline = time.monotonic() + (timeout or max(self.timeout, 30.0))

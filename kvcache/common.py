@@ -36,7 +36,7 @@ HIT_KINDS = (HIT_EXACT, HIT_PARTIAL, HIT_COLD, HIT_STICKY)
 # -- save reasons: the save points the runtime takes ----------------------------------------
 # The blob format (kvcache.blob.SAVE_REASONS) also knows "manual", for tools.
 
-RUNTIME_SAVE_REASONS = ("cold", "continued", "finish", "evict", "shutdown")
+RUNTIME_SAVE_REASONS = ("cold", "prompt", "continued", "finish", "evict", "shutdown")
 
 # -- gRPC ------------------------------------------------------------------------------------
 
