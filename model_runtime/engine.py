@@ -295,7 +295,7 @@ class EngineCore:
             return
         if binding.reuse is not Reuse.LIVE:  # (also a sticky sequence that could not be cut)
             self.executor.clear(seq)
-        elif binding.keep == len(req.tokens) - 1 or not self.has_cache:
+        elif binding.keep >= len(req.tokens) - 1 or not self.has_cache:
             self._start(req, None)  # the live KV serves all it can: nothing covers more
             return
         # Cache resolution; a live sequence's KV is kept until it is known whether the
@@ -323,6 +323,15 @@ class EngineCore:
     def _begin_prefill(self, req: Request) -> None:
         self.save_points.plan_cold(req)
         self.scheduler.start(req)
+        if req.n_past == len(req.tokens):
+            # Served whole, with the scores after its last token: nothing to decode
+            # before the first token, which is exactly the one a cold prefill gives.
+            self._first_token(req)
+
+    def _first_token(self, req: Request) -> None:
+        req.timings.first = time.perf_counter()
+        self._after_sample(req, self.executor.sample(req))
+        req.restored_from = []  # unmapped now, after the first token
 
     # -- one tick: a batch over every active sequence -------------------------------------
 
@@ -345,14 +354,15 @@ class EngineCore:
             prompt_done = self.scheduler.advance(row)
             if row.decode:
                 req.timings.decode += share
-                self._after_sample(req, self.executor.sample(req, row.start))
+                self.executor.keep_logits(req, row.start, decoded=True)
+                self._after_sample(req, self.executor.sample(req))
                 continue
             req.timings.prefill += share
+            if plan.logits[row.last]:  # the prompt's end or a save boundary
+                self.executor.keep_logits(req, row.last)
             self.save_points.after_prefill(req)
             if prompt_done:
-                req.timings.first = time.perf_counter()
-                self._after_sample(req, self.executor.sample(req, row.last))
-                req.restored_from = []  # unmapped now, after the first token
+                self._first_token(req)
 
     def _after_sample(self, req: Request, token: int) -> None:
         seq = req.seq

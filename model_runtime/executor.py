@@ -21,9 +21,9 @@ from . import kv_cells, pieces
 from .config import RuntimeConfig
 from .kv_cells import StateFormatError
 from .llama_backend import LlamaContext
-from .request import Request, Seq, common_prefix
+from .request import Request, Seq, common_prefix, servable
 from .sampling import sample
-from .saver import SaveJob, Saver
+from .saver import SaveJob, Saver, Waypoint
 from .scheduler import BatchPlan
 
 log = logging.getLogger("model_runtime")
@@ -53,11 +53,13 @@ class Executor:
         refuses it: the sequence is left empty (the request goes cold)."""
         t0 = time.perf_counter()
         entry = chain[-1]
-        # Tokens the state shares with the prompt; all but the prompt's last are kept
-        # (that one is decoded again for fresh logits), and whatever follows is cut:
+        # Tokens the state shares with the prompt are kept, and whatever follows is cut:
         # pieces are joined up to there, a state set as stored is cut after its restore.
+        # The whole prompt is kept only where a piece ending with it carries the scores
+        # of its next token; otherwise its last token is decoded again, for them.
         shared = common_prefix(entry.meta.tokens, req.tokens)
-        keep = min(shared, len(req.tokens) - 1)
+        scores = pieces.stored_logits(chain, self.ctx.model.n_vocab)
+        keep = servable(shared, len(req.tokens), len(req.tokens) in scores)
         try:
             joined = pieces.join(chain, keep, seq.id, self._join_scratch,
                                  n_stream=self.ctx.state_streams)
@@ -68,6 +70,8 @@ class Executor:
         if ok:
             seq.tokens = list(joined.tokens)
             seq.restored = True
+            seq.logits = {n: row for n, row in scores.items() if n <= len(seq.tokens)}
+            seq.decoded_at = -1
             # The state of an entry of these tokens: its key is computed when needed (a
             # live sequence's previous key no longer names it).
             seq.saved_len, seq.saved_key = len(seq.tokens), b""
@@ -97,9 +101,10 @@ class Executor:
 
     @staticmethod
     def _served(req: Request, shared: int, tier: str, n_past: int) -> None:
-        # Exact when the state held the whole prompt (its last token is decoded again).
-        req.cache.hit_kind = HIT_EXACT if shared == len(req.tokens) else HIT_PARTIAL
-        req.cache.tokens_read = shared
+        # Exact when the state held the whole prompt. Tokens read: those not computed
+        # again (all of an exact hit's with the scores of its end, else all but one).
+        req.cache.hit_kind = HIT_EXACT if shared >= len(req.tokens) else HIT_PARTIAL
+        req.cache.tokens_read = n_past
         req.cache.tier = tier
         req.n_past = n_past
 
@@ -110,6 +115,7 @@ class Executor:
         if n_keep < len(seq.tokens) and not self.ctx.seq_truncate(seq.id, n_keep):
             return False
         del seq.tokens[n_keep:]
+        seq.forget_logits_after(n_keep)
         if n_keep < seq.saved_len:
             # The last save no longer matches this sequence. Left as it was, a later state
             # of the same length but other tokens would be taken as saved: its save skipped
@@ -123,6 +129,7 @@ class Executor:
         seq.tokens.clear()
         seq.saved_len, seq.saved_key = 0, b""
         seq.restored = False
+        seq.forget_logits_after(0)
 
     # -- a tick ---------------------------------------------------------------------------
 
@@ -130,8 +137,17 @@ class Executor:
         """One ``llama_decode`` of the plan; raises LlamaDecodeError or ValueError."""
         self.ctx.decode(plan.tokens, plan.positions, plan.seq_ids, plan.logits)
 
-    def sample(self, req: Request, batch_index: int) -> int:
-        return sample(self.ctx.logits(batch_index), req.sampling, req.rng)
+    def keep_logits(self, req: Request, batch_index: int, *, decoded: bool = False) -> None:
+        """Keep the scores the last batch computed at ``batch_index`` (the request's
+        sequence's last cell) with that sequence."""
+        assert req.seq is not None
+        req.seq.note_logits(self.ctx.logits(batch_index), decoded=decoded)
+
+    def sample(self, req: Request) -> int:
+        """The request's next token, from the scores after its sequence's cells."""
+        seq = req.seq
+        assert seq is not None
+        return sample(seq.logits[len(seq.tokens)], req.sampling, req.rng)
 
     # -- saves ----------------------------------------------------------------------------
 
@@ -153,12 +169,36 @@ class Executor:
         buffer = self.saver.buffers.take(self.ctx.state_seq_size(seq.id))
         state = self.ctx.state_seq_get(seq.id, out=buffer)
         self.on_latency("state_get", time.perf_counter() - t0)
+        as_cells = self.ctx.can_truncate_restored()
         job = SaveJob(self.identity, tuple(seq.tokens), state, reason, key,
-                      as_cells=self.ctx.can_truncate_restored(), buffer=buffer)
+                      as_cells=as_cells, buffer=buffer, logits=_scores_bytes(seq, n),
+                      waypoints=self._prompt_waypoint(seq, req) if as_cells else ())
         if not self.saver.submit(job):  # dropped (counted): no entry to name or skip
             return b""
         seq.saved_len, seq.saved_key = n, key
         if req is not None:
             req.cache.tokens_saved = max(req.cache.tokens_saved, n - req.cache.tokens_read)
+            for point in job.waypoints:
+                req.cache.saves.append({"reason": point.reason, "tokens": point.n_tokens,
+                                        "key": self.key_of(seq.tokens[:point.n_tokens]).hex()})
             req.cache.saves.append({"reason": reason, "tokens": n, "key": key.hex()})
         return key
+
+    @staticmethod
+    def _prompt_waypoint(seq: Seq, req: Request | None) -> tuple[Waypoint, ...]:
+        """The request's prompt as an entry of its own on the way to a longer state (its
+        ``finish``), with the scores its first token was sampled from: the same prompt
+        again restores it and decodes nothing before its first token."""
+        if req is None:
+            return ()
+        n = len(req.tokens)
+        scores = _scores_bytes(seq, n)
+        if not scores or n >= len(seq.tokens) or seq.tokens[:n] != req.tokens:
+            return ()
+        return (Waypoint(n, "prompt", scores),)
+
+
+def _scores_bytes(seq: Seq, n: int) -> bytes:
+    """The kept scores after the sequence's first ``n`` cells, as stored ("" if none)."""
+    row = seq.logits.get(n)
+    return b"" if row is None else row.astype("<f4", copy=False).tobytes()

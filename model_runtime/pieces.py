@@ -21,13 +21,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import msgpack
+import numpy as np
 
 from kvcache.client import LoadedBlob
 
 from . import kv_cells
 from .kv_cells import Layout, StateFormatError
 
-__all__ = ["Cut", "JoinedState", "cut", "decode_layout", "encode_layout", "join"]
+__all__ = ["Cut", "JoinedState", "cut", "decode_layout", "encode_layout", "join",
+           "stored_logits"]
 
 
 def encode_layout(layout: Layout, form: str = kv_cells.FORM_PLANES) -> bytes:
@@ -48,28 +50,28 @@ def decode_layout(data: bytes) -> tuple[Layout, str]:
 
 @dataclass(frozen=True)
 class Cut:
-    """What a save of a state stores: the cells of tokens ``[base, n)``."""
+    """What a save of a state stores: the cells of tokens ``[base, n_cells)``."""
 
     payload: memoryview
     cell_layout: bytes
     n_cells: int
 
 
-def cut(state: bytes | memoryview, base: int) -> Cut:
-    """The cells of a captured state from ``base`` on: from 0, the state itself (a view
-    of ``state``, which must outlive the Cut); from later, its planes from ``base``.
-    Raises StateFormatError for a state that is not one run of cells holding positions
-    0..n-1 (those are saved whole)."""
+def cut(state: bytes | memoryview, base: int, end: int | None = None) -> Cut:
+    """The cells ``[base, end)`` of a captured state (``end``: all of them): the whole
+    state is stored as it is (a view of ``state``, which must outlive the Cut), any other
+    range as its planes. Raises StateFormatError for a state that is not one run of cells
+    holding positions 0..n-1 (those are saved whole)."""
     cells = kv_cells.parse(state)
     if not cells.is_prefix:
         raise StateFormatError("the state's cells do not hold positions 0..n-1")
-    if not 0 <= base < cells.n_cells:
-        raise ValueError(f"base {base} outside a state of {cells.n_cells} cells")
-    if base == 0:
+    end = cells.n_cells if end is None else end
+    if not 0 <= base < end <= cells.n_cells:
+        raise ValueError(f"cells [{base}, {end}) outside a state of {cells.n_cells} cells")
+    if base == 0 and end == cells.n_cells:
         return Cut(memoryview(state).toreadonly(),
-                   encode_layout(cells.layout, kv_cells.FORM_STATE), cells.n_cells)
-    return Cut(kv_cells.planes_bytes(cells, base, cells.n_cells), encode_layout(cells.layout),
-               cells.n_cells)
+                   encode_layout(cells.layout, kv_cells.FORM_STATE), end)
+    return Cut(kv_cells.planes_bytes(cells, base, end), encode_layout(cells.layout), end)
 
 
 @dataclass(frozen=True)
@@ -137,3 +139,13 @@ def join(chain: Sequence[LoadedBlob], n_tokens: int, seq_id: int,
                                  takes=[take for _, _, take in used], scratch=scratch)
     return JoinedState(state, chain[-1].meta.tokens[:n_tokens])
 
+
+def stored_logits(chain: Sequence[LoadedBlob], n_vocab: int) -> dict[int, np.ndarray]:
+    """The scores a chain's pieces carry, by the length of the piece they end (pieces
+    whose scores are not one float32 per vocabulary entry are ignored)."""
+    found = {}
+    for blob in chain:
+        raw = blob.meta.logits
+        if raw and len(raw) == 4 * n_vocab:
+            found[len(blob.meta.tokens)] = np.frombuffer(raw, dtype="<f4")
+    return found

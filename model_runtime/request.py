@@ -49,6 +49,16 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+def servable(shared: int, n_prompt: int, has_end_scores: bool) -> int:
+    """Prompt tokens a state sharing ``shared`` leading tokens with a prompt of
+    ``n_prompt`` serves: all it shares, except that a state holding the whole prompt
+    serves all of it only with the scores after its last token (else that token is
+    decoded again, for them)."""
+    if shared >= n_prompt:
+        return n_prompt if has_end_scores else n_prompt - 1
+    return shared
+
+
 @dataclass
 class Completion:
     text: str
@@ -169,6 +179,31 @@ class Seq:
     saved_len: int = 0  # length of the last state saved from this sequence
     saved_key: bytes = b""  # its key, when this process computed it
     restored: bool = False  # holds a restored state (matters for SWA/recurrent models)
+    # Scores of the token after the first n cells, by n, where this process has them: a
+    # prompt's end, a save boundary, the last decoded token. A request whose prompt is
+    # exactly those n tokens samples its first token from them and decodes nothing
+    # before it (see ``note_logits`` for what is kept).
+    logits: dict[int, np.ndarray] = field(default_factory=dict)
+    decoded_at: int = -1  # the length whose scores came from a decode step (replaced)
+
+    def note_logits(self, row: np.ndarray, *, decoded: bool = False) -> None:
+        """Keep ``row`` as the scores after the cells the sequence holds now. A decode
+        step's scores replace the previous step's, so a long generation keeps one row."""
+        n = len(self.tokens)
+        if decoded:
+            if self.decoded_at != n:
+                self.logits.pop(self.decoded_at, None)
+            self.decoded_at = n
+        elif self.decoded_at == n:
+            self.decoded_at = -1  # kept from now on
+        self.logits[n] = row
+
+    def forget_logits_after(self, n_keep: int) -> None:
+        """The sequence keeps only its first ``n_keep`` cells: scores after later cells go."""
+        for n in [n for n in self.logits if n > n_keep]:
+            del self.logits[n]
+        if self.decoded_at > n_keep:
+            self.decoded_at = -1
 
 
 # -- the model thread's inbox ---------------------------------------------------------------

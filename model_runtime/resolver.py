@@ -36,7 +36,7 @@ from kvcache.client import (
 from kvcache.common import TIER_REMOTE
 
 from .config import RuntimeConfig
-from .request import Request, common_prefix
+from .request import Request, common_prefix, servable
 from .saver import Saver
 
 log = logging.getLogger("model_runtime")
@@ -72,10 +72,16 @@ class Resolver:
         except Exception:  # a cache problem must never fail the request
             log.exception("cache resolution failed; going cold")
             self._count("cache_errors")
-        if chain and min(common_prefix(chain[-1].meta.tokens, req.tokens),
-                         len(req.tokens) - 1) <= req.live_keep:
+        if chain and self.serves(chain, req) <= req.live_keep:
             chain = None  # the live sequence covers as much: a tie goes to it (no restore)
         done(req, chain)
+
+    @staticmethod
+    def serves(chain: Chain, req: Request) -> int:
+        """Prompt tokens a restore of ``chain`` would not compute again."""
+        n = len(req.tokens)
+        ends_with_scores = any(len(b.meta.tokens) == n and b.meta.logits for b in chain)
+        return servable(common_prefix(chain[-1].meta.tokens, req.tokens), n, ends_with_scores)
 
     def find_state(self, req: Request) -> Chain | None:
         """The blobs of the best saved state for the request, root first (one blob for

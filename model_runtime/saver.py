@@ -35,6 +35,17 @@ log = logging.getLogger("model_runtime.saver")
 
 
 @dataclass(frozen=True)
+class Waypoint:
+    """An entry stored on the way to a save's own, from the same captured state: its
+    first ``n_tokens`` cells (a request's prompt within its ``finish`` state), with the
+    scores of the token after them."""
+
+    n_tokens: int
+    reason: str
+    logits: bytes
+
+
+@dataclass(frozen=True)
 class SaveJob:
     identity: Identity
     tokens: tuple[int, ...]
@@ -43,6 +54,8 @@ class SaveJob:
     key: bytes  # the key the daemon will give it (computed locally for finish_key)
     as_cells: bool = False  # a plain-attention state: stored as a run of cells
     buffer: np.ndarray | None = None  # holds ``state``: back to Saver.buffers when done
+    logits: bytes = b""  # the scores of the token after the state's last ("": unknown)
+    waypoints: tuple[Waypoint, ...] = ()  # shorter entries first, shortest first
 
 
 class Saver:
@@ -84,6 +97,8 @@ class Saver:
             self._count("saves_dropped")
             self._count("saves_dropped_backlog")
             return False
+        for point in job.waypoints:
+            self._count(f"saves_queued_{point.reason}")
         self._count(f"saves_queued_{job.reason}")
         return True
 
@@ -127,11 +142,7 @@ class Saver:
                     continue  # (the finally below still runs)
                 if result.status == "saved":
                     self.on_saved(job.reason, time.perf_counter() - t0)
-                    self._count(f"saves_{job.reason}")
-                    self._count("tokens_saved", len(job.tokens))
-                    self._count("tokens_stored", len(job.tokens) - base)
-                    if base:
-                        self._count("saves_built_on_prefix")
+                    self._count_saved(job.reason, len(job.tokens), base)
                 else:
                     self._count(f"saves_skipped_{result.status}")
             except CacheUnavailable as exc:
@@ -148,13 +159,21 @@ class Saver:
             finally:
                 self._finish(job)
 
+    def _count_saved(self, reason: str, n_tokens: int, base: int) -> None:
+        self._count(f"saves_{reason}")
+        self._count("tokens_saved", n_tokens)
+        self._count("tokens_stored", n_tokens - base)
+        if base:
+            self._count("saves_built_on_prefix")
+
     def _send(self, job: SaveJob) -> tuple[SaveResult | None, int]:
         """Save the job's state; returns the result (None: dropped, counted here) and the
         tokens taken from a parent."""
         client = self.client
         assert client is not None
         if not job.as_cells:
-            return client.save(job.identity, job.tokens, job.state, job.reason), 0
+            return client.save(job.identity, job.tokens, job.state, job.reason,
+                               logits=job.logits), 0
         n = len(job.tokens)
         hit, in_flight = client.lookup_before_save(job.identity, job.tokens,
                                                    wait_in_flight_ms=self.in_flight_wait_ms)
@@ -173,23 +192,44 @@ class Saver:
         try:
             if parent is not None and shared >= self.min_shared_tokens:
                 try:
-                    return self._save_cells(job, parent.key, shared), shared
+                    return self._save_from(job, parent.key, shared)
                 except CacheError as exc:
                     if exc.code != grpc.StatusCode.NOT_FOUND:
                         raise
                     self._count("saves_parent_gone")  # evicted since the lookup
-            return self._save_cells(job, b"", 0), 0
+            return self._save_from(job, b"", 0)
         except StateFormatError as exc:  # not one run of cells: stored whole
             log.debug("state of %d tokens saved whole: %s", n, exc)
-            return client.save(job.identity, job.tokens, job.state, job.reason), 0
+            return client.save(job.identity, job.tokens, job.state, job.reason,
+                               logits=job.logits), 0
 
-    def _save_cells(self, job: SaveJob, parent: bytes, base: int) -> SaveResult:
+    def _save_from(self, job: SaveJob, parent: bytes, base: int) -> tuple[SaveResult, int]:
+        """Store the job's waypoints past ``base`` and then its own state, each built on
+        the one before (the first on ``parent``). Returns the job's result and the tokens
+        it took from its parent."""
+        for point in job.waypoints:
+            if point.n_tokens <= base:
+                continue  # the parent's chain holds it already
+            result = self._save_cells(job, parent, base, point.n_tokens, point.reason,
+                                      point.logits)
+            if result.status == "saved":
+                self._count_saved(point.reason, point.n_tokens, base)
+            elif result.status != "already_present":
+                break  # another writer is storing it: the job's own builds on the parent
+            parent, base = result.key, point.n_tokens
+        return self._save_cells(job, parent, base, len(job.tokens), job.reason, job.logits), base
+
+    def _save_cells(self, job: SaveJob, parent: bytes, base: int, end: int, reason: str,
+                    logits: bytes) -> SaveResult:
+        """Store the cells ``[base, end)`` of the job's state as the entry of its first
+        ``end`` tokens."""
         assert self.client is not None
-        piece = pieces.cut(job.state, base)
-        if piece.n_cells != len(job.tokens):
-            raise StateFormatError(f"{piece.n_cells} cells for {len(job.tokens)} tokens")
-        return self.client.save(job.identity, job.tokens, piece.payload, job.reason,
-                                parent=parent, base=base, cell_layout=piece.cell_layout)
+        piece = pieces.cut(job.state, base, end)
+        if piece.n_cells != end:
+            raise StateFormatError(f"{piece.n_cells} cells for {end} tokens")
+        return self.client.save(job.identity, job.tokens[:end], piece.payload, reason,
+                                parent=parent, base=base, cell_layout=piece.cell_layout,
+                                logits=logits)
 
     def flush(self, timeout: float) -> bool:
         """Wait until every queued save is done; False if the deadline passed first."""

@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .request import Phase, Request, RequestError, Seq, common_prefix
+from .request import Phase, Request, RequestError, Seq, common_prefix, servable
 
 
 @dataclass(frozen=True)
@@ -161,9 +161,11 @@ class Scheduler:
 
     def reusable_prefix(self, seq: Seq, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` the sequence's live KV can serve in place: the common
-        prefix, less the last prompt token (decoded again for fresh logits), and 0 where
-        cutting the sequence is not safe (a restored SWA/recurrent state)."""
-        keep = min(common_prefix(seq.tokens, tokens), len(tokens) - 1)
+        prefix; all of them only where the sequence kept the scores after them (else the
+        last is decoded again for them); 0 where cutting the sequence is not safe (a
+        restored SWA/recurrent state)."""
+        keep = servable(common_prefix(seq.tokens, tokens), len(tokens),
+                        len(tokens) in seq.logits)
         if keep <= 0 or (keep < len(seq.tokens) and not self.can_cut(seq)):
             return 0
         return keep
@@ -186,8 +188,9 @@ class Scheduler:
 
     def start(self, req: Request) -> None:
         """Its sequence holds what it reuses: the rest of the prompt runs from the next
-        tick."""
-        req.phase = Phase.PREFILL
+        tick; a prompt served whole (its first token is sampled from kept scores)
+        decodes from then on."""
+        req.phase = Phase.DECODE if req.n_past == len(req.tokens) else Phase.PREFILL
         self.running.append(req)
 
     def release(self, req: Request) -> Seq | None:
@@ -225,8 +228,10 @@ class Scheduler:
                 break
             stop = req.save_at if req.save_at > req.n_past else len(req.tokens)
             n = min(prefill_chunk, budget, stop - req.n_past)
+            # Scores at the prompt's end, and at the save boundary (saved with that state,
+            # so a prompt ending there needs no decode after its restore).
             plan.add(req, req.tokens[req.n_past : req.n_past + n], req.n_past, decode=False,
-                     wants_logits=req.n_past + n == len(req.tokens))
+                     wants_logits=req.n_past + n == stop)
             budget -= n
         return plan if plan.rows else None
 
