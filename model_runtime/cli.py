@@ -50,6 +50,7 @@ from .llama_backend import (
     ModelFileError,
 )
 from .request import Completion, RequestError
+from .sampling import DEFAULT_MAX_TOKENS
 
 _DEFAULTS = RuntimeConfig()
 RUNTIME_SOCKET = "model-runtime.sock"
@@ -247,18 +248,21 @@ def prompt_input(prompt: str | None, prompt_file: str | None, system_file: str |
     return {"messages": messages}
 
 
-def sampling_options(max_tokens: int, temperature: float, top_p: float, top_k: int,
+def sampling_options(max_tokens: int | None, temperature: float, top_p: float, top_k: int,
                      seed: int | None, stop: tuple[str, ...]) -> dict[str, Any]:
-    """The sampling settings, checked by the same rules the runtime applies."""
+    """The sampling settings, checked by the same rules the runtime applies. A max_tokens
+    is passed on only when given: given, the prompt plus it must fit the context."""
     from .sampling import SamplingParams
 
     try:
         SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                       max_tokens=max_tokens, stop=stop)
+                       stop=stop, **({} if max_tokens is None else {"max_tokens": max_tokens}))
     except ValueError as exc:
         raise setting_error(exc) from None
-    options: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature,
-                               "top_p": top_p, "top_k": top_k, "stop": list(stop)}
+    options: dict[str, Any] = {"temperature": temperature, "top_p": top_p, "top_k": top_k,
+                               "stop": list(stop)}
+    if max_tokens is not None:
+        options["max_tokens"] = max_tokens
     if seed is not None:  # an optional field on the wire
         options["seed"] = seed
     return options
@@ -343,7 +347,10 @@ def serve(socket_path: Path | None, listen: str | None, token_file: Path | None,
 @click.option("--system-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="System prompt (UTF-8): its end becomes a cache save boundary.")
 @click.option("--raw", is_flag=True, help="Send the prompt as is, without the chat template.")
-@click.option("--max-tokens", type=int, default=128, show_default=True)
+@click.option("--max-tokens", type=int, default=None,
+              help=f"Tokens to generate at most (default: {DEFAULT_MAX_TOKENS}, fewer when the "
+                   "context fills first). Given, the prompt plus this must fit the context, "
+                   "or the request is refused.")
 @click.option("--temperature", type=float, default=0.0, show_default=True,
               help="0: greedy.")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
@@ -354,7 +361,7 @@ def serve(socket_path: Path | None, listen: str | None, token_file: Path | None,
 @click.option("--parent-key", default="", help="Resume from this finish_key (32 hex digits).")
 @click.option("--json", "as_json", is_flag=True, help="Print the completion record as JSON.")
 def complete(server_address: str | None, prompt: str | None, prompt_file: str | None,
-             system_file: str | None, raw: bool, max_tokens: int, temperature: float,
+             system_file: str | None, raw: bool, max_tokens: int | None, temperature: float,
              top_p: float, top_k: int, seed: int | None, stop: tuple[str, ...],
              session_id: str, parent_key: str, as_json: bool, model_path: str | None,
              cache_address: str | None, verbose: bool, **settings: Any) -> None:

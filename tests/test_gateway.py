@@ -188,6 +188,33 @@ def test_oversize_prompt_is_400_context_length_exceeded(gw: GatewayProcess) -> N
         assert "1024" in err.value.message
 
 
+def test_prompt_plus_max_tokens_beyond_the_context_is_refused(gw: GatewayProcess) -> None:
+    """OpenAI's rule: a prompt of 1,020 tokens and max_tokens 5 need 1,025 of the 1,024
+    the context holds, and are refused before anything runs (streamed or not). They used
+    to be answered with the 4 tokens left and finish_reason "length"."""
+    client = gw.client()
+    prompt = [40 + i % 200 for i in range(1020)]
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=5,
+                                      stream=stream)
+        assert err.value.status_code == 400 and err.value.code == "context_length_exceeded"
+        assert err.value.param == "prompt"  # as OpenAI names it, whichever is too long
+        message = err.value.message
+        assert "1024" in message and "1025" in message and "1020" in message, message
+    chat_prompt = chat("Golf. " + SYSTEM, "Which aisle? " * 300)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=chat_prompt,
+                                       max_completion_tokens=1000)
+    assert err.value.code == "context_length_exceeded" and err.value.param == "messages"
+    # Exactly the context: served. Without max_tokens: until the context is full.
+    fits = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    assert 1 <= fits.usage.completion_tokens <= 4
+    assert fits.usage.prompt_tokens + fits.usage.completion_tokens <= 1024
+    unbounded = client.completions.create(model="tiny", prompt=prompt, temperature=0)
+    assert unbounded.choices[0].text == fits.choices[0].text
+
+
 @pytest.mark.parametrize("change, param", [
     ({"temperature": 3}, "temperature"),
     ({"temperature": "hot"}, "temperature"),
@@ -262,7 +289,7 @@ def test_full_slots_answer_429_and_a_disconnect_frees_its_slot(gw: GatewayProces
     with RuntimeClient(f"unix:{w['socket']}", timeout=30) as direct:
         completed = int(direct.stats()["counters"]["requests_completed"])
         streams = [client.completions.create(model="long", prompt=prompt + str(i),
-                                             max_tokens=100_000, stream=True)
+                                             stream=True)  # until the context is full
                    for i in range(2)]
         for s in streams:
             next(iter(s))  # decoding now: both slots are taken

@@ -179,7 +179,7 @@ async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
     served_text: str | None = None
     outcome = "disconnected"  # unless it ends otherwise: a cancelled handler says nothing
     try:
-        events = worker.events(flight, req.to_proto(worker.n_ctx))
+        events = worker.events(flight, req.to_proto())
         async with contextlib.aclosing(events):
             if req.stream:
                 response, served_text, outcome = await stream(request, req, worker, events,
