@@ -89,6 +89,26 @@ def test_chat_streamed_and_not_agree(gw: GatewayProcess) -> None:
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_kvcache_details_ride_on_the_last_chunk(gw: GatewayProcess) -> None:
+    """Beside usage when the client asks for it (the usage chunk is where clients look),
+    else on the finish_reason chunk: always the last one, and on no other."""
+    client = gw.client()
+    messages = chat("Echo details. " + SYSTEM, "Where is the glue?")
+    for include_usage in (True, False):
+        options = {"include_usage": True} if include_usage else None
+        chunks = list(client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=4, temperature=0, stream=True,
+            stream_options=options))  # type: ignore[arg-type]
+        details = extra(chunks[-1])
+        assert {"hit_kind", "tier", "tokens_restored", "ttft_ms", "worker"} <= set(details)
+        assert all("kvcache" not in (c.model_extra or {}) for c in chunks[:-1])
+        if include_usage:
+            assert chunks[-1].choices == [] and chunks[-1].usage is not None
+            assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+        else:
+            assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
 def test_completions_streamed_and_not_agree_and_take_token_prompts(gw: GatewayProcess) -> None:
     client = gw.client()
     whole = client.completions.create(model="tiny", prompt="The quick brown fox",

@@ -248,10 +248,13 @@ async def stream(request: web.Request, req: GenRequest, worker: Worker, events: 
                 done = event.done
                 check_finished(done, fleet)
                 account(fleet, req, done, arrived)
+                # kvcache's details ride on the last chunk: the usage chunk when asked for
+                # (where clients read usage), else the finish_reason chunk.
                 extra = kvcache_details(done, worker.name, worker.tenant)
-                await response.write(sse(chunk(req, finish=finish_reason(done), extra=extra)))
+                await response.write(sse(chunk(req, finish=finish_reason(done),
+                                               extra=None if req.include_usage else extra)))
                 if req.include_usage:
-                    await response.write(sse(chunk(req, usage_body=usage(done))))
+                    await response.write(sse(chunk(req, usage_body=usage(done), extra=extra)))
                 await response.write(DONE)
                 await response.write_eof()
                 return response, req.routing_text(done.text), "ok"
