@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import openai
 import pytest
 from daemon_proc import DaemonProcess
+from prometheus_client.parser import text_string_to_metric_families
 from test_gateway_support import SYSTEM, GatewayProcess, chat, kill_leftovers, wait_gone
 
 from model_runtime.client import RuntimeClient
@@ -286,7 +288,8 @@ def test_models_health_metrics_and_status(gw: GatewayProcess) -> None:
     status, headers, body = gw.http("GET", "/metrics")
     text = body.decode()
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
-    assert 'kvcache_gateway_requests_total{endpoint="chat",model="tiny",outcome="ok"}' in text
+    assert 'kvcache_gateway_requests_total{endpoint="chat",model="tiny",outcome="ok",' \
+        'status="200"}' in text
     assert 'kvcache_gateway_slots{model="tiny",state="free"}' in text
     assert 'kvcache_gateway_workers{model="long",state="ready"} 1.0' in text
     assert 'model="gpt-9"' not in text  # callers' made-up names are not labels
@@ -297,6 +300,49 @@ def test_models_health_metrics_and_status(gw: GatewayProcess) -> None:
         assert w["state"] == "ready" and w["restarts"] == 0
         assert any("listening on" in line["text"] for line in w["recent_logs"])
     assert [w["slots_total"] for w in workers] == [4, 4, 2]
+
+
+def request_counts(gw: GatewayProcess) -> Counter[tuple[str, str, str, str]]:
+    """kvcache_gateway_requests_total by (model, endpoint, outcome, status)."""
+    status, _, body = gw.http("GET", "/metrics")
+    assert status == 200
+    counts: Counter[tuple[str, str, str, str]] = Counter()
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            if sample.name == "kvcache_gateway_requests_total":
+                labels = sample.labels
+                counts[(labels["model"], labels["endpoint"], labels["outcome"],
+                        labels["status"])] = int(sample.value)
+    return counts
+
+
+def test_metrics_count_every_request_by_outcome_and_status(gw: GatewayProcess) -> None:
+    """Refused requests are counted too: they used to be refused before anything was
+    counted (bad JSON, bad parameters, a prompt that does not fit)."""
+    before = request_counts(gw)
+    assert gw.http("POST", "/v1/chat/completions", b'{"model": "tiny",')[0] == 400
+    bad = {"model": "tiny", "messages": chat("s", "u"), "temperature": 3}
+    assert gw.http("POST", "/v1/chat/completions", json.dumps(bad).encode())[0] == 400
+    unknown = {"model": "gpt-9", "prompt": "hi"}
+    assert gw.http("POST", "/v1/completions", json.dumps(unknown).encode())[0] == 404
+    too_long = {"model": "tiny", "prompt": "word " * 3000, "max_tokens": 4}
+    assert gw.http("POST", "/v1/completions", json.dumps(too_long).encode())[0] == 400
+    served = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
+    assert gw.http("POST", "/v1/completions", json.dumps(served).encode())[0] == 200
+    assert gw.http("GET", "/v1/nothing-here")[0] == 404
+    assert gw.http("GET", "/v1/models")[0] == 200
+    after = request_counts(gw)
+    counted = {key: n - before[key] for key, n in after.items() if n != before[key]}
+    assert counted == {
+        ("", "chat", "bad_request", "400"): 1,
+        ("tiny", "chat", "bad_request", "400"): 1,
+        ("unknown", "text", "not_found", "404"): 1,
+        ("tiny", "text", "bad_request", "400"): 1,
+        ("tiny", "text", "ok", "200"): 1,
+        ("", "unknown", "not_found", "404"): 1,
+        ("", "models", "ok", "200"): 1,
+        ("", "metrics", "ok", "200"): 1,  # the scrape before
+    }, counted
 
 
 # --------------------------------------------------------------------------- slots
