@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from daemon_proc import DaemonProcess, wait_for
+from procs import Gateway as GatewayProcess
 from test_daemon import IDENT, payload_for, toks
 
 from kvcache.cli import main as kvcache_main
@@ -260,6 +261,65 @@ def test_a_dir_holding_only_the_fingerprint_memo_is_used(
     assert memo[str(model.resolve())]["fingerprint"] == fingerprint
     assert not (tmp_path / "xdg").exists()
     daemons(data).start()
+
+
+def cache_home_env(xdg: Path) -> dict[str, str]:
+    """An environment whose default kvcache folder is ``xdg``/kvcache."""
+    env = {k: v for k, v in os.environ.items() if k not in (ENV_DIR, "KVCACHE_ADDRESS")}
+    return {**env, "XDG_CACHE_HOME": str(xdg)}
+
+
+def test_the_runtime_and_the_gateway_make_the_default_folder_owner_only(
+        tmp_path: Path, tiny_model: Path) -> None:
+    """The folder README says holds the sockets in 0700 was made 0755 by the runtime's
+    fingerprint memo (and then kept by kvcache serve)."""
+    xdg = tmp_path / "runtime"
+    out = subprocess.run([sys.executable, "-m", "model_runtime.cli", "complete", "--model",
+                          str(tiny_model), "--cache", "none", "--threads", "1", "--n-ctx",
+                          "256", "--prompt", "hi", "--max-tokens", "1"],
+                         capture_output=True, text=True, timeout=120, env=cache_home_env(xdg))
+    assert out.returncode == 0, out.stderr
+    assert stat.S_IMODE((xdg / "kvcache").stat().st_mode) == 0o700
+    assert (xdg / "kvcache" / "fingerprints.json").is_file()
+
+    xdg = tmp_path / "gateway"
+    gateway = GatewayProcess(tmp_path / "gateway.log", "--model", f"tiny={tiny_model}",
+                             "--n-ctx", "256", env=cache_home_env(xdg))
+    try:
+        gateway.start()
+        assert stat.S_IMODE((xdg / "kvcache").stat().st_mode) == 0o700
+    finally:
+        gateway.close()
+
+
+def test_a_socket_folder_others_can_enter_is_refused(tmp_path: Path, tiny_model: Path) -> None:
+    """Daemon and runtime alike; the folder's mode is left as it is, and nothing is made."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o755)
+    out = serve_refused("--dir", str(tmp_path / "data"), "--ram-dir", str(tmp_path / "ram"),
+                        "--socket", str(shared / "kv.sock"))
+    assert out.returncode == 1
+    assert f"other users can enter {shared} (mode 0755); the socket needs a folder only you " \
+           f"can enter: chmod 700 {shared}, or choose another --socket" in out.stderr
+    assert not (tmp_path / "data").exists() and not (tmp_path / "ram").exists()
+    assert os.listdir(shared) == []
+    out = runtime_serve_refused(tiny_model, shared / "rt.sock")
+    assert f"other users can enter {shared} (mode 0755)" in out.stderr
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o755 and os.listdir(shared) == []
+
+    # The default folder, as an earlier runtime left it (0755, its memo inside).
+    xdg = tmp_path / "xdg"
+    (xdg / "kvcache").mkdir(parents=True)
+    (xdg / "kvcache").chmod(0o755)
+    (xdg / "kvcache" / "fingerprints.json").write_text("{}")
+    out = subprocess.run([sys.executable, "-m", "kvcache.cli", "serve", "--min-free-bytes",
+                          "0", "--ram-dir", str(tmp_path / "ram")], capture_output=True,
+                         text=True, timeout=60, env=cache_home_env(xdg))
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"chmod 700 {xdg / 'kvcache'}" in out.stderr
+    assert os.listdir(xdg / "kvcache") == ["fingerprints.json"]
+    assert not (tmp_path / "ram").exists()
 
 
 def test_an_empty_path_option_is_a_usage_error(tmp_path: Path) -> None:
