@@ -24,7 +24,7 @@ from kvcache.client import CacheClient
 from kvcache.common import TIER_LIVE
 from kvcache.metrics import LatencySummary, LatencyWindows, Metrics
 
-from .config import RuntimeConfig, SettingError
+from .config import RuntimeConfig, SettingError, check_int
 from .counters import COUNTERS
 from .engine import Engine
 from .identity import runtime_identity
@@ -49,7 +49,7 @@ def generation_limit(n_prompt: int, n_ctx: int, max_tokens: int | None,
         raise RequestError("invalid_argument", "give max_tokens or until_context_full, not "
                                                "both")
     if max_tokens is not None:
-        SamplingParams(max_tokens=max_tokens)  # a ValueError naming max_tokens if < 1
+        check_int("max_tokens", max_tokens, 1)
         if n_prompt + max_tokens > n_ctx:
             raise RequestError(
                 "prompt_too_long",
