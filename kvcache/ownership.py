@@ -58,13 +58,14 @@ def _is_earlier_data_dir(root: Path, names: set[str]) -> bool:
     return (root / "index").is_dir() and bool({"daemon.lock", "blobs"} & names)
 
 
-def claim_data_dir(root: Path) -> None:
-    """Create ``root`` or adopt it as a data directory (writing the marker), or refuse."""
+def check_data_dir(root: Path) -> None:
+    """Refuse (NotOwned) a ``root`` kvcache may not use as its data directory; a missing one
+    passes. Changes nothing."""
     if not root.exists() and not root.is_symlink():
-        root.mkdir(mode=0o700, parents=True)
-    elif not root.is_dir():
+        return
+    if not root.is_dir():
         raise NotOwned(f"{root} is not a directory: choose a new or empty directory for --dir")
-    elif read_marker(root / DATA_MARKER) is None:
+    if read_marker(root / DATA_MARKER) is None:
         # Not ours by its marker (none, or a file of that name kvcache did not write):
         # ours only if it holds nothing but kvcache's names (a marker write cut short
         # leaves its temp file).
@@ -72,6 +73,13 @@ def claim_data_dir(root: Path) -> None:
         if not (names <= DATA_DIR_NAMES or _is_earlier_data_dir(root, names)):
             raise NotOwned(f"{root} is not empty and is not a kvcache data directory (no "
                            f"{DATA_MARKER} marker): choose a new or empty directory")
+
+
+def claim_data_dir(root: Path) -> None:
+    """Create ``root`` or adopt it as a data directory (writing the marker), or refuse."""
+    check_data_dir(root)
+    if not root.exists() and not root.is_symlink():
+        root.mkdir(mode=0o700, parents=True)
     if read_marker(root / DATA_MARKER) is None:
         write_marker(root / DATA_MARKER, {
             "what": "kvcache data directory: the prompt-state cache's index and blobs. "

@@ -5,7 +5,9 @@ is derived from the data directory's resolved path), which kvcache creates and m
 ``.kvcache-ram`` naming its data directory. A running daemon holds an exclusive flock on
 the folder, so a tier is known to be in use without asking any process. A tier outlives
 its daemon on purpose (a restart finds its copies warm); one whose data directory is gone
-is an orphan, found and removed by ``kvcache ram-tiers --remove-orphans``.
+is an orphan, which ``kvcache ram-tiers --remove TIER`` or ``--remove-orphans`` removes. A
+folder of the same name whose marker kvcache did not write (another program's, or none)
+is never removed.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from . import keys
 from .ownership import NotOwned, is_own_file_name, read_marker, write_marker
 
 RAM_MARKER = ".kvcache-ram"
+# What kvcache's RAM markers say (always have): a marker saying anything else, even a
+# well-formed one, is not kvcache's.
+RAM_MARKER_WHAT = "kvcache RAM tier: copies of hot cache entries"
 TIER_PREFIX = "kvcache-"
 SHM = Path("/dev/shm")
 
@@ -72,12 +77,17 @@ def claim_tier(tier: Path, data_dir: Path) -> int:
             raise NotOwned(f"{tier} is the RAM tier of {fields.get('data_dir')}, not of "
                            f"{owner}: choose another --ram-dir")
         if fields is None:  # new, or made by a version that wrote no marker (same name)
-            write_marker(tier / RAM_MARKER, {"what": "kvcache RAM tier: copies of hot cache "
-                                                     "entries", "data_dir": owner})
+            write_marker(tier / RAM_MARKER, {"what": RAM_MARKER_WHAT, "data_dir": owner})
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def kvcache_marker(tier: Path) -> dict[str, object] | None:
+    """The tier's marker fields if kvcache wrote the marker (it says so), else None."""
+    fields = read_marker(tier / RAM_MARKER)
+    return fields if fields is not None and fields.get("what") == RAM_MARKER_WHAT else None
 
 
 def own_files(tier: Path) -> Iterator[Path]:
@@ -98,7 +108,8 @@ class TierInfo:
     bytes: int
     data_dir_exists: bool
     in_use: bool
-    state: str  # in_use | idle (its data directory exists) | orphan | unmarked
+    state: str  # in_use | idle (its data directory exists) | orphan | unmarked (no marker
+    #             that says kvcache made it)
     foreign_names: int  # entries kvcache did not make (it never removes those)
 
     def as_dict(self) -> dict[str, object]:
@@ -122,7 +133,7 @@ def lock_is_held(path: Path) -> bool:
 
 
 def describe_tier(tier: Path) -> TierInfo:
-    fields = read_marker(tier / RAM_MARKER)
+    fields = kvcache_marker(tier)
     data_dir = str(fields.get("data_dir", "")) if fields else ""
     size = foreign = 0
     with os.scandir(tier) as entries:
@@ -160,9 +171,9 @@ def remove_orphan(tier: Path) -> str | None:
     kept, or None once removed. The tier's lock is taken first, so a daemon starting on
     it meanwhile is not robbed (it fails to lock, or we do and keep the folder)."""
     marker = tier / RAM_MARKER
-    fields = read_marker(marker)
+    fields = kvcache_marker(tier)
     if fields is None:
-        return "it has no kvcache marker"
+        return "it has no marker saying kvcache made it"
     data_dir = str(fields.get("data_dir", ""))
     if not data_dir:
         return "its marker names no data directory"

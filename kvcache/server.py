@@ -30,6 +30,7 @@ from .counters import COUNTERS, REMOTE_SECTION
 from .errors import InvalidArgument, NotFound, StoreError
 from .index import Record
 from .metrics import LatencyWindows, Metrics
+from .ownership import check_data_dir
 from .remote import RemoteConfig, RemoteSync, RemoteTier
 from .store import Found, Store, StoreConfig
 from .unix_socket import OwnedSocket
@@ -562,7 +563,9 @@ class Daemon:
         self.socket = OwnedSocket(socket_path or (config.root / SOCKET_NAME))
         self.socket_path = self.socket.path
         # Checked before the data directory is touched (a refusal changes nothing), and
-        # claimed once the directory's lock is held.
+        # claimed once the directory's lock is held. The directory first: a foreign one
+        # (where the default socket would go) is refused as such.
+        check_data_dir(config.root)
         self.socket.check()
         self.store = Store(config)
         self.remote_tier: RemoteTier | None = None

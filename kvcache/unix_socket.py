@@ -6,7 +6,9 @@ accepts on it) is replaced. gRPC removes the path it bound when it shuts down, w
 is there by then, so the socket is bound under a temporary name only this process uses
 and then linked to its path: the link fails rather than replace a socket another process
 put there meanwhile, and at shutdown the path is removed only while it is still the
-socket made here (tests/test_ownership.py holds these rules).
+socket made here. The socket (mode 0600) lives in a folder only its owner can enter: one
+made for it is made 0700, and one that others can enter is refused, never changed
+(tests/test_ownership.py holds these rules).
 """
 
 from __future__ import annotations
@@ -61,6 +63,23 @@ def claim_socket_path(path: Path, remove_stale: bool = True) -> None:
                      "--socket")
 
 
+def check_private_folder(folder: Path) -> None:
+    """Refuse a socket folder other users can enter (or that another user owns): the
+    socket must be reachable by its owner only. A missing folder passes (it is made
+    0700). The folder's mode is the operator's to change, not ours."""
+    try:
+        st = folder.stat()
+    except FileNotFoundError:
+        return
+    if st.st_uid != os.getuid():
+        raise ValueError(f"{folder} belongs to another user (uid {st.st_uid}); the socket "
+                         "needs a folder of your own: choose another --socket")
+    if st.st_mode & 0o011:
+        raise ValueError(f"other users can enter {folder} (mode "
+                         f"{stat.S_IMODE(st.st_mode):04o}); the socket needs a folder only "
+                         f"you can enter: chmod 700 {folder}, or choose another --socket")
+
+
 class OwnedSocket:
     """The unix socket at ``path``: :meth:`check` (changes nothing), :meth:`bind` to a
     gRPC server, :meth:`remove` at shutdown."""
@@ -79,11 +98,13 @@ class OwnedSocket:
         return f"unix:{self.path}"
 
     def check(self) -> None:
+        check_private_folder(self.path.parent)
         claim_socket_path(self.path, remove_stale=False)
 
     def bind(self, server: grpc.Server) -> None:
         """Bind ``server`` (not yet started) to the socket, owner-only."""
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_private_folder(self.path.parent)
         claim_socket_path(self.path)
         old_umask = os.umask(0o077)  # the socket file is created owner-only
         try:

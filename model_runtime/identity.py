@@ -46,7 +46,8 @@ def model_fingerprint(path: str | os.PathLike[str], cache_file: Path | None = No
         fingerprint = hash_file(p)
         known[str(p)] = {"stamp": stamp, "fingerprint": fingerprint}
         try:
-            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            # Owner-only, as kvcache's folders are: it may become the sockets' folder.
+            cache_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(known))
             os.replace(tmp, cache_file)

@@ -24,16 +24,45 @@ from kvcache.client import CacheClient
 from kvcache.common import TIER_LIVE
 from kvcache.metrics import LatencySummary, LatencyWindows, Metrics
 
-from .config import RuntimeConfig, SettingError
+from .config import RuntimeConfig, SettingError, check_int
 from .counters import COUNTERS
 from .engine import Engine
 from .identity import runtime_identity
 from .llama_backend import ContextParams, LlamaContext, LlamaModel
 from .request import Completion, Phase, Request, RequestError, TokenEvent, common_prefix
-from .sampling import SamplingParams
+from .sampling import DEFAULT_MAX_TOKENS, SamplingParams
 
 Message = dict[str, str]
 log = logging.getLogger("model_runtime")
+
+
+def generation_limit(n_prompt: int, n_ctx: int, max_tokens: int | None,
+                     until_context_full: bool = False) -> int:
+    """How many tokens a request may generate, one rule for every caller (the API, the CLI,
+    the gRPC service, the gateway). A ``max_tokens`` given is a promise the context must
+    be able to keep: a prompt plus ``max_tokens`` beyond the context is refused, as OpenAI
+    refuses it (``context_length_exceeded``), rather than cut short with "length".
+    Without one, up to DEFAULT_MAX_TOKENS (or, ``until_context_full``, any number) and
+    fewer when the context fills first; the prompt must still leave room for one token.
+    (tests/test_runtime.py::test_prompt_plus_max_tokens_must_fit_the_context)"""
+    if max_tokens is not None and until_context_full:
+        raise RequestError("invalid_argument", "give max_tokens or until_context_full, not "
+                                               "both")
+    if max_tokens is not None:
+        check_int("max_tokens", max_tokens, 1)
+        if n_prompt + max_tokens > n_ctx:
+            raise RequestError(
+                "prompt_too_long",
+                f"a prompt of {n_prompt} tokens and max_tokens {max_tokens} need "
+                f"{n_prompt + max_tokens} tokens; the context holds {n_ctx} per sequence "
+                "(shorten the prompt or lower max_tokens)")
+        return max_tokens
+    if n_prompt + 1 > n_ctx:
+        raise RequestError("prompt_too_long",
+                           f"a prompt of {n_prompt} tokens does not fit the context of "
+                           f"{n_ctx} tokens per sequence (it must leave room for one "
+                           "generated token)")
+    return n_ctx if until_context_full else DEFAULT_MAX_TOKENS
 
 
 def parse_parent_key(value: str | bytes) -> bytes:
@@ -213,11 +242,16 @@ class Runtime:
     def submit(self, *, prompt: str | None = None, tokens: Sequence[int] | None = None,
                messages: Sequence[Message] | None = None, system: str | None = None,
                prefix_tokens: int = 0, session_id: str = "", parent_key: str | bytes = b"",
-               max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-               top_k: int = 0, seed: int | None = None, stop: Sequence[str] = ()) -> Request:
+               max_tokens: int | None = None, until_context_full: bool = False,
+               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+               seed: int | None = None, stop: Sequence[str] = ()) -> Request:
+        """Queue one request. ``max_tokens``: see :func:`generation_limit` (a prompt plus
+        the max_tokens given must fit the context; none given: 128 at most, or with
+        ``until_context_full`` until the context is full)."""
         toks, boundary = self._prepare(prompt, tokens, messages, system, prefix_tokens)
+        limit = generation_limit(len(toks), self.ctx.n_ctx, max_tokens, until_context_full)
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                  max_tokens=max_tokens, stop=tuple(stop))
+                                  max_tokens=limit, stop=tuple(stop))
         parent = parse_parent_key(parent_key)
         return self.engine.submit(toks, sampling, session_id=session_id, parent_key=parent,
                                   boundary=boundary)

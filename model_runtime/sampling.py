@@ -14,6 +14,7 @@ import numpy as np
 from .config import SettingError, check_int, check_number
 
 SEED_MAX = 2**64 - 1  # numpy's generators take any non-negative int; the wire a uint64
+DEFAULT_MAX_TOKENS = 128  # when a request gives no max_tokens
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     top_p: float = 1.0
     seed: int | None = None
-    max_tokens: int = 128
+    max_tokens: int = DEFAULT_MAX_TOKENS
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

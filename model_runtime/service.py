@@ -57,7 +57,8 @@ def completion_from_message(m: pb.Completion) -> Completion:
 
 def request_kwargs(request: pb.CompleteRequest) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
-        "max_tokens": request.max_tokens or 128, "temperature": request.temperature,
+        "max_tokens": request.max_tokens or None,  # 0: not given
+        "until_context_full": request.until_context_full, "temperature": request.temperature,
         "top_p": request.top_p or 1.0, "top_k": request.top_k, "stop": list(request.stop),
         "session_id": request.session_id, "parent_key": request.parent_key,
         "prefix_tokens": request.prefix_tokens,

@@ -104,7 +104,7 @@ def test_every_command_against_a_real_daemon(daemon_factory: DaemonFactory, tiny
     s = d.client(fast_path=False)
     with LlamaModel(tiny_model) as m:
         text_tokens = m.tokenize("the cat sat on the mat with a hat, " * 3)
-        expected_first_text = m.detokenize(text_tokens[:32])
+        expected_first_text = m.detokenize(text_tokens[:32], render_special=True)
     # a..g: different models, tenants, reasons, sizes, lengths and ages.
     t = {n: toks(200 + i, 20 + 5 * i) for i, n in enumerate("abcdefg")}
     t["f"] = text_tokens  # real tokens of the tiny model, for `model-runtime inspect`
@@ -373,7 +373,7 @@ def test_kvcache_inspect_with_a_model_runs_model_runtime_inspect(
     d = daemon_factory("--listen", "127.0.0.1:0", "--token-file", str(token), "--tcp-admin")
     with LlamaModel(tiny_model) as m:
         tokens = m.tokenize("the cat sat on the mat with a hat, " * 3)
-        first_text = m.detokenize(tokens[:4])
+        first_text = m.detokenize(tokens[:4], render_special=True)
     tiny = Identity(hash_file(tiny_model), IDENT.kv_layout, tenant="t1",
                     model_name=tiny_model.name)
     with d.client() as c:

@@ -424,7 +424,7 @@ def test_inspect_speaks_in_dates_and_words_and_checks_the_model(
     a = ("-a", d.address)
     with LlamaModel(tiny_model) as m:
         text_tokens = m.tokenize("the cat sat on the mat with a hat " * 8)
-        whole_text = m.detokenize(text_tokens)
+        whole_text = m.detokenize(text_tokens, render_special=True)  # "<s>the cat..."
     real = Identity(hash_file(tiny_model), {"type_k": "f16"}, model_name=tiny_model.name)
     # Files that are not loadable GGUFs, each with an entry claiming to be of it.
     bad_files = {"text": tmp_path / "notes.gguf", "empty": tmp_path / "empty.gguf",
@@ -466,6 +466,56 @@ def test_inspect_speaks_in_dates_and_words_and_checks_the_model(
     refused(wrong, 2, "--model", "not the model this entry was saved with", "tiny.gguf")
     for name, result in zip(bad_files, bad, strict=True):
         refused(result, 2, "--model", bad_files[name].name)
+
+
+def chat_tokens(model_path: Path) -> tuple[list[int], str]:
+    """A chat as the runtime renders it (special tokens in it), and its text."""
+    from model_runtime.llama_backend import LlamaModel
+
+    with LlamaModel(model_path) as m:
+        text = m.apply_chat_template([{"role": "system", "content": "Be brief. " * 10},
+                                      {"role": "user", "content": "Where is the cat?"}])
+        return m.tokenize(text, add_special=False, parse_special=True), text
+
+
+def test_model_runtime_inspect_shows_special_tokens_and_takes_the_default_model(
+        daemon_factory: DaemonFactory, env: dict[str, str], tiny_model: Path) -> None:
+    """The decoded text is the entry's tokens as they are: ``<|im_start|>system`` (it
+    showed ``system``). Without --model the default model is taken, as serve and complete
+    take it (--model was required); it is not the tiny model's entry's, and says so."""
+    d = daemon_factory("--block-size", str(BLOCK))
+    a = ("-a", d.address)
+    tokens, text = chat_tokens(tiny_model)
+    assert text.startswith("<|im_start|>system")
+    real = Identity(hash_file(tiny_model), {"type_k": "f16"}, model_name=tiny_model.name)
+    with d.client() as c:
+        k = c.save(real, tokens, payload_for(tokens, 1000), "cold").key
+    decoded, human, default = cli_many(
+        env, (RUNTIME, "inspect", k.hex(), "--tokens", "0", "--json", "--model",
+              str(tiny_model), *a),
+        (RUNTIME, "inspect", k.hex(), "--model", str(tiny_model), *a),
+        (RUNTIME, "inspect", k.hex(), *a))
+    assert json.loads(ok(decoded))["first_text"] == text
+    assert "<|im_start|>system" in ok(human) and "<|im_start|>user" in ok(human)
+    refused(default, 2, "--model", "the default model SmolLM2-135M-Instruct",
+            f"not the model this entry was saved with ({tiny_model.name})",
+            "give its GGUF file with --model")
+
+
+@pytest.mark.slow
+def test_model_runtime_inspect_decodes_with_the_default_model(
+        daemon_factory: DaemonFactory, env: dict[str, str]) -> None:
+    from model_runtime.runtime import default_model_path
+
+    d = daemon_factory("--block-size", str(BLOCK))
+    model = default_model_path()
+    tokens, text = chat_tokens(model)
+    ident = Identity(hash_file(model), {"type_k": "f16"}, model_name=model.name)
+    with d.client() as c:
+        k = c.save(ident, tokens, payload_for(tokens, 1000), "cold").key
+    shown = json.loads(ok(cli(env, RUNTIME, "inspect", k.hex(), "--tokens", "0", "--json",
+                              "-a", d.address)))
+    assert shown["first_text"] == text and text.startswith("<|im_start|>system")
 
 
 # --------------------------------------------------------------------------- --model filter

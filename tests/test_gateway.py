@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import openai
 import pytest
 from daemon_proc import DaemonProcess
+from prometheus_client.parser import text_string_to_metric_families
 from test_gateway_support import SYSTEM, GatewayProcess, chat, kill_leftovers, wait_gone
 
 from model_runtime.client import RuntimeClient
@@ -87,6 +89,26 @@ def test_chat_streamed_and_not_agree(gw: GatewayProcess) -> None:
     assert chunks[-1].choices == []  # the usage chunk comes last, as OpenAI sends it
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_kvcache_details_ride_on_the_last_chunk(gw: GatewayProcess) -> None:
+    """Beside usage when the client asks for it (the usage chunk is where clients look),
+    else on the finish_reason chunk: always the last one, and on no other."""
+    client = gw.client()
+    messages = chat("Echo details. " + SYSTEM, "Where is the glue?")
+    for include_usage in (True, False):
+        options = {"include_usage": True} if include_usage else None
+        chunks = list(client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=4, temperature=0, stream=True,
+            stream_options=options))  # type: ignore[arg-type]
+        details = extra(chunks[-1])
+        assert {"hit_kind", "tier", "tokens_restored", "ttft_ms", "worker"} <= set(details)
+        assert all("kvcache" not in (c.model_extra or {}) for c in chunks[:-1])
+        if include_usage:
+            assert chunks[-1].choices == [] and chunks[-1].usage is not None
+            assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+        else:
+            assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
 def test_completions_streamed_and_not_agree_and_take_token_prompts(gw: GatewayProcess) -> None:
@@ -188,6 +210,33 @@ def test_oversize_prompt_is_400_context_length_exceeded(gw: GatewayProcess) -> N
         assert "1024" in err.value.message
 
 
+def test_prompt_plus_max_tokens_beyond_the_context_is_refused(gw: GatewayProcess) -> None:
+    """OpenAI's rule: a prompt of 1,020 tokens and max_tokens 5 need 1,025 of the 1,024
+    the context holds, and are refused before anything runs (streamed or not). They used
+    to be answered with the 4 tokens left and finish_reason "length"."""
+    client = gw.client()
+    prompt = [40 + i % 200 for i in range(1020)]
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=5,
+                                      stream=stream)
+        assert err.value.status_code == 400 and err.value.code == "context_length_exceeded"
+        assert err.value.param == "prompt"  # as OpenAI names it, whichever is too long
+        message = err.value.message
+        assert "1024" in message and "1025" in message and "1020" in message, message
+    chat_prompt = chat("Golf. " + SYSTEM, "Which aisle? " * 300)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=chat_prompt,
+                                       max_completion_tokens=1000)
+    assert err.value.code == "context_length_exceeded" and err.value.param == "messages"
+    # Exactly the context: served. Without max_tokens: until the context is full.
+    fits = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    assert 1 <= fits.usage.completion_tokens <= 4
+    assert fits.usage.prompt_tokens + fits.usage.completion_tokens <= 1024
+    unbounded = client.completions.create(model="tiny", prompt=prompt, temperature=0)
+    assert unbounded.choices[0].text == fits.choices[0].text
+
+
 @pytest.mark.parametrize("change, param", [
     ({"temperature": 3}, "temperature"),
     ({"temperature": "hot"}, "temperature"),
@@ -239,7 +288,8 @@ def test_models_health_metrics_and_status(gw: GatewayProcess) -> None:
     status, headers, body = gw.http("GET", "/metrics")
     text = body.decode()
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
-    assert 'kvcache_gateway_requests_total{endpoint="chat",model="tiny",outcome="ok"}' in text
+    assert 'kvcache_gateway_requests_total{endpoint="chat",model="tiny",outcome="ok",' \
+        'status="200"}' in text
     assert 'kvcache_gateway_slots{model="tiny",state="free"}' in text
     assert 'kvcache_gateway_workers{model="long",state="ready"} 1.0' in text
     assert 'model="gpt-9"' not in text  # callers' made-up names are not labels
@@ -252,6 +302,49 @@ def test_models_health_metrics_and_status(gw: GatewayProcess) -> None:
     assert [w["slots_total"] for w in workers] == [4, 4, 2]
 
 
+def request_counts(gw: GatewayProcess) -> Counter[tuple[str, str, str, str]]:
+    """kvcache_gateway_requests_total by (model, endpoint, outcome, status)."""
+    status, _, body = gw.http("GET", "/metrics")
+    assert status == 200
+    counts: Counter[tuple[str, str, str, str]] = Counter()
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            if sample.name == "kvcache_gateway_requests_total":
+                labels = sample.labels
+                counts[(labels["model"], labels["endpoint"], labels["outcome"],
+                        labels["status"])] = int(sample.value)
+    return counts
+
+
+def test_metrics_count_every_request_by_outcome_and_status(gw: GatewayProcess) -> None:
+    """Refused requests are counted too: they used to be refused before anything was
+    counted (bad JSON, bad parameters, a prompt that does not fit)."""
+    before = request_counts(gw)
+    assert gw.http("POST", "/v1/chat/completions", b'{"model": "tiny",')[0] == 400
+    bad = {"model": "tiny", "messages": chat("s", "u"), "temperature": 3}
+    assert gw.http("POST", "/v1/chat/completions", json.dumps(bad).encode())[0] == 400
+    unknown = {"model": "gpt-9", "prompt": "hi"}
+    assert gw.http("POST", "/v1/completions", json.dumps(unknown).encode())[0] == 404
+    too_long = {"model": "tiny", "prompt": "word " * 3000, "max_tokens": 4}
+    assert gw.http("POST", "/v1/completions", json.dumps(too_long).encode())[0] == 400
+    served = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
+    assert gw.http("POST", "/v1/completions", json.dumps(served).encode())[0] == 200
+    assert gw.http("GET", "/v1/nothing-here")[0] == 404
+    assert gw.http("GET", "/v1/models")[0] == 200
+    after = request_counts(gw)
+    counted = {key: n - before[key] for key, n in after.items() if n != before[key]}
+    assert counted == {
+        ("", "chat", "bad_request", "400"): 1,
+        ("tiny", "chat", "bad_request", "400"): 1,
+        ("unknown", "text", "not_found", "404"): 1,
+        ("tiny", "text", "bad_request", "400"): 1,
+        ("tiny", "text", "ok", "200"): 1,
+        ("", "unknown", "not_found", "404"): 1,
+        ("", "models", "ok", "200"): 1,
+        ("", "metrics", "ok", "200"): 1,  # the scrape before
+    }, counted
+
+
 # --------------------------------------------------------------------------- slots
 
 
@@ -262,7 +355,7 @@ def test_full_slots_answer_429_and_a_disconnect_frees_its_slot(gw: GatewayProces
     with RuntimeClient(f"unix:{w['socket']}", timeout=30) as direct:
         completed = int(direct.stats()["counters"]["requests_completed"])
         streams = [client.completions.create(model="long", prompt=prompt + str(i),
-                                             max_tokens=100_000, stream=True)
+                                             stream=True)  # until the context is full
                    for i in range(2)]
         for s in streams:
             next(iter(s))  # decoding now: both slots are taken

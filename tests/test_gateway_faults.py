@@ -83,8 +83,7 @@ def test_worker_killed_mid_stream_fails_at_once_and_the_next_request_is_warm(
         gw: GatewayProcess, daemon: DaemonProcess) -> None:
     client = gw.client()
     before = gw.worker("w0")
-    stream = client.completions.create(model="long", prompt=PROMPT, max_tokens=100_000,
-                                       stream=True)
+    stream = client.completions.create(model="long", prompt=PROMPT, stream=True)
     iterator = iter(stream)
     for _ in range(5):
         next(iterator)
@@ -108,8 +107,7 @@ def test_worker_killed_mid_stream_fails_at_once_and_the_next_request_is_warm(
 def test_stopped_worker_is_restarted_after_the_stall_window(gw: GatewayProcess) -> None:
     client = gw.client()
     before = gw.wait_worker("w0", lambda w: w["state"] == "ready")
-    stream = client.completions.create(model="long", prompt="Quebec romeo", stream=True,
-                                       max_tokens=100_000)
+    stream = client.completions.create(model="long", prompt="Quebec romeo", stream=True)
     iterator = iter(stream)
     next(iterator)
     stopped = time.monotonic()
@@ -150,7 +148,7 @@ def test_worker_failing_its_health_checks_is_restarted(
         before = gateway.worker("w0")
         pids = [before["pid"]]
         stream = gateway.client().completions.create(model="long", prompt="Uniform",
-                                                     max_tokens=100_000, stream=True)
+                                                     stream=True)
         iterator = iter(stream)
         next(iterator)
         os.kill(before["pid"], signal.SIGSTOP)

@@ -47,8 +47,8 @@ def test_chat_defaults_follow_openai() -> None:
     req = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     assert (req.temperature, req.top_p, req.max_tokens, req.seed) == (1.0, 1.0, None, None)
     assert not req.stream and not req.include_usage and req.stop == []
-    proto = req.to_proto(n_ctx=2048)
-    assert proto.max_tokens == 2048  # no limit given: until the context is full
+    proto = req.to_proto()
+    assert proto.max_tokens == 0 and proto.until_context_full  # no limit given
     assert proto.WhichOneof("input") == "chat" and not proto.HasField("seed")
 
 
@@ -62,6 +62,8 @@ def test_chat_fields_are_mapped() -> None:
                      {"role": "assistant", "content": None}]},
         session_header="from-header")
     assert req.max_tokens == 7 and req.seed == 3 and req.stop == ["END"]
+    proto = req.to_proto()  # a limit given: it must fit with the prompt, or be refused
+    assert proto.max_tokens == 7 and not proto.until_context_full
     assert req.include_usage and req.session_id == "from-header"
     assert req.messages == [{"role": "system", "content": "be brief"},
                             {"role": "user", "content": "ab"},

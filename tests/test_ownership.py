@@ -24,12 +24,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from daemon_proc import DaemonProcess, wait_for
+from procs import Gateway as GatewayProcess
 from test_daemon import IDENT, payload_for, toks
 
 from kvcache.cli import main as kvcache_main
 from kvcache.config import ENV_DIR, parse_listen
 from kvcache.ownership import DATA_MARKER
-from kvcache.ramtier import RAM_MARKER, SHM, tier_dir, tier_name
+from kvcache.ramtier import RAM_MARKER, RAM_MARKER_WHAT, SHM, tier_dir, tier_name
 from model_runtime.identity import model_fingerprint
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -262,6 +263,65 @@ def test_a_dir_holding_only_the_fingerprint_memo_is_used(
     daemons(data).start()
 
 
+def cache_home_env(xdg: Path) -> dict[str, str]:
+    """An environment whose default kvcache folder is ``xdg``/kvcache."""
+    env = {k: v for k, v in os.environ.items() if k not in (ENV_DIR, "KVCACHE_ADDRESS")}
+    return {**env, "XDG_CACHE_HOME": str(xdg)}
+
+
+def test_the_runtime_and_the_gateway_make_the_default_folder_owner_only(
+        tmp_path: Path, tiny_model: Path) -> None:
+    """The folder README says holds the sockets in 0700 was made 0755 by the runtime's
+    fingerprint memo (and then kept by kvcache serve)."""
+    xdg = tmp_path / "runtime"
+    out = subprocess.run([sys.executable, "-m", "model_runtime.cli", "complete", "--model",
+                          str(tiny_model), "--cache", "none", "--threads", "1", "--n-ctx",
+                          "256", "--prompt", "hi", "--max-tokens", "1"],
+                         capture_output=True, text=True, timeout=120, env=cache_home_env(xdg))
+    assert out.returncode == 0, out.stderr
+    assert stat.S_IMODE((xdg / "kvcache").stat().st_mode) == 0o700
+    assert (xdg / "kvcache" / "fingerprints.json").is_file()
+
+    xdg = tmp_path / "gateway"
+    gateway = GatewayProcess(tmp_path / "gateway.log", "--model", f"tiny={tiny_model}",
+                             "--n-ctx", "256", env=cache_home_env(xdg))
+    try:
+        gateway.start()
+        assert stat.S_IMODE((xdg / "kvcache").stat().st_mode) == 0o700
+    finally:
+        gateway.close()
+
+
+def test_a_socket_folder_others_can_enter_is_refused(tmp_path: Path, tiny_model: Path) -> None:
+    """Daemon and runtime alike; the folder's mode is left as it is, and nothing is made."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o755)
+    out = serve_refused("--dir", str(tmp_path / "data"), "--ram-dir", str(tmp_path / "ram"),
+                        "--socket", str(shared / "kv.sock"))
+    assert out.returncode == 1
+    assert f"other users can enter {shared} (mode 0755); the socket needs a folder only you " \
+           f"can enter: chmod 700 {shared}, or choose another --socket" in out.stderr
+    assert not (tmp_path / "data").exists() and not (tmp_path / "ram").exists()
+    assert os.listdir(shared) == []
+    out = runtime_serve_refused(tiny_model, shared / "rt.sock")
+    assert f"other users can enter {shared} (mode 0755)" in out.stderr
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o755 and os.listdir(shared) == []
+
+    # The default folder, as an earlier runtime left it (0755, its memo inside).
+    xdg = tmp_path / "xdg"
+    (xdg / "kvcache").mkdir(parents=True)
+    (xdg / "kvcache").chmod(0o755)
+    (xdg / "kvcache" / "fingerprints.json").write_text("{}")
+    out = subprocess.run([sys.executable, "-m", "kvcache.cli", "serve", "--min-free-bytes",
+                          "0", "--ram-dir", str(tmp_path / "ram")], capture_output=True,
+                         text=True, timeout=60, env=cache_home_env(xdg))
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"chmod 700 {xdg / 'kvcache'}" in out.stderr
+    assert os.listdir(xdg / "kvcache") == ["fingerprints.json"]
+    assert not (tmp_path / "ram").exists()
+
+
 def test_an_empty_path_option_is_a_usage_error(tmp_path: Path) -> None:
     for option in ("--dir", "--socket", "--ram-dir"):
         out = kvcache_cli("serve", option, "", "--dir" if option != "--dir" else "--socket",
@@ -415,11 +475,14 @@ def test_ram_tiers_removes_orphans_only(tmp_path: Path,
     foreign = parent / f"kvcache-{os.getuid()}-notours"
     foreign.mkdir()
     (foreign / f"{'ef' * 16}.kvc").write_bytes(b"no marker: not removable")
+    # A well-formed marker that does not say kvcache made the folder: not kvcache's.
+    imitation = orphan_tier(parent, tmp_path / "elsewhere", what="another tool's cache")
     status, listed = ram_tiers("--parent", str(parent))
     assert status == 0
     states = {t["path"]: t["state"] for t in listed["tiers"]}  # type: ignore[attr-defined]
     assert states == {str(live.ram_dir): "in_use", str(idle.ram_dir): "idle",
-                      str(gone.ram_dir): "orphan", str(foreign): "unmarked"}
+                      str(gone.ram_dir): "orphan", str(foreign): "unmarked",
+                      str(imitation): "unmarked"}
     orphan = next(t for t in listed["tiers"] if t["state"] == "orphan")  # type: ignore[attr-defined]
     assert orphan["data_dir"] == str(gone.data_dir) and orphan["bytes"] > 50_000
 
@@ -427,17 +490,101 @@ def test_ram_tiers_removes_orphans_only(tmp_path: Path,
     assert status == 0 and done["removed"] == [str(gone.ram_dir)] and done["kept"] == {}
     assert not gone.ram_dir.exists()
     assert live.ram_dir.is_dir() and idle.ram_dir.is_dir() and foreign.is_dir()
+    assert imitation.is_dir()
     with live.client() as c:
         assert c.list_entries(tier="ram")
+    result = CliRunner().invoke(kvcache_main, ["ram-tiers", "--parent", str(parent),
+                                               "--remove", str(imitation)])
+    assert result.exit_code == 2 and imitation.is_dir()
+    assert "it has no marker saying kvcache made it" in result.output
+
+
+def test_ram_tiers_removes_one_named_orphan(tmp_path: Path) -> None:
+    """An operator removes one tier by its name or path; another orphan (perhaps another
+    project's) stays. A tier that is no orphan, or none at all, is a usage error and
+    nothing is removed."""
+    parent = tmp_path / "shm"
+    mine = orphan_tier(parent, tmp_path / "my-data")
+    theirs = orphan_tier(parent, tmp_path / "their-data")
+    idle_data = tmp_path / "idle-data"
+    idle_data.mkdir()
+    idle = orphan_tier(parent, idle_data)
+    for name in (str(idle), "kvcache-nonesuch", str(tmp_path)):
+        result = CliRunner().invoke(kvcache_main, ["ram-tiers", "--parent", str(parent),
+                                                   "--remove", name])
+        assert result.exit_code == 2, result.output
+    assert "only a tier whose data directory is gone is removed" in CliRunner().invoke(
+        kvcache_main, ["ram-tiers", "--parent", str(parent), "--remove", idle.name]).output
+    assert {p.name for p in parent.iterdir()} == {mine.name, theirs.name, idle.name}
+
+    status, done = ram_tiers("--parent", str(parent), "--remove", mine.name)
+    assert status == 0 and done["removed"] == [str(mine)] and done["kept"] == {}
+    assert {p.name for p in parent.iterdir()} == {theirs.name, idle.name}
+    result = CliRunner().invoke(kvcache_main, ["ram-tiers", "--parent", str(parent),
+                                               "--remove", str(theirs), "--remove-orphans"])
+    assert result.exit_code == 2 and theirs.is_dir()
+
+
+def test_ram_tiers_lists_what_goes_and_asks_on_a_terminal(tmp_path: Path) -> None:
+    from test_cli_operator import on_terminal
+
+    parent = tmp_path / "shm"
+    first = orphan_tier(parent, tmp_path / "first-data")
+    second = orphan_tier(parent, tmp_path / "second-data")
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    args = ("ram-tiers", "--parent", str(parent), "--remove-orphans")
+    code, shown = on_terminal(env, *args, columns=300, answer="n")
+    assert code == 1, shown
+    assert "ram-tiers will remove 2 RAM tier(s)" in shown and "Go ahead? [y/N]" in shown
+    for tier, data in ((first, "first-data"), (second, "second-data")):
+        assert f"  {tier} (" in shown and f"its data directory {tmp_path / data} is gone" \
+            in shown
+    assert "cancelled; nothing was changed" in shown
+    assert first.is_dir() and second.is_dir()
+
+    code, shown = on_terminal(env, "ram-tiers", "--parent", str(parent), "--remove",
+                              first.name, columns=300, answer="y")
+    assert code == 0 and "ram-tiers will remove 1 RAM tier(s)" in shown, shown
+    assert not first.exists() and second.is_dir()
+    code, shown = on_terminal(env, *args, "--yes", columns=300)
+    assert code == 0 and "[y/N]" not in shown and "removed 1 orphaned" in shown, shown
+    assert os.listdir(parent) == []
+
+
+def test_ram_tiers_table_never_cuts_a_tier_at_80_columns(tmp_path: Path) -> None:
+    """Its path is what --remove takes back: it used to be cut with an ellipsis."""
+    from test_cli_operator import on_terminal
+
+    parent = tmp_path / "a-rather-long-folder-name-for-ram-tiers"
+    tiers = [orphan_tier(parent, tmp_path / f"data-{i}") for i in range(2)]
+    idle_data = tmp_path / "a-data-directory-with-a-long-name-that-must-fold"
+    idle_data.mkdir()
+    tiers.append(orphan_tier(parent, idle_data))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    code, shown = on_terminal(env, "ram-tiers", "--parent", str(parent), columns=80)
+    assert code == 0, shown
+    assert "…" not in shown
+    lines = shown.splitlines()
+    for tier in tiers:
+        assert any(line.startswith(f"{tier} ") for line in lines), shown
+    # Nothing of a data directory is dropped either: it folds onto the next lines.
+    assert str(idle_data) not in shown and str(idle_data) in "".join(shown.split())
+
+
+def orphan_tier(parent: Path, data_dir: Path, what: str = RAM_MARKER_WHAT) -> Path:
+    """A RAM tier whose data directory is gone, with one copy in it, as a daemon leaves it
+    (``what``: what its marker says it is)."""
+    tier = parent / tier_name(data_dir)
+    tier.mkdir(parents=True, mode=0o700)
+    (tier / RAM_MARKER).write_text(json.dumps({"what": what, "data_dir": str(data_dir),
+                                               "format": 1}))
+    (tier / f"{'01' * 16}.kvc").write_bytes(b"a copy")
+    return tier
 
 
 def test_ram_tiers_keeps_an_orphan_holding_foreign_files(tmp_path: Path) -> None:
     parent = tmp_path / "shm"
-    tier = parent / tier_name(tmp_path / "deleted-data")
-    tier.mkdir(parents=True, mode=0o700)
-    (tier / RAM_MARKER).write_text(json.dumps({"format": 1,
-                                               "data_dir": str(tmp_path / "deleted-data")}))
-    (tier / f"{'01' * 16}.kvc").write_bytes(b"ours")
+    tier = orphan_tier(parent, tmp_path / "deleted-data")
     (tier / "diary.txt").write_text("not ours")
     before = snapshot(parent)
     status, done = ram_tiers("--parent", str(parent), "--remove-orphans")

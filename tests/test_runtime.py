@@ -679,12 +679,38 @@ def test_prompt_longer_than_context_is_refused_and_serving_goes_on(
         rt.complete(tokens=too_long, max_tokens=4)
     assert err.value.code == "prompt_too_long"
     with pytest.raises(RequestError) as err:
-        rt.complete(tokens=too_long[: rt.ctx.n_ctx], max_tokens=4)  # no room for a token
+        rt.complete(tokens=too_long[: rt.ctx.n_ctx])  # no room for a token
     assert err.value.code == "prompt_too_long"
+    assert f"does not fit the context of {rt.ctx.n_ctx} tokens" in str(err.value)
     # The longest prompt that fits generates exactly one token (the context is full).
-    edge = rt.complete(tokens=too_long[: rt.ctx.n_ctx - 1], max_tokens=4)
+    edge = rt.complete(tokens=too_long[: rt.ctx.n_ctx - 1])
     assert edge.finish_reason in ("length", "stop") and len(edge.tokens) <= 1
     assert rt.complete(tokens=too_long[:50], max_tokens=4).finish_reason
+
+
+def test_prompt_plus_max_tokens_must_fit_the_context(
+        make_runtime: Callable[..., Runtime]) -> None:
+    """OpenAI's rule, for a max_tokens given: a prompt plus max_tokens beyond the context is
+    refused, not cut short (4,091 tokens and max_tokens 50 in 4,096 returned 5 tokens and
+    "length"). Without one: 128 at most, fewer when the context fills first."""
+    rt = make_runtime(cache=None)
+    n_ctx = rt.ctx.n_ctx
+    long = prompt(rt, n_ctx - 5)
+    with pytest.raises(RequestError) as err:
+        rt.complete(tokens=long, max_tokens=50)
+    assert err.value.code == "prompt_too_long"
+    assert str(err.value) == (f"a prompt of {n_ctx - 5} tokens and max_tokens 50 need "
+                              f"{n_ctx + 45} tokens; the context holds {n_ctx} per sequence "
+                              "(shorten the prompt or lower max_tokens)")
+    with pytest.raises(RequestError):
+        rt.complete(tokens=long, max_tokens=6)  # one too many
+    exact = rt.complete(tokens=long, max_tokens=5, temperature=0)  # exactly the context
+    unbounded = rt.complete(tokens=long, temperature=0)  # none given: until it is full
+    assert exact.tokens == unbounded.tokens and 1 <= len(exact.tokens) <= 5
+    with pytest.raises(RequestError) as err:
+        rt.complete(tokens=long, max_tokens=5, until_context_full=True)
+    assert err.value.code == "invalid_argument"
+    assert rt.stats()["requests_completed"] == 2
 
 
 @pytest.mark.parametrize("bad", [

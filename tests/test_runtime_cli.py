@@ -261,6 +261,23 @@ def test_a_prompt_longer_than_the_context_is_one_line(tiny_model: Path) -> None:
     assert "prompt_too_long" in line and "does not fit the context of 256 tokens" in line
 
 
+def test_a_max_tokens_given_must_fit_with_the_prompt(tiny_model: Path) -> None:
+    """--max-tokens given: the prompt plus it must fit --n-ctx, or the request is refused
+    (it used to be cut short with "length"); not given: 128 at most, fewer when the
+    context fills first."""
+    base = ["complete", "--model", str(tiny_model), "--cache", "none", "--threads", "1",
+            "--n-ctx", "256", "--n-seq-max", "1", "--raw", "--prompt", "word " * 45]
+    too_many = run_cli(*base, "--max-tokens", "250", "--json")
+    line = error_line(too_many, 2)
+    assert "prompt_too_long: a prompt of" in line and "and max_tokens 250 need" in line
+    assert "the context holds 256 per sequence" in line
+    n_prompt = int(line.split("a prompt of ")[1].split()[0])
+    fits = complete_json(run_cli(*base, "--max-tokens", str(256 - n_prompt), "--json"))
+    unbounded = complete_json(run_cli(*base, "--json"))  # room for fewer than 128
+    assert fits["tokens"] == unbounded["tokens"]
+    assert fits["prompt_tokens"] + len(fits["tokens"]) <= 256
+
+
 def test_text_that_is_not_utf8_is_one_line(tiny_model: Path, tmp_path: Path) -> None:
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("Grüße aus Köln".encode("latin-1"))
@@ -392,7 +409,12 @@ def test_complete_on_the_served_runtime_refuses_bad_requests(
     too_long = run_cli("complete", "--server", serve.address, "--raw", "--prompt",
                        "word " * 1500, "--max-tokens", "2")
     line = error_line(too_long, 2)
-    assert "prompt_too_long" in line and "1024 tokens" in line
+    assert "prompt_too_long" in line and "the context holds 1024 per sequence" in line
+    too_many = run_cli("complete", "--server", serve.address, "--raw", "--prompt", "hi",
+                       "--max-tokens", "1024")
+    line = error_line(too_many, 2)
+    assert "prompt_too_long" in line and "and max_tokens 1024 need" in line
+    assert "the context holds 1024 per sequence" in line
     local_only = invoke("complete", "--server", serve.address, "--prompt", "hi",
                         "--threads", "1", "--cache", "none")
     assert "--cache, --threads configure a runtime loaded by this command" in \

@@ -317,7 +317,7 @@ def test_sigterm_mid_decode_saves_shutdown_state_that_a_new_process_restores(
     try:
         with grpc.insecure_channel(first.address) as channel:
             stream = pb_grpc.ModelRuntimeStub(channel).Complete(
-                request(tokens=prompt, max_tokens=100000), timeout=120)
+                request(tokens=prompt, until_context_full=True), timeout=120)
             next(stream)  # the first generated token: the request is decoding
             first.popen().send_signal(signal.SIGTERM)
             events = list(stream)

@@ -5,7 +5,9 @@ processes, sends requests that share a ~2,000-token system prompt with different
 messages, restarts both processes, sends one more, and prints per request the hit kind,
 tokens restored, TTFT and the cold/warm TTFT ratio.
 
-    python tools/demo.py [--model PATH] [--threads 2] [--json]
+    python tools/demo.py [--model PATH] [--threads 2] [--n-ctx 4096] [--json]
+
+Everything it makes stays in its temporary folder, which it removes (unless --keep).
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from procs import Stack, short_workdir
 from system_prompt import USER_MESSAGES, build_system_prompt
 
 
-def run(model: str | None, threads: int, n_requests: int, max_tokens: int,
+def run(model: str | None, threads: int, n_ctx: int, n_requests: int, max_tokens: int,
         keep: bool) -> list[dict[str, Any]]:
     workdir = short_workdir("kvdemo")
-    stack = Stack(workdir, model, threads=threads)
+    stack = Stack(workdir, model, threads=threads, runtime_args=("--n-ctx", str(n_ctx)))
     system = build_system_prompt()
     rows: list[dict[str, Any]] = []
 
@@ -74,12 +76,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="GGUF path (default: SmolLM2-135M)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--n-ctx", type=int, default=4096, help="the runtime's context")
     parser.add_argument("--requests", type=int, default=4, help="requests before the restart")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--json", action="store_true", help="print the records as JSON")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     args = parser.parse_args()
-    rows = run(args.model, args.threads, args.requests, args.max_tokens, args.keep)
+    rows = run(args.model, args.threads, args.n_ctx, args.requests, args.max_tokens,
+               args.keep)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:

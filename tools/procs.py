@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvcache.client import CacheClient
+from kvcache.config import ENV_DIR
 from kvcache.ramtier import tier_dir
 from kvcache.v1 import kvcache_pb2 as pb
 from kvcache.v1 import kvcache_pb2_grpc as pb_grpc
@@ -415,7 +416,9 @@ class RedisServer(Proc):
 
 
 class Stack:
-    """A kvcache daemon and a model runtime serving on unix sockets under ``workdir``."""
+    """A kvcache daemon and a model runtime serving on unix sockets under ``workdir``.
+    Everything they write stays there: the runtime's KVCACHE_DIR (its fingerprint memo)
+    is the daemon's data directory, not ~/.cache/kvcache."""
 
     def __init__(self, workdir: Path, model: str | None, threads: int = 2,
                  runtime_args: tuple[str, ...] = (), daemon_args: tuple[str, ...] = ()) -> None:
@@ -428,7 +431,8 @@ class Stack:
         self.runtime = Proc("model runtime", [
             sys.executable, "-m", "model_runtime.cli", "serve", *model_args,
             "--cache", self.daemon.address, "--socket", str(self.runtime_socket),
-            "--threads", str(threads), *runtime_args], workdir / "runtime.log")
+            "--threads", str(threads), *runtime_args], workdir / "runtime.log",
+            env={**os.environ, ENV_DIR: str(self.daemon.data_dir)})
 
     def start(self, timeout: float = 120.0) -> RuntimeClient:
         deadline = time.monotonic() + timeout

@@ -3,7 +3,8 @@
 Every error is answered in OpenAI's format with the matching status. A streamed response
 starts only with the first token, so a request the runtime refuses (a prompt longer than
 the context) still gets its 400; a failure after that ends the stream with an error event
-(which OpenAI's client raises) and no ``[DONE]``.
+(which OpenAI's client raises) and no ``[DONE]``. Every request is counted once, by the
+outermost middleware, with the status it was answered (refusals included).
 """
 
 from __future__ import annotations
@@ -42,7 +43,47 @@ FLEET = web.AppKey("fleet", Fleet)
 MAX_BODY = 64 << 20
 OPEN_PATHS = frozenset({"/health"})  # probed by load balancers without credentials
 
+# What a handler leaves on its request for the count: the model label, and the outcome
+# when the status alone does not tell it (a stream that failed after its 200).
+MODEL_LABEL = "count_model"
+OUTCOME = "count_outcome"
+CLIENT_GONE = 499  # no answer: the client went away first (nginx counts it so)
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def outcome_of(status: int) -> str:
+    if status < 400:
+        return "ok"
+    return {401: "unauthorized", 404: "not_found", 429: "no_slot", 503: "not_ready",
+            CLIENT_GONE: "disconnected"}.get(status, "bad_request" if status < 500 else "error")
+
+
+def endpoint_of(request: web.Request) -> str:
+    """The route's name (its path pattern if unnamed): bounded, whatever paths callers
+    make up; "unknown" for a path no route serves."""
+    resource = request.match_info.route.resource  # None: no route (404, 405)
+    if resource is None:
+        return "unknown"
+    return resource.name or resource.canonical
+
+
+@web.middleware
+async def count_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Count every request once, by model, endpoint, outcome and the status answered.
+    Outermost: it sees the answers the other middlewares make of refusals."""
+    status = CLIENT_GONE  # unless an answer comes: the handler was cancelled
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:  # a redirect (errors are answered by openai_errors)
+        status = exc.status
+        raise
+    finally:
+        outcome = request.get(OUTCOME) or outcome_of(status)
+        request.app[FLEET].metrics.requests.labels(
+            request.get(MODEL_LABEL, ""), endpoint_of(request), outcome, str(status)).inc()
 
 
 def error_response(err: ApiError) -> web.Response:
@@ -78,7 +119,6 @@ async def api_keys(request: web.Request, handler: Handler) -> web.StreamResponse
         return await handler(request)
     tenant = fleet.keys.tenant_of(request.headers.get("Authorization"))
     if tenant is None:
-        fleet.metrics.requests.labels("", request.path, "unauthorized").inc()
         given = "Authorization" in request.headers
         raise ApiError(401, "Incorrect API key provided." if given else
                        "You didn't provide an API key (Authorization: Bearer KEY).",
@@ -88,15 +128,17 @@ async def api_keys(request: web.Request, handler: Handler) -> web.StreamResponse
 
 
 def build_app(fleet: Fleet) -> web.Application:
-    app = web.Application(middlewares=[openai_errors, api_keys], client_max_size=MAX_BODY)
+    app = web.Application(middlewares=[count_requests, openai_errors, api_keys],
+                          client_max_size=MAX_BODY)
     app[FLEET] = fleet
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model:.+}", get_model)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/status", status)
+    # Route names are the endpoint label of the request count.
+    app.router.add_post("/v1/chat/completions", chat_completions, name="chat")
+    app.router.add_post("/v1/completions", completions, name="text")
+    app.router.add_get("/v1/models", list_models, name="models")
+    app.router.add_get("/v1/models/{model:.+}", get_model, name="model")
+    app.router.add_get("/health", health, name="health")
+    app.router.add_get("/metrics", metrics, name="metrics")
+    app.router.add_get("/status", status, name="status")
     return app
 
 
@@ -164,22 +206,18 @@ async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
     fleet = request.app[FLEET]
     arrived = time.monotonic()
     data = parse_json(await request.read())
+    # Labels only of served models: a caller must not grow the metrics with made-up names.
+    model = data.get("model")
+    request[MODEL_LABEL] = model if isinstance(model, str) and model in fleet.model_names() \
+        else "unknown"
     parse = parse_chat if endpoint == "chat" else parse_completion
     req = parse(data, request.headers.get(SESSION_HEADER))
-    # Labels only of served models: a caller must not grow the metrics with made-up names.
-    label = req.model if req.model in fleet.model_names() else "unknown"
-    counted = fleet.metrics.requests
-    try:
-        worker, flight = await fleet.admit(req.model, request["tenant"], req.routing_text(),
-                                           req.session_id)
-    except ApiError as err:
-        outcome = {429: "no_slot", 503: "not_ready"}.get(err.status, "bad_request")
-        counted.labels(label, endpoint, outcome).inc()
-        raise
+    worker, flight = await fleet.admit(req.model, request["tenant"], req.routing_text(),
+                                       req.session_id)
     served_text: str | None = None
     outcome = "disconnected"  # unless it ends otherwise: a cancelled handler says nothing
     try:
-        events = worker.events(flight, req.to_proto(worker.n_ctx))
+        events = worker.events(flight, req.to_proto())
         async with contextlib.aclosing(events):
             if req.stream:
                 response, served_text, outcome = await stream(request, req, worker, events,
@@ -206,7 +244,7 @@ async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
         if outcome == "disconnected":  # cancelled: the prompt's KV stays live there anyway
             served_text = req.routing_text()
         worker.release(flight, served_text)
-        counted.labels(label, endpoint, outcome).inc()
+        request[OUTCOME] = outcome
 
 
 def check_finished(done: Any, fleet: Fleet) -> None:
@@ -248,10 +286,13 @@ async def stream(request: web.Request, req: GenRequest, worker: Worker, events: 
                 done = event.done
                 check_finished(done, fleet)
                 account(fleet, req, done, arrived)
+                # kvcache's details ride on the last chunk: the usage chunk when asked for
+                # (where clients read usage), else the finish_reason chunk.
                 extra = kvcache_details(done, worker.name, worker.tenant)
-                await response.write(sse(chunk(req, finish=finish_reason(done), extra=extra)))
+                await response.write(sse(chunk(req, finish=finish_reason(done),
+                                               extra=None if req.include_usage else extra)))
                 if req.include_usage:
-                    await response.write(sse(chunk(req, usage_body=usage(done))))
+                    await response.write(sse(chunk(req, usage_body=usage(done), extra=extra)))
                 await response.write(DONE)
                 await response.write_eof()
                 return response, req.routing_text(done.text), "ok"

@@ -1,5 +1,6 @@
-"""The gateway's Prometheus metrics: requests by outcome, worker restarts by reason,
-slots and workers by state, time to first token and token counts as clients saw them."""
+"""The gateway's Prometheus metrics: requests by outcome and status, worker restarts by
+reason, slots and workers by state, time to first token and token counts as clients saw
+them."""
 
 from __future__ import annotations
 
@@ -48,10 +49,13 @@ class GatewayMetrics:
     def __init__(self, workers: Callable[[], Iterable[Worker]]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(f"{PREFIX}_requests", "Completion requests by outcome "
-                                "(ok, bad_request, no_slot, not_ready, worker_failure, "
-                                "disconnected, unauthorized)",
-                                ["model", "endpoint", "outcome"], registry=r)
+        self.requests = Counter(f"{PREFIX}_requests", "Requests, refused ones included, by "
+                                "model (of a completion), endpoint (the route: chat, text, "
+                                "models, ...), outcome (ok, bad_request, unauthorized, "
+                                "not_found, no_slot, not_ready, worker_failure, disconnected, "
+                                "error) and the HTTP status answered (499: none, the client "
+                                "went away first)",
+                                ["model", "endpoint", "outcome", "status"], registry=r)
         self.failures = Counter(f"{PREFIX}_request_failures", "Requests failed by their "
                                 "worker, by reason", ["reason"], registry=r)
         self.restarts = Counter(f"{PREFIX}_worker_restarts", "Worker restarts by reason",

@@ -70,10 +70,13 @@ class GenRequest:
             prefix = "chatcmpl" if self.endpoint == "chat" else "cmpl"
             self.id = f"{prefix}-{secrets.token_hex(12)}"
 
-    def to_proto(self, n_ctx: int) -> pb.CompleteRequest:
+    def to_proto(self) -> pb.CompleteRequest:
+        # A max_tokens given must fit with the prompt (the runtime refuses it otherwise, as
+        # OpenAI does); none given: until the context is full.
         req = pb.CompleteRequest(
-            session_id=self.session_id, max_tokens=self.max_tokens or n_ctx,
-            temperature=self.temperature, top_p=self.top_p, stop=self.stop)
+            session_id=self.session_id, max_tokens=self.max_tokens or 0,
+            until_context_full=self.max_tokens is None, temperature=self.temperature,
+            top_p=self.top_p, stop=self.stop)
         if self.seed is not None:
             req.seed = self.seed
         if self.messages is not None:
