@@ -370,10 +370,13 @@ class EngineCore:
         if self.model.is_eog(token):
             self._finish(req, "stop")
             return
+        logprob = self.executor.logprob(req, token) if req.sampling.logprobs else None
         req.generated.append(token)
+        if logprob is not None:
+            req.logprobs.append(logprob)
         req.pending = token
         text, stopped = req.stream.add(self.model.token_to_piece(token))
-        req.events.put(TokenEvent(token, text))
+        req.events.put(TokenEvent(token, text, logprob))
         if stopped:
             self._finish(req, "stop")
             return

@@ -22,7 +22,7 @@ from .config import RuntimeConfig
 from .kv_cells import StateFormatError
 from .llama_backend import LlamaContext
 from .request import Request, Seq, common_prefix, servable
-from .sampling import sample
+from .sampling import TokenLogprob, sample, token_logprob
 from .saver import SaveJob, Saver, Waypoint
 from .scheduler import BatchPlan
 
@@ -142,6 +142,12 @@ class Executor:
         sequence's last cell) with that sequence."""
         assert req.seq is not None
         req.seq.note_logits(self.ctx.logits(batch_index), decoded=decoded)
+
+    def logprob(self, req: Request, token: int) -> TokenLogprob:
+        """``token``'s log probability where it was just sampled (before it is decoded)."""
+        seq = req.seq
+        assert seq is not None
+        return token_logprob(seq.logits[len(seq.tokens)], token, req.sampling.top_logprobs)
 
     def sample(self, req: Request) -> int:
         """The request's next token, from the scores after its sequence's cells."""

@@ -21,7 +21,7 @@ import numpy as np
 from kvcache.client import LoadedBlob
 from kvcache.common import HIT_COLD
 
-from .sampling import SamplingParams, TextStream
+from .sampling import SamplingParams, TextStream, TokenLogprob
 
 
 class RequestError(Exception):
@@ -72,6 +72,7 @@ class Completion:
     session_id: str = ""
     cache_tier: str = ""  # where reused KV came from: ram | disk | remote | live ("" if none)
     saves: list[dict[str, Any]] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, when asked
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -80,6 +81,9 @@ class Completion:
             "cache_delta": self.cache_delta, "timings": self.timings,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
             "session_id": self.session_id, "cache_tier": self.cache_tier, "saves": self.saves,
+            **({"logprobs": [{"token": lp.token, "logprob": lp.logprob,
+                              "top": [list(t) for t in lp.top]} for lp in self.logprobs]}
+               if self.logprobs else {}),
         }
 
 
@@ -87,6 +91,7 @@ class Completion:
 class TokenEvent:
     token: int  # the sampled token, or -1: text flushed when the request ends
     text: str
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs
 
 
 @dataclass
@@ -146,6 +151,7 @@ class Request:
     cancelled: bool = False
     # -- what it produced
     generated: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of generated, when asked
     pending: int = -1  # sampled, not yet decoded
     cache: CacheUse = field(default_factory=CacheUse)
     timings: Timings = field(default_factory=Timings)
@@ -164,7 +170,8 @@ class Request:
             cache_delta={"tokens_read": self.cache.tokens_read,
                          "tokens_saved": self.cache.tokens_saved},
             timings=self.timings.to_ms(now), prompt_tokens=len(self.tokens),
-            session_id=self.session_id, cache_tier=self.cache.tier, saves=self.cache.saves)
+            session_id=self.session_id, cache_tier=self.cache.tier, saves=self.cache.saves,
+            logprobs=list(self.logprobs))
 
 
 @dataclass(eq=False)

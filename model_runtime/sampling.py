@@ -15,6 +15,7 @@ from .config import SettingError, check_int, check_number
 
 SEED_MAX = 2**64 - 1  # numpy's generators take any non-negative int; the wire a uint64
 DEFAULT_MAX_TOKENS = 128  # when a request gives no max_tokens
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,8 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = DEFAULT_MAX_TOKENS
     stop: tuple[str, ...] = ()
+    logprobs: bool = False  # report each generated token's log probability
+    top_logprobs: int = 0  # and that many of the most likely tokens at its place
 
     def __post_init__(self) -> None:
         # A value let through here raises in sample() on the model thread, which fails
@@ -37,6 +40,34 @@ class SamplingParams:
         check_int("max_tokens", self.max_tokens, 1)
         if not all(isinstance(s, str) for s in self.stop):
             raise SettingError("stop", f"must be strings, got {self.stop!r}")
+        check_int("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
+        if self.top_logprobs and not self.logprobs:
+            raise SettingError("top_logprobs", "needs logprobs")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log probability under the model (its raw scores, before any
+    sampling setting), and the most likely tokens at its place, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprob(logits: np.ndarray, token: int, top: int = 0) -> TokenLogprob:
+    """Log-softmax of ``logits`` at ``token``, and the ``top`` best (ties: lower id first)."""
+    scores = logits.astype(np.float64)
+    peak = float(np.max(scores))
+    with np.errstate(under="ignore"):
+        log_total = peak + float(np.log(np.sum(np.exp(scores - peak))))
+    best: tuple[tuple[int, float], ...] = ()
+    if top:
+        top = min(top, scores.size)
+        ids = np.argpartition(-scores, top - 1)[:top]
+        ids = ids[np.lexsort((ids, -scores[ids]))]
+        best = tuple((int(i), float(scores[i]) - log_total) for i in ids)
+    return TokenLogprob(int(token), float(scores[token]) - log_total, best)
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
