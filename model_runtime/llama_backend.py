@@ -168,6 +168,33 @@ def max_parallel_sequences() -> int:
     return int(_lc.llama_max_parallel_sequences())
 
 
+#: Build options of llama.cpp's CPU backend whose kernels compute a token decoded alone (or
+#: at some places in a batch) with other rounding than the same token inside a batch:
+#: llamafile's sgemm (f16 attention products; on SmolLM2 the scores after a restored
+#: prompt's last token, decoded alone, differed by up to 0.42) and the weight repacking of
+#: Q4_0/Q4_K/IQ4_NL (matrix rows in groups of four: on Gemma-3's Q4_K weights, a
+#: position's scores depended on the length of the chunk it was computed in).
+BATCH_VARIANT_OPTIONS = ("LLAMAFILE", "REPACK")
+
+
+def build_options() -> dict[str, str]:
+    """What llama.cpp reports of its build (``llama_print_system_info``): CPU features and
+    options, each ``name -> value`` (e.g. ``{"AVX2": "1", "LLAMAFILE": "1"}``)."""
+    info = _lc.llama_print_system_info().decode("utf-8", errors="replace")
+    options: dict[str, str] = {}
+    for part in info.split("|"):
+        name, sep, value = part.rpartition("=")
+        if sep:
+            options[name.split(":")[-1].strip()] = value.strip()
+    return options
+
+
+def batch_variant_options() -> list[str]:
+    """The options of this llama.cpp build that make results depend on batching."""
+    options = build_options()
+    return [name for name in BATCH_VARIANT_OPTIONS if options.get(name) == "1"]
+
+
 # --------------------------------------------------------------------------- params
 
 
@@ -869,6 +896,28 @@ class LlamaContext(_Owner):
             "llama_cpp_python": _lc.__version__,
         }
         return layout
+
+    def computes_batches_alike(self, seq_id: int = 0) -> bool:
+        """Whether a token's results are the same bit for bit whether it is decoded
+        alone or at any place of a batch: compared on a few tokens of ``seq_id`` (which
+        must be empty, and is left empty), split in three ways. When they are, a state
+        restored or reused and continued gives what a cold prefill of the same tokens
+        gives; llama.cpp's build decides (see :data:`BATCH_VARIANT_OPTIONS`)."""
+        self._check_seq(seq_id)
+        n_vocab = self.model.n_vocab
+        tokens = [(7 * i + 3) % n_vocab for i in range(9)]
+        rows = []
+        for split in ((9,), (8, 1), (5, 4), (2, 3, 4)):
+            self.seq_clear(seq_id)
+            start = 0
+            for n in split:
+                end = start + n
+                self.decode(tokens[start:end], list(range(start, end)), [seq_id] * n,
+                            [i == len(tokens) - 1 for i in range(start, end)])
+                start = end
+            rows.append(self.logits(split[-1] - 1))
+        self.seq_clear(seq_id)
+        return all(np.array_equal(rows[0], row) for row in rows[1:])
 
     def can_truncate_restored(self) -> bool:
         """Whether a restored sequence may be shortened with :meth:`seq_truncate`.

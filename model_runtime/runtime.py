@@ -28,7 +28,7 @@ from .config import RuntimeConfig, SettingError, check_int
 from .counters import COUNTERS
 from .engine import Engine
 from .identity import runtime_identity
-from .llama_backend import ContextParams, LlamaContext, LlamaModel
+from .llama_backend import ContextParams, LlamaContext, LlamaModel, batch_variant_options
 from .request import Completion, Phase, Request, RequestError, TokenEvent, common_prefix
 from .sampling import DEFAULT_MAX_TOKENS, SamplingParams
 
@@ -166,6 +166,15 @@ class Runtime:
             self.model.close()
             raise
         self.identity = runtime_identity(self.model_path, self.ctx.kv_layout(), self.config.tenant)
+        # Checked before any request: a reused state continued gives exactly what a cold
+        # prefill gives only where llama.cpp computes a token alike alone or in a batch.
+        self.batch_invariant = self.ctx.computes_batches_alike()
+        if not self.batch_invariant:
+            log.warning("kvcache: this llama.cpp build computes a token decoded alone "
+                        "otherwise than inside a batch (%s): output after a restore or "
+                        "reuse may differ from a cold run's. tools/setup.sh builds "
+                        "llama-cpp-python without those options.",
+                        ", ".join(batch_variant_options()) or "kernel choice")
         if cache is None and cache_address:
             cache = CacheClient(cache_address, timeout=self.config.cache_timeout_s)
         self.cache = cache
@@ -244,14 +253,17 @@ class Runtime:
                prefix_tokens: int = 0, session_id: str = "", parent_key: str | bytes = b"",
                max_tokens: int | None = None, until_context_full: bool = False,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-               seed: int | None = None, stop: Sequence[str] = ()) -> Request:
+               seed: int | None = None, stop: Sequence[str] = (), logprobs: bool = False,
+               top_logprobs: int = 0) -> Request:
         """Queue one request. ``max_tokens``: see :func:`generation_limit` (a prompt plus
         the max_tokens given must fit the context; none given: 128 at most, or with
-        ``until_context_full`` until the context is full)."""
+        ``until_context_full`` until the context is full). ``logprobs``: each generated
+        token's log probability (and the ``top_logprobs`` most likely at its place)."""
         toks, boundary = self._prepare(prompt, tokens, messages, system, prefix_tokens)
         limit = generation_limit(len(toks), self.ctx.n_ctx, max_tokens, until_context_full)
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                  max_tokens=limit, stop=tuple(stop))
+                                  max_tokens=limit, stop=tuple(stop), logprobs=logprobs,
+                                  top_logprobs=top_logprobs)
         parent = parse_parent_key(parent_key)
         return self.engine.submit(toks, sampling, session_id=session_id, parent_key=parent,
                                   boundary=boundary)

@@ -16,8 +16,10 @@ from kvcache.auth import ServerAuth, add_tcp_port, refuse_unprotected_tcp, tcp_s
 from kvcache.common import details, grpc_server
 from kvcache.unix_socket import OwnedSocket
 
+from .llama_backend import batch_variant_options
 from .request import Completion, RequestError, TokenEvent
 from .runtime import Runtime
+from .sampling import TokenLogprob
 from .v1 import runtime_pb2 as pb
 from .v1 import runtime_pb2_grpc as pb_grpc
 
@@ -33,6 +35,17 @@ ERROR_CODES = {
 }
 
 
+def logprob_message(lp: TokenLogprob | None) -> pb.TokenLogprob | None:
+    if lp is None:
+        return None
+    return pb.TokenLogprob(token=lp.token, logprob=lp.logprob,
+                           top=[pb.TopLogprob(token=t, logprob=v) for t, v in lp.top])
+
+
+def logprob_from_message(m: pb.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(m.token, m.logprob, tuple((t.token, t.logprob) for t in m.top))
+
+
 def completion_message(c: Completion) -> pb.Completion:
     return pb.Completion(
         text=c.text, tokens=c.tokens, finish_reason=c.finish_reason, finish_key=c.finish_key,
@@ -40,7 +53,8 @@ def completion_message(c: Completion) -> pb.Completion:
         cache_delta=pb.CacheDelta(**c.cache_delta),
         timings=pb.Timings(**c.timings), prompt_tokens=c.prompt_tokens,
         session_id=c.session_id, cache_tier=c.cache_tier,
-        saves=[pb.SaveRecord(**save) for save in c.saves])
+        saves=[pb.SaveRecord(**save) for save in c.saves],
+        logprobs=[logprob_message(lp) for lp in c.logprobs])
 
 
 def completion_from_message(m: pb.Completion) -> Completion:
@@ -52,7 +66,8 @@ def completion_from_message(m: pb.Completion) -> Completion:
                      "tokens_saved": m.cache_delta.tokens_saved},
         timings={f.name: getattr(m.timings, f.name) for f in pb.Timings.DESCRIPTOR.fields},
         prompt_tokens=m.prompt_tokens, session_id=m.session_id, cache_tier=m.cache_tier,
-        saves=[{"reason": s.reason, "tokens": s.tokens, "key": s.key} for s in m.saves])
+        saves=[{"reason": s.reason, "tokens": s.tokens, "key": s.key} for s in m.saves],
+        logprobs=[logprob_from_message(lp) for lp in m.logprobs])
 
 
 def request_kwargs(request: pb.CompleteRequest) -> dict[str, Any]:
@@ -63,6 +78,7 @@ def request_kwargs(request: pb.CompleteRequest) -> dict[str, Any]:
         "session_id": request.session_id, "parent_key": request.parent_key,
         "prefix_tokens": request.prefix_tokens,
         "seed": request.seed if request.HasField("seed") else None,
+        "logprobs": request.logprobs, "top_logprobs": request.top_logprobs,
     }
     which = request.WhichOneof("input")
     if which == "prompt":
@@ -86,8 +102,10 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
             events = self.runtime.complete(stream=True, **request_kwargs(request))
             for event in events:  # type: ignore[union-attr]
                 if isinstance(event, TokenEvent):
-                    if event.text:  # token -1: held-back text flushed at the end
-                        yield pb.CompleteEvent(text=event.text, token=max(event.token, 0))
+                    # (token -1: held-back text flushed at the end)
+                    if event.text or event.logprob is not None:
+                        yield pb.CompleteEvent(text=event.text, token=max(event.token, 0),
+                                               logprob=logprob_message(event.logprob))
                 else:
                     yield pb.CompleteEvent(done=completion_message(event))
         # Messages are cut (details): one echoing a long field did not fit gRPC's 16 KiB
@@ -105,6 +123,7 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
             counters=rt.stats(), model_path=str(rt.model_path),
             model_fingerprint=rt.identity.model_fingerprint, kv_layout=rt.identity.kv_layout,
             n_seq_max=rt.ctx.n_seq_max, n_ctx=rt.ctx.n_ctx, cache_reachable=rt.cache_reachable(),
+            batch_invariant=rt.batch_invariant, batch_variant_options=batch_variant_options(),
             latencies={name: pb.LatencySummary(**vars(summary))
                        for name, summary in rt.latencies().items()})
 

