@@ -10,13 +10,17 @@ Python, llama-cpp-python, model file and size), then per thread count:
    of a real kvcache daemon (a child process) by an in-process :class:`Runtime`.
    Target: cold / warm >= 200x.
 2. ``floor``: the same state restored in-process from a local file without the daemon
-   (read file, ``state_seq_set``, drop the last cell, decode it, argmax), timed end to end
-   on the runtime's own context and model thread. Two ways to read the file: ``numpy``
-   (an uninitialized buffer: the floor of the target) and ``bytearray`` (a zero-filled
-   buffer). The warm path maps the entry's pieces and sets them (a root stored as
-   llama.cpp's bytes as it is; pieces joined into llama.cpp's format). Target: warm /
-   numpy floor <= 1.3x
-   (median of interleaved pairs). ``resolve_breakdown`` times the cache I/O piece by piece.
+   (read the state and the scores after its last token, ``state_seq_set``, argmax of the
+   scores), timed end to end on the runtime's own context and model thread: what an exact
+   hit needs at least, since its first token comes from the scores stored with the entry
+   (nothing is decoded). Two ways to read the file: ``numpy`` (an uninitialized buffer:
+   the floor of the target) and ``bytearray`` (a zero-filled buffer). ``primer`` is the
+   floor as it was while exact hits decoded their last token again (set, drop the last
+   cell, decode it). The warm path maps the entry's pieces and sets them (a root stored
+   as llama.cpp's bytes as it is; pieces joined into llama.cpp's format). Targets: cold /
+   warm >= 300x, warm / numpy floor <= 1.1x (median of interleaved pairs).
+   ``resolve_breakdown`` times the cache I/O piece by piece; ``stored_logits_bytes`` is
+   what the scores add to an entry.
 3. ``decode``: generation speed with ``continued`` saves every 64 tokens vs saves off
    (``finish`` saves off in both), after the cached system prompt. The headline is the
    wall-clock rate after the first token (it includes the model thread's
@@ -296,36 +300,45 @@ def read_bytearray(path: Path) -> bytearray:
     return read_file_into_new_buffer(path, path.stat().st_size)
 
 
-#: How the floor reads its state file; "numpy" is the floor the target is measured against.
-FLOOR_READS: dict[str, Callable[[Path], Any]] = {"numpy": read_numpy, "bytearray": read_bytearray}
+#: How the floor reads its state file ("numpy": the floor the target is measured against),
+#: and whether it decodes the last token again instead of reading the stored scores.
+FLOOR_READS: dict[str, tuple[Callable[[Path], Any], bool]] = {
+    "numpy": (read_numpy, False), "bytearray": (read_bytearray, False),
+    "primer": (read_numpy, True)}
 
 
-def floor_restore(bench: Bench, path: Path, tokens: list[int], read: Callable[[Path], Any]
-                  ) -> dict[str, float | int]:
-    """Read a state file, set it into a spare sequence, drop the last cell, decode it and
-    take the argmax: on the model thread, timed end to end, then clear the sequence."""
+def floor_restore(bench: Bench, path: Path, tokens: list[int], read: Callable[[Path], Any],
+                  primer: bool) -> dict[str, float | int]:
+    """Read a state file and the scores after its last token, set the state into a spare
+    sequence and take the argmax of the scores (``primer``: drop the last cell, decode it
+    and take the argmax of its scores instead): on the model thread, timed end to end,
+    then clear the sequence."""
     rt = bench.rt
     ctx = rt.ctx
     n = len(tokens)
+    scores_path = path.with_suffix(".scores")
 
     def run() -> dict[str, float | int]:
         spare = [s.id for s in rt.engine.seqs if s.request is None and not s.session][-1]
         t0 = time.perf_counter()
         data = read(path)
+        scores = None if primer else np.frombuffer(read(scores_path), dtype="<f4")
         t1 = time.perf_counter()
         ok = ctx.state_seq_set(spare, data) > 0
         t2 = time.perf_counter()
-        ok = ok and ctx.seq_truncate(spare, n - 1)
+        if primer:
+            ok = ok and ctx.seq_truncate(spare, n - 1)
+            ctx.decode([tokens[-1]], [n - 1], [spare], [True])
+            scores = ctx.logits(0)
         t3 = time.perf_counter()
-        ctx.decode([tokens[-1]], [n - 1], [spare], [True])
-        token = int(np.argmax(ctx.logits(0)))
+        token = int(np.argmax(scores))
         t4 = time.perf_counter()
         ctx.seq_clear(spare)
         if not ok:
             raise RuntimeError("floor restore was rejected by llama.cpp")
         return {"total_ms": (t4 - t0) * 1e3, "read_ms": (t1 - t0) * 1e3,
-                "set_ms": (t2 - t1) * 1e3, "truncate_ms": (t3 - t2) * 1e3,
-                "primer_ms": (t4 - t3) * 1e3, "first_token": token}
+                "set_ms": (t2 - t1) * 1e3, "primer_ms": (t3 - t2) * 1e3,
+                "first_token": token}
 
     return rt.engine.call(run)
 
@@ -340,19 +353,23 @@ def capture_state(bench: Bench, tokens: list[int], path: Path, repeats: int = 5
     done = bench.request(tokens, session_id=session, max_tokens=1)
     seq = rt.engine.sessions[session]
 
-    def get() -> tuple[bytes, list[float], int]:
+    def get() -> tuple[bytes, list[float], int, bytes]:
         times = []
         state = b""
         for _ in range(repeats):
             seconds, state = timed(lambda: rt.ctx.state_seq_get(seq.id))
             times.append(seconds * 1e3)
-        return state, times, len(seq.tokens)
+        scores = seq.logits[len(tokens)].astype("<f4").tobytes()
+        return state, times, len(seq.tokens), scores
 
-    state, times, held = rt.engine.call(get)
+    state, times, held, scores = rt.engine.call(get)
     if held != len(tokens):
         raise RuntimeError(f"session sequence holds {held} tokens, expected {len(tokens)}")
     path.write_bytes(state)
+    path.with_suffix(".scores").write_bytes(scores)
     return {"hit": done.cache_hit_kind, "state_bytes": len(state),
+            "stored_logits_bytes": len(scores),
+            "stored_logits_over_state": round(len(scores) / len(state), 5),
             "state_seq_get_ms": ms_summary(times)}
 
 
@@ -404,7 +421,7 @@ def measure_warm_and_floor(bench: Bench, tokens: list[int], cold_ttft_ms: float
 
     def floor_step(name: str) -> Callable[[], None]:
         return lambda: floors[name].append(
-            floor_restore(bench, floor_file, tokens, FLOOR_READS[name]))
+            floor_restore(bench, floor_file, tokens, *FLOOR_READS[name]))
 
     steps = [warm_step, *(floor_step(name) for name in FLOOR_READS)]
     try:
@@ -414,6 +431,7 @@ def measure_warm_and_floor(bench: Bench, tokens: list[int], cold_ttft_ms: float
                 step()
     finally:
         floor_file.unlink(missing_ok=True)
+        floor_file.with_suffix(".scores").unlink(missing_ok=True)
     bad = [r for r in warm if r["hit"] != "exact"]
     if bad:
         log(f"  WARNING: {len(bad)} warm requests were not exact hits: {bad}")
@@ -440,7 +458,7 @@ def measure_warm_and_floor(bench: Bench, tokens: list[int], cold_ttft_ms: float
 def floor_summary(rows: list[dict[str, float | int]], warm: list[dict[str, Any]]
                   ) -> dict[str, Any]:
     out: dict[str, Any] = {name: ms_summary([float(f[name]) for f in rows]) for name in
-                           ("total_ms", "read_ms", "set_ms", "truncate_ms", "primer_ms")}
+                           ("total_ms", "read_ms", "set_ms", "primer_ms")}
     out["same_first_token_as_warm"] = all(
         f["first_token"] == w["first_token"] for f, w in zip(rows, warm, strict=True))
     return out
@@ -626,9 +644,9 @@ def targets_of(result: dict[str, Any]) -> list[dict[str, Any]]:
         return decode
     return [
         check(f"t{t}: cold TTFT / warm exact TTFT", result["ratios"]["cold_over_warm_median"],
-              ">=", 200.0),
+              ">=", 300.0),
         check(f"t{t}: warm exact TTFT / in-process floor (paired)",
-              result["ratios"]["warm_over_floor_numpy_paired"], "<=", 1.3),
+              result["ratios"]["warm_over_floor_numpy_paired"], "<=", 1.1),
         *decode,
         check(f"t{t}: restarts that served an exact hit from the disk tier (fraction)",
               result["restart_disk"]["exact_from_disk_fraction"], ">=", 1.0),
