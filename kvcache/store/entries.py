@@ -181,8 +181,9 @@ class Entries:
         A piece whose commit is under way is in the children map before it is visible, so
         its file is removed here and its row either goes with the others or is never
         written (its publish finds the parent gone). A file that cannot be removed (an
-        I/O error, not a missing file) stops the removal: what went before it goes from
-        the index too, the rest stays, and StoreError says why."""
+        I/O error, not a missing file) stops the removal there: the entries whose files
+        went leave the index too (only pieces of those that stay: no chain breaks), the
+        others stay published, and StoreError says why."""
         with self._cond:
             if self._index.get(record.key) is None:
                 return []
@@ -211,5 +212,6 @@ class Entries:
                 self._children.pop(r.key, None)
                 self.counters[counter if r.key == record.key else "dependents_removed"] += 1
         if failure:
-            raise StoreError(f"{failure}; it stays, with what it is built on")
+            raise StoreError(f"{failure}; the removal stopped there, the entries not yet "
+                             "removed stay")
         return removed
