@@ -29,6 +29,7 @@ import pytest
 from kill_points import Killed, blob_size, kill_during, payload, save, store_config
 
 from kvcache import blob as blobfmt
+from kvcache.errors import StoreError
 from kvcache.index import Record
 from kvcache.store import Store, StoreConfig
 
@@ -273,3 +274,32 @@ def test_a_deleted_entry_stays_gone_when_the_index_is_rebuilt(tmp_path: Path) ->
     killed = Killed(True, [], {k: False for k in prepared.removed},
                     {k: False for k in prepared.removed})
     check_after_restart(prepared, killed)
+
+
+def test_a_blob_that_cannot_be_removed_stops_the_removal_and_breaks_no_chain(
+        tmp_path: Path) -> None:
+    """The unlink of a piece's blob fails (here: a directory stands where the file was):
+    the delete fails with a clear error, the piece built on it is gone (its file went
+    first), the piece and its parent stay published, and a later delete finishes."""
+    prepared = prepare(tmp_path, ram=False, pieces=2)
+    target, middle, leaf = prepared.removed
+    assert prepared.bystander is not None
+    store = Store(prepared.config)
+    try:
+        blob = store.blob_path(middle)
+        kept = blob.read_bytes()
+        blob.unlink()
+        (blob / "in the way").mkdir(parents=True)
+        with pytest.raises(StoreError, match=f"could not remove the blob of entry {middle.hex()}"):
+            store.delete(target)
+        rows = {r.key for r in store.index.records()}
+        assert leaf not in rows and not store.blob_path(leaf).exists()
+        assert {target, middle} <= rows
+        assert store.stats()["counters"]["dependents_removed"] == 1
+        shutil.rmtree(blob)
+        blob.write_bytes(kept)
+        assert [r.key for r in store.delete(target)] == [target, middle]
+        assert_index_and_files_agree(store)
+        assert store.stats()["disk_used"] == prepared.bystander.size
+    finally:
+        store.close()
