@@ -11,7 +11,6 @@ their place in the code, so the same kill point exists in any order the store ma
 * ``row_gone``          the index commit after which the watched entry has no row;
 * ``ram_flag_cleared``  the index commit after which its row no longer says it is in RAM;
 * ``ram_file_gone``     the unlink or rename that took its RAM copy;
-* ``blob_file_gone``    the unlink or rename that took its blob file out of ``blobs/``;
 * ``before_blob_dir_fsync``  just *before* the fsync of the blob's directory once the
                         blob is gone (the fsync that makes its removal durable);
 * ``step:N``            right after the N-th step of any kind (to sweep every step);
@@ -202,8 +201,6 @@ class Watcher:
             return record is None or not record.in_ram
         if self.kill_at == "ram_file_gone":
             return not self.store.ram_path(self.watched).exists()
-        if self.kill_at == "blob_file_gone":
-            return not self.store.blob_path(self.watched).exists()
         return False
 
     def write_report(self, killed: bool) -> None:
