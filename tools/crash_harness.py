@@ -981,6 +981,10 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed if args.seed is not None else random.randrange(1 << 31),
         workers=args.workers, min_delay_ms=args.min_delay_ms, max_delay_ms=args.max_delay_ms,
         lease_seconds=args.lease_seconds, workdir=args.workdir, keep=args.keep)
+    # Stopped early (Ctrl-C, or SIGTERM; a background job starts with SIGINT ignored):
+    # the daemon is stopped and the run's folders are kept and named, as for a failed run.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     result = run(settings)
     if args.as_json:
         print(json.dumps(result, indent=2))
