@@ -508,9 +508,12 @@ class Worker:
                 self.ledger.problem("unverified", f"{result.key.hex()}: {result.error}")
 
     def op_prune(self, client: CacheClient) -> None:
-        # Now and then also trim the RAM tier: it only drops copies, never entries.
+        # Now and then also trim the RAM tier: it only drops copies, never entries. Mostly
+        # one save reason's entries (those others build on stay), so that disposable
+        # entries, and pieces on them, live long enough for deletes to take them.
         ram = 1 if self.rng.random() < 0.3 else 0
-        resp = client.prune(model=DISPOSABLE.model_name, max_ram_bytes=ram)
+        reason = self.rng.choice(["", *blobfmt.SAVE_REASONS])
+        resp = client.prune(model=DISPOSABLE.model_name, reason=reason, max_ram_bytes=ram)
         self.ledger.count("prunes")
         self.ledger.count("pruned_entries", len(resp.removed))
         for entry in resp.removed:
