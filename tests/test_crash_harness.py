@@ -15,6 +15,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -76,6 +77,36 @@ def test_a_thousand_kills_lose_nothing_and_bring_nothing_back() -> None:
     seed = random.randrange(1 << 31)
     result = run(Settings(kills=CAMPAIGN_KILLS, seconds=CAMPAIGN_SECONDS, seed=seed))
     assert_nothing_lost(result, seed, CAMPAIGN_KILLS)
+
+
+def test_a_run_that_is_not_ok_keeps_its_folders_and_says_how_to_remove_them(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """A real failure (a stray file planted among the blobs, which the daemon leaves
+    alone and the harness reports): the work folder and the RAM tier stay for
+    inspection, the output names them, and its command removes exactly them."""
+    workdir = tmp_path / "w"
+    blobs = workdir / "data" / "blobs"
+
+    def plant() -> None:
+        deadline = time.monotonic() + 60
+        while not blobs.is_dir() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        (blobs / "zz").mkdir(exist_ok=True)
+        (blobs / "zz" / "stray.txt").write_text("not a blob")
+
+    planter = threading.Thread(target=plant)
+    planter.start()
+    result = run(Settings(kills=1, seconds=120.0, seed=1, workdir=workdir))
+    planter.join()
+    assert not result["ok"]
+    assert any("stray file" in p for p in result["problems"]), result["problems"]  # type: ignore[union-attr]
+    kept = [Path(p) for p in result["kept"]]  # type: ignore[union-attr]
+    assert workdir / "data" in kept and any(p.name.startswith("kvcrash-") for p in kept)
+    assert all(p.exists() for p in kept)
+    assert f"remove them with: {result['remove_with']}" in capfd.readouterr().err
+    subprocess.run(str(result["remove_with"]), shell=True, check=True)
+    assert not any(p.exists() for p in kept)
+    assert not (workdir / "data").exists()
 
 
 # -- a runtime killed mid-save --------------------------------------------------------------

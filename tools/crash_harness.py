@@ -918,7 +918,7 @@ class CrashHarness:
         given, what it made there) and the RAM tier's folder."""
         made = [self.workdir] if self.own_workdir else [
             p for p in (self.data_dir, self.workdir / "daemon.log", self.socket) if p.exists()]
-        if not self.ram_parent.is_relative_to(self.workdir):
+        if not (self.own_workdir and self.ram_parent.is_relative_to(self.workdir)):
             made.append(self.ram_parent)
         return made
 
