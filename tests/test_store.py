@@ -32,7 +32,7 @@ from kvcache.errors import (
     StoreFull,
     WaitTimeout,
 )
-from kvcache.index import Record
+from kvcache.index import Index, Record
 from kvcache.ramtier import RAM_MARKER
 from kvcache.store import Store, StoreConfig
 
@@ -343,6 +343,9 @@ def test_an_entry_without_passes_rows_gets_them_at_start_up_and_keeps_its_row(
         txn.drop(store.index._entry_passes, delete=False)
     assert lcp(store, prompt[:50]) == (None, 0)
     store.close()
+    index = Index(store.root / "index")  # an older version records no clean shutdown
+    index.mark_open()
+    index.close()
     os.unlink(store.ram_path(record.key))  # as after a reboot: the RAM copy is gone
     reopened = make_store()
     assert lcp(reopened, prompt[:50]) == (90, 50)

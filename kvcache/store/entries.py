@@ -42,19 +42,21 @@ def record_from(entry: keys.EntryKey, header: blobfmt.BlobHeader, meta: blobfmt.
 
 
 class Entries:
-    """Published entries and, kept beside the index as they change, the pieces built on
-    each (parent -> children): eviction takes only leaves, and removing an entry removes
-    what is built on it, in one index transaction, so no piece is ever visible without its
-    parent (tests/test_pieces.py::test_a_corrupt_piece_takes_what_is_built_on_it,
+    """Published entries and the pieces built on each (parent -> children): eviction takes
+    only leaves, and removing an entry removes what is built on it, in one index
+    transaction, so no piece is ever visible without its parent (tests/test_pieces.py::
+    test_a_corrupt_piece_takes_what_is_built_on_it,
     test_prune_removes_an_entry_only_with_what_is_built_on_it).
 
-    A piece is added to the children map before its publish makes it visible (see
+    The published pieces built on each entry are in the index (kvcache.ordering's
+    ``children`` table, written with the pieces). A piece being committed is added to a
+    map here before its publish makes it visible and leaves it once the index has it (see
     Publisher.commit), so a removal of its parent either takes it or makes its publish find
     the parent gone.
 
-    Locking: the children map changes with Store._cond held (add_child, drop_child);
-    children, dependents, set_pinned, delete and remove_entry take it themselves (it is
-    re-entrant); remove_entry's file removals run after it is released."""
+    Locking: the map of pieces being committed changes with Store._cond held (add_child,
+    drop_child); children, dependents, set_pinned, delete and remove_entry take it
+    themselves (it is re-entrant); remove_entry's file removals run after it is released."""
 
     def __init__(self, config: StoreConfig, layout: Layout, index: Index, tally: Tally,
                  pins: ReadPins, counters: Counter[str], cond: threading.Condition) -> None:
@@ -65,9 +67,9 @@ class Entries:
         self._pins = pins
         self.counters = counters
         self._cond = cond
-        self._children: dict[bytes, set[bytes]] = {}
+        self._children: dict[bytes, set[bytes]] = {}  # pieces being committed, by parent
 
-    # -- the children map (Store._cond held) -------------------------------------------------
+    # -- pieces being committed (Store._cond held) -------------------------------------------
 
     def add_child(self, record: Record) -> None:
         if record.parent:
@@ -82,10 +84,13 @@ class Entries:
 
     # -- queries ----------------------------------------------------------------------------
 
+    def _kids(self, key: bytes) -> list[bytes]:
+        return sorted(set(self._index.children(key)) | self._children.get(key, set()))
+
     def children(self, key: bytes) -> int:
         """How many entries are built directly on ``key``."""
         with self._cond:
-            return len(self._children.get(key, ()))
+            return len(self._kids(key))
 
     def dependents(self, key: bytes) -> list[bytes]:
         """Every entry built on ``key`` (its pieces, theirs, ...), nearest first."""
@@ -93,7 +98,7 @@ class Entries:
             out: list[bytes] = []
             todo = [key]
             while todo:
-                kids = sorted(self._children.get(todo.pop(), ()))
+                kids = self._kids(todo.pop())
                 out += kids
                 todo += kids
             return out

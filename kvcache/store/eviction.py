@@ -1,5 +1,9 @@
 """Making room: which entries (or RAM copies) go when a tier is full, in kvcache.policy's
-order, and the loops that remove them until a new blob or copy fits."""
+order, and the loops that remove them until a new blob or copy fits.
+
+The order is kept in the index as entries change (kvcache.ordering): making room reads
+the next victim in O(log n) and never the whole tier, so a full cache saves about as fast
+as an empty one (tools/bench_full_cache.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +12,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from ..errors import StoreFull
-from ..index import Index, Record
-from ..policy import eviction_order, leaf_first_order
+from ..index import Index
 
 if TYPE_CHECKING:
     from .entries import Entries
@@ -27,8 +30,11 @@ class Evictor:
     would still not make room (tests/test_store.py::test_a_save_that_cannot_fit_evicts_nothing,
     test_a_copy_that_cannot_fit_in_ram_drops_no_other_copy).
 
-    make_room_on_disk and make_room_in_ram are called with Store._cond held; candidates
-    takes it itself (it is re-entrant)."""
+    What is held and what was read since the last usage flush live in ReadPins; the
+    orders merge them in (kvcache.ordering), as the policy's full sorts do
+    (tests/test_ordering.py).
+
+    make_room_on_disk and make_room_in_ram are called with Store._cond held."""
 
     def __init__(self, config: StoreConfig, layout: Layout, index: Index, entries: Entries,
                  tally: Tally, pins: ReadPins, ram: RamCopies, counters: Counter[str],
@@ -42,23 +48,6 @@ class Evictor:
         self._ram = ram
         self.counters = counters
         self._cond = cond
-
-    def candidates(self, ram_only: bool = False) -> list[Record]:
-        """What may go, in order: entries one at a time, each a leaf when its turn comes
-        (see policy.leaf_first_order). For RAM copies, which nothing depends on, the
-        copies of entries others build on follow once the leaves' are gone."""
-        with self._cond:
-            pending = self._pins.last_used()
-            busy = self._pins.busy()
-        records = list(self._index.records())
-        keep = busy | {r.key for r in records if r.pinned}
-        order = leaf_first_order(records, pending, keep)
-        if ram_only:
-            listed = {r.key for r in order}
-            order += [r for r in eviction_order(records, pending)
-                      if r.key not in listed and r.key not in keep]
-            order = [r for r in order if r.in_ram]
-        return order
 
     def make_room_on_disk(self, size: int) -> None:
         """Evict until a blob of ``size`` fits the disk budget and the free-space watermark.
@@ -77,14 +66,18 @@ class Evictor:
         if size > cfg.disk_bytes:
             self.counters["saves_refused_full"] += 1
             raise StoreFull(f"blob of {size} bytes exceeds the disk budget of {cfg.disk_bytes}")
-        candidates = self.candidates()
-        evictable = sum(r.size for r in candidates)
+        held = self._pins.busy()
+        pending = self._pins.last_used()
+        order = self._index.order
+        evictable = tally.disk_used - order.unevictable_disk_bytes(held)
         # Evict only when evicting every candidate would make room (the rest is pinned or
         # being read otherwise): a save that is refused evicts nothing.
         if fits(evictable):
-            for record in candidates:
-                if fits():
-                    return
+            while not fits():
+                key = order.disk_victim(held, pending)
+                record = None if key is None else self._index.get(key)
+                if record is None:
+                    break
                 self._entries.remove_entry(record, "evictions_disk")
         if not fits():
             self.counters["saves_refused_full"] += 1
@@ -103,10 +96,17 @@ class Evictor:
         budget = self._config.ram_bytes
         if self._tally.ram_used + size <= budget:
             return True
-        candidates = [r for r in self.candidates(ram_only=True) if r.key != exclude]
-        if self._tally.ram_used - sum(r.size for r in candidates) + size > budget:
+        held = self._pins.busy() | {exclude}
+        order = self._index.order
+        kept = order.pinned_ram_bytes() + sum(
+            r.size for r in (self._index.get(k) for k in held)
+            if r is not None and r.in_ram and not r.pinned)
+        if self._tally.ram_used - (self._tally.ram_copies_bytes - kept) + size > budget:
             return False
-        for record in candidates:
+        for key in order.ram_victims(held, self._pins.last_used()):
+            record = self._index.get(key)
+            if record is None or not record.in_ram:
+                continue
             self._ram.drop_ram_copy(record, "evictions_ram")
             if self._tally.ram_used + size <= budget:
                 return True

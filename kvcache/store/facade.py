@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import threading
 import time
@@ -14,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
+
+import lmdb
 
 from .. import blob as blobfmt
 from .. import keys, ramtier
@@ -26,11 +29,12 @@ from .eviction import Evictor
 from .integrity import Integrity
 from .prune import Pruner, PruneResult
 from .reads import ReadPin, ReadPins, Reads
-from .reconcile import Reconcile
+from .reconcile import Reconcile, seal_clean_shutdown
 from .reservations import LeaseTable, Publisher, ReserveResult
 from .settings import StoreConfig
 from .tiers import Layout, RamCopies, RamPlacer, Tally
 
+log = logging.getLogger("kvcache")
 
 @dataclass(frozen=True)
 class Found:
@@ -116,8 +120,12 @@ class Store:
         self._reaper.start()
 
     def _reconcile(self) -> None:
-        Reconcile(self.config, self._layout, self.index, self._entries, self._tally,
-                  self._integrity, self.counters).run()
+        t0 = time.monotonic()
+        self.clean_start = Reconcile(self.config, self._layout, self.index, self._entries,
+                                     self._tally, self._integrity, self.counters).run()
+        log.info("%s %d entries in %.2f s", "started from a clean shutdown with"
+                 if self.clean_start else "reconciled", self.index.count(),
+                 time.monotonic() - t0)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -131,6 +139,9 @@ class Store:
             for lease_id in self._leases.lease_ids():
                 self._publisher.drop_reservation(lease_id, "saves_aborted")
         self._flush_usage()
+        # Unsealed (a full disk), the next start-up reconciles everything: nothing is lost.
+        with self._cond, contextlib.suppress(lmdb.Error, OSError):
+            seal_clean_shutdown(self.index, self._layout, self.config, self._tally)
         self.index.close()
         os.close(self._ram_lock)  # releases the RAM tier
         self._lock_file.close()  # releases the data directory lock

@@ -279,6 +279,8 @@ class Publisher:
                     self._entries.add_child(record)
                 self._index.put(record, keys.passes(res.namespace, meta.tokens,
                                                     self._config.block_size))
+                with self._cond:  # the index has it now
+                    self._entries.drop_child(record.parent, record.key)
             except ParentGone as exc:  # quarantined meanwhile (a hold stops everything else)
                 final.unlink(missing_ok=True)
                 with self._cond:

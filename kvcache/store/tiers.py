@@ -82,8 +82,27 @@ class Tally:
         self.disk_used = 0
         self.ram_used = 0
         self.ram_entries = 0  # the index counts disk entries itself (every entry is on disk)
+        self.ram_claimed = 0  # room taken for copies being made (part of ram_used)
         self.reserved_bytes = 0
         self.logical_bytes = 0
+
+    @property
+    def ram_copies_bytes(self) -> int:
+        """Bytes of the RAM copies made (ram_used without the room claimed for copies)."""
+        return self.ram_used - self.ram_claimed
+
+    def state(self) -> dict[str, int]:
+        """What a clean shutdown records (see restore)."""
+        return {"disk_used": self.disk_used, "logical_bytes": self.logical_bytes,
+                "ram_used": self.ram_used, "ram_entries": self.ram_entries}
+
+    def restore(self, state: dict[str, object]) -> None:
+        """Counts recorded by the last clean shutdown, instead of counting every entry."""
+        for name in ("disk_used", "logical_bytes", "ram_used", "ram_entries"):
+            value = state.get(name)
+            if type(value) is not int:
+                raise ValueError(f"clean-shutdown record without {name}")
+            setattr(self, name, value)
 
     def entry_added(self, record: Record) -> None:
         """A published entry (its blob is on disk)."""
@@ -107,14 +126,17 @@ class Tally:
         """Room taken for a copy about to be made: counted before the copy exists, so no
         other placement takes the same room."""
         self.ram_used += size
+        self.ram_claimed += size
 
     def unclaim_ram(self, size: int) -> None:
         """The copy claimed with claim_ram was not made."""
         self.ram_used -= size
+        self.ram_claimed -= size
 
-    def ram_copy_placed(self) -> None:
+    def ram_copy_placed(self, size: int) -> None:
         """The copy claimed with claim_ram is made and indexed."""
         self.ram_entries += 1
+        self.ram_claimed -= size
 
     def ram_copy_dropped(self, size: int) -> None:
         self.ram_used -= size
@@ -211,7 +233,7 @@ class RamPlacer:
             finally:
                 with self._cond:
                     if ok:
-                        self._tally.ram_copy_placed()
+                        self._tally.ram_copy_placed(record.size)
                         self.counters["ram_placements"] += 1
                     else:
                         self._tally.unclaim_ram(record.size)
