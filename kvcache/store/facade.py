@@ -24,6 +24,7 @@ from ..counters import COUNTERS
 from ..errors import DirectoryInUse
 from ..index import Index, Record
 from ..ownership import claim_data_dir
+from . import listing
 from .entries import Entries, check_tokens
 from .eviction import Evictor
 from .integrity import Integrity
@@ -355,9 +356,15 @@ class Store:
         record, header, meta, path = self._integrity.inspect(key, tenant_id)
         return self._reads.with_pending(record), header, meta, path
 
-    def list(self, predicate: Callable[[Record], bool] | None = None) -> list[Record]:
-        return [self._reads.with_pending(r) for r in self.index.records()
-                if not predicate or predicate(r)]
+    def list(self, predicate: Callable[[Record], bool] | None = None, *, sort: str = "used",
+             token: bytes = b"", limit: int = 0, key_prefix: str = "") -> listing.Page:
+        """A page of entries (see kvcache.store.listing): up to ``limit`` (0: all) that
+        ``predicate`` accepts, in ``sort``'s order, after ``token`` (the last page's
+        ``next_token``), reads not yet written to the index counted in."""
+        with self._cond:
+            usage = self._pins.all_usage()
+        return listing.page(self.index, usage, predicate, sort=sort, token=token, limit=limit,
+                            key_prefix=key_prefix)
 
     def prune(self, predicate: Callable[[Record], bool] | None = None, *,
               max_disk_bytes: int = 0, max_ram_bytes: int = 0, dry_run: bool = False,
