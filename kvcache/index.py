@@ -272,6 +272,22 @@ class Index:
             self.order.changed(txn, old, record)
             return record
 
+    def update_many(self, keys_: Iterable[bytes], **changes: object) -> list[Record]:
+        """:meth:`update` for many entries in one transaction; the records changed (those
+        still published)."""
+        changed = []
+        with self.env.begin(write=True, db=self._entries) as txn:
+            for key in keys_:
+                data = txn.get(key)
+                if data is None:
+                    continue
+                old = Record.unpack(data)
+                record = replace(old, **changes)
+                txn.put(key, record.pack())
+                self.order.changed(txn, old, record)
+                changed.append(record)
+        return changed
+
     def record_usage(self, usage: Mapping[bytes, tuple[int, float]]) -> None:
         """Add hits and set last-use times for many entries in one transaction."""
         if not usage:
@@ -296,6 +312,24 @@ class Index:
         """Every entry's key (no row decoded)."""
         with self.env.begin(db=self._entries) as txn:
             yield from txn.cursor().iternext(values=False)
+
+    def iter_keys(self, batch: int = 1000) -> Iterator[bytes]:
+        """Every entry's key, in key order, read a batch at a time (one short read
+        transaction each: a slow consumer pins no old snapshot of the index)."""
+        start = b""
+        while True:
+            with self.env.begin(db=self._entries) as txn:
+                cursor = txn.cursor()
+                got: list[bytes] = []
+                if cursor.set_range(start):
+                    for key in cursor.iternext(values=False):
+                        got.append(key)
+                        if len(got) == batch:
+                            break
+            yield from got
+            if len(got) < batch:
+                return
+            start = got[-1] + b"\x00"  # the first key after it
 
     def records_by_use(self, after: bytes | None = None) -> Iterator[tuple[bytes, Record]]:
         """``(use key, record)``, most recently used first (reads not yet written to the

@@ -11,8 +11,8 @@ them (tests/test_ordering.py holds each table against a full sort after random c
 * ``by_use``    use key -> b"" for every entry (``ls``, most recently used first)
 * ``leaves``    use key -> b"" for the entries nothing is built on that are not pinned:
   the disk tier's candidates, least recently used first
-* ``tree``      key -> subtree key (32) || depth (u32) || pinned below (u32) || whether
-  anything is built on it (as filed), for every entry
+* ``tree``      key -> subtree key (32) || depth (u32) || pinned below (u32) || children
+  (u32), for every entry
 * ``kids``      parent(16) || subtree key of the child (32) || child(16) -> b"": the
   largest subtree key among an entry's children, in one seek
 * ``ram_order`` subtree key || ~depth (u32) || key -> b"" for the RAM copies of entries
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from .index import Record
 
 USE_BYTES = 16 + KEY_BYTES  # last touch, created, key
-_TREE = struct.Struct(">32sII?")  # subtree key, depth, pinned entries below, has kids
+_TREE = struct.Struct(">32sIII")  # subtree key, depth, pinned entries below, children
 _U64 = struct.Struct(">Q")
 _DEPTH_MAX = 0xFFFF_FFFF
 _SIGN = 1 << 63
@@ -105,7 +105,7 @@ class _Node:
     subtree: bytes  # the largest use key in the subtree this entry roots
     depth: int
     pinned_below: int  # pinned entries built on it, directly or not
-    has_kids: bool
+    kids: int  # entries built directly on it
 
     @property
     def protected(self) -> bool:
@@ -137,9 +137,8 @@ class OrderTables:
         data = txn.get(key, db=self._entries)
         return None if data is None else self._unpack(data)
 
-    def _has_kids(self, txn: lmdb.Transaction, key: bytes) -> bool:
-        cursor = txn.cursor(db=self._db["children"])
-        return cursor.set_range(key) and cursor.key()[:KEY_BYTES] == key
+    def _count_kids(self, txn: lmdb.Transaction, key: bytes) -> int:
+        return len(self.children(txn, key))
 
     def _max_kid(self, txn: lmdb.Transaction, key: bytes) -> bytes:
         """The largest subtree key among ``key``'s children (b"" without children): the
@@ -156,11 +155,11 @@ class OrderTables:
         row = txn.get(record.key, db=self._db["tree"])
         use = record_use_key(record)
         if row:
-            subtree, depth, below, has_kids = _TREE.unpack(row)
+            subtree, depth, below, kids = _TREE.unpack(row)
         else:
-            subtree, depth, below, has_kids = use, 0, 0, self._has_kids(txn, record.key)
+            subtree, depth, below, kids = use, 0, 0, self._count_kids(txn, record.key)
         return _Node(record.key, record.parent, record.size, record.pinned, record.in_ram,
-                     use, subtree, depth, below, has_kids)
+                     use, subtree, depth, below, kids)
 
     def children(self, txn: lmdb.Transaction, key: bytes) -> list[bytes]:
         cursor = txn.cursor(db=self._db["children"])
@@ -177,19 +176,24 @@ class OrderTables:
         return _U64.unpack(value)[0] if value else 0
 
     def _add(self, txn: lmdb.Transaction, name: bytes, delta: int) -> None:
-        if delta:  # (never below 0: an entry left out of a rebuild was never counted)
-            txn.put(name, _U64.pack(max(0, self._sum(txn, name) + delta)), db=self._meta)
+        if not delta:
+            return
+        # Never below 0: an entry left out of a rebuild was never counted.
+        total = max(0, self._sum(txn, name) + delta)
+        if total:
+            txn.put(name, _U64.pack(total), db=self._meta)
+        else:
+            txn.delete(name, db=self._meta)
 
     # -- filing -----------------------------------------------------------------------------
 
     def _file(self, txn: lmdb.Transaction, n: _Node) -> None:
         db = self._db
-        txn.put(n.key, _TREE.pack(n.subtree, n.depth, n.pinned_below, n.has_kids),
-                db=db["tree"])
+        txn.put(n.key, _TREE.pack(n.subtree, n.depth, n.pinned_below, n.kids), db=db["tree"])
         txn.put(n.use, b"", db=db["by_use"])
         if n.parent:
             txn.put(n.parent + n.subtree + n.key, b"", db=db["kids"])
-        if not n.has_kids and not n.pinned:
+        if not n.kids and not n.pinned:
             txn.put(n.use, b"", db=db["leaves"])
         if n.in_ram:
             txn.put(n.key, b"", db=db["ram_keys"])
@@ -219,9 +223,11 @@ class OrderTables:
             self._unfile(txn, old)
             self._file(txn, new)
 
-    def _up(self, txn: lmdb.Transaction, key: bytes, pinned_delta: int) -> None:
+    def _up(self, txn: lmdb.Transaction, key: bytes, pinned_delta: int,
+            kids_delta: int = 0) -> None:
         """Bring ``key`` and the entries it is built on up to date after a change among
-        its children (one added, gone, or with a new subtree key or pin count)."""
+        its children (``kids_delta`` added or gone, or one with a new subtree key or pin
+        count)."""
         while key:
             record = self._record(txn, key)
             if record is None:  # a broken chain (start-up removes it)
@@ -229,7 +235,8 @@ class OrderTables:
             old = self._node(txn, record)
             new = replace(old, subtree=max(old.use, self._max_kid(txn, key)),
                           pinned_below=old.pinned_below + pinned_delta,
-                          has_kids=self._has_kids(txn, key))
+                          kids=old.kids + kids_delta)
+            kids_delta = 0
             if new == old:
                 return
             self._refile(txn, old, new)
@@ -251,9 +258,9 @@ class OrderTables:
         use = record_use_key(record)
         self._file(txn, _Node(record.key, record.parent, record.size, record.pinned,
                               record.in_ram, use, max(use, self._max_kid(txn, record.key)),
-                              depth, 0, self._has_kids(txn, record.key)))
+                              depth, 0, self._count_kids(txn, record.key)))
         if record.parent:
-            self._up(txn, record.parent, int(record.pinned))
+            self._up(txn, record.parent, int(record.pinned), 1)
 
     def removed(self, txn: lmdb.Transaction, records: Iterable[Record]) -> None:
         """Unpublished entries, together with everything built on them."""
@@ -261,17 +268,19 @@ class OrderTables:
             return
         records = list(records)
         gone = {r.key for r in records}
-        boundary: dict[bytes, int] = {}  # parents that stay -> pinned entries lost below
+        # Parents that stay -> [pinned entries lost below them, children lost].
+        boundary: dict[bytes, list[int]] = {}
         for record in records:
             node = self._node(txn, record)
             self._unfile(txn, node)
             if record.parent:
                 txn.delete(record.parent + record.key, db=self._db["children"])
                 if record.parent not in gone:
-                    boundary[record.parent] = (boundary.get(record.parent, 0)
-                                               + node.pinned + node.pinned_below)
-        for parent, pinned in boundary.items():
-            self._up(txn, parent, -pinned)
+                    lost = boundary.setdefault(record.parent, [0, 0])
+                    lost[0] += node.pinned + node.pinned_below
+                    lost[1] += 1
+        for parent, (pinned, kids) in boundary.items():
+            self._up(txn, parent, -pinned, -kids)
 
     def changed(self, txn: lmdb.Transaction, old: Record, new: Record) -> None:
         """An entry's usage, pin or RAM copy changed (its row rewritten)."""
@@ -284,8 +293,7 @@ class OrderTables:
         before = self._node(txn, old)
         use = record_use_key(new)
         after = replace(before, pinned=new.pinned, in_ram=new.in_ram, use=use,
-                        subtree=max(use, self._max_kid(txn, new.key)),
-                        has_kids=self._has_kids(txn, new.key))
+                        subtree=max(use, self._max_kid(txn, new.key)))
         if after == before:
             return
         self._refile(txn, before, after)
@@ -353,28 +361,61 @@ class OrderTables:
                     txn.put(parent + key, b"", db=self._db["children"])
                 self._file(txn, replace(n, parent=parent, subtree=subtree[key],
                                         depth=depth[key], pinned_below=below[key],
-                                        has_kids=key in kids))
+                                        kids=len(kids.get(key, ()))))
             txn.put(_IN_SYNC, b"1", db=self._meta)
         self.in_sync = True
 
     # -- what goes first --------------------------------------------------------------------
 
-    def disk_victim(self, held: Set[bytes], pending: Mapping[bytes, float]) -> bytes | None:
-        """The entry the disk tier gives up next (policy.leaf_first_order's first): the
-        least recently used leaf neither pinned nor ``held``, reads not yet in the index
-        (``pending``: key -> time) counted in. None when nothing may go."""
+    def disk_victims(self, held: Set[bytes], pending: Mapping[bytes, float]
+                     ) -> Iterator[bytes]:
+        """The entries in the order the disk tier gives them up, each as if the ones
+        before it were gone (policy.leaf_first_order's order): least recently used first
+        among the leaves neither pinned nor ``held``, a parent joining once every entry
+        built on it has come. Reads not yet in the index (``pending``: key -> time) are
+        counted in. One snapshot: O(log n) per entry, whatever the tier holds."""
         with self._env.begin() as txn:
-            moved: list[bytes] = []  # read since their row was written: their true place
-            for use in txn.cursor(db=self._db["leaves"]).iternext(values=False):
-                key = use[USE_BYTES - KEY_BYTES :]
-                if key in held:
+            joined: list[bytes] = []  # use keys: parents now leaves, leaves read since
+            left: dict[bytes, int] = {}  # parent -> its children not yet come
+            leaves = self._leaves(txn, held, pending, joined)
+            upcoming = next(leaves, None)
+            while upcoming is not None or joined:
+                if joined and (upcoming is None or joined[0] < upcoming):
+                    use = heapq.heappop(joined)
+                else:
+                    use, upcoming = upcoming, next(leaves, None)
+                key = use[-KEY_BYTES:]
+                yield key
+                record = self._record(txn, key)
+                parent = record.parent if record is not None else b""
+                if not parent:
                     continue
-                now = touched(use, pending.get(key))
-                if now != use:
-                    heapq.heappush(moved, now)
-                    continue
-                return moved[0][-KEY_BYTES:] if moved and moved[0] < use else key
-            return moved[0][-KEY_BYTES:] if moved else None
+                if parent not in left:
+                    row = txn.get(parent, db=self._db["tree"])
+                    left[parent] = _TREE.unpack(row)[3] if row else 0
+                left[parent] -= 1
+                above = self._record(txn, parent)
+                if not left[parent] and above is not None and not above.pinned \
+                        and parent not in held:
+                    heapq.heappush(joined, record_use_key(above, pending.get(parent, 0.0)))
+
+    def _leaves(self, txn: lmdb.Transaction, held: Set[bytes], pending: Mapping[bytes, float],
+                moved: list[bytes]) -> Iterator[bytes]:
+        """The ``leaves`` table's use keys in order, without the held entries; one read
+        since its row was written goes onto the heap ``moved`` at its new place."""
+        for use in txn.cursor(db=self._db["leaves"]).iternext(values=False):
+            key = use[-KEY_BYTES:]
+            if key in held:
+                continue
+            now = touched(use, pending.get(key))
+            if now != use:
+                heapq.heappush(moved, now)
+                continue
+            yield use
+
+    def disk_victim(self, held: Set[bytes], pending: Mapping[bytes, float]) -> bytes | None:
+        """The entry the disk tier gives up next (None when nothing may go)."""
+        return next(self.disk_victims(held, pending), None)
 
     def ram_victims(self, held: Set[bytes], pending: Mapping[bytes, float]
                     ) -> Iterator[bytes]:

@@ -37,6 +37,7 @@ from kvcache.errors import (
 from kvcache.index import ORDER_TABLES, Index, Record
 from kvcache.ramtier import RAM_MARKER
 from kvcache.store import Store, StoreConfig
+from kvcache.store.eviction import room_slack
 
 FP = "fp-test"
 LAYOUT = {"type_k": "f16"}
@@ -765,6 +766,26 @@ def test_making_room_reads_only_what_it_evicts(make_store: Callable[..., Store],
     assert in_ram == [False] * 20 + [True] * 10
     counters = store.stats()["counters"]
     assert (counters["evictions_disk"], counters["evictions_ram"]) == (10, 30)
+
+
+def test_a_full_tier_evicts_a_batch_that_the_next_saves_share(
+        make_store: Callable[..., Store]) -> None:
+    """Making room gives up a little more than one save needs (room_slack: about eight
+    entries' worth, at most 1/64 of the budget), in one index transaction, so the next
+    saves find room without evicting: the removal's fsyncs are shared."""
+    size = entry_size(A)
+    lists = [[i] * 20 for i in range(1, 136)]
+    store = make_store(disk_bytes=130 * size + size // 2, ram_bytes=0)
+    assert room_slack(size, store.config.disk_bytes) == (130 * size + size // 2) // 64
+    for tokens in lists[:130]:
+        put(store, tokens)
+    evictions = []
+    for tokens in lists[130:]:
+        put(store, tokens)
+        evictions.append(store.stats()["counters"]["evictions_disk"])
+    # 0.5 of a size free, 1 + 2.04 wanted: three go; the next two saves fit in what is left.
+    assert evictions == [3, 3, 3, 6, 6]
+    assert present(store, *lists) == [False] * 6 + [True] * 129
 
 
 def test_a_listing_pages_in_order_with_reads_not_yet_in_the_index(

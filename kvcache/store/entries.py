@@ -7,6 +7,7 @@ import contextlib
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .. import blob as blobfmt
@@ -165,22 +166,33 @@ class Entries:
                 self._cond.wait(left)  # woken whenever an entry stops being held
 
     def remove_entry(self, record: Record, counter: str) -> list[Record]:
-        """Unpublish an entry and everything built on it, in one index transaction (no
-        piece stays visible without its parent), then their files. A piece whose commit
-        is under way is in the children map before it is visible, so it is either removed
-        here or its publish finds the parent gone. Returns what was removed.
+        """Unpublish an entry and everything built on it (see remove_entries). Returns
+        what was removed, the entry first."""
+        return self.remove_entries([record], counter)
+
+    def remove_entries(self, records: Sequence[Record], counter: str) -> list[Record]:
+        """Unpublish entries and everything built on them, in one index transaction (no
+        piece stays visible without its parent), then their files, each folder fsynced
+        once (eviction removes a batch at a time: kvcache.store.eviction). A piece whose
+        commit is under way is in the children map before it is visible, so it is either
+        removed here or its publish finds the parent gone. Returns what was removed.
 
         The dependents are read and removed under the store lock, also when the caller
         does not hold it (quarantine): a piece added to the children map in between
         would otherwise stay published without its parent."""
+        if not records:
+            return []
+        chosen = {r.key for r in records}
         with self._cond:
-            removed = self._index.delete_many([record.key, *self.dependents(record.key)])
+            doomed = dict.fromkeys(k for r in records
+                                   for k in (r.key, *self.dependents(r.key)))
+            removed = self._index.delete_many(list(doomed))
             for r in removed:  # their tiers as they are now, not as when chosen
                 self._tally.entry_removed(r)
                 self._pins.forget_usage(r.key)
                 self.drop_child(r.parent, r.key)
                 self._children.pop(r.key, None)
-                self.counters[counter if r.key == record.key else "dependents_removed"] += 1
+                self.counters[counter if r.key in chosen else "dependents_removed"] += 1
         dirs = set()
         for r in removed:
             self._layout.ram_path(r.key).unlink(missing_ok=True)

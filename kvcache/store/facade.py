@@ -36,6 +36,8 @@ from .settings import StoreConfig
 from .tiers import Layout, RamCopies, RamPlacer, Tally
 
 log = logging.getLogger("kvcache")
+LOOKUP_COUNTERS = ("lookups", "lookup_hits", "lookup_misses", "lookup_hits_exact",
+                   "lookup_hits_partial")
 
 @dataclass(frozen=True)
 class Found:
@@ -60,6 +62,10 @@ class Store:
        RAM worker's schedule and the counters. Readers waiting for an entry being written
        sleep on it; a commit or an abort wakes them. No blob's bytes are read, written
        or copied with it held (files may be created, moved and removed under it).
+    3. ``Store._lookup_lock``: the lookup counters only (a leaf: nothing is taken under
+       it). A lookup takes no other lock: it reads the index (LMDB readers never wait
+       for its writer) and counts, so it never waits behind a save, an eviction's fsyncs
+       or an operator's prune.
 
     Background: a reaper thread (expired leases and read pins; reads not yet written to
     the index, flushed every ``usage_flush_seconds``) and the RAM worker (RamPlacer)."""
@@ -93,7 +99,8 @@ class Store:
 
     def _start(self) -> None:
         config, layout, index = self.config, self._layout, self.index
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter(dict.fromkeys(LOOKUP_COUNTERS, 0))
+        self._lookup_lock = threading.Lock()  # count_lookup's; never held with another
         self.started = time.time()
         self.waiting_lookups = 0  # lookups waiting for a save in flight (under _cond)
         self._cond = cond = threading.Condition(threading.RLock())
@@ -258,7 +265,9 @@ class Store:
         """Count a lookup's answer (hit exact or partial, or miss)."""
         n = len(raw_tokens) // 4
         wanted = min(n, max_tokens) if max_tokens else n
-        with self._cond:
+        # Not under the store lock: a lookup never waits behind a save's or an eviction's
+        # work. Only lookups count these (their keys exist from the start: see _start).
+        with self._lookup_lock:
             self.counters["lookups"] += 1
             self.counters["lookup_hits" if record else "lookup_misses"] += 1
             if record:

@@ -13,6 +13,7 @@ import os
 import shutil
 import threading
 from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -165,13 +166,21 @@ class RamCopies:
 
     def drop_ram_copy(self, record: Record, counter: str) -> bool:
         """Drop ``record``'s copy; False when the entry is gone (nothing was dropped)."""
-        if self._index.update(record.key, in_ram=False) is None:
-            return False
-        self._layout.ram_path(record.key).unlink(missing_ok=True)
+        return bool(self.drop_ram_copies([record], counter))
+
+    def drop_ram_copies(self, records: Sequence[Record], counter: str) -> int:
+        """Drop the copies of ``records`` (each in RAM when chosen), in one index
+        transaction; how many were dropped (an entry gone meanwhile has none to drop)."""
+        if not records:
+            return 0
+        dropped = self._index.update_many([r.key for r in records], in_ram=False)
+        for r in dropped:
+            self._layout.ram_path(r.key).unlink(missing_ok=True)
         with self._cond:  # held by every caller already; re-entrant
-            self._tally.ram_copy_dropped(record.size)
-            self.counters[counter] += 1
-        return True
+            for r in dropped:
+                self._tally.ram_copy_dropped(r.size)
+                self.counters[counter] += 1
+        return len(dropped)
 
 
 class RamPlacer:
