@@ -7,7 +7,8 @@ import contextlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import blob as blobfmt
@@ -170,12 +171,18 @@ class Entries:
         what was removed, the entry first."""
         return self.remove_entries([record], counter)
 
-    def remove_entries(self, records: Sequence[Record], counter: str) -> list[Record]:
+    def remove_entries(self, records: Sequence[Record], counter: str, *,
+                       sync_later: set[Path] | None = None) -> list[Record]:
         """Unpublish entries and everything built on them, in one index transaction (no
         piece stays visible without its parent), then their files, each folder fsynced
         once (eviction removes a batch at a time: kvcache.store.eviction). A piece whose
         commit is under way is in the children map before it is visible, so it is either
         removed here or its publish finds the parent gone. Returns what was removed.
+
+        ``sync_later``: the folders to fsync are added to it instead, for a caller that
+        holds the store lock to fsync once it has let go (an eviction in a save's
+        reserve: other saves do not wait for its fsyncs; the files are gone already, so a
+        save of the same key meanwhile is not touched).
 
         The dependents are read and removed under the store lock, also when the caller
         does not hold it (quarantine): a piece added to the children map in between
@@ -199,7 +206,15 @@ class Entries:
             path = self._layout.blob_path(r.key)
             path.unlink(missing_ok=True)
             dirs.add(path.parent)
-        for d in dirs:
-            with contextlib.suppress(OSError):
-                dir_fsync(d)
+        if sync_later is not None:
+            sync_later |= dirs
+        else:
+            sync_dirs(dirs)
         return removed
+
+
+def sync_dirs(dirs: Iterable[Path]) -> None:
+    """fsync folders whose entries were removed (an error is not the removal's)."""
+    for d in dirs:
+        with contextlib.suppress(OSError):
+            dir_fsync(d)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import Counter
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import StoreFull
@@ -63,9 +64,11 @@ class Evictor:
         self.counters = counters
         self._cond = cond
 
-    def make_room_on_disk(self, size: int) -> None:
+    def make_room_on_disk(self, size: int, sync_later: set[Path]) -> None:
         """Evict until a blob of ``size`` fits the disk budget and the free-space watermark.
-        Raises StoreFull (before anything is written). Store._cond held."""
+        Raises StoreFull (before anything is written). Store._cond held; the folders of
+        the evicted files are added to ``sync_later``, for the caller to fsync once it has
+        let go of the lock (see Entries.remove_entries)."""
         cfg = self._config
         tally = self._tally
 
@@ -99,7 +102,7 @@ class Evictor:
                     if record is not None:
                         chosen.append(record)
                         freed += record.size
-            self._entries.remove_entries(chosen, "evictions_disk")
+            self._entries.remove_entries(chosen, "evictions_disk", sync_later=sync_later)
         if not fits():
             self.counters["saves_refused_full"] += 1
             raise StoreFull(

@@ -21,7 +21,7 @@ from .. import blob as blobfmt
 from .. import keys
 from ..errors import InvalidArgument, LeaseLost, NotFound, OutOfRange, StoreError, StoreFull
 from ..index import Index, ParentGone, Record, dir_fsync
-from .entries import check_tokens, record_from
+from .entries import check_tokens, record_from, sync_dirs
 
 if TYPE_CHECKING:
     from .entries import Entries
@@ -145,6 +145,17 @@ class Publisher:
         entry = keys.entry_key(ns, raw_tokens, cfg.block_size)
         if parent or base:
             self._check_parent(ns, raw_tokens, parent, base)
+        evicted_from: set[Path] = set()
+        try:
+            return self._reserve(ns, raw_tokens, size, reason, model_fingerprint, entry,
+                                 tenant_id, parent, base, evicted_from)
+        finally:
+            sync_dirs(evicted_from)  # the store lock let go: other saves go on meanwhile
+
+    def _reserve(self, ns: bytes, raw_tokens: bytes, size: int, reason: str,
+                 model_fingerprint: str, entry: keys.EntryKey, tenant_id: str | None,
+                 parent: bytes, base: int, evicted_from: set[Path]) -> ReserveResult:
+        cfg = self._config
         with self._cond:
             self.counters["reserves"] += 1
             if self._leases.writing(entry.key):
@@ -159,7 +170,7 @@ class Publisher:
                 self.counters["saves_parent_gone"] += 1
                 raise NotFound(f"parent entry {parent.hex()} is gone (evicted or deleted); "
                                "save the whole state or look again")
-            self._evictor.make_room_on_disk(size)
+            self._evictor.make_room_on_disk(size, evicted_from)
             lease_id = secrets.token_hex(16)
             tmp_path = self._layout.tmp_path(lease_id)
             fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
