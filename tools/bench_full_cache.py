@@ -191,13 +191,18 @@ def write_blob_files(data_dir: Path, n: int) -> float:
 
 def writer_main(conn: Connection, writer: int) -> None:
     """A writer process: per round, save distinct entries as fast as the daemon takes
-    them until the round's end; send back (saves, refused)."""
+    them until the round's end; send back (saves, refused). ``("replay", pieces)`` sets
+    real pieces to save (whole states) instead of synthetic entries."""
     series = 0
+    replayed: list[tuple] = []
     while True:
         job = conn.recv()
         if job is None:
             return
-        address, seconds, payloads = job
+        if job[0] == "replay":
+            replayed = job[1]
+            continue
+        address, seconds, real = job
         saves = refused = 0
         series += 1
         salt = writer * 1000 + series
@@ -205,13 +210,13 @@ def writer_main(conn: Connection, writer: int) -> None:
         with CacheClient(address, timeout=60.0) as client:
             i = 0
             while time.monotonic() < deadline:
-                tokens = entry_tokens(i, salt)
-                if payloads:  # replayed real pieces: (tokens, payload, parent, base)
-                    tokens, payload, parent, base = payloads[i % len(payloads)]
-                    tokens = [salt, i, *tokens[2:]]
-                    result = client.save(IDENTITY, tokens, payload, "finish")
+                if real:
+                    tokens, payload, _, _, layout = replayed[i % len(replayed)]
+                    result = client.save(IDENTITY, [salt, i, *tokens[2:]], payload, "finish",
+                                         cell_layout=layout)
                 else:
-                    result = client.save(IDENTITY, tokens, entry_payload(i), "finish")
+                    result = client.save(IDENTITY, entry_tokens(i, salt), entry_payload(i),
+                                         "finish")
                 i += 1
                 if result.status == "saved":
                     saves += 1
@@ -220,11 +225,11 @@ def writer_main(conn: Connection, writer: int) -> None:
         conn.send((saves, refused))
 
 
-def run_writers(ws: Workspace, address: str, seconds: float,
-                payloads: Sequence[tuple] = ()) -> Callable[[], tuple[int, int]]:
+def run_writers(ws: Workspace, address: str, seconds: float, real: bool = False
+                ) -> Callable[[], tuple[int, int]]:
     """Start a round on every writer; the returned function waits for its counts."""
     for _, conn in ws.writers:
-        conn.send((address, seconds, list(payloads)))
+        conn.send((address, seconds, real))
 
     def results() -> tuple[int, int]:
         got = [conn.recv() for _, conn in ws.writers]
@@ -252,7 +257,7 @@ def lookups_for(client: CacheClient, queries: Sequence[list[int]], seconds: floa
 
 
 def save_rounds(ws: Workspace, full: bl.Daemon, empty_args: Sequence[str], name: str,
-                s: Settings, payloads: Sequence[tuple] = ()) -> dict[str, Any]:
+                s: Settings, real: bool = False) -> dict[str, Any]:
     """Saves/s with ``full`` (its tiers at budget) vs a fresh empty daemon with the same
     settings, rounds alternating (each empty round on a new directory)."""
     rates: dict[str, list[float]] = {"full": [], "empty": []}
@@ -261,7 +266,7 @@ def save_rounds(ws: Workspace, full: bl.Daemon, empty_args: Sequence[str], name:
         for kind in ("full", "empty") if r % 2 == 0 else ("empty", "full"):
             d = full if kind == "full" else ws.daemon(f"{name}-empty-{r}", *empty_args).start()
             try:
-                saves, no = run_writers(ws, d.address, s.round_seconds, payloads)()
+                saves, no = run_writers(ws, d.address, s.round_seconds, real)()
             finally:
                 if d is not full:
                     ws.remove(d)
@@ -277,7 +282,7 @@ def save_rounds(ws: Workspace, full: bl.Daemon, empty_args: Sequence[str], name:
 
 
 def lookup_rounds(ws: Workspace, d: bl.Daemon, queries: Sequence[list[int]], s: Settings,
-                  payloads: Sequence[tuple] = ()) -> dict[str, Any]:
+                  real: bool = False) -> dict[str, Any]:
     """One client's lookups idle vs while the writers save, rounds alternating."""
     samples: dict[str, list[float]] = {"idle": [], "loaded": []}
     hits = {"idle": 0, "loaded": 0}
@@ -285,7 +290,7 @@ def lookup_rounds(ws: Workspace, d: bl.Daemon, queries: Sequence[list[int]], s: 
         lookups_for(client, queries, 1.0)  # warm-up
         for r in range(s.rounds):
             for kind in ("idle", "loaded") if r % 2 == 0 else ("loaded", "idle"):
-                wait = run_writers(ws, d.address, s.round_seconds, payloads) \
+                wait = run_writers(ws, d.address, s.round_seconds, real) \
                     if kind == "loaded" else None
                 got, hit = lookups_for(client, queries, s.round_seconds)
                 if wait is not None:
@@ -336,7 +341,7 @@ def budgets(n: int) -> tuple[str, ...]:
 
 def bench_size(ws: Workspace, n: int, s: Settings) -> dict[str, Any]:
     bl.log(f"{n} entries: writing blob files")
-    d = ws.daemon(f"full-{n}", *budgets(n))
+    d = ws.daemon(f"full-{n}", *budgets(n), "--log-level", "INFO")  # start-up progress
     d.start()
     d.stop()
     written = write_blob_files(d.data_dir, n)
@@ -418,7 +423,7 @@ def harvest_real_pieces(ws: Workspace, quick: bool) -> list[tuple]:
             loaded = c.load(e.key)
             index[e.key] = len(pieces)
             pieces.append((list(loaded.meta.tokens), bytes(loaded.payload),
-                           index.get(e.parent, -1), e.base))
+                           index.get(e.parent, -1), e.base, loaded.meta.cell_layout))
     ws.remove(d)
     return pieces
 
@@ -428,13 +433,13 @@ def replay(client: CacheClient, pieces: list[tuple], series: int) -> tuple[int, 
     its parent's replay as the original was. Returns bytes saved and the keys."""
     saved, keys_ = 0, []
     new_keys: dict[int, bytes] = {}
-    for i, (tokens, payload, parent, base) in enumerate(pieces):
+    for i, (tokens, payload, parent, base, layout) in enumerate(pieces):
         tokens = [series >> 15, series & 0x7FFF, *tokens[2:]]
         parent_key = new_keys.get(parent, b"") if parent >= 0 else b""
         if parent >= 0 and not parent_key:
             continue
         result = client.save(IDENTITY, tokens, payload, "finish", parent=parent_key,
-                             base=base if parent_key else 0)
+                             base=base if parent_key else 0, cell_layout=layout)
         if result.status == "saved":
             new_keys[i] = result.key
             saved += len(payload)
@@ -463,9 +468,11 @@ def bench_real(ws: Workspace, s: Settings) -> dict[str, Any]:
     # Queries: what the last series saved (present, prompts of real lengths).
     queries = [[series >> 15, series & 0x7FFF, *p[0][2:]] for p in pieces]
     whole = [p for p in pieces if p[2] < 0]  # roots, replayed by the writers as whole states
+    for _, conn in ws.writers:
+        conn.send(("replay", whole))
     startup = start_ups(d, s.startup_repeats, 600)
-    saves = save_rounds(ws, d, args, "real", s, whole)
-    lookups = lookup_rounds(ws, d, queries, s, whole)
+    saves = save_rounds(ws, d, args, "real", s, real=True)
+    lookups = lookup_rounds(ws, d, queries, s, real=True)
     with d.client() as c:
         st = c.stats()
         tiers = {t.tier: t for t in st.tiers}

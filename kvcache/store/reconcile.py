@@ -34,7 +34,25 @@ if TYPE_CHECKING:
     from .tiers import Layout, Tally
 
 log = logging.getLogger("kvcache")
-# A long start-up says how far it got this often (seconds).
+REINDEX_BATCH = 10_000
+
+
+class Progress:
+    """Logs how far a long start-up step got, every PROGRESS_SECONDS."""
+
+    def __init__(self, what: str, total: int) -> None:
+        self.what, self.total, self.done = what, total, 0
+        self.t0 = self.last = time.monotonic()
+
+    def step(self) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_SECONDS:
+            self.last = now
+            log.info("start-up: %d of %d %s (%.0f s)", self.done, self.total, self.what,
+                     now - self.t0)
+
+
 PROGRESS_SECONDS = 5.0
 
 # A blob to publish at start-up, with its passes rows (see keys.passes).
@@ -238,7 +256,9 @@ class Reconcile:
         lacking = self._index.lacking_passes(
             [r.key for r in good if r.n_tokens >= self._config.block_size])
         without_passes: list[tuple[bytes, Path]] = []
+        progress = Progress("index rows checked against their blob files", len(good))
         for record in good:
+            progress.step()
             path = on_disk.pop(record.key, None)
             if path is None or path.stat().st_size != record.size:
                 stale.append(record.key)
@@ -273,7 +293,9 @@ class Reconcile:
         commit, or a lost index) from their headers."""
         block_size = self._config.block_size
         added: list[_Indexed] = []
+        progress = Progress("blob files re-indexed from their headers", len(on_disk))
         for key, path in on_disk.items():
+            progress.step()
             try:
                 with open(path, "rb") as f:
                     header, meta = blobfmt.read_header_and_meta(f)
@@ -300,9 +322,12 @@ class Reconcile:
         added = self._parents_first(added)
         for record, _ in added:
             self._tally.entry_added(record)
-        if added:
-            self._index.publish_many(added)
-            self.counters["reconcile_added"] += len(added)
+        # A transaction per batch, parents before their pieces (an earlier batch or the
+        # same one): a lost index of a million entries is not one transaction's worth of
+        # dirty pages in memory.
+        for start in range(0, len(added), REINDEX_BATCH):
+            self._index.publish_many(added[start : start + REINDEX_BATCH])
+        self.counters["reconcile_added"] += len(added)
 
     def _parents_first(self, items: list[_Indexed]) -> list[_Indexed]:
         """Blobs to re-index, each after its parent (one transaction publishes them, and
@@ -354,11 +379,15 @@ class Reconcile:
     def _drop_broken_chains(self) -> None:
         """Remove entries whose chain is broken (a parent missing, or not holding the
         tokens the piece takes from it), with everything built on them."""
-        records = {r.key: r for r in self._index.records()}
-        for record in records.values():
-            parent = records.get(record.parent)
-            if record.parent and (parent is None
-                                  or not parent.base < record.base <= parent.n_tokens):
+        broken = []
+        for record in self._index.records():  # pieces only are looked up further
+            if not record.parent:
+                continue
+            parent = self._index.get(record.parent)
+            if parent is None or not parent.base < record.base <= parent.n_tokens:
+                broken.append(record)
+        for record in broken:  # (one built on another goes with it; then it is gone)
+            if self._index.get(record.key) is not None:
                 self._entries.remove_entry(record, "reconcile_removed")
 
 
