@@ -70,6 +70,7 @@ N_TOKENS = 64
 PAYLOAD_BYTES = 1800
 FILLER = [random.Random(5).randrange(49_152) for _ in range(N_TOKENS - 3)]
 WRITERS = 4
+SIZES = "10000,100000,1000000"
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,9 @@ class Settings:
 
 def make_settings(args: argparse.Namespace) -> Settings:
     if args.quick:
-        return Settings("quick", (2_000, 10_000), 4.0, 2, 2,
-                        args.real_bytes or 300_000_000)
+        sizes = (2_000, 10_000) if args.sizes == SIZES else tuple(
+            int(x) for x in args.sizes.split(","))
+        return Settings("quick", sizes, 4.0, 2, 2, args.real_bytes or 300_000_000)
     return Settings("full", tuple(int(s) for s in args.sizes.split(",")), 10.0, 3, 3,
                     args.real_bytes or 3_000_000_000)
 
@@ -374,7 +376,7 @@ def bench_size(ws: Workspace, n: int, s: Settings) -> dict[str, Any]:
                   "evictions_ram": st.counters["evictions_ram"]}
     memory = rss(d)
     ws.remove(d)
-    return {"fill": fill, "start_up": startup, "ls": ls, "saves": saves, "lookups": lookups,
+    return {"loadavg_at_end": [round(x, 2) for x in os.getloadavg()], "fill": fill, "start_up": startup, "ls": ls, "saves": saves, "lookups": lookups,
             "tiers_at_end": at_end, "daemon_memory_at_end": memory}
 
 
@@ -461,11 +463,14 @@ def bench_real(ws: Workspace, s: Settings) -> dict[str, Any]:
     with d.client() as c:
         while True:
             series += 1
-            replay(c, pieces, series)
+            _, last = replay(c, pieces, series)
             disk = next(t for t in c.stats().tiers if t.tier == 2)
             if disk.bytes + max(sizes) > s.real_bytes or c.stats().counters["evictions_disk"]:
                 break
-    # Queries: what the last series saved (present, prompts of real lengths).
+        # Queries: the last series' prompts (real lengths), kept (pinned, as a declared
+        # system prompt is) while the writers churn through the rest of the budget.
+        for key in last:
+            c.pin(key)
     queries = [[series >> 15, series & 0x7FFF, *p[0][2:]] for p in pieces]
     whole = [p for p in pieces if p[2] < 0]  # roots, replayed by the writers as whole states
     for _, conn in ws.writers:
@@ -482,7 +487,8 @@ def bench_real(ws: Workspace, s: Settings) -> dict[str, Any]:
                   "evictions_ram": st.counters["evictions_ram"]}
     memory = rss(d)
     ws.remove(d)
-    return {"harvest_s": round(harvest_s, 1), "pieces": len(pieces),
+    return {"loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
+            "harvest_s": round(harvest_s, 1), "pieces": len(pieces),
             "roots": len(whole), "piece_bytes": bl.summarize([x / 1e6 for x in sizes],
                                                              unit="s", tails=False) | {
                 "unit": "MB"},
@@ -545,7 +551,7 @@ def run(s: Settings, real: bool, out: Path | None) -> int:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="2k and 10k entries, short rounds")
-    p.add_argument("--sizes", default="10000,100000,1000000",
+    p.add_argument("--sizes", default=SIZES,
                    help="entry counts, comma-separated (default: %(default)s)")
     p.add_argument("--real-bytes", type=int, default=0,
                    help="disk budget of the real SmolLM2 run (default 3e9; 3e8 quick)")
