@@ -39,6 +39,7 @@ log = logging.getLogger("kvcache")
 LOOKUP_COUNTERS = ("lookups", "lookup_hits", "lookup_misses", "lookup_hits_exact",
                    "lookup_hits_partial")
 
+
 @dataclass(frozen=True)
 class Found:
     """What a lookup found: the entry, how many leading tokens of the query it holds."""
