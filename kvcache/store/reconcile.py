@@ -299,8 +299,9 @@ class Reconcile:
             try:
                 with open(path, "rb") as f:
                     header, meta = blobfmt.read_header_and_meta(f)
+                    size = os.fstat(f.fileno()).st_size
                 entry = keys.entry_key(meta.namespace, meta.tokens, block_size)
-                if header.total_size != path.stat().st_size:
+                if header.total_size != size:
                     raise blobfmt.BlobError("file size does not match its header")
                 if entry.key != key:
                     # Keyed under another block size (the index was cleared for it): the
@@ -316,8 +317,9 @@ class Reconcile:
             except (OSError, blobfmt.BlobError):
                 self._integrity.quarantine_file(path)
                 continue
-            record = replace(record_from(entry, header, meta, path.stat().st_size),
-                             **bad.get(entry.key, {}))  # a damaged row's hits and pin
+            record = record_from(entry, header, meta, size)
+            if entry.key in bad:  # a damaged row's hits and pin
+                record = replace(record, **bad[entry.key])
             added.append((record, keys.passes(meta.namespace, meta.tokens, block_size)))
         added = self._parents_first(added)
         for record, _ in added:
