@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import logging
 import math
@@ -689,29 +690,53 @@ def ls_row(r: dict[str, Any], now: float) -> dict[str, str]:
     }
 
 
-def print_columns(headers: Sequence[str], rows: Sequence[dict[str, str]], *,
-                  priority: Sequence[str], right: Sequence[str]) -> list[str]:
-    """Print rows whose cells are never cut or wrapped. On a terminal, columns that do not
-    fit its width are left out, least useful first; their names are returned. Anywhere
-    else (a pipe, a file) every column is printed, however wide the lines get."""
-    widths = {h: max([cell_len(h), *(cell_len(r[h]) for r in rows)]) for h in headers}
-    terminal = Console()
-    shown = list(headers)
-    if terminal.is_terminal:
-        shown = []
-        for name in priority:
-            if name not in headers:
-                continue
-            need = sum(widths[h] + 2 for h in shown) + widths[name]
-            if need <= terminal.width or not shown:
-                shown.append(name)
-        shown = [h for h in headers if h in shown]
-    table = plain_table(*shown, right=right)
-    for r in rows:
-        text_row(table, *(r[h] for h in shown))
-    needed = sum(widths[h] for h in shown) + 2 * (len(shown) - 1)
-    print_plain(table, width=max(needed, terminal.width))
-    return [h for h in headers if h not in shown]
+class ColumnStream:
+    """Rows printed page by page, cells never cut or wrapped. The columns shown and their
+    widths are those of the first page (a wider cell later is printed whole), so the first
+    page is on screen before the next is asked for. On a terminal, columns that do not fit
+    its width are left out, least useful first (``hidden``); anywhere else (a pipe, a
+    file) every column is printed, however wide the lines get."""
+
+    def __init__(self, headers: Sequence[str], first: Sequence[dict[str, str]], *,
+                 priority: Sequence[str], right: Sequence[str]) -> None:
+        self.widths = {h: max([cell_len(h), *(cell_len(r[h]) for r in first)])
+                       for h in headers}
+        terminal = Console()
+        shown = list(headers)
+        if terminal.is_terminal:
+            shown = []
+            for name in priority:
+                if name not in headers:
+                    continue
+                need = sum(self.widths[h] + 2 for h in shown) + self.widths[name]
+                if need <= terminal.width or not shown:
+                    shown.append(name)
+            shown = [h for h in headers if h in shown]
+        self.shown = shown
+        self.hidden = [h for h in headers if h not in shown]
+        self.right = set(right)
+        self._line(dict(zip(headers, headers, strict=True)), bold=terminal.is_terminal)
+        self.rows(first)
+
+    def _line(self, row: dict[str, str], bold: bool = False) -> None:
+        cells = []
+        for h in self.shown:
+            pad = self.widths[h] - cell_len(row[h])
+            cells.append(" " * pad + row[h] if h in self.right else row[h] + " " * pad)
+        line = "  ".join(cells).rstrip()
+        click.echo(click.style(line, bold=True) if bold else line)
+
+    def rows(self, rows: Sequence[dict[str, str]]) -> None:
+        for row in rows:
+            self._line(row)
+
+
+# Entries per List answer: the first page is on screen in well under a second.
+LS_PAGE = 500
+_LS_SORTS: dict[str, Callable[[pb.Entry], float]] = {
+    "used": lambda e: -max(e.last_used, e.created), "age": lambda e: e.created,
+    "size": lambda e: -e.size, "tokens": lambda e: -e.n_tokens, "hits": lambda e: -e.hits,
+}
 
 
 @main.command("ls")
@@ -723,40 +748,60 @@ def print_columns(headers: Sequence[str], rows: Sequence[dict[str, str]], *,
               help="ram: entries with a RAM copy; disk: all (every entry is on disk); "
                    "remote: what this host can reach in the shared tier (--remote).")
 @click.option("--min-tokens", type=U32, default=0)
-@click.option("--sort", "sort_by", type=click.Choice(["used", "age", "size", "tokens", "hits"]),
+@click.option("--sort", "sort_by", type=click.Choice(list(_LS_SORTS)),
               default="used", show_default=True,
               help="used: most recently used first; age: oldest first; size, tokens, "
-                   "hits: largest first.")
+                   "hits: largest first. Orders other than used read every entry for "
+                   "each page (slow on a large cache: add --limit).")
 @click.option("--limit", type=U32, default=0, help="At most this many rows (0: all).")
 @click.option("--json", "as_json", is_flag=True)
 def ls(address: str | None, model: str, tenant: str, reason: str, tier: str, min_tokens: int,
        sort_by: str, limit: int, as_json: bool) -> None:
-    """List entries, with full keys (inspect, pin, evict... take any unique prefix)."""
-    with connect(address) as client:
-        entries = run(lambda: client.list_entries(model=model, tenant=tenant, reason=reason,
-                                                  tier=tier, min_tokens=min_tokens))
-    sort_keys: dict[str, Callable[[pb.Entry], float]] = {
-        "used": lambda e: -max(e.last_used, e.created), "age": lambda e: e.created,
-        "size": lambda e: -e.size, "tokens": lambda e: -e.n_tokens, "hits": lambda e: -e.hits,
-    }
-    entries.sort(key=sort_keys[sort_by])
-    if limit:
-        entries = entries[:limit]
+    """List entries, with full keys (inspect, pin, evict... take any unique prefix).
+    Rows are printed page by page as the daemon sends them."""
     now = time.time()
-    rows = [entry_dict(e, now) for e in entries]
-    if as_json:
-        click.echo(json.dumps(rows, indent=2))
-        return
-    # SIZE: the entry's own bytes; SHARED: what it uses of the entries it is built on.
-    headers = ["KEY", "MODEL", "TENANT", "TOKENS", "SIZE", "SHARED", "TIERS", "REASON", "AGE",
-               "USED", "HITS", "PINNED"]
-    if not any(r["tenant_id"] for r in rows):
-        headers.remove("TENANT")
-    hidden = print_columns(headers, [ls_row(r, now) for r in rows], priority=_LS_PRIORITY,
-                           right=_LS_RIGHT)
-    click.echo(entries_text(len(rows)))
-    if hidden and rows:
-        click.echo(f"(not shown at this width: {', '.join(hidden).lower()}; see --json)")
+    with connect(address) as client:
+        if tier == "remote":  # at most a thousand, in one answer: ordered here
+            found = run(lambda: client.list_entries(model=model, tenant=tenant,
+                                                    reason=reason, tier=tier,
+                                                    min_tokens=min_tokens))
+            found.sort(key=_LS_SORTS[sort_by])
+            pages: Iterator[list[pb.Entry]] = iter([found[:limit] if limit else found])
+        else:
+            pages = client.iter_entries(model=model, tenant=tenant, reason=reason, tier=tier,
+                                        min_tokens=min_tokens, limit=limit, sort=sort_by,
+                                        page_size=LS_PAGE)
+        first = [entry_dict(e, now) for e in run(lambda: next(pages, []))]
+
+        def rest() -> Iterator[list[dict[str, Any]]]:
+            while (page := run(lambda: next(pages, None))) is not None:
+                yield [entry_dict(e, now) for e in page]
+
+        if as_json:
+            count = 0
+            click.echo("[", nl=False)
+            for rows in itertools.chain([first], rest()):
+                for row in rows:
+                    text = textwrap.indent(json.dumps(row, indent=2), "  ")
+                    click.echo(("," if count else "") + "\n" + text, nl=False)
+                    count += 1
+            click.echo("\n]" if count else "]")
+            return
+        # SIZE: the entry's own bytes; SHARED: what it uses of the entries it is built on.
+        headers = ["KEY", "MODEL", "TENANT", "TOKENS", "SIZE", "SHARED", "TIERS", "REASON",
+                   "AGE", "USED", "HITS", "PINNED"]
+        if not any(r["tenant_id"] for r in first):
+            headers.remove("TENANT")
+        table = ColumnStream(headers, [ls_row(r, now) for r in first], priority=_LS_PRIORITY,
+                             right=_LS_RIGHT)
+        count = len(first)
+        for rows in rest():
+            table.rows([ls_row(r, now) for r in rows])
+            count += len(rows)
+    click.echo(entries_text(count))
+    if table.hidden and count:
+        click.echo(f"(not shown at this width: {', '.join(table.hidden).lower()}; "
+                   "see --json)")
 
 
 # -- inspect ---------------------------------------------------------------------------------

@@ -540,16 +540,35 @@ class CacheClient:
 
     def list_entries(self, *, model: str = "", tenant: str = "", reason: str = "",
                      tier: str = "", min_tokens: int = 0, limit: int = 0,
-                     key_prefix: str = "") -> list[pb.Entry]:
-        """Entries passing every filter given, most recently used first. ``model``: the
-        model's file name or its beginning, or a fingerprint prefix; ``key_prefix``:
-        leading hex digits of the key."""
+                     key_prefix: str = "", sort: str = "") -> list[pb.Entry]:
+        """Entries passing every filter given, most recently used first (or in ``sort``'s
+        order: age, size, tokens, hits), in one answer. ``model``: the model's file name or
+        its beginning, or a fingerprint prefix; ``key_prefix``: leading hex digits of the
+        key. For listings of any size, :meth:`iter_entries` pages."""
+        return [e for page in self.iter_entries(
+            model=model, tenant=tenant, reason=reason, tier=tier, min_tokens=min_tokens,
+            limit=limit, key_prefix=key_prefix, sort=sort, page_size=0) for e in page]
+
+    def iter_entries(self, *, model: str = "", tenant: str = "", reason: str = "",
+                     tier: str = "", min_tokens: int = 0, limit: int = 0,
+                     key_prefix: str = "", sort: str = "", page_size: int = 500
+                     ) -> Iterator[list[pb.Entry]]:
+        """:meth:`list_entries`, a page of at most ``page_size`` entries at a time (0: all
+        in one), up to ``limit`` in all (0: every entry)."""
         tier_value = {"": 0, "ram": pb.TIER_RAM, "disk": pb.TIER_DISK,
                       "remote": pb.TIER_REMOTE}[tier]
-        resp = self._rpc("List", pb.ListRequest(model=model, tenant=tenant, reason=reason,
-                                                tier=tier_value, min_tokens=min_tokens,
-                                                limit=limit, key_prefix=key_prefix))
-        return list(resp.entries)
+        token, shown = b"", 0
+        while True:
+            size = min(page_size, limit - shown) if page_size and limit else page_size
+            resp = self._rpc("List", pb.ListRequest(
+                model=model, tenant=tenant, reason=reason, tier=tier_value,
+                min_tokens=min_tokens, limit=limit - shown if limit else 0,
+                key_prefix=key_prefix, sort=sort, page_size=size, page_token=token))
+            shown += len(resp.entries)
+            yield list(resp.entries)
+            token = resp.next_page_token
+            if not token or (limit and shown >= limit):
+                return
 
     def inspect(self, key: bytes, *, tenant: str = "") -> pb.EntryDetail:
         return self._rpc("Inspect", pb.InspectRequest(key=key, tenant=tenant))

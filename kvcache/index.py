@@ -13,7 +13,10 @@ Six named databases:
   row say how far into the next block each one goes on agreeing.
 * ``entry_passes`` key(16) -> the hashes it has ``passes`` rows under, so a delete finds them
 * ``seals``    key(16) -> :meth:`Record.seal` (see :meth:`Index.audit`)
-* ``meta``     index-wide settings (schema, block size)
+* ``meta``     index-wide settings (schema, block size, the clean-shutdown record)
+
+and the tables of kvcache.ordering (which entry is built on which, the order of last use
+and each tier's eviction order), changed in the same transactions as the entry rows.
 
 An entry may be a *piece*: its record names the ``parent`` entry whose chain holds its
 first ``base`` tokens. A piece is published only in a transaction that finds its parent
@@ -28,7 +31,7 @@ is durable (``sync=True``), so an entry is either fully visible or absent after 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -37,10 +40,13 @@ import msgpack
 import xxhash
 
 from .keys import KEY_BYTES, common_prefix_tokens, key_under
+from .ordering import TABLES as ORDER_TABLES
+from .ordering import OrderTables
 
 # 2: the passes databases. Entries without passes rows (a version-1 index) get them from
 # their blob headers at start-up (store.reconcile.Reconcile), every other row kept as it is.
-SCHEMA_VERSION = 2
+# 3: the ordering tables, built from the entry rows at the first start-up that lacks them.
+SCHEMA_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,9 @@ _SEALED_FIELDS = tuple(name for name in _RECORD_FIELDS
 _SEALED_WHOLE_FIELDS = tuple(name for name in _SEALED_FIELDS if name not in _PIECE_FIELDS)
 
 
+_CLEAN = b"clean_shutdown"
+
+
 class ParentGone(LookupError):
     """A piece's parent entry is not (or no longer) published."""
 # An anchor with more rows than this is probed by key instead of scanned (see below).
@@ -134,15 +143,19 @@ class Index:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         # map_size is an upper bound on a sparse file, not an allocation.
         self.env = lmdb.open(
-            str(path), map_size=map_size, max_dbs=6, subdir=True, sync=True, metasync=True,
-            readahead=False, max_readers=512, mode=0o600,
+            str(path), map_size=map_size, max_dbs=6 + len(ORDER_TABLES), subdir=True,
+            sync=True, metasync=True, readahead=False, max_readers=512, mode=0o600,
         )
+        # The last transaction before this process wrote anything (the clean-shutdown
+        # record names the last one it wrote: equal, nobody else wrote since).
+        self.opened_txnid: int = self.env.info()["last_txnid"]
         self._entries = self.env.open_db(b"entries")
         self._anchors = self.env.open_db(b"anchors")
         self._meta = self.env.open_db(b"meta")
         self._seals = self.env.open_db(b"seals")  # key -> Record.seal() (see audit)
         self._passes = self.env.open_db(b"passes")
         self._entry_passes = self.env.open_db(b"entry_passes")
+        self.order = OrderTables(self.env, self._entries, self._meta, Record.unpack)
 
     def close(self) -> None:
         self.env.close()
@@ -176,11 +189,20 @@ class Index:
         # In the publishing transaction: a piece is never visible without its parent.
         if record.parent and txn.get(record.parent, db=self._entries) is None:
             raise ParentGone(f"parent {record.parent.hex()} of {record.key.hex()} is gone")
+        self._write_record(txn, record)
+        if passes:
+            self._put_passes(txn, record.key, passes)
+
+    def _write_record(self, txn: lmdb.Transaction, record: Record) -> None:
+        """An entry's own rows, and the ordering tables following them."""
+        old = txn.get(record.key, db=self._entries)
         txn.put(record.key, record.pack(), db=self._entries)
         txn.put(record.anchor + record.key, record.tail, db=self._anchors)
         txn.put(record.key, record.seal(), db=self._seals)
-        if passes:
-            self._put_passes(txn, record.key, passes)
+        if old is None:
+            self.order.added(txn, record)
+        else:
+            self.order.changed(txn, Record.unpack(old), record)
 
     def _put_passes(self, txn: lmdb.Transaction, key: bytes,
                     passes: Sequence[tuple[bytes, bytes]]) -> None:
@@ -207,6 +229,7 @@ class Index:
                 txn.delete(key, db=self._seals)
                 self._delete_passes(txn, key)
                 removed.append(record)
+            self.order.removed(txn, removed)
         return removed
 
     def shares_prefix(self, key: bytes, hashes: Sequence[bytes], raw_tokens: bytes,
@@ -243,9 +266,27 @@ class Index:
             data = txn.get(key)
             if data is None:
                 return None
-            record = replace(Record.unpack(data), **changes)
+            old = Record.unpack(data)
+            record = replace(old, **changes)
             txn.put(key, record.pack())
+            self.order.changed(txn, old, record)
             return record
+
+    def update_many(self, keys_: Iterable[bytes], **changes: object) -> list[Record]:
+        """:meth:`update` for many entries in one transaction; the records changed (those
+        still published)."""
+        changed = []
+        with self.env.begin(write=True, db=self._entries) as txn:
+            for key in keys_:
+                data = txn.get(key)
+                if data is None:
+                    continue
+                old = Record.unpack(data)
+                record = replace(old, **changes)
+                txn.put(key, record.pack())
+                self.order.changed(txn, old, record)
+                changed.append(record)
+        return changed
 
     def record_usage(self, usage: Mapping[bytes, tuple[int, float]]) -> None:
         """Add hits and set last-use times for many entries in one transaction."""
@@ -256,15 +297,95 @@ class Index:
                 data = txn.get(key)
                 if data is None:
                     continue
-                record = Record.unpack(data)
-                record = replace(record, hits=record.hits + hits,
-                                 last_used=max(record.last_used, last_used))
+                old = Record.unpack(data)
+                record = replace(old, hits=old.hits + hits,
+                                 last_used=max(old.last_used, last_used))
                 txn.put(key, record.pack())
+                self.order.changed(txn, old, record)
 
     def records(self) -> Iterator[Record]:
         with self.env.begin(db=self._entries) as txn:
             for _, data in txn.cursor():
                 yield Record.unpack(data)
+
+    def keys(self) -> Iterator[bytes]:
+        """Every entry's key (no row decoded)."""
+        with self.env.begin(db=self._entries) as txn:
+            yield from txn.cursor().iternext(values=False)
+
+    def iter_keys(self, batch: int = 1000) -> Iterator[bytes]:
+        """Every entry's key, in key order, read a batch at a time (one short read
+        transaction each: a slow consumer pins no old snapshot of the index)."""
+        start = b""
+        while True:
+            with self.env.begin(db=self._entries) as txn:
+                cursor = txn.cursor()
+                got: list[bytes] = []
+                if cursor.set_range(start):
+                    for key in cursor.iternext(values=False):
+                        got.append(key)
+                        if len(got) == batch:
+                            break
+            yield from got
+            if len(got) < batch:
+                return
+            start = got[-1] + b"\x00"  # the first key after it
+
+    def records_by_use(self, after: bytes | None = None) -> Iterator[tuple[bytes, Record]]:
+        """``(use key, record)``, most recently used first (reads not yet written to the
+        index aside), starting below ``after`` when given: one seek, then a row a step."""
+        with self.env.begin() as txn:
+            for use in self.order.by_use(txn, after=after):
+                data = txn.get(use[-KEY_BYTES:], db=self._entries)
+                if data is not None:
+                    yield use, Record.unpack(data)
+
+    def records_from(self, start: bytes = b"") -> Iterator[Record]:
+        """Records in key order from the first key >= ``start`` (one seek)."""
+        with self.env.begin(db=self._entries) as txn:
+            cursor = txn.cursor()
+            if not cursor.set_range(start):
+                return
+            for _, data in cursor:
+                yield Record.unpack(data)
+
+    def children(self, key: bytes) -> list[bytes]:
+        """The published entries built directly on ``key``."""
+        with self.env.begin() as txn:
+            return self.order.children(txn, key)
+
+    def rebuild_order(self, progress: Callable[[int], None] | None = None) -> None:
+        """Fill the ordering tables from the entry rows (see OrderTables.rebuild)."""
+        self.order.rebuild(self.records(), progress)
+
+    # -- clean shutdown ---------------------------------------------------------------------
+
+    def mark_clean(self, state: Mapping[str, object]) -> None:
+        """Record a clean shutdown: ``state`` (what the store cannot read back cheaply)
+        with the id of this, the last, write transaction."""
+        with self.env.begin(write=True, db=self._meta) as txn:
+            txn.put(_CLEAN, msgpack.packb({**state, "txnid": txn.id()}, use_bin_type=True))
+
+    def clean_shutdown(self) -> dict[str, object] | None:
+        """What :meth:`mark_clean` recorded, when no transaction has written to the index
+        since (not even another process: LMDB counts every write transaction); None
+        otherwise."""
+        with self.env.begin(db=self._meta) as txn:
+            data = txn.get(_CLEAN)
+        if data is None:
+            return None
+        try:
+            state = msgpack.unpackb(data, raw=False)
+        except Exception:  # garbled: as good as none
+            return None
+        if not isinstance(state, dict) or state.get("txnid") != self.opened_txnid:
+            return None
+        return state
+
+    def mark_open(self) -> None:
+        """Forget the clean-shutdown record: from now on a crash is possible."""
+        with self.env.begin(write=True, db=self._meta) as txn:
+            txn.delete(_CLEAN)
 
     def audit(self) -> tuple[list[Record], dict[bytes, dict[str, object]]]:
         """Check every row without reading a blob (start-up): the records that hold
@@ -302,6 +423,7 @@ class Index:
         no entry (a garbled row's anchor cannot be read back; a stale anchor row would
         shadow the valid entries under the same anchor in longest_prefix)."""
         with self.env.begin(write=True) as txn:
+            self.order.invalidate(txn)  # rows it cannot decode: rebuilt (Reconcile does)
             for key in keys_:
                 txn.delete(key, db=self._entries)
                 txn.delete(key, db=self._seals)
@@ -323,14 +445,13 @@ class Index:
             txn.drop(self._seals, delete=False)
             txn.drop(self._passes, delete=False)
             txn.drop(self._entry_passes, delete=False)
+            self.order.cleared(txn)
 
     def put_many(self, records: Iterable[Record]) -> None:
         """Rewrite rows of published entries (their passes rows stay as they are)."""
         with self.env.begin(write=True) as txn:
             for record in records:
-                txn.put(record.key, record.pack(), db=self._entries)
-                txn.put(record.anchor + record.key, record.tail, db=self._anchors)
-                txn.put(record.key, record.seal(), db=self._seals)
+                self._write_record(txn, record)
 
     def publish_many(self, items: Iterable[tuple[Record, Sequence[tuple[bytes, bytes]]]]
                      ) -> None:

@@ -1,5 +1,10 @@
 """Eviction policy: leaves first, least recently used first among them.
 
+These functions are the policy's definition, as full sorts of every record. The daemon
+does not sort: kvcache.ordering keeps the same orders in the index as entries change,
+and tests/test_ordering.py holds it to these functions on random sequences of changes.
+Operators' prunes (which choose among filtered entries) still sort with them.
+
 LRU is predictable for operators ("what was not used for longest goes first") and fits
 the main workload (a few hot system prompts, many one-off conversation states). An entry
 other entries are built on (their parent: a shared system prompt) is not a candidate
@@ -53,3 +58,16 @@ def leaf_first_order(records: Iterable[Record], pending_use: Mapping[bytes, floa
         if not children[parent.key] and parent.key not in keep:
             heapq.heappush(heap, rank[parent.key])
     return out
+
+
+def ram_order(records: Iterable[Record], pending_use: Mapping[bytes, float] | None = None,
+              keep: frozenset[bytes] | set[bytes] = frozenset()) -> list[Record]:
+    """The order in which RAM copies are dropped. Dropping a copy removes nothing others
+    depend on, so every copy not in ``keep`` may go: in leaf_first_order's order first,
+    then the copies of the entries a kept entry is built on, least recently used first."""
+    records = list(records)
+    order = leaf_first_order(records, pending_use, keep)
+    listed = {r.key for r in order}
+    order += [r for r in eviction_order(records, pending_use)
+              if r.key not in listed and r.key not in keep]
+    return [r for r in order if r.in_ram]

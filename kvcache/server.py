@@ -450,15 +450,18 @@ class KVCacheService(pb_grpc.KVCacheServicer):
     def List(self, request: pb.ListRequest, context: Any) -> pb.ListResponse:
         if request.tier == pb.TIER_REMOTE:
             return pb.ListResponse(entries=self._remote_entries(request, context))
+        # The key prefix is matched by the listing itself (one seek), not as a filter.
         predicate = record_filter(request.model, request.tenant, request.reason, request.tier,
-                                  request.min_tokens, now=time.time(),
-                                  key_prefix=request.key_prefix)
-        records = self.store.list(predicate)
-        records.sort(key=lambda r: r.last_touch, reverse=True)
-        if request.limit:
-            records = records[: request.limit]
+                                  request.min_tokens, now=time.time())
+        size = request.page_size or request.limit
+        if request.page_size and request.limit:
+            size = min(request.page_size, request.limit)
+        page = self._call(context, lambda: self.store.list(
+            predicate, sort=request.sort or "used", token=request.page_token, limit=size,
+            key_prefix=request.key_prefix))
         return pb.ListResponse(entries=[entry_message(r, self.store.children(r.key))
-                                        for r in records])
+                                        for r in page.records],
+                               next_page_token=page.next_token if request.page_size else b"")
 
     def _remote_entries(self, request: pb.ListRequest, context: Any) -> list[pb.Entry]:
         """What this host can reach in the shared tier, newest first (ls --tier remote)."""

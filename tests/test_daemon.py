@@ -801,6 +801,18 @@ def test_admin_through_the_client(daemon_factory: DaemonFactory) -> None:
     assert listed(min_tokens=50) == "de"
     assert listed(tier="ram") == ""
     assert len(c.list_entries(limit=2)) == 2
+    # pages: every entry once, in the listing's order, a page at a time, also filtered
+    for sort in ("", "size", "age"):
+        whole = [e.key for e in c.list_entries(sort=sort)]
+        pages = [[e.key for e in page] for page in c.iter_entries(sort=sort, page_size=2)]
+        assert [len(p) for p in pages] == [2, 2, 1] and sum(pages, []) == whole, sort
+    assert [len(p) for p in c.iter_entries(page_size=2, limit=3)] == [2, 1]
+    assert [e.key for p in c.iter_entries(reason="finish", page_size=1) for e in p] == [
+        e.key for e in c.list_entries(reason="finish")]
+    sizes = [e.size for e in c.list_entries(sort="size")]
+    assert sizes == sorted(sizes, reverse=True)
+    err = pytest.raises(CacheError, c.list_entries, sort="colour").value
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT and "unknown sort" in str(err)
     # inspect
     detail = c.inspect(k["c"])
     assert list(detail.tokens) == t["c"]

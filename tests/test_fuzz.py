@@ -452,7 +452,8 @@ RPCS = [
     Rpc("Unpin", "unary", pb.KeyRequest, frozenset({IA, NF}), 50),
     Rpc("Delete", "unary", pb.KeyRequest, frozenset({IA, NF, Code.FAILED_PRECONDITION}), 50),
     Rpc("Stats", "unary", pb.StatsRequest, frozenset(), 10),
-    Rpc("List", "unary", pb.ListRequest, frozenset(), 60),
+    # INVALID_ARGUMENT: an unknown sort, or a page token that is not one List gave.
+    Rpc("List", "unary", pb.ListRequest, frozenset({IA}), 60),
     Rpc("Inspect", "unary", pb.InspectRequest, frozenset({IA, NF}), 70),
     Rpc("Verify", "server_stream", pb.VerifyRequest, frozenset({IA}), 50),
     Rpc("Prune", "unary", pb.PruneRequest, frozenset({IA}), 70),

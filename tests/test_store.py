@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import lmdb
 import payloads
 import pytest
 from daemon_proc import wait_for
@@ -25,6 +26,7 @@ from kvcache import keys
 from kvcache.client import Identity
 from kvcache.errors import (
     Busy,
+    Corrupt,
     DirectoryInUse,
     InvalidArgument,
     LeaseLost,
@@ -32,9 +34,10 @@ from kvcache.errors import (
     StoreFull,
     WaitTimeout,
 )
-from kvcache.index import Record
+from kvcache.index import ORDER_TABLES, Index, Record
 from kvcache.ramtier import RAM_MARKER
 from kvcache.store import Store, StoreConfig
+from kvcache.store.eviction import room_slack
 
 FP = "fp-test"
 LAYOUT = {"type_k": "f16"}
@@ -343,6 +346,9 @@ def test_an_entry_without_passes_rows_gets_them_at_start_up_and_keeps_its_row(
         txn.drop(store.index._entry_passes, delete=False)
     assert lcp(store, prompt[:50]) == (None, 0)
     store.close()
+    index = Index(store.root / "index")  # an older version records no clean shutdown
+    index.mark_open()
+    index.close()
     os.unlink(store.ram_path(record.key))  # as after a reboot: the RAM copy is gone
     reopened = make_store()
     assert lcp(reopened, prompt[:50]) == (90, 50)
@@ -542,7 +548,7 @@ def test_usage_is_written_to_the_index(make_store: Callable[..., Store],
     key = put(store, A).key
     for _ in range(3):
         store.release_read(store.open_read(key).pin_id)
-    assert store.list()[0].hits == 3  # pending usage is already visible
+    assert store.list().records[0].hits == 3  # pending usage is already visible
     store.close()
     reopened = make_store()
     record = reopened.index.get(key)
@@ -624,6 +630,202 @@ def test_index_rows_and_files_are_reconciled(make_store: Callable[..., Store]) -
     assert present(reopened, A, B, C, D) == [False, True, False, True]
     assert reopened.disk_used == kept.size + len(path.read_bytes())
     assert len(os.listdir(reopened.quarantine_dir)) == 1  # the truncated file, kept
+
+
+def blob_reads_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every per-entry step of a full reconcile fail: reading every index row,
+    listing the blob folders, reading a blob's header."""
+    def refused(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a per-entry read at start-up")
+
+    monkeypatch.setattr(Index, "audit", refused)
+    monkeypatch.setattr(Index, "records", refused)
+    monkeypatch.setattr(blobfmt, "read_header_and_meta", refused)
+    monkeypatch.setattr("kvcache.store.reconcile.Reconcile._blob_files", refused)
+
+
+def test_a_clean_restart_reads_no_entry_and_trusts_the_recorded_tally(
+        make_store: Callable[..., Store], monkeypatch: pytest.MonkeyPatch) -> None:
+    size = entry_size(A)
+    store = make_store(ram_bytes=2 * size + size // 2)
+    for tokens in (A, B, C):
+        put(store, tokens)
+        ram_settled(store)
+    counts = {k: store.stats()[k] for k in ("disk_entries", "disk_used", "ram_entries",
+                                            "ram_used")}
+    assert counts["ram_entries"] == 2
+    store.close()
+    os.unlink(store.ram_path(keys.entry_key(NS, C, BLOCK).key))  # a reboot took one copy
+    with monkeypatch.context() as m:
+        blob_reads_refused(m)
+        reopened = make_store(ram_bytes=2 * size + size // 2)
+    assert reopened.clean_start
+    assert {k: reopened.stats()[k] for k in counts} == {
+        **counts, "ram_entries": 1, "ram_used": counts["ram_used"] - size}
+    assert [reopened.index.get(keys.entry_key(NS, t, BLOCK).key).in_ram for t in (B, C)] == \
+        [True, False]
+    assert reopened.lookup(NS, raw(C))[0].n_tokens == len(C)
+    assert bytes(blobfmt.decode_blob(read_all(reopened, keys.entry_key(NS, A, BLOCK).key))
+                 .payload) == payload_for(A, 1000)
+
+
+@pytest.mark.parametrize("change", ["blob added", "blob removed", "index written"])
+def test_a_change_after_a_clean_shutdown_means_the_full_reconcile(
+        make_store: Callable[..., Store], change: str) -> None:
+    store = make_store()
+    a, b = put(store, A), put(store, B)
+    store.close()
+    if change == "blob added":  # a valid blob with no index row, dropped in by hand
+        orphan = keys.entry_key(NS, D, BLOCK)
+        path = store.blob_path(orphan.key)
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(blob_bytes(D, payload_for(D, 1000)))
+    elif change == "blob removed":
+        store.blob_path(a.key).unlink()
+    else:  # another process (or another version) wrote to the index
+        index = Index(store.root / "index")
+        index.update(b.key, pinned=True)
+        index.close()
+    reopened = make_store()
+    assert not reopened.clean_start
+    expected = {"blob added": [True, True, True], "blob removed": [False, True, False],
+                "index written": [True, True, False]}[change]
+    assert present(reopened, A, B, D) == expected
+    records = list(reopened.index.records())
+    assert reopened.disk_used == sum(r.size for r in records)
+    assert reopened.index.get(b.key).pinned == (change == "index written")
+
+
+def test_a_blob_damaged_in_place_after_a_clean_shutdown_is_found_on_read(
+        make_store: Callable[..., Store]) -> None:
+    """In place (same name, same folder) a change leaves the folders as they were: the
+    clean start trusts the index, and the blob's checksums find the damage on its first
+    read, before any of its bytes is used."""
+    store = make_store(ram_bytes=0)
+    a, b = put(store, A), put(store, B)
+    store.close()
+    with open(store.blob_path(a.key), "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        f.write(b"\x00" if f.read(1) != b"\x00" else b"\x01")
+    with open(store.blob_path(b.key), "r+b") as f:
+        f.truncate(b.size - 10)
+    reopened = make_store(ram_bytes=0)
+    assert reopened.clean_start
+    for key in (a.key, b.key):
+        with pytest.raises(Corrupt):
+            read_all(reopened, key)
+    assert present(reopened, A, B) == [False, False]
+    assert reopened.stats()["counters"]["corrupt_blobs"] == 2
+    assert reopened.disk_used == 0
+
+
+def test_the_eviction_order_of_an_older_index_is_built_at_start_up(
+        make_store: Callable[..., Store]) -> None:
+    """An index written before the order was kept in it (no ordering tables, no
+    clean-shutdown record): the tables are built from its rows at start-up, and evict in
+    the policy's order."""
+    size = entry_size(A)
+    store = make_store(disk_bytes=3 * size + size // 2, ram_bytes=0)
+    for tokens in (A, B, C):
+        put(store, tokens)
+    store.release_read(store.open_read(keys.entry_key(NS, A, BLOCK).key).pin_id)
+    store.close()
+    env = lmdb.open(str(store.root / "index"), max_dbs=20)
+    with env.begin(write=True) as txn:
+        for name in ORDER_TABLES:
+            txn.drop(env.open_db(name.encode(), txn=txn), delete=True)
+        meta = env.open_db(b"meta", txn=txn)
+        for row in [k for k, _ in txn.cursor(db=meta) if k.startswith(b"order.")]:
+            txn.delete(row, db=meta)
+        txn.delete(b"clean_shutdown", db=meta)
+    env.close()
+    reopened = make_store(disk_bytes=3 * size + size // 2, ram_bytes=0)
+    assert not reopened.clean_start and reopened.index.order.in_sync
+    put(reopened, D)  # B is the least recently used (A was read after C was saved)
+    assert present(reopened, A, B, C, D) == [True, False, True, True]
+
+
+def test_making_room_reads_only_what_it_evicts(make_store: Callable[..., Store],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full tier gives up its next entry (and RAM copy) from the order kept in the
+    index: no save reads every entry to choose (a scan made a full cache save at a few
+    per second)."""
+    size = entry_size(A)
+    lists = [[i] * 20 for i in range(1, 41)]
+    store = make_store(disk_bytes=30 * size + size // 2, ram_bytes=10 * size + size // 2)
+    for tokens in lists[:30]:
+        put(store, tokens)
+        ram_settled(store)
+    monkeypatch.setattr(Index, "records", lambda self: (_ for _ in ()).throw(
+        AssertionError("every entry read to make room")))
+    for tokens in lists[30:]:
+        put(store, tokens)
+        ram_settled(store)
+    assert present(store, *lists) == [False] * 10 + [True] * 30
+    in_ram = [store.index.get(keys.entry_key(NS, t, BLOCK).key).in_ram for t in lists[10:]]
+    assert in_ram == [False] * 20 + [True] * 10
+    counters = store.stats()["counters"]
+    assert (counters["evictions_disk"], counters["evictions_ram"]) == (10, 30)
+
+
+def test_a_full_tier_evicts_a_batch_that_the_next_saves_share(
+        make_store: Callable[..., Store]) -> None:
+    """Making room gives up a little more than one save needs (room_slack: about eight
+    entries' worth, at most 1/64 of the budget), in one index transaction, so the next
+    saves find room without evicting: the removal's fsyncs are shared."""
+    size = entry_size(A)
+    lists = [[i] * 20 for i in range(1, 136)]
+    store = make_store(disk_bytes=130 * size + size // 2, ram_bytes=0)
+    assert room_slack(size, store.config.disk_bytes) == (130 * size + size // 2) // 64
+    for tokens in lists[:130]:
+        put(store, tokens)
+    evictions = []
+    for tokens in lists[130:]:
+        put(store, tokens)
+        evictions.append(store.stats()["counters"]["evictions_disk"])
+    # 0.5 of a size free, 1 + 2.04 wanted: three go; the next two saves fit in what is left.
+    assert evictions == [3, 3, 3, 6, 6]
+    assert present(store, *lists) == [False] * 6 + [True] * 129
+
+
+def test_a_listing_pages_in_order_with_reads_not_yet_in_the_index(
+        make_store: Callable[..., Store]) -> None:
+    store = make_store(ram_bytes=0)
+    saved = [put(store, [i] * 10 + list(range(i, i + 5)), size=100 + 37 * i)
+             for i in range(1, 24)]
+    for record in (saved[3], saved[9]):  # read now: first, unflushed
+        store.release_read(store.open_read(record.key).pin_id)
+    whole = store.list()
+    assert [r.key for r in whole.records[:2]] == [saved[9].key, saved[3].key]
+    assert [r.key for r in whole.records[2:]] == [r.key for r in saved[::-1]
+                                                  if r not in (saved[3], saved[9])]
+    assert whole.records[0].hits == 1 and not whole.next_token
+    for sort, order in (("used", whole.records),
+                        ("size", sorted(saved, key=lambda r: (-r.size, r.key))),
+                        ("age", sorted(saved, key=lambda r: (r.created, r.key)))):
+        pages, token = [], b""
+        while True:
+            page = store.list(sort=sort, token=token, limit=5)
+            pages.append([r.key for r in page.records])
+            token = page.next_token
+            if not token:
+                break
+        assert [k for p in pages for k in p] == [r.key for r in order], sort
+        assert all(len(p) == 5 for p in pages[:-1])
+    odd = store.list(lambda r: r.size % 2 == 1, limit=3)
+    assert [r.key for r in odd.records] == [r.key for r in whole.records
+                                            if r.size % 2 == 1][:3]
+    prefix = saved[5].key.hex()[:3]
+    assert [r.key for r in store.list(key_prefix=prefix.upper()).records] == sorted(
+        (r.key for r in saved if r.key.hex().startswith(prefix)),
+        key=lambda k: [r.key for r in whole.records].index(k))
+    assert store.list(key_prefix="zz").records == []
+    with pytest.raises(InvalidArgument, match="another listing"):
+        store.list(sort="size", token=whole.next_token or store.list(limit=1).next_token)
+    with pytest.raises(InvalidArgument, match="malformed"):
+        store.list(token=b"\xc1garbage")
+    with pytest.raises(InvalidArgument, match="unknown sort"):
+        store.list(sort="colour")
 
 
 def test_config_is_a_frozen_dataclass() -> None:

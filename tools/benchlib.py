@@ -87,7 +87,7 @@ def target(name: str, value: float, limit: float, op: str = "<=", unit: str = ""
            primary: bool = True) -> dict[str, Any]:
     """One target check. Secondary targets apply a primary target's bar to a variant the
     brief asks to report alongside it (streaming save, start-up with a rebuilt index)."""
-    ok = value <= limit if op == "<=" else value < limit
+    ok = {"<=": value <= limit, "<": value < limit, ">=": value >= limit}[op]
     return {"name": name, "value": value, "limit": f"{op} {limit}{unit}", "pass": bool(ok),
             "primary": primary}
 

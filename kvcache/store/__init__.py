@@ -28,15 +28,18 @@ Modules, one concern each (read ``facade`` first, then the part you need):
 * ``facade``       Store: the entry point; owns the store lock, the reaper thread and
                    the parts below, and delegates to them.
 * ``settings``     StoreConfig.
-* ``entries``      Entries: published entries by key, the parent -> children map,
-                   chain and dependents, removal with everything built on an entry.
+* ``entries``      Entries: published entries by key, what is built on each (the
+                   index's children table, and pieces being committed), chain and
+                   dependents, removal with everything built on an entry.
 * ``reservations`` LeaseTable and Publisher: reserve, write, commit, abort, expiry.
 * ``reads``        ReadPins (holds on entries, usage not yet in the index) and Reads
                    (open, stream, release).
 * ``tiers``        Layout (file names), Tally (the one owner of the byte accounting),
                    RamCopies (dropping copies) and RamPlacer (the RAM worker).
-* ``eviction``     Evictor: what goes when a tier is full (kvcache.policy orders).
+* ``eviction``     Evictor: what goes when a tier is full (kvcache.policy's orders, kept
+                   in the index by kvcache.ordering), a batch at a time.
 * ``prune``        Pruner: the operator's removals.
+* ``listing``      Operators' listings, page by page.
 * ``integrity``    Integrity: checks, quarantine, Inspect.
 * ``reconcile``    Reconcile: start-up agreement of index and files.
 
@@ -64,7 +67,14 @@ Invariants, and the tests that hold them:
 * Eviction takes leaves, least recently used first, and never a pinned or held entry or
   anything it is built on (tests/test_store.py::test_disk_eviction_is_least_recently_used_first,
   test_eviction_never_takes_pinned_or_in_use_entries; tests/test_pieces.py::
-  test_eviction_takes_leaves_first_and_keeps_the_shared_prefix).
+  test_eviction_takes_leaves_first_and_keeps_the_shared_prefix), in exactly the order
+  kvcache.policy's full sorts give (tests/test_ordering.py::
+  test_the_kept_order_is_the_full_sort_after_any_changes), reading only what it evicts
+  (tests/test_store.py::test_making_room_reads_only_what_it_evicts).
+* A start-up after a clean shutdown, nothing changed since, reads no entry and no blob
+  file (tests/test_store.py::
+  test_a_clean_restart_reads_no_entry_and_trusts_the_recorded_tally); any change since
+  means the full reconcile (test_a_change_after_a_clean_shutdown_means_the_full_reconcile).
 * Room that cannot be made is refused before anything is evicted or dropped
   (tests/test_store.py::test_a_save_that_cannot_fit_evicts_nothing,
   test_a_copy_that_cannot_fit_in_ram_drops_no_other_copy).

@@ -8,6 +8,8 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import blob as blobfmt
@@ -45,19 +47,21 @@ def record_from(entry: keys.EntryKey, header: blobfmt.BlobHeader, meta: blobfmt.
 
 
 class Entries:
-    """Published entries and, kept beside the index as they change, the pieces built on
-    each (parent -> children): eviction takes only leaves, and removing an entry removes
-    what is built on it, in one index transaction, so no piece is ever visible without its
-    parent (tests/test_pieces.py::test_a_corrupt_piece_takes_what_is_built_on_it,
+    """Published entries and the pieces built on each (parent -> children): eviction takes
+    only leaves, and removing an entry removes what is built on it, in one index
+    transaction, so no piece is ever visible without its parent (tests/test_pieces.py::
+    test_a_corrupt_piece_takes_what_is_built_on_it,
     test_prune_removes_an_entry_only_with_what_is_built_on_it).
 
-    A piece is added to the children map before its publish makes it visible (see
+    The published pieces built on each entry are in the index (kvcache.ordering's
+    ``children`` table, written with the pieces). A piece being committed is added to a
+    map here before its publish makes it visible and leaves it once the index has it (see
     Publisher.commit), so a removal of its parent either takes it or makes its publish find
     the parent gone.
 
     Locking: the children map changes with Store._cond held (add_child, drop_child);
-    children, dependents, set_pinned, delete and remove_entry take it themselves (it is
-    re-entrant); remove_entry holds it over its file removals too (see there)."""
+    children, dependents, set_pinned, delete and remove_entries take it themselves (it is
+    re-entrant); remove_entries holds it over its file removals too (see there)."""
 
     def __init__(self, config: StoreConfig, layout: Layout, index: Index, tally: Tally,
                  pins: ReadPins, counters: Counter[str], cond: threading.Condition) -> None:
@@ -68,9 +72,9 @@ class Entries:
         self._pins = pins
         self.counters = counters
         self._cond = cond
-        self._children: dict[bytes, set[bytes]] = {}
+        self._children: dict[bytes, set[bytes]] = {}  # pieces being committed, by parent
 
-    # -- the children map (Store._cond held) -------------------------------------------------
+    # -- pieces being committed (Store._cond held) -------------------------------------------
 
     def add_child(self, record: Record) -> None:
         if record.parent:
@@ -85,10 +89,13 @@ class Entries:
 
     # -- queries ----------------------------------------------------------------------------
 
+    def _kids(self, key: bytes) -> list[bytes]:
+        return sorted(set(self._index.children(key)) | self._children.get(key, set()))
+
     def children(self, key: bytes) -> int:
         """How many entries are built directly on ``key``."""
         with self._cond:
-            return len(self._children.get(key, ()))
+            return len(self._kids(key))
 
     def dependents(self, key: bytes) -> list[bytes]:
         """Every entry built on ``key`` (its pieces, theirs, ...), nearest first."""
@@ -96,7 +103,7 @@ class Entries:
             out: list[bytes] = []
             todo = [key]
             while todo:
-                kids = sorted(self._children.get(todo.pop(), ()))
+                kids = self._kids(todo.pop())
                 out += kids
                 todo += kids
             return out
@@ -163,9 +170,15 @@ class Entries:
                 self._cond.wait(left)  # woken whenever an entry stops being held
 
     def remove_entry(self, record: Record, counter: str) -> list[Record]:
-        """Remove an entry and everything built on it: their files first, durably, then
+        """Remove an entry and everything built on it (see remove_entries). Returns what
+        was removed, the entry first (nothing when the entry is gone already)."""
+        return self.remove_entries([record], counter)
+
+    def remove_entries(self, records: Sequence[Record], counter: str) -> list[Record]:
+        """Remove entries and everything built on them: their files first, durably, then
         their rows, in one index transaction (no piece stays visible without its parent).
-        Returns what was removed (nothing when the entry is gone already).
+        Eviction removes a batch at a time (kvcache.store.eviction). Returns what was
+        removed (nothing for an entry gone already).
 
         Files before rows, so that no crash undoes a removal anyone could have seen
         (the invariant in the package docstring): until the rows go, a lookup still finds
@@ -175,8 +188,12 @@ class Entries:
         waits, then finds the entry gone. Each blob goes before its RAM copy (a crash
         between leaves a copy without a blob, removed at start-up) and each piece before
         what it is built on (a crash between leaves a shorter chain, never a broken one).
-        The blob directories are fsynced before the rows go: a power cut cannot bring back
-        a blob whose row is gone.
+        The blob folders are fsynced (each once) before the rows go: a power cut cannot
+        bring back a blob whose row is gone.
+
+        Evictions too: an evicted entry that came back would be whole and valid, but a
+        daemon that says it evicted must not find it again, nor would its pieces' removals
+        hold (tests/test_durable_removals.py). A batch pays one fsync per folder.
 
         A piece whose commit is under way is in the children map before it is visible, so
         its file is removed here and its row either goes with the others or is never
@@ -184,13 +201,16 @@ class Entries:
         I/O error, not a missing file) stops the removal there: the entries whose files
         went leave the index too (only pieces of those that stay: no chain breaks), the
         others stay published, and StoreError says why."""
+        if not records:
+            return []
+        chosen = {r.key for r in records}
         with self._cond:
-            if self._index.get(record.key) is None:
-                return []
-            doomed = [record.key, *self.dependents(record.key)]
+            doomed = list(dict.fromkeys(
+                k for r in records if self._index.get(r.key) is not None
+                for k in (r.key, *self.dependents(r.key))))
             gone: list[bytes] = []  # files removed, pieces before their parents
             failure = ""
-            for key in reversed(doomed):  # nearest first reversed: each piece before its parent
+            for key in reversed(doomed):  # each entry's pieces are listed after it
                 try:
                     self._layout.blob_path(key).unlink(missing_ok=True)
                 except OSError as exc:
@@ -199,19 +219,25 @@ class Entries:
                 gone.append(key)
                 with contextlib.suppress(OSError):  # a copy left over goes at start-up
                     self._layout.ram_path(key).unlink(missing_ok=True)
-            for d in sorted({self._layout.blob_path(k).parent for k in gone}):
-                try:
-                    dir_fsync(d)
-                except OSError as exc:  # the file is gone; only its durability is unknown
-                    log.warning("could not fsync %s after removing blobs: %s", d, exc)
-            removed = self._index.delete_many(gone[::-1])  # the entry first, as listed
+            sync_dirs({self._layout.blob_path(k).parent for k in gone})
+            removed = self._index.delete_many(gone[::-1])  # the entries first, as listed
             for r in removed:  # their tiers as they are now, not as when chosen
                 self._tally.entry_removed(r)
                 self._pins.forget_usage(r.key)
                 self.drop_child(r.parent, r.key)
                 self._children.pop(r.key, None)
-                self.counters[counter if r.key == record.key else "dependents_removed"] += 1
+                self.counters[counter if r.key in chosen else "dependents_removed"] += 1
         if failure:
             raise StoreError(f"{failure}; the removal stopped there, the entries not yet "
                              "removed stay")
         return removed
+
+
+def sync_dirs(dirs: Iterable[Path]) -> None:
+    """fsync folders whose blobs were removed. An error is logged, not raised: the files
+    are gone, only their durability is unknown."""
+    for d in sorted(dirs):
+        try:
+            dir_fsync(d)
+        except OSError as exc:
+            log.warning("could not fsync %s after removing blobs: %s", d, exc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import threading
 import time
@@ -15,21 +16,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+import lmdb
+
 from .. import blob as blobfmt
 from .. import keys, ramtier
 from ..counters import COUNTERS
 from ..errors import DirectoryInUse
 from ..index import Index, Record
 from ..ownership import claim_data_dir
+from . import listing
 from .entries import Entries, check_tokens
 from .eviction import Evictor
 from .integrity import Integrity
 from .prune import Pruner, PruneResult
 from .reads import ReadPin, ReadPins, Reads
-from .reconcile import Reconcile
+from .reconcile import Reconcile, seal_clean_shutdown
 from .reservations import LeaseTable, Publisher, ReserveResult
 from .settings import StoreConfig
 from .tiers import Layout, RamCopies, RamPlacer, Tally
+
+log = logging.getLogger("kvcache")
+LOOKUP_COUNTERS = ("lookups", "lookup_hits", "lookup_misses", "lookup_hits_exact",
+                   "lookup_hits_partial")
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,10 @@ class Store:
        RAM worker's schedule and the counters. Readers waiting for an entry being written
        sleep on it; a commit or an abort wakes them. No blob's bytes are read, written
        or copied with it held (files may be created, moved and removed under it).
+    3. ``Store._lookup_lock``: the lookup counters only (a leaf: nothing is taken under
+       it). A lookup takes no other lock: it reads the index (LMDB readers never wait
+       for its writer) and counts, so it never waits behind a save, an eviction's fsyncs
+       or an operator's prune.
 
     Background: a reaper thread (expired leases and read pins; reads not yet written to
     the index, flushed every ``usage_flush_seconds``) and the RAM worker (RamPlacer)."""
@@ -88,7 +100,8 @@ class Store:
 
     def _start(self) -> None:
         config, layout, index = self.config, self._layout, self.index
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter(dict.fromkeys(LOOKUP_COUNTERS, 0))
+        self._lookup_lock = threading.Lock()  # count_lookup's; never held with another
         self.started = time.time()
         self.waiting_lookups = 0  # lookups waiting for a save in flight (under _cond)
         self._cond = cond = threading.Condition(threading.RLock())
@@ -116,8 +129,12 @@ class Store:
         self._reaper.start()
 
     def _reconcile(self) -> None:
-        Reconcile(self.config, self._layout, self.index, self._entries, self._tally,
-                  self._integrity, self.counters).run()
+        t0 = time.monotonic()
+        self.clean_start = Reconcile(self.config, self._layout, self.index, self._entries,
+                                     self._tally, self._integrity, self.counters).run()
+        log.info("%s %d entries in %.2f s", "started from a clean shutdown with"
+                 if self.clean_start else "reconciled", self.index.count(),
+                 time.monotonic() - t0)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -131,6 +148,9 @@ class Store:
             for lease_id in self._leases.lease_ids():
                 self._publisher.drop_reservation(lease_id, "saves_aborted")
         self._flush_usage()
+        # Unsealed (a full disk), the next start-up reconciles everything: nothing is lost.
+        with self._cond, contextlib.suppress(lmdb.Error, OSError):
+            seal_clean_shutdown(self.index, self._layout, self.config, self._tally)
         self.index.close()
         os.close(self._ram_lock)  # releases the RAM tier
         self._lock_file.close()  # releases the data directory lock
@@ -246,7 +266,9 @@ class Store:
         """Count a lookup's answer (hit exact or partial, or miss)."""
         n = len(raw_tokens) // 4
         wanted = min(n, max_tokens) if max_tokens else n
-        with self._cond:
+        # Not under the store lock: a lookup never waits behind a save's or an eviction's
+        # work. Only lookups count these (their keys exist from the start: see _start).
+        with self._lookup_lock:
             self.counters["lookups"] += 1
             self.counters["lookup_hits" if record else "lookup_misses"] += 1
             if record:
@@ -344,9 +366,15 @@ class Store:
         record, header, meta, path = self._integrity.inspect(key, tenant_id)
         return self._reads.with_pending(record), header, meta, path
 
-    def list(self, predicate: Callable[[Record], bool] | None = None) -> list[Record]:
-        return [self._reads.with_pending(r) for r in self.index.records()
-                if not predicate or predicate(r)]
+    def list(self, predicate: Callable[[Record], bool] | None = None, *, sort: str = "used",
+             token: bytes = b"", limit: int = 0, key_prefix: str = "") -> listing.Page:
+        """A page of entries (see kvcache.store.listing): up to ``limit`` (0: all) that
+        ``predicate`` accepts, in ``sort``'s order, after ``token`` (the last page's
+        ``next_token``), reads not yet written to the index counted in."""
+        with self._cond:
+            usage = self._pins.all_usage()
+        return listing.page(self.index, usage, predicate, sort=sort, token=token, limit=limit,
+                            key_prefix=key_prefix)
 
     def prune(self, predicate: Callable[[Record], bool] | None = None, *,
               max_disk_bytes: int = 0, max_ram_bytes: int = 0, dry_run: bool = False,

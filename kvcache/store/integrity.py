@@ -116,16 +116,17 @@ class Integrity:
                ) -> Iterator[tuple[bytes, str | None, int, int]]:
         """Check the given entries (every entry when none is given): ``(key, error or None,
         done, total)`` per entry. Bad ones are quarantined unless ``check_only``."""
-        todo = keys_ if keys_ else [r.key for r in self._index.records()]
+        total = len(keys_) if keys_ else self._index.count()
+        todo = keys_ if keys_ else self._index.iter_keys()
         for i, key in enumerate(todo, 1):
             if self._index.get(key) is None:
                 if not keys_:
                     # Listed, then evicted or deleted: gone, not bad, and not reported
                     # (tests/test_load.py::test_verify_skips_entries_removed_while_it_runs).
                     continue
-                yield key, NO_SUCH_ENTRY, i, len(todo)
+                yield key, NO_SUCH_ENTRY, i, total
                 continue
-            yield key, self.check_entry(key, quarantine=not check_only), i, len(todo)
+            yield key, self.check_entry(key, quarantine=not check_only), i, max(i, total)
 
     def inspect(self, key: bytes, tenant_id: str | None = None
                 ) -> tuple[Record, blobfmt.BlobHeader, blobfmt.BlobMeta, Path]:

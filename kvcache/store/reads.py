@@ -112,6 +112,10 @@ class ReadPins:
         """``[hits, last_used]`` not yet written to the index, if any."""
         return self._pending_use.get(key)
 
+    def all_usage(self) -> dict[bytes, list[float]]:
+        """Every ``[hits, last_used]`` not yet written to the index (a copy)."""
+        return {k: list(v) for k, v in self._pending_use.items()}
+
     def last_used(self) -> dict[bytes, float]:
         """The last read per key, for reads not yet written to the index."""
         return {k: v[1] for k, v in self._pending_use.items()}

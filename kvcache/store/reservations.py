@@ -145,6 +145,13 @@ class Publisher:
         entry = keys.entry_key(ns, raw_tokens, cfg.block_size)
         if parent or base:
             self._check_parent(ns, raw_tokens, parent, base)
+        return self._reserve(ns, raw_tokens, size, reason, model_fingerprint, entry,
+                             tenant_id, parent, base)
+
+    def _reserve(self, ns: bytes, raw_tokens: bytes, size: int, reason: str,
+                 model_fingerprint: str, entry: keys.EntryKey, tenant_id: str | None,
+                 parent: bytes, base: int) -> ReserveResult:
+        cfg = self._config
         with self._cond:
             self.counters["reserves"] += 1
             if self._leases.writing(entry.key):
@@ -279,6 +286,8 @@ class Publisher:
                     self._entries.add_child(record)
                 self._index.put(record, keys.passes(res.namespace, meta.tokens,
                                                     self._config.block_size))
+                with self._cond:  # the index has it now
+                    self._entries.drop_child(record.parent, record.key)
             except ParentGone as exc:  # quarantined meanwhile (a hold stops everything else)
                 final.unlink(missing_ok=True)
                 with self._cond:

@@ -13,6 +13,7 @@ import os
 import shutil
 import threading
 from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -82,8 +83,27 @@ class Tally:
         self.disk_used = 0
         self.ram_used = 0
         self.ram_entries = 0  # the index counts disk entries itself (every entry is on disk)
+        self.ram_claimed = 0  # room taken for copies being made (part of ram_used)
         self.reserved_bytes = 0
         self.logical_bytes = 0
+
+    @property
+    def ram_copies_bytes(self) -> int:
+        """Bytes of the RAM copies made (ram_used without the room claimed for copies)."""
+        return self.ram_used - self.ram_claimed
+
+    def state(self) -> dict[str, int]:
+        """What a clean shutdown records (see restore)."""
+        return {"disk_used": self.disk_used, "logical_bytes": self.logical_bytes,
+                "ram_used": self.ram_used, "ram_entries": self.ram_entries}
+
+    def restore(self, state: dict[str, object]) -> None:
+        """Counts recorded by the last clean shutdown, instead of counting every entry."""
+        for name in ("disk_used", "logical_bytes", "ram_used", "ram_entries"):
+            value = state.get(name)
+            if type(value) is not int:
+                raise ValueError(f"clean-shutdown record without {name}")
+            setattr(self, name, value)
 
     def entry_added(self, record: Record) -> None:
         """A published entry (its blob is on disk)."""
@@ -107,14 +127,17 @@ class Tally:
         """Room taken for a copy about to be made: counted before the copy exists, so no
         other placement takes the same room."""
         self.ram_used += size
+        self.ram_claimed += size
 
     def unclaim_ram(self, size: int) -> None:
         """The copy claimed with claim_ram was not made."""
         self.ram_used -= size
+        self.ram_claimed -= size
 
-    def ram_copy_placed(self) -> None:
+    def ram_copy_placed(self, size: int) -> None:
         """The copy claimed with claim_ram is made and indexed."""
         self.ram_entries += 1
+        self.ram_claimed -= size
 
     def ram_copy_dropped(self, size: int) -> None:
         self.ram_used -= size
@@ -142,23 +165,31 @@ class RamCopies:
         self._cond = cond
 
     def drop_ram_copy(self, record: Record, counter: str) -> bool:
-        """Drop ``record``'s copy; False when the entry is gone (nothing was dropped).
+        """Drop ``record``'s copy; False when the entry is gone (nothing was dropped)."""
+        return bool(self.drop_ram_copies([record], counter))
 
-        The file goes before the index stops saying "in RAM": the RAM tier outlives the
+    def drop_ram_copies(self, records: Sequence[Record], counter: str) -> int:
+        """Drop the copies of ``records`` (each in RAM when chosen), in one index
+        transaction; how many were dropped (an entry gone meanwhile has none to drop).
+
+        The files go before the index stops saying "in RAM": the RAM tier outlives the
         daemon, and start-up takes a whole copy it finds for the entry's copy, so a crash
         after the flag but before the unlink would bring back a copy a prune had answered
         for (tests/test_durable_removals.py::
         test_a_ram_copy_dropped_by_a_prune_stays_dropped_after_a_kill). In between, the
         store lock keeps every read from choosing the copy."""
+        if not records:
+            return 0
         with self._cond:  # held by every caller already; re-entrant
-            if self._index.get(record.key) is None:
-                return False
-            self._layout.ram_path(record.key).unlink(missing_ok=True)
-            if self._index.update(record.key, in_ram=False) is None:
-                return False
-            self._tally.ram_copy_dropped(record.size)
-            self.counters[counter] += 1
-        return True
+            present = [r.key for r in records
+                       if (now := self._index.get(r.key)) is not None and now.in_ram]
+            for key in present:
+                self._layout.ram_path(key).unlink(missing_ok=True)
+            dropped = self._index.update_many(present, in_ram=False)
+            for r in dropped:
+                self._tally.ram_copy_dropped(r.size)
+                self.counters[counter] += 1
+        return len(dropped)
 
 
 class RamPlacer:
@@ -220,7 +251,7 @@ class RamPlacer:
             finally:
                 with self._cond:
                     if ok:
-                        self._tally.ram_copy_placed()
+                        self._tally.ram_copy_placed(record.size)
                         self.counters["ram_placements"] += 1
                     else:
                         self._tally.unclaim_ram(record.size)
