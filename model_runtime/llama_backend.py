@@ -46,13 +46,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import json
 import os
 import struct
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -280,26 +278,6 @@ def _read_string(fn: Any, *args: Any, initial: int = 256) -> str:
         size = n + 1
 
 
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _raise_exception(message: str) -> None:
-    raise ValueError(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
 class _Owner:
     """Owns a llama.cpp object: ``close()`` frees it; usable as a context manager."""
 
@@ -363,7 +341,6 @@ class LlamaModel(_Owner):
         self.eos_token: int = _lc.llama_vocab_eos(self._vocab)
         self.add_bos: bool = bool(_lc.llama_vocab_get_add_bos(self._vocab))
         self._template_src: str | None = None
-        self._template: Any = None
         raw = _lc.llama_model_chat_template(model, None)
         if raw:
             self._template_src = raw.decode("utf-8", errors="replace")
@@ -508,46 +485,9 @@ class LlamaModel(_Owner):
 
     # -- chat template
     def chat_template(self) -> str | None:
-        """The GGUF's ``tokenizer.chat_template`` (jinja source), or None."""
+        """The GGUF's ``tokenizer.chat_template`` (jinja source), or None. Rendered by
+        :mod:`model_runtime.chat.templates`."""
         return self._template_src
-
-    def apply_chat_template(
-        self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True
-    ) -> str:
-        """Render ``messages`` with the model's jinja chat template.
-
-        Same environment as llama-cpp-python's ``Jinja2ChatFormatter`` (and HF
-        transformers): sandboxed, ``trim_blocks``/``lstrip_blocks``, ``loopcontrols``, a
-        ``tojson`` filter, and the variables ``bos_token``, ``eos_token``,
-        ``raise_exception``, ``strftime_now``, ``add_generation_prompt``.
-        The result contains special-token *texts*; tokenize it with
-        ``add_special=False, parse_special=True`` when the template emits BOS itself.
-        """
-        if self._template_src is None:
-            raise LlamaError(f"{self.path.name} has no chat template")
-        if self._template is None:
-            import jinja2
-            import jinja2.ext
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            env = ImmutableSandboxedEnvironment(
-                loader=jinja2.BaseLoader(),
-                trim_blocks=True,
-                lstrip_blocks=True,
-                extensions=[jinja2.ext.loopcontrols],
-            )
-            env.filters["tojson"] = _tojson
-            self._template = env.from_string(self._template_src)
-        return str(
-            self._template.render(
-                messages=messages,
-                bos_token=self.token_text(self.bos_token) if self.bos_token >= 0 else "",
-                eos_token=self.token_text(self.eos_token) if self.eos_token >= 0 else "",
-                raise_exception=_raise_exception,
-                strftime_now=_strftime_now,
-                add_generation_prompt=add_generation_prompt,
-            )
-        )
 
 
 # --------------------------------------------------------------------------- context

@@ -30,6 +30,7 @@ from conftest_llama import sample_prompt, saves_held
 from daemon_proc import DaemonProcess, wait_for
 
 from kvcache.client import CacheClient
+from model_runtime.chat.templates import ChatTemplate
 from model_runtime.config import RuntimeConfig
 from model_runtime.counters import COUNTERS
 from model_runtime.request import Completion, RequestError, TokenEvent, common_prefix
@@ -168,7 +169,7 @@ def test_explicit_and_system_message_boundaries(make_runtime: Callable[..., Runt
     tokens, expected = rt.render_chat([{"role": "system", "content": system},
                                        {"role": "user", "content": "x"}])
     assert boundary == expected and tokens[:boundary] == rt.tokenize(
-        rt.model.apply_chat_template([{"role": "system", "content": system}],
+        ChatTemplate.of_model(rt.model).render([{"role": "system", "content": system}],
                                      add_generation_prompt=False))
     assert rt._head_tokens.cache_info().hits >= 1  # the system message tokenized once
     flush(rt)
