@@ -43,7 +43,12 @@ WS = '| " " | "\\n"'
 
 
 class SchemaError(ValueError):
-    """A JSON schema that cannot be turned into a grammar; the message names the part."""
+    """A JSON schema that cannot be turned into a grammar; ``param`` names where it came
+    from, the message what failed."""
+
+    def __init__(self, param: str, detail: str) -> None:
+        super().__init__(f"{param}: {detail}")
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -138,18 +143,18 @@ class Rules:
         """The rule for one value of ``schema``; :class:`SchemaError` naming ``where``
         when the converter cannot take it."""
         if not isinstance(schema, Mapping):
-            raise SchemaError(f"{where}: a JSON schema must be an object, got "
-                              f"{json.dumps(schema)[:80]}")
+            raise SchemaError(where, f"a JSON schema must be an object, got "
+                                     f"{json.dumps(schema)[:80]}")
         try:
             prepared = _prefix_definitions(dict(schema), f"{name}-")
             resolved = self._conv.resolve_refs(prepared, f"{name}:")
             return str(self._conv.visit(resolved, name))
         except RecursionError:
-            raise SchemaError(f"{where}: the schema nests too deeply") from None
+            raise SchemaError(where, "the schema nests too deeply") from None
         except Exception as exc:  # the converter asserts, or trips over a malformed part
             detail = str(exc) or type(exc).__name__
-            raise SchemaError(f"{where}: this schema cannot be turned into a grammar: "
-                              f"{detail[:300]}") from None
+            raise SchemaError(where, f"this schema cannot be turned into a grammar: "
+                                     f"{detail[:300]}") from None
 
     def primitive(self, name: str) -> str:
         from llama_cpp.llama_grammar import PRIMITIVE_RULES

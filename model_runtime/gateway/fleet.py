@@ -131,22 +131,24 @@ class Fleet:
 
     # -- admission --------------------------------------------------------------------------
 
-    async def admit(self, model: str, tenant: str, text: str,
-                    session: str) -> tuple[Worker, Flight]:
+    async def admit(self, model: str, tenant: str, text: str, session: str,
+                    affinity: str = "") -> tuple[Worker, Flight]:
         """A slot for the request, or an :class:`ApiError`: 404 for an unknown model, 429
         (with Retry-After) when every ready worker is busy: never a queue. A request that
         finds no worker serving (all starting or restarting) waits for one, up to
-        ``ready_wait_s``."""
+        ``ready_wait_s``. ``session`` (the runtime's sticky session) or else ``affinity``
+        (OpenAI's prompt_cache_key or user) prefers the worker that key last ran on."""
         pool = self.pools.get((model, tenant))
         if pool is None:
             raise ApiError(404, f"The model '{model}' does not exist; this server has: "
                                 f"{', '.join(self.model_names())}.", param="model",
                            code="model_not_found")
-        session_key = f"{tenant}\x00{model}\x00{session}"
+        key = session or affinity
+        session_key = f"{tenant}\x00{model}\x00{'s' if session else 'a'}\x00{key}"
         deadline = time.monotonic() + self.settings.supervision.ready_wait_s
         while True:
             try:
-                owner = self.sessions.get(session_key) if session else None
+                owner = self.sessions.get(session_key) if key else None
                 worker = choose(pool, text, owner)
                 break
             except NoFreeSlot:
@@ -165,6 +167,6 @@ class Fleet:
                                    type="server_error", code="worker_not_ready",
                                    headers={"Retry-After": str(RETRY_AFTER_S)}) from None
                 await asyncio.sleep(0.05)
-        if session:
+        if key:
             self.sessions.set(session_key, worker.name)
         return worker, worker.acquire()

@@ -33,6 +33,8 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ..chat.formats import ChatFormat, detect_format
+from ..chat.templates import ChatTemplate, TemplateError
 from ..v1 import runtime_pb2 as pb
 from ..v1 import runtime_pb2_grpc as pb_grpc
 from .ring import LogRing
@@ -113,6 +115,9 @@ class Worker:
         self.slots = 0  # the runtime's n_seq_max, known once it serves
         self.n_ctx = 0
         self.fingerprint = ""
+        # The model's chat template, from the runtime (the gateway renders chats itself).
+        self.template: ChatTemplate | None = None
+        self.chat_format: ChatFormat | None = None
         self.flights: dict[int, Flight] = {}
         self.served = 0
         self.restarts = 0
@@ -329,6 +334,14 @@ class Worker:
             raise StartError(f"Stats failed: {exc.code().name}") from None
         self.slots, self.n_ctx = stats.n_seq_max, stats.n_ctx
         self.fingerprint = stats.model_fingerprint
+        self.template = self.chat_format = None
+        if stats.chat_template:
+            try:
+                self.template = ChatTemplate(stats.chat_template, bos_token=stats.bos_text,
+                                             eos_token=stats.eos_text, add_bos=stats.add_bos)
+                self.chat_format = detect_format(stats.chat_template)
+            except TemplateError as exc:
+                log.warning("worker %s: %s; chats are refused", self.name, exc)
 
     async def _watch(self) -> tuple[str, str]:
         assert self.proc is not None and self._exited is not None
