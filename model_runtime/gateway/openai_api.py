@@ -52,8 +52,8 @@ _COMMON_FIELDS = {
     # kvcache's own
     "session_id": "the runtime's sticky session (or the X-Session-Id header)",
 }
-#: Every field /v1/chat/completions reads, and how. Refused unless noted: the value
-#: given must be null (or the default noted).
+#: Every field /v1/chat/completions reads, and how: applied, or "refused" (a 400 naming
+#: it) for any value but null and those noted.
 CHAT_FIELDS: Mapping[str, str] = {
     **_COMMON_FIELDS,
     "messages": "text parts, assistant tool_calls, tool results, developer",
@@ -65,10 +65,10 @@ CHAT_FIELDS: Mapping[str, str] = {
     "logprobs": "each token's log probability",
     "top_logprobs": "0 to 20 most likely tokens at each place",
     "prompt_cache_key": "routes requests with the same key to the same worker",
-    "service_tier": "'auto' or 'default' (one tier); others refused",
-    "store": "false only (nothing is stored)",
+    "service_tier": "refused unless 'auto' or 'default' (there is one tier)",
+    "store": "refused unless false (nothing is stored)",
     "metadata": "refused (only kept with store)",
-    "modalities": "['text'] only",
+    "modalities": "refused unless ['text']",
     "audio": "refused",
     "prediction": "refused",
     "reasoning_effort": "refused (use chat_template_kwargs, e.g. enable_thinking)",
@@ -84,9 +84,9 @@ COMPLETION_FIELDS: Mapping[str, str] = {
     **_COMMON_FIELDS,
     "prompt": "a string or token ids (a batch of one)",
     "logprobs": "0 to 5: each token's log probability and that many most likely",
-    "echo": "false only",
+    "echo": "refused unless false",
     "suffix": "refused (no fill-in-the-middle)",
-    "best_of": "1 only",
+    "best_of": "refused above 1",
 }
 # Refused fields: a value other than these is a 400.
 _ONLY = {"metadata": (None,), "audio": (None,), "prediction": (None,),
