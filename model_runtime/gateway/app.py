@@ -240,32 +240,37 @@ async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
     parse = parse_chat if endpoint == "chat" else parse_completion
     req = parse(data, request.headers.get(SESSION_HEADER))
     worker, flight = await fleet.admit(req.model, request["tenant"], req.routing_text(),
-                                       req.session_id, req.route_key)
+                                       req.session_id, req.route_key, req.n)
     served_text: str | None = None
     outcome = "disconnected"  # unless it ends otherwise: a cancelled handler says nothing
     try:
         prompt = plan(req, worker)
         proto = req.to_proto(prompt)
-        choices = [Choice(0, prompt.parser() if prompt is not None else None)]
+        choices = [Choice(i, prompt.parser() if prompt is not None else None)
+                   for i in range(req.n)]
         events = worker.events(flight, proto)
         async with contextlib.aclosing(events):
             if req.stream:
                 response, served_text, outcome = await stream(request, req, worker, events,
                                                               choices, arrived)
                 return response
-            async for event in events:  # text pieces, then the final record
+            finished: list[Any] = []
+            async for event in events:  # text pieces, then a final record per choice
+                choice = choices[choice_of(event, len(choices))]
                 if event.HasField("done"):
-                    done = event.done
-                    check_finished(done, fleet)
-                    account(fleet, req, done, arrived)
-                    for choice in choices:
-                        choice.close()
+                    check_finished(event.done, fleet)
+                    choice.close()
+                    finished.append(event.done)
+                    if len(finished) < len(choices):
+                        continue
+                    done = finished[0]
+                    generated = sum(len(d.tokens) for d in finished)
+                    account(fleet, req, done, arrived, generated)
                     served_text = req.routing_text(choices[0].served())
                     outcome = "ok"
                     return web.json_response(response_body(
-                        req, choices, done, kvcache_details(done, worker.name, worker.tenant),
-                        len(done.tokens)))
-                choice = choices[0]
+                        req, choices, finished, kvcache_details(done, worker.name,
+                                                                worker.tenant), generated))
                 choice.feed(event.text)
                 if event.HasField("logprob"):
                     choice.logprobs.append(event.logprob)
@@ -287,6 +292,14 @@ async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
         request[OUTCOME] = outcome
 
 
+def choice_of(event: Any, n: int) -> int:
+    """The choice an event belongs to (the runtime numbers them from 0)."""
+    index = int(getattr(event.done if event.HasField("done") else event, "choice", 0))
+    if not 0 <= index < n:
+        raise WorkerFailure("worker_error", f"an event of choice {index} of {n}")
+    return index
+
+
 def check_finished(done: Any, fleet: Fleet) -> None:
     """A final record cut short because the worker was being stopped is a failure."""
     if done.finish_reason == "shutdown":
@@ -294,8 +307,9 @@ def check_finished(done: Any, fleet: Fleet) -> None:
         raise WorkerFailure(reason, "the worker was stopped during the request")
 
 
-def account(fleet: Fleet, req: GenRequest, done: Any, arrived: float) -> None:
-    u = usage(done)
+def account(fleet: Fleet, req: GenRequest, done: Any, arrived: float,
+            completion_tokens: int) -> None:
+    u = usage(done, completion_tokens)
     tokens = fleet.metrics.tokens
     tokens.labels(req.model, "prompt").inc(u["prompt_tokens"])
     tokens.labels(req.model, "cached").inc(u["prompt_tokens_details"]["cached_tokens"])
@@ -316,6 +330,7 @@ async def stream(request: web.Request, req: GenRequest, worker: Worker, events: 
                                            "X-Accel-Buffering": "no"})
     chat = req.endpoint == "chat"
     first = True
+    finished: list[Any] = []
     try:
         async for event in events:
             if first:  # the runtime accepted the request: from here on, errors are events
@@ -326,24 +341,28 @@ async def stream(request: web.Request, req: GenRequest, worker: Worker, events: 
                         await response.write(sse(chunk(req, "", first=True,
                                                        index=choice.index)))
                 first = False
-            choice = choices[0]
+            choice = choices[choice_of(event, len(choices))]
             if event.HasField("done"):
-                done = event.done
-                check_finished(done, fleet)
-                account(fleet, req, done, arrived)
-                for choice in choices:
-                    for delta in choice.close():
-                        await response.write(sse(chunk(req, delta=delta, index=choice.index)))
+                check_finished(event.done, fleet)
+                for delta in choice.close():
+                    await response.write(sse(chunk(req, delta=delta, index=choice.index)))
+                finished.append(event.done)
+                last = len(finished) == len(choices)
+                done = finished[0]
+                generated = sum(len(d.tokens) for d in finished)
                 # kvcache's details ride on the last chunk: the usage chunk when asked for
-                # (where clients read usage), else the finish_reason chunk.
+                # (where clients read usage), else the last finish_reason chunk.
                 extra = kvcache_details(done, worker.name, worker.tenant)
-                for i, choice in enumerate(choices):
-                    last = i == len(choices) - 1 and not req.include_usage
-                    await response.write(sse(chunk(
-                        req, finish=finish_reason(done, choice.has_tool_calls),
-                        index=choice.index, extra=extra if last else None)))
+                await response.write(sse(chunk(
+                    req, finish=finish_reason(event.done, choice.has_tool_calls),
+                    index=choice.index, extra=extra if last and not req.include_usage
+                    else None)))
+                if not last:
+                    continue
+                account(fleet, req, done, arrived, generated)
                 if req.include_usage:
-                    await response.write(sse(chunk(req, usage_body=usage(done), extra=extra)))
+                    await response.write(sse(chunk(req, usage_body=usage(done, generated),
+                                                   extra=extra)))
                 await response.write(DONE)
                 await response.write_eof()
                 return response, req.routing_text(choices[0].served()), "ok"

@@ -132,12 +132,13 @@ class Fleet:
     # -- admission --------------------------------------------------------------------------
 
     async def admit(self, model: str, tenant: str, text: str, session: str,
-                    affinity: str = "") -> tuple[Worker, Flight]:
+                    affinity: str = "", slots: int = 1) -> tuple[Worker, Flight]:
         """A slot for the request, or an :class:`ApiError`: 404 for an unknown model, 429
         (with Retry-After) when every ready worker is busy: never a queue. A request that
         finds no worker serving (all starting or restarting) waits for one, up to
         ``ready_wait_s``. ``session`` (the runtime's sticky session) or else ``affinity``
-        (OpenAI's prompt_cache_key or user) prefers the worker that key last ran on."""
+        (OpenAI's prompt_cache_key or user) prefers the worker that key last ran on.
+        ``slots``: a request with n choices runs on n sequences of one worker."""
         pool = self.pools.get((model, tenant))
         if pool is None:
             raise ApiError(404, f"The model '{model}' does not exist; this server has: "
@@ -149,7 +150,12 @@ class Fleet:
         while True:
             try:
                 owner = self.sessions.get(session_key) if key else None
-                worker = choose(pool, text, owner)
+                most = max((w.slots for w in pool if w.ready), default=slots)
+                if slots > most:
+                    raise ApiError(400, f"n={slots} needs {slots} sequences of one worker; "
+                                        f"the workers of model '{model}' have {most}.",
+                                   param="n", code="invalid_value")
+                worker = choose(pool, text, owner, slots)
                 break
             except NoFreeSlot:
                 raise ApiError(429, f"All {sum(w.slots for w in pool if w.ready)} slots of "
@@ -169,4 +175,4 @@ class Fleet:
                 await asyncio.sleep(0.05)
         if key:
             self.sessions.set(session_key, worker.name)
-        return worker, worker.acquire()
+        return worker, worker.acquire(slots)

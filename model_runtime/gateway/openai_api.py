@@ -204,7 +204,8 @@ class GenRequest:
                                        "this server's runtime does not have.",
                                 code="unsupported_parameter")
             req.grammar = grammar
-            req.grammar_triggers.extend(triggers)
+            for trigger in triggers:  # literals: the text that opens a tool call
+                req.grammar_triggers.add(value=trigger)
         return req
 
     def routing_text(self, served: str | None = None) -> str:
@@ -367,6 +368,9 @@ def _common(data: dict[str, Any], endpoint: str, max_tokens_names: tuple[str, ..
     if not isinstance(session, str) or len(session) > MAX_SESSION_ID:
         raise bad_param("session_id", f"'session_id' must be a string of at most "
                                       f"{MAX_SESSION_ID} characters.")
+    if session and (data.get("n") or 1) != 1:
+        raise bad_param("n", "n > 1 cannot run in a sticky session (a session holds one "
+                             "sequence).")
     grammar = data.get("grammar")
     if grammar is not None and (not isinstance(grammar, str) or not grammar.strip()):
         raise bad_param("grammar", "'grammar' must be a GBNF grammar (a non-empty string).",

@@ -144,13 +144,18 @@ class Choice:
         return served_text(out.content, [(c.name, c.arguments) for c in out.tool_calls])
 
 
-def response_body(req: GenRequest, choices: Sequence[Choice], done: pb.Completion,
-                  extra: dict[str, Any], completion_tokens: int) -> dict[str, Any]:
+def response_body(req: GenRequest, choices: Sequence[Choice],
+                  finished: Sequence[pb.Completion], extra: dict[str, Any],
+                  completion_tokens: int) -> dict[str, Any]:
+    """The whole answer; ``finished``: each choice's final record (the prompt's usage
+    and cache use are the same in all of them)."""
+    records = {getattr(d, "choice", 0): d for d in finished}
+    done = finished[0]
     bodies = []
     for c in choices:
         logprobs = c.logprobs_body(c.logprobs, req.endpoint == "chat") if req.logprobs \
             else None
-        reason = finish_reason(done, c.has_tool_calls)
+        reason = finish_reason(records.get(c.index, done), c.has_tool_calls)
         if req.endpoint == "chat":
             bodies.append({"index": c.index, "message": c.message(), "logprobs": logprobs,
                            "finish_reason": reason})

@@ -82,6 +82,7 @@ class Flight:
 
     id: int
     started: float
+    slots: int = 1  # a request with n choices runs on n sequences
     wait_since: float | None = None  # set while waiting for the worker's next event
     call: Any = None  # the gRPC call, cancelled when the worker fails
     failure: WorkerFailure | None = None
@@ -147,7 +148,8 @@ class Worker:
 
     @property
     def free_slots(self) -> int:
-        return max(0, self.slots - len(self.flights)) if self.ready else 0
+        busy = sum(f.slots for f in self.flights.values())
+        return max(0, self.slots - busy) if self.ready else 0
 
     @property
     def pid(self) -> int | None:
@@ -163,9 +165,9 @@ class Worker:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def acquire(self) -> Flight:
-        """Take a slot (the router checked that one is free)."""
-        flight = Flight(next(_flight_ids), time.monotonic())
+    def acquire(self, slots: int = 1) -> Flight:
+        """Take ``slots`` slots (the router checked that they are free)."""
+        flight = Flight(next(_flight_ids), time.monotonic(), slots)
         self.flights[flight.id] = flight
         return flight
 
