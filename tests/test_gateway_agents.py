@@ -8,27 +8,46 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import openai
 import pytest
 from daemon_proc import DaemonProcess
+from pydantic import BaseModel, Field
 from test_gateway_support import GatewayProcess, kill_leftovers, wait_gone
 
 from model_runtime.gateway.openai_api import CHAT_FIELDS, COMPLETION_FIELDS, PROTO_FIELDS
+from model_runtime.llama_backend import LlamaModel
 
 SYSTEM = ("You are the dispatcher of a delivery company. Answer briefly; look things up with "
           "the tools rather than guessing. ") * 3
+# Strings are bounded: the tiny models' weights are random, and a constrained string ends
+# only when the model picks its closing quote (1 token in ~400).
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city today.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
                    "required": ["city"], "additionalProperties": False}}}
 PARCEL = {"type": "function", "function": {
     "name": "track_parcel", "description": "Where a parcel is.",
     "parameters": {"type": "object", "properties": {
-        "id": {"type": "string"}, "priority": {"enum": ["low", "high"]}},
+        "id": {"type": "string", "maxLength": 6}, "priority": {"enum": ["low", "high"]}},
         "required": ["id", "priority"], "additionalProperties": False}}}
 TOOLS = [WEATHER, PARCEL]
+
+
+class Dims(BaseModel):
+    width: int
+    height: int
+
+
+class Parcel(BaseModel):
+    """A parcel's record (nested object, enum, array, bounded string)."""
+
+    parcel_id: str = Field(max_length=6)
+    priority: Literal["low", "high"]
+    fragile: bool
+    dims: Dims
+    tags: list[Literal["cold", "heavy"]] = Field(max_length=2)
 
 
 @pytest.fixture(scope="module")
@@ -304,3 +323,247 @@ def test_every_documented_field_is_applied_or_refused(
             assert status == 400, (name, raw)
         error = json.loads(raw)["error"]
         assert error["param"] == name and error["type"] == "invalid_request_error", (name, raw)
+
+
+# --------------------------------------------------------------------------- constrained
+
+
+def token_id(model_path: Path, text: str) -> int:
+    with LlamaModel(model_path) as model:
+        (token,) = model.tokenize(text, add_special=False, parse_special=True)
+        return token
+
+
+def assemble(chunks: list[Any]) -> tuple[str, str, list[dict[str, str]], str | None]:
+    """Content, reasoning, tool calls and finish_reason from streamed chunks, as OpenAI's
+    streaming clients put them together (a call's first delta has its id and name)."""
+    content, reasoning, calls, finish = "", "", {}, None
+    for c in chunks:
+        if not c.choices:
+            continue
+        delta = c.choices[0].delta
+        content += delta.content or ""
+        reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+        for call in delta.tool_calls or []:
+            if call.index not in calls:
+                assert call.id and call.type == "function" and call.function.name
+                calls[call.index] = {"id": call.id, "name": call.function.name,
+                                     "arguments": ""}
+            else:
+                assert call.id is None and not call.function.name
+            calls[call.index]["arguments"] += call.function.arguments or ""
+        finish = c.choices[0].finish_reason or finish
+    return content, reasoning, [calls[i] for i in sorted(calls)], finish
+
+
+def check_parcel_call(name: str, arguments: str) -> None:
+    assert name == "track_parcel"
+    args = json.loads(arguments)
+    assert set(args) == {"id", "priority"} and args["priority"] in ("low", "high")
+    assert isinstance(args["id"], str) and len(args["id"]) <= 6
+
+
+@pytest.mark.parametrize("model", ["generic", "hermes", "think"])
+def test_a_named_tool_is_called_with_arguments_that_parse_streamed_and_not(
+        gw: GatewayProcess, model: str) -> None:
+    client = gw.client()
+    named = {"type": "function", "function": {"name": "track_parcel"}}
+    whole = client.chat.completions.create(model=model, messages=ask("Where is parcel 7?"),
+                                           tools=TOOLS, tool_choice=named, max_tokens=200,
+                                           temperature=0)
+    (choice,) = whole.choices
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    check_parcel_call(call.function.name, call.function.arguments)
+    assert call.id.startswith("call_") and choice.message.content is None
+    chunks = list(client.chat.completions.create(
+        model=model, messages=ask("Where is parcel 7?"), tools=TOOLS, tool_choice=named,
+        max_tokens=200, temperature=0, stream=True))
+    content, _, calls, finish = assemble(chunks)
+    assert finish == "tool_calls" and content == ""
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (call.function.name, call.function.arguments)]
+
+
+@pytest.mark.parametrize("model", ["generic", "hermes"])
+def test_required_calls_one_of_the_tools_or_several_in_parallel(gw: GatewayProcess,
+                                                                 model: str) -> None:
+    client = gw.client()
+    for parallel in (False, True):
+        reply = client.chat.completions.create(
+            model=model, messages=ask("Track parcel 3 and check Lyon's weather."),
+            tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel,
+            max_tokens=300, temperature=0)
+        calls = reply.choices[0].message.tool_calls
+        assert calls and reply.choices[0].finish_reason == "tool_calls"
+        assert len(calls) == 1 or parallel
+        assert len({c.id for c in calls}) == len(calls)
+        for call in calls:
+            if call.function.name == "get_weather":
+                assert set(json.loads(call.function.arguments)) == {"city"}
+            else:
+                check_parcel_call(call.function.name, call.function.arguments)
+
+
+def test_auto_on_a_hermes_template_grammar_starts_at_the_tag(gw: GatewayProcess,
+                                                             tiny_hermes_model: Path) -> None:
+    """The model is pushed to open a call (logit_bias on <tool_call>): from the tag on the
+    lazy grammar holds the call to a tool's schema, and after it the reply ends."""
+    tag = token_id(tiny_hermes_model, "<tool_call>")
+    chunks = list(gw.client().chat.completions.create(
+        model="hermes", messages=ask("Where is parcel 5?"), tools=TOOLS, tool_choice="auto",
+        parallel_tool_calls=False, logit_bias={str(tag): 100}, max_tokens=200, temperature=0,
+        stream=True))
+    content, _, calls, finish = assemble(chunks)
+    assert finish == "tool_calls" and len(calls) == 1 and content == ""
+    arguments = json.loads(calls[0]["arguments"])
+    assert calls[0]["name"] in ("get_weather", "track_parcel") and isinstance(arguments, dict)
+
+
+def test_auto_on_the_generic_path_is_a_reply_or_a_call(gw: GatewayProcess) -> None:
+    reply = gw.client().chat.completions.create(model="generic", messages=ask("Hello?"),
+                                                tools=TOOLS, max_tokens=60, temperature=0)
+    (choice,) = reply.choices
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    else:
+        assert isinstance(choice.message.content, str)
+        assert choice.finish_reason in ("stop", "length")
+        assert '"response"' not in choice.message.content  # the envelope is not content
+
+
+@pytest.mark.parametrize("model", ["generic", "hermes"])
+def test_a_tool_round_trip_is_served_mostly_from_cache(gw: GatewayProcess, model: str) -> None:
+    client = gw.client()
+    messages = ask("Where is parcel 12?", f"(cached round trip {model}) {SYSTEM}")
+    named = {"type": "function", "function": {"name": "track_parcel"}}
+    first = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
+                                           tool_choice=named, max_tokens=200, temperature=0)
+    message = first.choices[0].message
+    follow = client.chat.completions.create(
+        model=model, tools=TOOLS, max_tokens=4, temperature=0,
+        messages=[*messages, message.model_dump(exclude_none=True),
+                  {"role": "tool", "tool_call_id": message.tool_calls[0].id,
+                   "content": "In Lyon, on time."}])
+    cached = follow.usage.prompt_tokens_details.cached_tokens
+    # the previous turn's prompt and the call the model wrote, from its KV
+    assert cached >= first.usage.prompt_tokens + first.usage.completion_tokens - 2
+    assert follow.usage.prompt_tokens - cached < 40  # the result's turn
+
+
+@pytest.mark.parametrize("model", ["generic", "think"])
+def test_json_schema_strict_with_nested_types(gw: GatewayProcess, model: str) -> None:
+    schema = Parcel.model_json_schema()
+    for stream in (False, True):
+        got = gw.client().chat.completions.create(
+            model=model, messages=ask("Describe parcel 4 as JSON."), max_tokens=300,
+            temperature=0, stream=stream, response_format={"type": "json_schema", "json_schema": {
+                "name": "parcel", "schema": schema, "strict": True}})
+        content = assemble(list(got))[0] if stream else got.choices[0].message.content
+        Parcel.model_validate_json(content)
+
+
+def test_json_object(gw: GatewayProcess, tiny_model: Path) -> None:
+    # Pushed to close strings and objects early (random weights): any JSON object holds.
+    bias = {str(token_id(tiny_model, '"')): 8, str(token_id(tiny_model, "}")): 8}
+    reply = gw.client().chat.completions.create(
+        model="generic", messages=ask("Answer in JSON."), max_tokens=200, temperature=0,
+        logit_bias=bias, response_format={"type": "json_object"})
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+def test_n_choices_share_one_prompt(gw: GatewayProcess) -> None:
+    client = gw.client()
+    messages = ask("Two ideas, please.")
+    one = client.chat.completions.create(model="generic", messages=messages, max_tokens=8,
+                                         temperature=1.0, seed=5)
+    two = client.chat.completions.create(model="generic", messages=messages, max_tokens=8,
+                                         temperature=1.0, seed=5, n=2)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.usage.prompt_tokens == one.usage.prompt_tokens  # counted once
+    assert two.choices[0].message.content == one.choices[0].message.content  # seed + 0
+    assert two.choices[1].message.content != two.choices[0].message.content  # seed + 1
+    streamed = list(client.chat.completions.create(
+        model="generic", messages=messages, max_tokens=8, temperature=1.0, seed=5, n=2,
+        stream=True))
+    texts = {i: "".join(c.choices[0].delta.content or "" for c in streamed
+                        if c.choices and c.choices[0].index == i) for i in (0, 1)}
+    assert texts == {0: two.choices[0].message.content, 1: two.choices[1].message.content}
+    finishes = [c.choices[0] for c in streamed if c.choices and c.choices[0].finish_reason]
+    assert sorted(f.index for f in finishes) == [0, 1]
+
+
+def test_penalties_change_the_output(gw: GatewayProcess) -> None:
+    client = gw.client()
+    base = {"model": "generic", "messages": ask("Repeat after me: la la la la la."),
+            "max_tokens": 24, "temperature": 0}
+    plain = client.chat.completions.create(**base).choices[0].message.content
+    for extra in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0},
+                  {"extra_body": {"repeat_penalty": 1.5, "repeat_last_n": 64}}):
+        other = client.chat.completions.create(**base, **extra).choices[0].message.content
+        assert other != plain, extra
+
+
+def test_a_seed_repeats_a_sampled_reply(gw: GatewayProcess) -> None:
+    client = gw.client()
+    base = {"model": "generic", "messages": ask("Surprise me."), "max_tokens": 12,
+            "temperature": 1.0, "extra_body": {"top_k": 40, "min_p": 0.01}}
+    first = client.chat.completions.create(**base, seed=11).choices[0].message.content
+    again = client.chat.completions.create(**base, seed=11).choices[0].message.content
+    other = client.chat.completions.create(**base, seed=12).choices[0].message.content
+    assert first == again and first != other
+
+
+def test_a_gbnf_grammar_and_a_bad_one(gw: GatewayProcess) -> None:
+    reply = gw.client().completions.create(model="generic", prompt="Ready?", max_tokens=8,
+                                           temperature=0,
+                                           extra_body={"grammar": 'root ::= "yes" | "no"'})
+    assert reply.choices[0].text in ("yes", "no")
+    message = refused(gw, {"model": "generic", "prompt": "x", "grammar": "root ::= (("},
+                      "grammar", "/v1/completions")
+    assert message
+    still_serves(gw, "generic")
+
+
+def test_reasoning_is_reasoning_content_never_content(gw: GatewayProcess) -> None:
+    """The think model's reply held by a grammar to a reasoning block and an answer."""
+    grammar = 'root ::= "<think>" [a-z ]{3,12} "</think>" [a-z]{2,8}'
+    client = gw.client()
+    whole = client.chat.completions.create(model="think", messages=ask("Think first."),
+                                           max_tokens=60, temperature=0,
+                                           extra_body={"grammar": grammar})
+    message = whole.choices[0].message
+    reasoning = message.model_extra["reasoning_content"]
+    assert reasoning and message.content and "<think>" not in message.content
+    chunks = list(client.chat.completions.create(model="think", messages=ask("Think first."),
+                                                 max_tokens=60, temperature=0, stream=True,
+                                                 extra_body={"grammar": grammar}))
+    content, streamed_reasoning, _, _ = assemble(chunks)
+    assert (content, streamed_reasoning) == (message.content, reasoning)
+
+
+# --------------------------------------------------------------------------- frameworks
+
+
+def test_langchain_bind_tools_and_structured_output(gw: GatewayProcess) -> None:
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=f"{gw.url}/v1", api_key="none", model="hermes", temperature=0,
+                     max_tokens=300, max_retries=0)
+    called = llm.bind_tools([PARCEL], tool_choice="track_parcel").invoke("Where is parcel 2?")
+    (call,) = called.tool_calls
+    check_parcel_call(call["name"], json.dumps(call["args"]))
+    for method in ("json_schema", "function_calling"):
+        parcel = llm.with_structured_output(Parcel, method=method).invoke("Parcel 9 as JSON.")
+        assert isinstance(parcel, Parcel), method
+
+
+@pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA"])
+def test_instructor_modes(gw: GatewayProcess, mode: str) -> None:
+    import instructor
+
+    client = instructor.from_openai(gw.client(), mode=getattr(instructor.Mode, mode))
+    parcel = client.chat.completions.create(model="generic", response_model=Parcel,
+                                            max_retries=0, max_tokens=300, temperature=0,
+                                            messages=ask("Parcel 11 as JSON."))
+    assert isinstance(parcel, Parcel)
