@@ -39,7 +39,7 @@ from typing import Any
 from kvcache.client import CacheClient, Identity, LoadedBlob
 from kvcache.common import HIT_COLD, HIT_STICKY
 
-from .config import RuntimeConfig
+from .config import RuntimeConfig, SettingError, check_int
 from .counters import COUNTERS
 from .executor import Executor
 from .llama_backend import LlamaContext, LlamaDecodeError, LlamaModel
@@ -126,15 +126,29 @@ class Engine:
             self.counters[name] += n
 
     def submit(self, tokens: list[int], sampling: SamplingParams, *, session_id: str = "",
-               parent_key: bytes = b"", boundary: int = 0) -> Request:
+               parent_key: bytes = b"", boundary: int = 0, n: int = 1,
+               tenant: str | None = None) -> Request:
+        """Queue a request of ``n`` choices under ``tenant`` (None: the runtime's)."""
         if not tokens:
             raise RequestError("invalid_argument", "empty prompt")
         if len(tokens) + 1 > self.ctx.n_ctx:
             raise RequestError("prompt_too_long",
                                f"prompt of {len(tokens)} tokens does not fit the context of "
                                f"{self.ctx.n_ctx} tokens per sequence")
+        check_int("n", n, 1)
+        if n > self.ctx.n_seq_max:
+            raise RequestError("invalid_argument",
+                               f"n {n} needs {n} sequences at once; this runtime has "
+                               f"{self.ctx.n_seq_max} (n_seq_max)")
+        if n > 1 and session_id:
+            raise RequestError("invalid_argument", "n > 1 cannot be combined with a "
+                                                   "session_id (a session is one sequence)")
+        tenant = self.identity.tenant if tenant is None else tenant
+        if not isinstance(tenant, str):
+            raise SettingError("tenant", f"must be a string, got {tenant!r}")
+        _refuse_unbuilt(sampling, n, tenant != self.identity.tenant)
         req = Request(next(self._ids), list(tokens), sampling, session_id, parent_key,
-                      boundary if 0 < boundary < len(tokens) else 0)
+                      boundary if 0 < boundary < len(tokens) else 0, n=n, tenant=tenant)
         # Checked and queued under the lock close() takes to set _stopping: a request is
         # either refused here or queued before the shutdown message (which answers it).
         # Queued after it, nothing would ever answer it and its caller would hang.
@@ -221,6 +235,17 @@ class Engine:
             log.exception("model thread step failed")
             self.count("internal_errors")
             self.core.fail_running(RequestError("internal", f"internal error: {exc!r}"))
+
+
+def _refuse_unbuilt(sampling: SamplingParams, n: int, other_tenant: bool) -> None:
+    """Options of the API that this build does not serve yet: refused, never ignored."""
+    unbuilt = [name for name, asked in (
+        ("min_p", sampling.min_p), ("repeat_penalty", sampling.repeat_penalty != 1.0),
+        ("presence_penalty", sampling.presence_penalty),
+        ("frequency_penalty", sampling.frequency_penalty), ("logit_bias", sampling.logit_bias),
+        ("grammar", sampling.grammar), ("n", n > 1), ("tenant", other_tenant)) if asked]
+    if unbuilt:
+        raise RequestError("invalid_argument", f"{', '.join(unbuilt)}: not served yet")
 
 
 class EngineCore:

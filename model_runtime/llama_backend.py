@@ -10,9 +10,12 @@ Objects:
 * :class:`LlamaModel` owns a ``llama_model*`` (weights, vocabulary, chat template).
 * :class:`LlamaContext` owns a ``llama_context*`` (the KV cache of ``n_seq_max``
   sequences) plus a reusable batch, and exposes decode, logits, per-sequence KV edits and
-  the per-sequence state API (``llama_state_seq_*``).
+  copies, and the per-sequence state API (``llama_state_seq_*``).
+* :class:`SamplerChain` owns one request's ``llama_sampler*`` chain and grammar, and
+  samples from a row of scores the caller holds; :func:`grammar_refusal` and
+  :func:`json_schema_to_gbnf` serve :mod:`model_runtime.grammar`.
 
-Neither is thread-safe: one thread (the model thread) drives a context.
+None is thread-safe: one thread (the model thread) drives a context and its chains.
 
 Logging: llama.cpp's log output is silenced by default (a no-op callback).  Set the
 environment variable ``KVCACHE_LLAMA_LOG=1`` (read at first model load) or call
@@ -46,10 +49,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import json
 import os
 import struct
+import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -63,14 +68,19 @@ from .token_seams import SpecialToken, is_seam
 __all__ = [
     "KV_CACHE_TYPES",
     "LOG_ENV",
+    "TOKEN_DATA",
     "ContextParams",
+    "GrammarDeadEnd",
     "LlamaContext",
     "LlamaDecodeError",
     "LlamaError",
     "LlamaLoadError",
     "LlamaModel",
     "ModelFileError",
+    "SamplerChain",
     "check_gguf_file",
+    "grammar_refusal",
+    "json_schema_to_gbnf",
     "max_parallel_sequences",
     "set_llama_logging",
 ]
@@ -132,21 +142,46 @@ class LlamaDecodeError(LlamaError):
 # --------------------------------------------------------------------------- backend
 
 
+class _LogSink(threading.local):
+    """Where llama.cpp's log lines go: stderr when logging is on, and the calling
+    thread's capture list while :func:`_capturing` runs (llama.cpp logs on the thread
+    that called it, so a capture holds that call's lines alone)."""
+
+    enabled = False  # process-wide, set by set_llama_logging (class attribute)
+    lines: list[str] | None = None  # per thread
+
+
+_sink = _LogSink()
+
+
 @_lc.llama_log_callback
-def _silent_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    """No-op logger; a module global so the C callback outlives every caller."""
+def _log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    """The one log callback; a module global so the C callback outlives every caller."""
+    line = text.decode("utf-8", errors="replace")
+    if _sink.lines is not None:
+        _sink.lines.append(line)
+    if _LogSink.enabled:
+        sys.stderr.write(line)
 
 
-_NULL_LOG = _lc.llama_log_callback()
+@contextlib.contextmanager
+def _capturing() -> Iterator[list[str]]:
+    """The log lines llama.cpp writes on this thread meanwhile (its reasons for a NULL)."""
+    _sink.lines = lines = []
+    try:
+        yield lines
+    finally:
+        _sink.lines = None
+
+
 _backend_lock = threading.Lock()
 _backend_ready = False
 
 
 def set_llama_logging(enabled: bool) -> None:
     """Send llama.cpp/ggml logs to stderr (``True``) or drop them (``False``). Process-wide."""
-    # A NULL callback restores llama.cpp's default (stderr); the bindings' argtypes need
-    # a typed NULL function pointer rather than None.
-    _lc.llama_log_set(_NULL_LOG if enabled else _silent_log, ctypes.c_void_p(0))
+    _LogSink.enabled = enabled
+    _lc.llama_log_set(_log, ctypes.c_void_p(0))
 
 
 def _ensure_backend(verbose: bool) -> None:
@@ -539,6 +574,9 @@ class LlamaContext(_Owner):
         self._alloc_batch(self.n_batch)
         self._want: np.ndarray = np.zeros(0, dtype=bool)
         self._scratch_buf = np.empty(0, dtype=np.uint8)
+        # Sequences of a copy across KV streams that llama.cpp has not made yet (see
+        # seq_copy): their data must not be read or replaced until the next decode.
+        self._copies_pending: set[int] = set()
 
     def _alloc_batch(self, n: int) -> None:
         """A llama_batch whose arrays are numpy buffers owned by this object.
@@ -623,6 +661,7 @@ class LlamaContext(_Owner):
         rc = _lc.llama_decode(ctx, self._batch)
         if rc != 0:
             raise LlamaDecodeError(rc)
+        self._copies_pending.clear()  # a decode makes them first
         self._want = want.copy()
 
     def logits(self, batch_index: int) -> np.ndarray:
@@ -657,6 +696,30 @@ class LlamaContext(_Owner):
         if n_keep < 0:
             raise ValueError("n_keep must be >= 0")
         return bool(_lc.llama_memory_seq_rm(self._mem_h(), seq_id, n_keep, -1))
+
+    def seq_copy(self, src: int, dst: int) -> None:
+        """Make ``dst`` (which must be empty) hold what ``src`` holds: every cell, shared
+        within one KV stream, copied across streams.
+
+        Across streams (``kv_unified=False``, this module's default) llama.cpp copies the
+        whole stream's buffers, and only at the start of the next :meth:`decode`: until
+        then ``dst``'s cells are listed but hold ``src``'s old data, and a state taken of
+        ``dst`` is wrong (measured). So the copy is made right before a decode that
+        computes a token of ``dst`` (the runtime's copies of a prompt decode its last
+        token), and until that decode the state API refuses both sequences.
+        """
+        self._check_seq(src)
+        self._check_seq(dst)
+        if src == dst or self.seq_pos_max(dst) >= 0:
+            raise ValueError(f"seq_copy needs another, empty sequence: {src} -> {dst}")
+        _lc.llama_memory_seq_cp(self._mem_h(), src, dst, -1, -1)
+        if self._n_stream > 1:
+            self._copies_pending.update((src, dst))
+
+    def _check_no_pending_copy(self, seq_id: int) -> None:
+        if seq_id in self._copies_pending:
+            raise LlamaError(f"sequence {seq_id} is part of a copy llama.cpp makes at the "
+                             "next decode; its state cannot be read or set before")
 
     def seq_pos_min(self, seq_id: int) -> int:
         """Smallest position held for ``seq_id``, -1 when empty (> 0 after SWA pruning)."""
@@ -707,6 +770,7 @@ class LlamaContext(_Owner):
         uninitialized buffer, the only copy.
         """
         self._check_seq(seq_id)
+        self._check_no_pending_copy(seq_id)
         ctx = self._h()
         size = int(_lc.llama_state_seq_get_size(ctx, seq_id))
         if size == 0:
@@ -768,6 +832,7 @@ class LlamaContext(_Owner):
         (one copy) when the cache is split into several streams.
         """
         self._check_seq(seq_id)
+        self._check_no_pending_copy(seq_id)
         ctx = self._h()
         _lc.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
         src = np.frombuffer(data, dtype=np.uint8)
@@ -867,3 +932,248 @@ class LlamaContext(_Owner):
         state is a summary of the whole prefix and cannot be cut).
         """
         return self._plain_kv
+
+
+# --------------------------------------------------------------------------- sampling
+
+#: llama.cpp's ``llama_token_data``: a candidate's id, score (logit) and probability.
+TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+assert TOKEN_DATA.itemsize == ctypes.sizeof(_lc.llama_token_data)
+
+
+@functools.lru_cache(maxsize=4)
+def _candidates_template(n_vocab: int) -> np.ndarray:
+    """Every token as a candidate, in id order, score and probability 0 (read-only)."""
+    template = np.zeros(n_vocab, dtype=TOKEN_DATA)
+    template["id"] = np.arange(n_vocab, dtype=np.int32)
+    template.flags.writeable = False
+    return template
+
+
+class GrammarDeadEnd(LlamaError):
+    """The grammar allows no token here (none of the vocabulary continues it)."""
+
+
+def json_schema_to_gbnf(schema_json: str, name: str = "root") -> str:
+    """llama.cpp's JSON-Schema-to-GBNF converter (as llama-cpp-python ports it): the
+    grammar of one JSON value valid for the schema, its rule named ``name``. Raises what
+    the converter raises on a schema it cannot convert."""
+    from llama_cpp.llama_grammar import SchemaConverter
+
+    converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False,
+                                raw_pattern=False)
+    schema = converter.resolve_refs(json.loads(schema_json), "input")
+    converter.visit(schema, "" if name == "root" else name)
+    return converter.format_grammar()
+
+
+def grammar_refusal(model: LlamaModel, grammar: str) -> str | None:
+    """Why llama.cpp refuses to make a sampler of ``grammar`` (its log lines), or None
+    when it accepts it. The grammar is compiled and freed at once."""
+    with _capturing() as lines:
+        sampler = _lc.llama_sampler_init_grammar(model._vocab_h(), grammar.encode(), b"root")
+    if sampler:
+        _lc.llama_sampler_free(sampler)
+        return None
+    reasons = " ".join(line.strip() for line in lines if line.strip())
+    return reasons or "it could not parse it"
+
+
+class SamplerChain(_Owner):
+    """One request's sampler: llama.cpp's sampler chain, and a grammar kept beside it.
+    Owns both (``llama_sampler*``); :meth:`close` frees them. Not thread-safe: one thread
+    samples, accepts and closes.
+
+    The chain, in order: logit bias; the repeat penalty, over a window that starts with
+    the last ``penalty_last_n`` tokens of ``history`` (the prompt); presence and frequency
+    penalties over the tokens accepted since (generated only); then either the most
+    likely token (``greedy``), or top-k, top-p, min-p, temperature and a draw from
+    llama.cpp's generator seeded with ``seed`` (a uint32). Settings that do nothing are
+    left out of the chain.
+
+    :meth:`sample` works on a row of raw scores the caller holds (the runtime keeps them
+    per sequence, and an exact cache hit has them from the store): every token becomes a
+    candidate (built with numpy: a copy of an id template and one strided write of the
+    scores), the chain picks one. With a grammar, as llama.cpp's own
+    ``common_sampler_sample`` does: the grammar checks the chosen token alone (a few µs);
+    only when it refuses it are all candidates masked by the grammar (milliseconds over a
+    large vocabulary) and the chain applied again. :meth:`accept` then records the token
+    in the chain (penalties) and the grammar.
+
+    llama.cpp aborts the process when its grammar is fed a token it does not allow
+    (``llama_sampler_accept`` throws through C), so nothing reaches the grammar that it
+    has not allowed first: :meth:`accept` checks again, and raises instead.
+    """
+
+    live = 0  #: chains made and not yet closed, in this process (tests check for leaks)
+
+    def __init__(self, model: LlamaModel, *, greedy: bool, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
+                 repeat_penalty: float = 1.0, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, penalty_last_n: int = 64,
+                 logit_bias: Sequence[tuple[int, float]] = (), grammar: str = "",
+                 grammar_active: bool = True, history: Sequence[int] = ()) -> None:
+        self.model = model
+        self.n_vocab = model.n_vocab
+        self._chain: Any = None
+        self._grammar: Any = None
+        if not 0 <= seed < _lc.LLAMA_DEFAULT_SEED:
+            raise ValueError(f"seed must be a uint32 below {_lc.LLAMA_DEFAULT_SEED:#x}")
+        params = _lc.llama_sampler_chain_default_params()
+        params.no_perf = True
+        self._chain = _lc.llama_sampler_chain_init(params)
+        SamplerChain.live += 1
+        try:
+            for sampler in self._samplers(greedy, temperature, top_k, top_p, min_p, seed,
+                                          repeat_penalty, presence_penalty,
+                                          frequency_penalty, max(0, penalty_last_n),
+                                          logit_bias, history):
+                _lc.llama_sampler_chain_add(self._chain, sampler)  # the chain owns it
+            if grammar:
+                with _capturing() as lines:
+                    self._grammar = _lc.llama_sampler_init_grammar(
+                        model._vocab_h(), grammar.encode(), b"root")
+                if not self._grammar:
+                    raise LlamaError("llama.cpp refused the grammar: " +
+                                     (" ".join(x.strip() for x in lines) or "no reason given"))
+        except BaseException:
+            self.close()
+            raise
+        #: Whether the grammar constrains the output (a lazy one starts inactive).
+        self.grammar_active = bool(self._grammar) and grammar_active
+        self._candidates = np.empty(self.n_vocab, dtype=TOKEN_DATA)
+        self._logit_column = self._candidates.view(np.float32).reshape(self.n_vocab, 3)[:, 1]
+        self._array = _lc.llama_token_data_array(
+            self._candidates.ctypes.data_as(_lc.llama_token_data_p), self.n_vocab, -1, False)
+        self._one = np.zeros(1, dtype=TOKEN_DATA)
+        self._one_array = _lc.llama_token_data_array(
+            self._one.ctypes.data_as(_lc.llama_token_data_p), 1, -1, False)
+
+    def _samplers(self, greedy: bool, temperature: float, top_k: int, top_p: float,
+                  min_p: float, seed: int, repeat_penalty: float, presence_penalty: float,
+                  frequency_penalty: float, last_n: int, logit_bias: Sequence[tuple[int, float]],
+                  history: Sequence[int]) -> Iterator[Any]:
+        if logit_bias:
+            biases = (_lc.llama_logit_bias * len(logit_bias))(
+                *(_lc.llama_logit_bias(token, bias) for token, bias in logit_bias))
+            yield _lc.llama_sampler_init_logit_bias(self.n_vocab, len(logit_bias), biases)
+        if last_n and repeat_penalty != 1.0:
+            repeat = _lc.llama_sampler_init_penalties(self.n_vocab, last_n, repeat_penalty,
+                                                      0.0, 0.0)
+            for token in history[-last_n:]:  # (before it joins the chain: prompt only)
+                _lc.llama_sampler_accept(repeat, token)
+            yield repeat
+        if last_n and (presence_penalty or frequency_penalty):
+            yield _lc.llama_sampler_init_penalties(self.n_vocab, last_n, 1.0,
+                                                   frequency_penalty, presence_penalty)
+        if greedy:  # (top-k, top-p, min-p and temperature never drop the best token)
+            yield _lc.llama_sampler_init_greedy()
+            return
+        if top_k:
+            yield _lc.llama_sampler_init_top_k(top_k)
+        if top_p < 1.0:
+            yield _lc.llama_sampler_init_top_p(top_p, 1)
+        if min_p > 0.0:
+            yield _lc.llama_sampler_init_min_p(min_p, 1)
+        yield _lc.llama_sampler_init_temp(temperature)
+        yield _lc.llama_sampler_init_dist(seed)
+
+    @property
+    def has_grammar(self) -> bool:
+        return bool(self._grammar)
+
+    def close(self) -> None:
+        if self._grammar:
+            _lc.llama_sampler_free(self._grammar)
+        self._grammar = None
+        if self._chain:
+            _lc.llama_sampler_free(self._chain)
+            SamplerChain.live -= 1
+        self._chain = None
+
+    def _h(self) -> Any:
+        if not self._chain:
+            raise LlamaError("sampler chain is closed")
+        return self._chain
+
+    # -- sampling
+
+    def _fill(self, logits: np.ndarray, banned: Sequence[int]) -> None:
+        if logits.shape != (self.n_vocab,):
+            raise ValueError(f"a row of {self.n_vocab} scores is needed, got {logits.shape}")
+        np.copyto(self._candidates, _candidates_template(self.n_vocab))
+        self._logit_column[...] = logits
+        if banned:
+            self._logit_column[np.asarray(banned, dtype=np.int64)] = -np.inf
+        array = self._array
+        array.data = self._candidates.ctypes.data_as(_lc.llama_token_data_p)
+        array.size, array.selected, array.sorted = self.n_vocab, -1, False
+
+    def _apply(self, sampler: Any) -> None:
+        _lc.llama_sampler_apply(sampler, ctypes.byref(self._array))
+
+    def _selected(self) -> int:
+        array = self._array
+        if not 0 <= array.selected < array.size:
+            raise LlamaError("the sampler chain selected no token")
+        return int(array.data[array.selected].id)
+
+    def _some_allowed(self) -> bool:
+        # (The candidates are in id order: the samplers that reorder run after this.)
+        return bool(np.isfinite(self._logit_column).any())
+
+    def sample(self, logits: np.ndarray, banned: Sequence[int] = ()) -> int:
+        """The chain's token for ``logits`` (raw scores, one per vocabulary entry), never
+        one of ``banned``; with an active grammar, one the grammar allows. Nothing is
+        recorded: :meth:`accept` the token taken. Raises :class:`GrammarDeadEnd` when no
+        token is allowed at all."""
+        chain = self._h()
+        self._fill(logits, banned)
+        if banned and not self._some_allowed():
+            raise GrammarDeadEnd("every token is banned here")
+        self._apply(chain)
+        token = self._selected()
+        if not self.grammar_active or self.allows(token):
+            return token
+        self._fill(logits, banned)
+        self._apply(self._grammar)
+        if not self._some_allowed():
+            raise GrammarDeadEnd("the grammar allows no token here")
+        self._apply(chain)
+        return self._selected()
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar (active or not) allows ``token`` next; True without one."""
+        if not self._grammar:
+            return True
+        self._one[0] = (token, 1.0, 0.0)
+        one = self._one_array
+        one.data = self._one.ctypes.data_as(_lc.llama_token_data_p)
+        one.size, one.selected, one.sorted = 1, -1, False
+        _lc.llama_sampler_apply(self._grammar, ctypes.byref(one))
+        return bool(np.isfinite(self._one["logit"][0]))
+
+    def accept(self, token: int) -> None:
+        """Record the token taken: in the chain, and in the active grammar (which must
+        allow it: checked, as llama.cpp would abort the process otherwise). An
+        end-of-generation token ends the output and is not fed to the grammar."""
+        if self.grammar_active and not self.model.is_eog(token):
+            if not self.allows(token):
+                raise LlamaError(f"the grammar does not allow token {token} here")
+            _lc.llama_sampler_accept(self._grammar, token)
+        _lc.llama_sampler_accept(self._h(), token)
+
+    def start_grammar(self, tokens: Sequence[int]) -> bool:
+        """Activate the grammar from its start with ``tokens`` as its first output (a lazy
+        grammar's trigger and what followed it). False, the grammar left inactive and
+        at its start, when they do not follow it."""
+        if not self._grammar:
+            return False
+        _lc.llama_sampler_reset(self._grammar)
+        for token in tokens:
+            if self.model.is_eog(token) or not self.allows(token):
+                _lc.llama_sampler_reset(self._grammar)
+                return False
+            _lc.llama_sampler_accept(self._grammar, token)
+        self.grammar_active = True
+        return True

@@ -73,9 +73,11 @@ class Completion:
     cache_tier: str = ""  # where reused KV came from: ram | disk | remote | live ("" if none)
     saves: list[dict[str, Any]] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, when asked
+    choice: int = 0  # which of the request's n choices (0 when n is 1)
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "choice": self.choice,
             "text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason,
             "finish_key": self.finish_key, "cache_hit_kind": self.cache_hit_kind,
             "cache_delta": self.cache_delta, "timings": self.timings,
@@ -92,6 +94,7 @@ class TokenEvent:
     token: int  # the sampled token, or -1: text flushed when the request ends
     text: str
     logprob: TokenLogprob | None = None  # when the request asked for logprobs
+    choice: int = 0  # which of the request's n choices it belongs to
 
 
 @dataclass
@@ -103,6 +106,7 @@ class CacheUse:
     tokens_read: int = 0  # prompt tokens served from a saved or live state
     tokens_saved: int = 0  # tokens its saves hold beyond those read
     saves: list[dict[str, Any]] = field(default_factory=list)  # reason, tokens, key (hex)
+    prompt_saved: bool = False  # its prompt went with a save (see Executor._prompt_waypoint)
 
 
 @dataclass
@@ -137,6 +141,8 @@ class Request:
     session_id: str = ""
     parent_key: bytes = b""
     boundary: int = 0  # explicit cold save boundary (end of the system message); 0: none
+    n: int = 1  # choices asked for
+    tenant: str = ""  # the salt of its cache namespace
     # -- where it stands
     phase: Phase = Phase.ADMIT
     seq: Seq | None = None

@@ -12,7 +12,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +28,18 @@ from .chat.templates import ChatTemplate, TemplateError
 from .config import RuntimeConfig, SettingError, check_int
 from .counters import COUNTERS
 from .engine import Engine
+from .grammar import check_grammar, grammar_of
 from .identity import runtime_identity
 from .llama_backend import ContextParams, LlamaContext, LlamaModel, batch_variant_options
 from .request import Completion, Phase, Request, RequestError, TokenEvent, common_prefix
-from .sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from .sampling import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_PENALTY_LAST_N,
+    GrammarTrigger,
+    SamplingParams,
+    as_triggers,
+    logit_bias_pairs,
+)
 
 Message = dict[str, str]
 log = logging.getLogger("model_runtime")
@@ -268,47 +276,136 @@ class Runtime:
                parent_key: str | bytes = b"",
                max_tokens: int | None = None, until_context_full: bool = False,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-               seed: int | None = None, stop: Sequence[str] = (), logprobs: bool = False,
-               top_logprobs: int = 0) -> Request:
-        """Queue one request. ``max_tokens``: see :func:`generation_limit` (a prompt plus
-        the max_tokens given must fit the context; none given: 128 at most, or with
-        ``until_context_full`` until the context is full). ``logprobs``: each generated
-        token's log probability (and the ``top_logprobs`` most likely at its place).
+               min_p: float = 0.0, seed: int | None = None, repeat_penalty: float = 1.0,
+               presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+               penalty_last_n: int = DEFAULT_PENALTY_LAST_N,
+               logit_bias: Mapping[int, float] | None = None, grammar: str = "",
+               json_schema: Mapping[str, Any] | str | None = None, json_object: bool = False,
+               grammar_triggers: Sequence[str | GrammarTrigger] = (),
+               stop: Sequence[str] = (), logprobs: bool = False, top_logprobs: int = 0,
+               n: int = 1, tenant: str | None = None) -> Request:
+        """Queue one request; read its events with :meth:`complete` (or ``req.events``).
+
+        Input: exactly one of ``prompt`` (text, tokenized with the model's BOS; with
+        ``system`` rendered as a two-message chat), ``tokens`` or ``messages`` (rendered
+        by the model's chat template). ``max_tokens``: see :func:`generation_limit` (a
+        prompt plus the max_tokens given must fit the context; none given: 128 at most,
+        or with ``until_context_full`` until the context is full).
+
+        Sampling runs on llama.cpp's sampler chain, one per request (per choice), built
+        when the request gets its sequence and freed when it ends. The chain, in order:
+        ``logit_bias``, the penalties, ``top_k``, ``top_p``, ``min_p``, ``temperature``,
+        then a draw seeded with ``seed``; a temperature of 0 (or below 1e-6) takes the
+        most likely token instead (exactly what the raw scores' argmax gives):
+
+        ``temperature``        0: greedy. ``top_k`` 0, ``top_p`` 1, ``min_p`` 0: off.
+        ``seed``               None: a random draw. The draw's generator is llama.cpp's,
+                               seeded with ``seed`` mod (2**32 - 1); choice ``i`` of ``n``
+                               draws with ``seed + i``.
+        ``repeat_penalty``     1: off. llama.cpp's rule: a token among the last
+                               ``penalty_last_n`` tokens of prompt and output has its
+                               positive score divided by it (a negative one multiplied).
+        ``presence_penalty``   OpenAI's rule, over the last ``penalty_last_n`` generated
+        ``frequency_penalty``  tokens only: a token's score loses ``presence_penalty``
+                               if it occurs there, and ``frequency_penalty`` per time.
+        ``penalty_last_n``     the window: 64 by default; 0 turns the penalties off,
+                               -1 covers the whole context.
+        ``logit_bias``         ``{token id: bias}`` added to those tokens' scores, from
+                               -100 to 100, or ``-math.inf`` to ban a token.
+
+        Structured output (at most one of the three; refused before the request is
+        queued, with a message naming the part that failed, when it cannot be used):
+
+        ``grammar``            GBNF text (llama.cpp's grammar format, start rule
+                               ``root``): the output follows it. An end-of-generation
+                               token is allowed only where the grammar may end; one that
+                               cannot end within ``max_tokens`` finishes with "length".
+        ``json_schema``        a JSON Schema (a dict or its JSON text): the output is one
+                               JSON value valid for it (objects, arrays, enums, const,
+                               ``required``, ``additionalProperties``; properties not in
+                               ``required`` may be left out, and no property beyond those
+                               listed unless ``additionalProperties`` allows it: what
+                               OpenAI calls ``strict``). Converted with llama.cpp's
+                               converter; ``grammar.json_schema_grammar`` gives its GBNF.
+        ``json_object``        the output is one JSON object.
+        ``grammar_triggers``   a lazy grammar: the output is free until a trigger occurs
+                               (a string is a literal; a :class:`GrammarTrigger` with
+                               ``pattern=True`` a regular expression), then follows the
+                               grammar from the trigger on (see GrammarTrigger). A
+                               token after which the text from the trigger could not
+                               follow the grammar is never sampled.
+
+        ``logprobs``: each generated token's log probability under the raw scores
+        (before any sampling setting), and the ``top_logprobs`` most likely at its place.
+
+        ``n``: that many completions (choices) of the prompt. The prompt is computed or
+        restored once, on one sequence, and copied to the others; every choice has its
+        own chain (``seed + i``), and its events and Completion carry its ``choice``
+        index. A request with ``n`` takes ``n`` sequences at once (it waits until that
+        many are free; more than ``n_seq_max`` is refused) and cannot have a
+        ``session_id``. The prompt counts once: every choice's Completion reports the
+        same ``prompt_tokens`` and cache use, and the counters count the request once.
+
+        ``tenant``: the cache namespace's salt for this request (None: the runtime's
+        ``config.tenant``). Tenants never share anything: not a saved state, not a live
+        sequence, not a session.
+
         ``prefix_chars``: with a ``prompt`` rendered by the caller (the gateway renders
         chats itself), the save boundary at the end of its first ``prefix_chars``
-        characters (its system message and tools)."""
+        characters (its system message and tools).
+        """
         toks, boundary = self._prepare(prompt, tokens, messages, system, prefix_tokens,
                                        prefix_chars)
         limit = generation_limit(len(toks), self.ctx.n_ctx, max_tokens, until_context_full)
-        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                  max_tokens=limit, stop=tuple(stop), logprobs=logprobs,
-                                  top_logprobs=top_logprobs)
+        constraint = grammar_of(grammar, json_schema, json_object)
+        sampling = SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+            repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, penalty_last_n=penalty_last_n,
+            logit_bias=logit_bias_pairs(logit_bias), grammar=constraint,
+            grammar_triggers=as_triggers(grammar_triggers), max_tokens=limit,
+            stop=tuple(stop), logprobs=logprobs, top_logprobs=top_logprobs)
+        self._check_vocab(sampling)
         parent = parse_parent_key(parent_key)
         return self.engine.submit(toks, sampling, session_id=session_id, parent_key=parent,
-                                  boundary=boundary)
+                                  boundary=boundary, n=n,
+                                  tenant=self.config.tenant if tenant is None else tenant)
+
+    def _check_vocab(self, sampling: SamplingParams) -> None:
+        n_vocab = self.model.n_vocab
+        bad = [t for t, _ in sampling.logit_bias if t >= n_vocab]
+        if bad:
+            raise SettingError("logit_bias", f"token ids must be below the vocabulary's "
+                                             f"{n_vocab}, got {bad[:5]}")
+        if sampling.grammar:
+            check_grammar(self.model, sampling.grammar)
 
     def complete(self, *, stream: bool = False, timeout: float | None = None,
-                 **kwargs: Any) -> Completion | Iterator[TokenEvent | Completion]:
-        """Run one request. Non-streaming: the :class:`Completion`. Streaming: an iterator
-        of :class:`TokenEvent` ending with the :class:`Completion`."""
+                 **kwargs: Any) -> Completion | list[Completion] | Iterator[TokenEvent | Completion]:
+        """Run one request. Non-streaming: the :class:`Completion` (with ``n`` > 1, the
+        choices' Completions in choice order). Streaming: an iterator of
+        :class:`TokenEvent` ending with the :class:`Completion` (with ``n`` > 1, the
+        choices' events interleaved as they are generated, each with its ``choice``; the
+        iterator ends after the last choice's Completion)."""
         req = self.submit(**kwargs)
         events = self._events(req, timeout)
         if stream:
             return events
-        for event in events:
-            if isinstance(event, Completion):
-                return event
-        raise AssertionError("a request always ends with a completion or an error")
+        done = sorted((e for e in events if isinstance(e, Completion)), key=lambda c: c.choice)
+        if not done:
+            raise AssertionError("a request always ends with a completion or an error")
+        return done[0] if req.n == 1 else done
 
     def _events(self, req: Request, timeout: float | None) -> Iterator[TokenEvent | Completion]:
         try:
-            while True:
+            left = req.n  # choices still running
+            while left:
                 event = req.events.get(timeout=timeout)
                 if isinstance(event, Exception):
                     raise event
                 yield event
                 if isinstance(event, Completion):
-                    return
+                    left -= 1
         finally:
             if req.phase is not Phase.DONE:
                 self.engine.cancel(req)

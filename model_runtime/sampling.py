@@ -1,48 +1,131 @@
-"""Per-request sampling and text: a token from one logits row (a pure function of
-logits, settings and rng), and the generated text as it streams out, cut at the first
-stop string. Run on the model thread, one request at a time.
+"""Per-request sampling settings and text: what a request asks of its sampler (checked
+here, so every entry point refuses a bad setting with the same message), a token's log
+probability from its raw scores, and the generated text as it streams out, cut at the
+first stop string.
+
+The sampling itself runs on llama.cpp's sampler chain, one per request (see
+:mod:`model_runtime.sampler`). Run on the model thread, one request at a time.
 """
 
 from __future__ import annotations
 
 import codecs
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from .config import SettingError, check_int, check_number
 
-SEED_MAX = 2**64 - 1  # numpy's generators take any non-negative int; the wire a uint64
+SEED_MAX = 2**64 - 1  # the wire's uint64
 DEFAULT_MAX_TOKENS = 128  # when a request gives no max_tokens
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API
+DEFAULT_PENALTY_LAST_N = 64  # llama.cpp's default window for the penalties
+MAX_LOGIT_BIAS = 100.0  # as OpenAI's API; -inf bans a token outright
+# Below this a temperature samples the most likely token, as 0 does: scores divided by a
+# smaller one overflow llama.cpp's float32, and inf - inf is NaN.
+GREEDY_BELOW = 1e-6
+MAX_GRAMMAR_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class GrammarTrigger:
+    """Where a lazy grammar starts constraining the output: the first place the literal
+    ``value`` occurs in the generated text, or, with ``pattern``, where the regular
+    expression ``value`` (Python's ``re`` syntax) first matches it. From there on (from
+    the start of a pattern's first capturing group, when it has one that matched) the
+    text must follow the grammar, so the grammar itself starts with the trigger (e.g.
+    ``root ::= "<tool_call>" ...``)."""
+
+    value: str
+    pattern: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.value, str) or not self.value:
+            raise SettingError("grammar_triggers", f"must be non-empty strings, got "
+                                                   f"{self.value!r}")
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0: greedy
+    """What one request (one choice of it) asks of its sampler; see Runtime.submit for
+    the meaning of each field."""
+
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW): greedy
     top_k: int = 0  # 0: off
-    top_p: float = 1.0
-    seed: int | None = None
+    top_p: float = 1.0  # 1: off
+    min_p: float = 0.0  # 0: off
+    seed: int | None = None  # None: a random draw
+    repeat_penalty: float = 1.0  # 1: off
+    presence_penalty: float = 0.0  # 0: off
+    frequency_penalty: float = 0.0  # 0: off
+    penalty_last_n: int = DEFAULT_PENALTY_LAST_N  # 0: no penalties; -1: the whole context
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
+    grammar: str = ""  # GBNF; "" for none
+    grammar_triggers: tuple[GrammarTrigger, ...] = ()  # lazy grammar: free text until one
     max_tokens: int = DEFAULT_MAX_TOKENS
     stop: tuple[str, ...] = ()
     logprobs: bool = False  # report each generated token's log probability
     top_logprobs: int = 0  # and that many of the most likely tokens at its place
 
     def __post_init__(self) -> None:
-        # A value let through here raises in sample() on the model thread, which fails
-        # every request decoding at that moment.
+        # A value let through here would reach llama.cpp on the model thread, where some
+        # abort the process (a bad regex, a NaN) and others fail every request decoding.
         check_number("temperature", self.temperature, 0)
         check_int("top_k", self.top_k, 0)
         check_number("top_p", self.top_p, 0, above=True, high=1)
+        check_number("min_p", self.min_p, 0, high=1)
         if self.seed is not None:
             check_int("seed", self.seed, 0, SEED_MAX)
+        check_number("repeat_penalty", self.repeat_penalty, 0, above=True)
+        for name in ("presence_penalty", "frequency_penalty"):
+            check_number(name, getattr(self, name), -math.inf)
+        check_int("penalty_last_n", self.penalty_last_n, -1)
+        for token, bias in self.logit_bias:
+            check_int("logit_bias", token, 0)
+            if not (isinstance(bias, (int, float)) and not isinstance(bias, bool) and (
+                    -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS or bias == -math.inf)):
+                raise SettingError("logit_bias", f"values must be numbers from "
+                                                 f"{-MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g} "
+                                                 f"(or -inf to ban a token), got {bias!r} "
+                                                 f"for token {token}")
+        if not isinstance(self.grammar, str):
+            raise SettingError("grammar", f"must be a string, got {type(self.grammar).__name__}")
+        if len(self.grammar.encode()) > MAX_GRAMMAR_BYTES:
+            raise SettingError("grammar", f"must be at most {MAX_GRAMMAR_BYTES} bytes")
+        if self.grammar_triggers and not self.grammar:
+            raise SettingError("grammar_triggers", "need a grammar (or json_schema) to start")
         check_int("max_tokens", self.max_tokens, 1)
         if not all(isinstance(s, str) for s in self.stop):
             raise SettingError("stop", f"must be strings, got {self.stop!r}")
         check_int("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
         if self.top_logprobs and not self.logprobs:
             raise SettingError("top_logprobs", "needs logprobs")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+
+def logit_bias_pairs(bias: Mapping[int, float] | None) -> tuple[tuple[int, float], ...]:
+    """A request's ``logit_bias`` mapping as SamplingParams holds it (ids ascending)."""
+    if not bias:
+        return ()
+    if not isinstance(bias, Mapping):
+        raise SettingError("logit_bias", f"must map token ids to biases, got {bias!r}")
+    pairs = []
+    for token, value in bias.items():
+        check_int("logit_bias", token, 0)
+        pairs.append((int(token), value))
+    return tuple(sorted(pairs))
+
+
+def as_triggers(triggers: Sequence[str | GrammarTrigger]) -> tuple[GrammarTrigger, ...]:
+    """Triggers as given (a plain string is a literal), as SamplingParams holds them."""
+    if isinstance(triggers, (str, bytes)):
+        raise SettingError("grammar_triggers", "must be a list of triggers, not one string")
+    return tuple(t if isinstance(t, GrammarTrigger) else GrammarTrigger(t) for t in triggers)
 
 
 @dataclass(frozen=True)

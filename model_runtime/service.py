@@ -19,7 +19,7 @@ from kvcache.unix_socket import OwnedSocket
 from .llama_backend import batch_variant_options
 from .request import Completion, RequestError, TokenEvent
 from .runtime import Runtime
-from .sampling import TokenLogprob
+from .sampling import GrammarTrigger, TokenLogprob
 from .v1 import runtime_pb2 as pb
 from .v1 import runtime_pb2_grpc as pb_grpc
 
@@ -57,7 +57,7 @@ def completion_message(c: Completion) -> pb.Completion:
         timings=pb.Timings(**c.timings), prompt_tokens=c.prompt_tokens,
         session_id=c.session_id, cache_tier=c.cache_tier,
         saves=[pb.SaveRecord(**save) for save in c.saves],
-        logprobs=[logprob_message(lp) for lp in c.logprobs])
+        logprobs=[logprob_message(lp) for lp in c.logprobs], choice=c.choice)
 
 
 def completion_from_message(m: pb.Completion) -> Completion:
@@ -70,19 +70,32 @@ def completion_from_message(m: pb.Completion) -> Completion:
         timings={f.name: getattr(m.timings, f.name) for f in pb.Timings.DESCRIPTOR.fields},
         prompt_tokens=m.prompt_tokens, session_id=m.session_id, cache_tier=m.cache_tier,
         saves=[{"reason": s.reason, "tokens": s.tokens, "key": s.key} for s in m.saves],
-        logprobs=[logprob_from_message(lp) for lp in m.logprobs])
+        logprobs=[logprob_from_message(lp) for lp in m.logprobs], choice=m.choice)
 
 
 def request_kwargs(request: pb.CompleteRequest) -> dict[str, Any]:
+    """The keyword arguments of Runtime.submit a CompleteRequest stands for (a field
+    left at proto3's zero means the submit default where zero is not a value of its
+    own: top_p, n; repeat_penalty, penalty_last_n and tenant are optional fields)."""
     kwargs: dict[str, Any] = {
         "max_tokens": request.max_tokens or None,  # 0: not given
         "until_context_full": request.until_context_full, "temperature": request.temperature,
-        "top_p": request.top_p or 1.0, "top_k": request.top_k, "stop": list(request.stop),
+        "top_p": request.top_p or 1.0, "top_k": request.top_k, "min_p": request.min_p,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "logit_bias": dict(request.logit_bias), "grammar": request.grammar,
+        "json_schema": request.json_schema or None, "json_object": request.json_object,
+        "grammar_triggers": [GrammarTrigger(t.value, t.pattern)
+                             for t in request.grammar_triggers],
+        "stop": list(request.stop), "n": request.n or 1,
         "session_id": request.session_id, "parent_key": request.parent_key,
         "prefix_tokens": request.prefix_tokens, "prefix_chars": request.prefix_chars,
         "seed": request.seed if request.HasField("seed") else None,
         "logprobs": request.logprobs, "top_logprobs": request.top_logprobs,
     }
+    for name in ("repeat_penalty", "penalty_last_n", "tenant"):
+        if request.HasField(name):
+            kwargs[name] = getattr(request, name)
     which = request.WhichOneof("input")
     if which == "prompt":
         kwargs["prompt"] = request.prompt
@@ -112,7 +125,8 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
                     if event.text or event.logprob is not None:
                         yield pb.CompleteEvent(text=event.text, token=max(event.token, 0),
                                                logprob=logprob_message(event.logprob,
-                                                                       self.piece))
+                                                                       self.piece),
+                                               choice=event.choice)
                 else:
                     yield pb.CompleteEvent(done=completion_message(event))
         # Messages are cut (details): one echoing a long field did not fit gRPC's 16 KiB
