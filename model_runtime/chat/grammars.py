@@ -32,11 +32,12 @@ from .messages import Tool
 __all__ = ["Constraint", "SchemaError", "envelope_grammar", "gbnf_literal",
            "schema_grammar", "tool_call_grammar"]
 
-# JSON's characters in a string: no raw control characters (the port allows them).
-JSON_CHAR = r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
+# JSON's characters in a string: no raw control characters (the port allows them). NUL
+# is left out of the classes: llama.cpp reads a grammar as a C string.
+JSON_CHAR = r'[^"\\\x7F\x01-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
 # A string as json.dumps(ensure_ascii=False) writes it: replies in the generic envelope are
 # then written back into the history byte for byte.
-CANONICAL_STRING = (r'"\"" ( [^"\\\x00-\x1F] | "\\" (["\\bfnrt] | "u00" [01] [0-9a-f]) )* '
+CANONICAL_STRING = (r'"\"" ( [^"\\\x01-\x1F] | "\\" (["\\bfnrt] | "u00" [01] [0-9a-f]) )* '
                     r'"\""')
 # Between the parts of a tool call: what models write there, and no runaway whitespace.
 WS = '| " " | "\\n"'

@@ -26,6 +26,7 @@ from ..chat.prompt import PromptPlan, plan_chat
 from ..chat.templates import TemplateError
 from .fleet import Fleet
 from .openai_api import (
+    PROTO_FIELDS,
     SESSION_HEADER,
     ApiError,
     GenRequest,
@@ -202,7 +203,16 @@ def refusal_error(exc: RuntimeRefused, req: GenRequest) -> ApiError:
     if exc.status == grpc.StatusCode.FAILED_PRECONDITION:  # sticky_busy
         return ApiError(409, f"{exc.code}: {exc.message}", param="session_id",
                         code="session_busy")
-    return ApiError(400, exc.message, code="invalid_value")
+    # The runtime names the setting it refused first ("grammar is not valid GBNF: ...",
+    # "min_p, n: not served yet").
+    setting = exc.message.replace(":", " ").replace(",", " ").split(" ", 1)[0]
+    param = {"penalty_last_n": "repeat_last_n"}.get(setting, setting)
+    chat = req.chat
+    if setting == "grammar" and chat is not None and chat.grammar is None:  # ours
+        param = "tool_choice" if chat.tools and chat.tool_choice.mode != "none" else \
+            "response_format"
+    return ApiError(400, exc.message, param=param if setting in PROTO_FIELDS else None,
+                    code="invalid_value")
 
 
 def failure_error(exc: WorkerFailure) -> ApiError:
