@@ -22,7 +22,8 @@ from .config import RuntimeConfig
 from .kv_cells import StateFormatError
 from .llama_backend import LlamaContext
 from .request import Request, Seq, common_prefix, servable
-from .sampling import TokenLogprob, sample, token_logprob
+from .sampler import RequestSampler
+from .sampling import TokenLogprob, token_logprob
 from .saver import SaveJob, Saver, Waypoint
 from .scheduler import BatchPlan
 
@@ -149,11 +150,17 @@ class Executor:
         assert seq is not None
         return token_logprob(seq.logits[len(seq.tokens)], token, req.sampling.top_logprobs)
 
+    def new_sampler(self, req: Request) -> None:
+        """Make the request's sampler chain (it has its sequence now)."""
+        req.sampler = RequestSampler(self.ctx.model, req.sampling, prompt=req.tokens,
+                                     choice=0, n_ctx=self.ctx.n_ctx)
+
     def sample(self, req: Request) -> int:
-        """The request's next token, from the scores after its sequence's cells."""
+        """The request's next token, from the scores after its sequence's cells, taken by
+        its chain (which records it). Raises GrammarDeadEnd."""
         seq = req.seq
-        assert seq is not None
-        return sample(seq.logits[len(seq.tokens)], req.sampling, req.rng)
+        assert seq is not None and req.sampler is not None
+        return req.sampler.take(seq.logits[len(seq.tokens)])
 
     # -- saves ----------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,6 +22,9 @@ from kvcache.client import LoadedBlob
 from kvcache.common import HIT_COLD
 
 from .sampling import SamplingParams, TextStream, TokenLogprob
+
+if TYPE_CHECKING:
+    from .sampler import RequestSampler
 
 
 class RequestError(Exception):
@@ -162,11 +165,11 @@ class Request:
     timings: Timings = field(default_factory=Timings)
     events: queue.Queue[Any] = field(default_factory=queue.Queue)
     stream: TextStream = field(init=False)
-    rng: np.random.Generator = field(init=False)
+    # Its llama.cpp sampler chain: made when it gets a sequence, closed when it ends.
+    sampler: RequestSampler | None = None
 
     def __post_init__(self) -> None:
         self.stream = TextStream(self.sampling.stop)
-        self.rng = np.random.default_rng(self.sampling.seed)
 
     def completion(self, reason: str, finish_key: bytes, text: str, now: float) -> Completion:
         return Completion(
