@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from .sampler import RequestSampler
 
 
+SessionKey = tuple[str, str]  # (tenant, session id)
+
+
 class RequestError(Exception):
     """A request the runtime refuses, with a machine-readable ``code``."""
 
@@ -144,7 +147,7 @@ class Request:
     parent_key: bytes = b""
     boundary: int = 0  # explicit cold save boundary (end of the system message); 0: none
     n: int = 1  # choices asked for
-    tenant: str = ""  # the salt of its cache namespace
+    tenant: str = ""  # the salt of its cache namespace: tenants share nothing
     # -- where it stands
     phase: Phase = Phase.ADMIT
     seq: Seq | None = None
@@ -171,6 +174,11 @@ class Request:
     def __post_init__(self) -> None:
         self.stream = TextStream(self.sampling.stop)
 
+    @property
+    def session_key(self) -> SessionKey | None:
+        """Its session, as the runtime names sessions: each tenant has its own ids."""
+        return (self.tenant, self.session_id) if self.session_id else None
+
     def completion(self, reason: str, finish_key: bytes, text: str, now: float) -> Completion:
         return Completion(
             text=text, tokens=list(self.generated), finish_reason=reason,
@@ -188,7 +196,9 @@ class Seq:
 
     id: int
     tokens: list[int] = field(default_factory=list)  # exactly what the KV cells hold
-    session: str = ""  # the session pinned to it ("" for none)
+    session: SessionKey | None = None  # the session pinned to it
+    # The tenant whose request put its KV there: only that tenant's requests reuse it.
+    tenant: str = ""
     request: Request | None = None  # the request running on it
     last_used: float = 0.0  # time.monotonic() of its last bind or release
     saved_len: int = 0  # length of the last state saved from this sequence
