@@ -207,12 +207,13 @@ class Executor:
         """The request's prompt as an entry of its own on the way to a longer state (its
         ``finish``), with the scores its first token was sampled from: the same prompt
         again restores it and decodes nothing before its first token."""
-        if req is None:
+        if req is None or req.cache.prompt_saved:
             return ()
         n = len(req.tokens)
         scores = _scores_bytes(seq, n)
         if not scores or n >= len(seq.tokens) or seq.tokens[:n] != req.tokens:
             return ()
+        req.cache.prompt_saved = True  # with the first save past it (continued or finish)
         return (Waypoint(n, "prompt", scores),)
 
 

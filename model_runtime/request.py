@@ -112,6 +112,7 @@ class CacheUse:
     tokens_read: int = 0  # prompt tokens served from a saved or live state
     tokens_saved: int = 0  # tokens its saves hold beyond those read
     saves: list[dict[str, Any]] = field(default_factory=list)  # reason, tokens, key (hex)
+    prompt_saved: bool = False  # its prompt went with a save (see Executor._prompt_waypoint)
 
 
 @dataclass

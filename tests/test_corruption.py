@@ -574,15 +574,17 @@ def test_request_over_a_corrupt_entry_completes_like_a_cold_run(
         p = sample_prompt(rt.tokenize, 100, TEXT_A)
         first = rt.complete(tokens=p, max_tokens=8)
         assert first.cache_hit_kind == "cold"
-        # Saved: cold at 64 tokens, finish at 107 (the prompt and all but the last token).
-        assert [(s["reason"], s["tokens"]) for s in first.saves] == [("cold", 64), ("finish", 107)]
+        # Saved: cold at 64 tokens, the prompt (100) and finish at 107 (the prompt and all
+        # but the last token), each a piece on the one before.
+        assert [(s["reason"], s["tokens"]) for s in first.saves] == \
+            [("cold", 64), ("prompt", 100), ("finish", 107)]
         flush(rt)
         finish = bytes.fromhex(first.finish_key)
         # The next turn's lookup finds the finish entry, its longest saved prefix. The
-        # same prompt again would find it too (it holds the whole prompt): without it, the
-        # cold entry is the only state that prompt can use.
+        # same prompt again would find it or the prompt's entry (both hold the whole
+        # prompt): without them, the cold entry is the only state that prompt can use.
         if kind == "payload_flip_cold":
-            admin.delete(finish)
+            admin.delete(bytes.fromhex(first.saves[1]["key"]))  # finish goes with it
             q, victim = p, bytes.fromhex(first.saves[0]["key"])
         else:
             q, victim = p + first.tokens[:-1] + sample_prompt(rt.tokenize, 12, TEXT_B)[1:], finish
@@ -595,9 +597,9 @@ def test_request_over_a_corrupt_entry_completes_like_a_cold_run(
             target = blob_file(d, victim)
         if kind == "swapped":
             # The other model's finish entry of the same request: the same size (a piece
-            # of 43 cells on its 64-token cold entry), valid checksums, the prompt's
-            # first 100 tokens. Only its namespace and generated tokens (hence its key)
-            # differ.
+            # of 7 cells on its 100-token prompt entry), valid checksums, the prompt's
+            # first 100 tokens. Only its namespace, parent and generated tokens (hence its
+            # key) differ.
             with runtime(other_model) as rt_b:
                 b = rt_b.complete(tokens=p, max_tokens=8)
                 flush(rt_b)
@@ -630,8 +632,9 @@ def test_request_over_a_corrupt_entry_completes_like_a_cold_run(
             flush(rt)
             assert admin.load(victim, prefix_of=q).meta.tokens == q[:64]
         else:
-            # Quarantined: the retry found the shorter cold entry.
-            assert (done.cache_hit_kind, done.cache_delta["tokens_read"]) == ("partial", 64)
+            # Quarantined: the retry found the shorter entry of the prompt (the finish
+            # piece's parent).
+            assert (done.cache_hit_kind, done.cache_delta["tokens_read"]) == ("partial", 100)
             assert finish not in listed(admin)
         if kind == "truncated_parent_key":
             assert stats.get("parent_key_unusable") == 1, stats

@@ -194,11 +194,12 @@ def test_host_a_computes_host_b_restores(host: Host,
     question = system + plain.tokenize(TEXT_B)[1:]
     first = rt_a.complete(tokens=question, prefix_tokens=len(system), max_tokens=8)
     assert first.cache_hit_kind == "cold"
-    # The system prompt, then the conversation as a piece on it.
-    assert len(first.saves) == 2 and first.saves[0]["tokens"] == len(system)
-    assert first.saves[1]["tokens"] >= len(question)
+    # The system prompt, then the question and the conversation as pieces on it.
+    assert [s["reason"] for s in first.saves] == ["cold", "prompt", "finish"]
+    assert first.saves[0]["tokens"] == len(system)
+    assert first.saves[1]["tokens"] == len(question) <= first.saves[2]["tokens"]
     flush(rt_a)
-    assert wait_uploads(a, 2)["remote_puts"] == 2
+    assert wait_uploads(a, 3)["remote_puts"] == 3
 
     # Only the system prompt is shared (the new text is longer): B fetches A's chain up to
     # it and serves it, as a partial hit from the remote.
@@ -208,7 +209,7 @@ def test_host_a_computes_host_b_restores(host: Host,
     assert partial.cache_delta["tokens_read"] >= len(system)
     assert partial.tokens == plain.complete(tokens=other, max_tokens=8).tokens
 
-    # The whole conversation: B lacks its last piece and fetches only that.
+    # The whole question: B lacks its piece and fetches only that.
     before = counters(b)
     restored = rt_b.complete(tokens=question, max_tokens=8)
     assert restored.cache_tier == "remote"

@@ -117,15 +117,20 @@ def test_hit_kinds_cold_exact_partial_sticky(make_runtime: Callable[..., Runtime
     first = rt.complete(tokens=p, max_tokens=8)
     assert first.finish_reason == "length" and len(first.tokens) == 8
     assert kinds(first) == ("cold", 0)
-    # cold at the last 32-aligned position >= 8 before the end; finish: all but the last.
-    assert [(s["reason"], s["tokens"]) for s in first.saves] == [("cold", 64), ("finish", 107)]
+    # cold at the last 32-aligned position >= 8 before the end; the prompt, with the
+    # scores its first token came from; finish: all but the last token.
+    assert [(s["reason"], s["tokens"]) for s in first.saves] == \
+        [("cold", 64), ("prompt", 100), ("finish", 107)]
     assert first.finish_key == first.saves[-1]["key"]
     assert first.cache_delta["tokens_saved"] == 107
     flush(rt)
 
+    # Each entry carries the scores after its last token: an exact hit on it decodes
+    # nothing before its first token (all of the prompt is read from the cache).
     boundary = rt.complete(tokens=p[:64], max_tokens=4)  # equals the cold entry
     assert kinds(boundary) == ("exact", 64)
-    assert boundary.cache_tier in ("ram", "disk")
+    assert boundary.cache_tier in ("ram", "disk") and boundary.timings["prefill_ms"] == 0
+    assert kinds(rt.complete(tokens=p, max_tokens=4)) == ("exact", 100)
     finished = p + first.tokens[:-1]  # equals the finish entry
     exact = rt.complete(tokens=finished, max_tokens=4)
     assert kinds(exact) == ("exact", 107)
@@ -147,9 +152,9 @@ def test_hit_kinds_cold_exact_partial_sticky(make_runtime: Callable[..., Runtime
     assert kinds(sticky) == ("sticky", len(q) + len(opened.tokens) - 1)
 
     stats = rt.stats()
-    for kind, n in (("cold", 2), ("exact", 2), ("partial", 2), ("sticky", 1)):
+    for kind, n in (("cold", 2), ("exact", 3), ("partial", 2), ("sticky", 1)):
         assert stats[f"hits_{kind}"] == n, stats
-    assert stats["restores_exact"] == 2 and stats["restores_partial"] == 2
+    assert stats["restores_exact"] == 3 and stats["restores_partial"] == 2
 
 
 def test_explicit_and_system_message_boundaries(make_runtime: Callable[..., Runtime]) -> None:
@@ -354,9 +359,10 @@ def test_continued_saves_every_interval(daemon_factory: Callable[..., DaemonProc
     p = prompt(rt, 40)
     done = rt.complete(tokens=p, max_tokens=12)
     assert done.finish_reason == "length" and len(done.tokens) == 12
-    # After the 4th, 8th and 12th sampled token: everything decoded so far.
+    # After the 4th, 8th and 12th sampled token: everything decoded so far (the first
+    # also stores the prompt, with the scores of its end).
     assert [(s["reason"], s["tokens"]) for s in done.saves] == [
-        ("cold", 32), ("continued", 43), ("continued", 47), ("continued", 51)]
+        ("cold", 32), ("prompt", 40), ("continued", 43), ("continued", 47), ("continued", 51)]
     # The finish state is the last continued save: not saved twice, and its key is it.
     assert done.finish_key == done.saves[-1]["key"]
     flush(rt)
@@ -364,6 +370,7 @@ def test_continued_saves_every_interval(daemon_factory: Callable[..., DaemonProc
     assert counters["saves_committed_continued"] == 3
     assert counters.get("saves_committed_finish", 0) == 0
     assert rt.stats()["saves_continued"] == 3
+    # The continued state holds the scores after its last token: nothing is decoded again.
     resumed = rt.complete(tokens=p + done.tokens[:7], max_tokens=2)
     assert kinds(resumed) == ("exact", 47)
 
@@ -856,7 +863,8 @@ def test_sticky_truncation_then_finish_key_names_a_real_entry(
     second = rt.complete(tokens=p[:90] + prompt(rt, 11, TEXT_B)[1:], max_tokens=8,
                          session_id="s")
     assert kinds(second) == ("sticky", 90)
-    assert [(s["reason"], s["tokens"]) for s in second.saves] == [("finish", 107)]
+    assert [(s["reason"], s["tokens"]) for s in second.saves] == \
+        [("prompt", 100), ("finish", 107)]
     flush(rt)
     with CacheClient(cache_daemon.address, timeout=10) as c:
         blob = c.load(bytes.fromhex(second.finish_key))

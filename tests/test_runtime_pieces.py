@@ -179,9 +179,10 @@ def test_conversations_over_one_system_prompt_store_it_once(
     after = dict(rt.stats())
     assert first.cache_hit_kind == "cold"
     assert {o.cache_hit_kind for o in outs} == {"partial"}
-    # Every later save was a piece on the stored prompt: only new cells were sent.
-    saves = delta(before, after, "saves_finish")
-    assert saves == 3 and delta(before, after, "saves_built_on_prefix") == saves
+    # Every later save (each conversation's prompt, then its finish state) was a piece
+    # on what was stored before it: only new cells were sent.
+    saves = delta(before, after, "saves_finish") + delta(before, after, "saves_prompt")
+    assert saves == 6 and delta(before, after, "saves_built_on_prefix") == saves
     assert delta(before, after, "tokens_stored") < delta(before, after, "tokens_saved") / 4
     stored, logical = disk_bytes(cache.address)
     # Three more conversations of ~330 tokens cost about their own ~60 tokens each.
@@ -244,15 +245,15 @@ def test_a_save_waits_for_another_writers_longer_prefix_and_builds_on_it(
     writer.close()
     flush(rt)
     stats = rt.stats()
-    # The cold save of the system prompt waited and found it stored; the finish save
-    # was built on it: only its own cells were sent.
-    assert (stats["saves_skipped_already_present"], stats["saves_built_on_prefix"]) == (1, 1)
-    assert stats["tokens_stored"] == stats["tokens_saved"] - len(system)
+    # The cold save of the system prompt waited and found it stored; the prompt's and
+    # the finish state's were built on it: only their own cells were sent.
+    assert (stats["saves_skipped_already_present"], stats["saves_built_on_prefix"]) == (1, 2)
+    full = system + rt.tokenize(TEXT_B)[1:] + done.tokens[:-1]
+    assert stats["tokens_stored"] == len(full) - len(system)
     after = daemon_counters(cache.address)
     assert delta(before, after, "lookups_waited_in_flight") == 1
     # The conversation restores from the writer's piece and its own, equal to cold.
     again = make_runtime()
-    full = system + rt.tokenize(TEXT_B)[1:] + done.tokens[:-1]
     warm = again.complete(tokens=full + [done.tokens[-1]], max_tokens=6)
     assert warm.cache_delta["tokens_read"] == len(full)
     cold = make_runtime(cache_address=None).complete(tokens=full + [done.tokens[-1]],
