@@ -32,6 +32,7 @@ ERROR_CODES = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "decode_failed": grpc.StatusCode.INTERNAL,
+    "grammar_dead_end": grpc.StatusCode.INVALID_ARGUMENT,  # the request's grammar
 }
 
 

@@ -8,6 +8,23 @@ import pytest
 from procs import Daemon
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--campaign", action="store_true",
+                     help="also run the tests marked campaign (the 1,000-kill crash campaign: "
+                          "tens of minutes, up to 90)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``campaign`` run only with --campaign, whatever -m says (a plain run,
+    ``-m slow`` and ``-m "not slow"`` all leave them out)."""
+    if config.getoption("--campaign"):
+        return
+    campaign = [item for item in items if item.get_closest_marker("campaign")]
+    if campaign:
+        config.hook.pytest_deselected(items=campaign)
+        items[:] = [item for item in items if not item.get_closest_marker("campaign")]
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     leftovers.record(session)
 

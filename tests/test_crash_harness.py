@@ -15,12 +15,13 @@ import random
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
-from crash_harness import Settings, run
+from crash_harness import CAMPAIGN_KILLS, CAMPAIGN_SECONDS, Settings, run
 from daemon_proc import DaemonProcess, wait_for
 from procs import pythonpath_env
 from test_daemon_crash import BLOCK, IDENT, counters, leftovers, payload_for, toks
@@ -35,19 +36,11 @@ DaemonFactory = Callable[..., DaemonProcess]
 # -- the harness ----------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1200)
-def test_a_hundred_kills_lose_nothing() -> None:
-    """At least 100 SIGKILLs under saves (both paths), lookups, loads, pins, prunes; after
-    every restart all that was acknowledged is there and whole, and nothing else is off.
-    ``seconds`` is only a safety net for a very slow machine (the run takes ~2 minutes on
-    2 shared cores): the assertions are about what survived, not how fast."""
-    seed = random.randrange(1 << 31)
-    result = run(Settings(kills=100, seconds=900.0, seed=seed))
+def assert_nothing_lost(result: dict[str, object], seed: int, kills: int) -> None:
     summary = json.dumps({k: v for k, v in result.items() if k != "problems"})
     problems = "\n".join(result["problems"])  # type: ignore[arg-type]
-    where = f"seed {seed}; work dir kept at {result['workdir']}\n{summary}\n{problems}"
-    assert result["kills"] >= 100 and result["kills_under_load"] >= 100, where
+    where = f"seed {seed}; kept: {result.get('remove_with')}\n{summary}\n{problems}"
+    assert result["kills"] >= kills and result["kills_under_load"] >= kills, where
     assert result["restart_failures"] == 0, where
     assert result["entries_lost"] == 0, where
     assert result["wrong_bytes_served"] == 0, where
@@ -57,7 +50,63 @@ def test_a_hundred_kills_lose_nothing() -> None:
     # Pieces were saved on acknowledged entries, and their chains checked after restarts.
     assert result["pieces_acknowledged"] > 0 and result["chains_checked"] > 0, where
     assert result["broken_chains"] == 0, where
+    # Deletes and prunes were answered, and none of what they took came back.
+    assert result["removals_acknowledged"] > 0 and result["resurrected"] == 0, where
     assert result["ok"], where
+    assert "kept" not in result, where
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_hundred_kills_lose_nothing() -> None:
+    """At least 100 SIGKILLs under saves (both paths), lookups, loads, pins, prunes,
+    deletes; after every restart all that was acknowledged is there and whole, nothing
+    whose removal was answered is back, and nothing else is off. ``seconds`` is only a
+    safety net for a very slow machine (the run takes ~2 minutes on 2 shared cores): the
+    assertions are about what survived, not how fast."""
+    seed = random.randrange(1 << 31)
+    assert_nothing_lost(run(Settings(kills=100, seconds=900.0, seed=seed)), seed, 100)
+
+
+@pytest.mark.slow
+@pytest.mark.campaign
+@pytest.mark.timeout(CAMPAIGN_SECONDS + 10 * 60)
+def test_a_thousand_kills_lose_nothing_and_bring_nothing_back() -> None:
+    """The campaign: 1,000 SIGKILLs, the kill phase bounded so that the run fits CI's
+    90-minute budget. Only when asked (``pytest --campaign``): it takes tens of minutes."""
+    seed = random.randrange(1 << 31)
+    result = run(Settings(kills=CAMPAIGN_KILLS, seconds=CAMPAIGN_SECONDS, seed=seed))
+    assert_nothing_lost(result, seed, CAMPAIGN_KILLS)
+
+
+def test_a_run_that_is_not_ok_keeps_its_folders_and_says_how_to_remove_them(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """A real failure (a stray file planted among the blobs, which the daemon leaves
+    alone and the harness reports): the work folder and the RAM tier stay for
+    inspection, the output names them, and its command removes exactly them."""
+    workdir = tmp_path / "w"
+    blobs = workdir / "data" / "blobs"
+
+    def plant() -> None:
+        deadline = time.monotonic() + 60
+        while not blobs.is_dir() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        (blobs / "zz").mkdir(exist_ok=True)
+        (blobs / "zz" / "stray.txt").write_text("not a blob")
+
+    planter = threading.Thread(target=plant)
+    planter.start()
+    result = run(Settings(kills=1, seconds=120.0, seed=1, workdir=workdir))
+    planter.join()
+    assert not result["ok"]
+    assert any("stray file" in p for p in result["problems"]), result["problems"]  # type: ignore[union-attr]
+    kept = [Path(p) for p in result["kept"]]  # type: ignore[union-attr]
+    assert workdir / "data" in kept and any(p.name.startswith("kvcrash-") for p in kept)
+    assert all(p.exists() for p in kept)
+    assert f"remove them with: {result['remove_with']}" in capfd.readouterr().err
+    subprocess.run(str(result["remove_with"]), shell=True, check=True)
+    assert not any(p.exists() for p in kept)
+    assert not (workdir / "data").exists()
 
 
 # -- a runtime killed mid-save --------------------------------------------------------------

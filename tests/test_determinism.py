@@ -253,6 +253,7 @@ def test_states_from_the_shared_tier_give_what_a_cold_prefill_gives(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # ~170 SmolLM2 requests: ~6 minutes on 2 quiet cores
 def test_every_reuse_path_gives_what_a_cold_prefill_gives_on_smollm2(
         daemon: DaemonProcess, runtimes: Callable[..., Runtime]) -> None:
     ran = check_every_path(default_model_path(), daemon, runtimes, 12)

@@ -481,6 +481,8 @@ texts = st.one_of(
 SCALARS: dict[int, st.SearchStrategy[Any]] = {
     FieldDescriptor.TYPE_UINT32: boundary_ints(U32),
     FieldDescriptor.TYPE_UINT64: boundary_ints(U64),
+    FieldDescriptor.TYPE_INT32: st.integers(-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_INT64: st.integers(-(2**63), 2**63 - 1),
     FieldDescriptor.TYPE_DOUBLE: st.floats(),
     FieldDescriptor.TYPE_FLOAT: st.floats(width=32),
     FieldDescriptor.TYPE_BOOL: st.booleans(),
@@ -502,7 +504,9 @@ def field_strategies(desc: Descriptor, overrides: dict[str, st.SearchStrategy[An
         if f.name in overrides:
             fields[f.name] = overrides[f.name]
         elif f.message_type is not None and f.message_type.GetOptions().map_entry:
-            fields[f.name] = st.dictionaries(texts, texts, max_size=4)
+            key, value = (f.message_type.fields_by_name[n] for n in ("key", "value"))
+            fields[f.name] = st.dictionaries(SCALARS[key.type], SCALARS[value.type],
+                                             max_size=4)
         else:
             if f.type == FieldDescriptor.TYPE_MESSAGE:
                 inner = message_strategy(f.message_type, {}, depth + 1) if depth < 2 else \

@@ -352,7 +352,7 @@ def capture_state(bench: Bench, tokens: list[int], path: Path, repeats: int = 5
     rt = bench.rt
     session = "bench-floor"
     done = bench.request(tokens, session_id=session, max_tokens=1)
-    seq = rt.engine.sessions[session]
+    seq = rt.engine.sessions[rt.config.tenant, session]
 
     def get() -> tuple[bytes, list[float], int, bytes]:
         times = []

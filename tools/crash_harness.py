@@ -1,15 +1,17 @@
 """Crash anywhere: SIGKILL the kvcache daemon at random moments under a mixed load.
 
     python tools/crash_harness.py --kills 100 --seconds 240 --json
+    python tools/crash_harness.py --campaign --json     # 1,000 kills, within 90 minutes
 
 A real daemon runs as a subprocess on a temp data directory (block size 16, a short
 lease, budgets far above what the run writes, so nothing is ever evicted). Each cycle
 starts client threads that save (same-host fast path and streamed), look up, load (both
-paths), pin, unpin, verify and prune, then kills the daemon with SIGKILL a random
-20-400 ms later and restarts it. Prunes and deletes only target a separate
-"disposable" model, so an acknowledged entry is never legitimately removed. Some saves are pieces built on an
-acknowledged entry (its first tokens, then new ones), so kills land in saves of shared
-prefixes too.
+paths), pin, unpin, verify, prune and delete, then kills the daemon with SIGKILL a
+random 20-400 ms later and restarts it. Prunes and deletes only target a separate
+"disposable" model, so an acknowledged entry is never legitimately removed. Some saves
+are pieces built on an acknowledged entry (its first tokens, then new ones), so kills
+land in saves of shared prefixes too; some are pieces built on a disposable entry, so
+kills land in deletes and prunes that take pieces with their parent.
 
 Now and then the kill lands while the daemon is still starting (reconciling) or in the
 middle of a graceful shutdown (SIGTERM, then SIGKILL up to 50 ms later).
@@ -24,7 +26,7 @@ After every restart, before any client touches the daemon:
   on), and every acknowledged piece's chain loads and fits;
 * every acknowledged entry (its Commit answered OK, status ``saved``) is listed with its
   size, and pinned as its last answered Pin/Unpin said; no entry whose prune or delete
-  was answered is back;
+  was answered (nor a piece such a delete took with it) is back (``resurrected``);
 * the Verify RPC passes for every entry that is new or changed tier since the last
   check, and for a rotating tenth of the rest (all of them every tenth restart);
 * the entries acknowledged since the last restart, a random sample of older ones, and
@@ -39,9 +41,11 @@ it), loads, pins and duplicate saves of acknowledged entries must find them. Pay
 from the tokens, so any entry found can be checked on its own.
 
 Prints one JSON object (``--json``) or a short summary. Exit status 1 if anything was
-lost, wrong, orphaned, unverified or unexpected. ``--seconds`` bounds the kill phase
-(the final check and shutdown come after it); when it runs out the harness stops
-killing and reports the kills done.
+lost, wrong, orphaned, resurrected, unverified or unexpected; the work folder and the
+RAM tier are then kept for inspection, and the output says where (``kept``) and the
+exact command that removes them (``remove_with``, also on stderr). ``--seconds`` bounds
+the kill phase (the final check and shutdown come after it); when it runs out the
+harness stops killing and reports the kills done.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ import argparse
 import contextlib
 import json
 import random
+import shlex
 import shutil
 import signal
 import sys
@@ -84,6 +89,11 @@ KEPT = Identity("fp-crash-kept", {"type_k": "f16"}, model_name="kept.gguf")
 # by this model name are the only removals in the run.
 DISPOSABLE = Identity("fp-crash-disposable", {"type_k": "f16"}, model_name="disposable.gguf")
 FAMILY_TOKENS = 120
+# The campaign (--campaign, and tests/test_crash_harness.py with --campaign): 1,000 kills;
+# CI gives it 90 minutes, so the kill phase stops at 80 and leaves the rest to the final
+# check and the shutdown (a run that stops short of the kills fails).
+CAMPAIGN_KILLS = 1000
+CAMPAIGN_SECONDS = 80 * 60.0
 MAX_PROBLEMS = 40
 
 # Operation mix of a client thread (weights).
@@ -91,7 +101,8 @@ OPS: dict[str, int] = {
     "save_kept": 30, "save_piece": 12, "save_disposable": 10, "save_duplicate": 5,
     "read_kept": 20,
     "read_kept_common_prefix": 5,
-    "read_disposable": 6, "pin": 6, "unpin": 5, "verify_one": 3, "prune": 4, "delete": 2,
+    "save_disposable_piece": 5,
+    "read_disposable": 6, "pin": 6, "unpin": 5, "verify_one": 3, "prune": 4, "delete": 3,
     "miss": 4,
 }
 
@@ -151,6 +162,8 @@ class Ledger:
     acked_keys: list[bytes] = field(default_factory=list)
     since_check: list[bytes] = field(default_factory=list)
     disposable: dict[bytes, tuple[int, ...]] = field(default_factory=dict)
+    # Disposable pieces: key -> (parent, base). A delete of an entry takes what is built on it.
+    disposable_piece: dict[bytes, tuple[bytes, int]] = field(default_factory=dict)
     # Disposable entries whose prune or delete was answered: gone for good. Disposable
     # tokens are never saved twice, so none of these may be listed again.
     removed: set[bytes] = field(default_factory=set)
@@ -208,7 +221,22 @@ class Ledger:
         with self.lock:
             for key in removed:
                 self.disposable.pop(key, None)
-                self.removed.add(key)
+                self.disposable_piece.pop(key, None)
+                if key not in self.removed:
+                    self.removed.add(key)
+                    self.counts["removals_acknowledged"] += 1
+
+    def built_on(self, key: bytes) -> list[bytes]:
+        """The disposable pieces saved (answered) on ``key``, theirs, and so on: a delete of
+        ``key`` answered OK took every one of them (each was published on it before)."""
+        with self.lock:
+            out, todo = [], [key]
+            while todo:
+                parent = todo.pop()
+                kids = [k for k, (p, _) in self.disposable_piece.items() if p == parent]
+                out += kids
+                todo += kids
+            return out
 
     def random_disposable(self, rng: random.Random) -> tuple[bytes, list[int]] | None:
         with self.lock:
@@ -308,6 +336,37 @@ class Worker:
         self.ledger.count("pieces_saved")
         if result.status == "saved":
             self.ledger.ack(result.key, tokens, result.size, base)
+
+    def op_save_disposable_piece(self, client: CacheClient) -> None:
+        """A piece built on a disposable entry: deletes and prunes then take pieces with
+        their parents, and a crash must not bring any of them back either."""
+        picked = self.ledger.random_disposable(self.rng)
+        if picked is None:
+            return
+        parent, parent_tokens = picked
+        with self.ledger.lock:
+            parent_base = self.ledger.disposable_piece.get(parent, (b"", 0))[1]
+        if len(parent_tokens) <= parent_base:
+            return
+        base = self.rng.randrange(parent_base + 1, len(parent_tokens) + 1)
+        tokens = parent_tokens[:base] + [self.rng.randrange(1, 60_000)
+                                         for _ in range(self.rng.randrange(1, 40))]
+        try:
+            result = client.save(DISPOSABLE, tokens, entry_payload(tokens, base),
+                                 self.rng.choice(blobfmt.SAVE_REASONS), parent=parent,
+                                 base=base)
+        except CacheError as exc:
+            if exc.code is not None and exc.code.name == "NOT_FOUND":
+                return  # its parent was pruned or deleted meanwhile: fine
+            if exc.code is not None and exc.code.name == "INVALID_ARGUMENT":
+                self.ledger.problem("server_errors", f"save_disposable_piece refused: {exc}")
+                return
+            raise
+        self.ledger.count(f"saves_{result.status}")
+        if result.status == "saved":
+            with self.ledger.lock:
+                self.ledger.disposable[result.key] = tuple(tokens)
+                self.ledger.disposable_piece[result.key] = (parent, base)
 
     def op_save_disposable(self, client: CacheClient) -> None:
         # Tokens of their own every time, so a removed entry can never come back legitimately.
@@ -449,9 +508,12 @@ class Worker:
                 self.ledger.problem("unverified", f"{result.key.hex()}: {result.error}")
 
     def op_prune(self, client: CacheClient) -> None:
-        # Now and then also trim the RAM tier: it only drops copies, never entries.
+        # Now and then also trim the RAM tier: it only drops copies, never entries. Mostly
+        # one save reason's entries (those others build on stay), so that disposable
+        # entries, and pieces on them, live long enough for deletes to take them.
         ram = 1 if self.rng.random() < 0.3 else 0
-        resp = client.prune(model=DISPOSABLE.model_name, max_ram_bytes=ram)
+        reason = self.rng.choice(["", *blobfmt.SAVE_REASONS])
+        resp = client.prune(model=DISPOSABLE.model_name, reason=reason, max_ram_bytes=ram)
         self.ledger.count("prunes")
         self.ledger.count("pruned_entries", len(resp.removed))
         for entry in resp.removed:
@@ -464,9 +526,10 @@ class Worker:
         if picked is None:
             return
         with contextlib.suppress(CacheError):  # gone, pinned or being read: all fine
-            client.delete(picked[0])
+            dependents = client.delete(picked[0])
             self.ledger.count("deletes")
-            self.ledger.forget([picked[0]])
+            self.ledger.count("dependents_deleted", dependents)
+            self.ledger.forget([picked[0], *self.ledger.built_on(picked[0])])
 
 
 class CrashHarness:
@@ -832,6 +895,10 @@ class CrashHarness:
                       and k != "saves_acknowledged"},
             "pins": n["pins"], "unpins": n["unpins"], "prunes": n["prunes"],
             "pruned_entries": n["pruned_entries"], "deletes": n["deletes"],
+            "dependents_deleted": n["dependents_deleted"],
+            # Entries whose prune or delete was answered (each checked for resurrection
+            # after every later restart).
+            "removals_acknowledged": n["removals_acknowledged"],
             "client_errors": dict(self.ledger.errors),
             "daemon_recovery": dict(self.daemon_counters),
             "restart_seconds": {"median": round(restarts[len(restarts) // 2], 3),
@@ -846,6 +913,15 @@ class CrashHarness:
             "problems": self.ledger.problems,
         }
 
+    def made(self) -> list[Path]:
+        """What the run made on disk and in memory: the work folder (or, in a folder it was
+        given, what it made there) and the RAM tier's folder."""
+        made = [self.workdir] if self.own_workdir else [
+            p for p in (self.data_dir, self.workdir / "daemon.log", self.socket) if p.exists()]
+        if not (self.own_workdir and self.ram_parent.is_relative_to(self.workdir)):
+            made.append(self.ram_parent)
+        return made
+
     def cleanup(self, keep: bool) -> None:
         self.daemon.kill()
         self.fast.close()
@@ -856,22 +932,42 @@ class CrashHarness:
                 shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+def removal_command(paths: list[Path]) -> str:
+    return "rm -rf -- " + " ".join(shlex.quote(str(p)) for p in paths)
+
+
 def run(settings: Settings) -> dict[str, object]:
-    """Run the harness; the work directory is kept when something failed."""
+    """Run the harness. When the run is not ok (or ``keep``), its work folder and RAM tier
+    are kept for inspection, and the result says where and the command that removes them
+    (``kept``, ``remove_with``)."""
     harness = CrashHarness(settings)
     result: dict[str, object] = {}
     try:
         result = harness.run()
-        return result
     finally:
-        harness.cleanup(keep=settings.keep or not result.get("ok", False))
+        keep = settings.keep or not result.get("ok", False)
+        harness.cleanup(keep=keep)
+        if keep:
+            made = harness.made()
+            result["kept"] = [str(p) for p in made]
+            result["remove_with"] = removal_command(made)
+            print(f"crash_harness: kept for inspection: {', '.join(map(str, made))}\n"
+                  f"crash_harness: remove them with: {result['remove_with']}",
+                  file=sys.stderr)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kills", type=int, default=100, help="SIGKILLs under load to deliver")
-    ap.add_argument("--seconds", type=float, default=240.0,
-                    help="stop killing after this long (the final check comes after)")
+    ap.add_argument("--campaign", action="store_true",
+                    help=f"the long run: {CAMPAIGN_KILLS:,} kills, the kill phase bounded at "
+                         f"{CAMPAIGN_SECONDS / 60:.0f} minutes so that the run fits CI's "
+                         "90-minute budget (--kills and --seconds still apply)")
+    ap.add_argument("--kills", type=int, default=None,
+                    help="SIGKILLs under load to deliver (default: 100)")
+    ap.add_argument("--seconds", type=float, default=None,
+                    help="stop killing after this long (the final check comes after; "
+                         "default: 240)")
     ap.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
     ap.add_argument("--workers", type=int, default=4, help="client threads per cycle")
     ap.add_argument("--min-delay-ms", type=float, default=20.0)
@@ -881,11 +977,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--json", dest="as_json", action="store_true", help="one JSON object")
     args = ap.parse_args(argv)
+    kills, seconds = (CAMPAIGN_KILLS, CAMPAIGN_SECONDS) if args.campaign else (100, 240.0)
     settings = Settings(
-        kills=args.kills, seconds=args.seconds,
+        kills=args.kills if args.kills is not None else kills,
+        seconds=args.seconds if args.seconds is not None else seconds,
         seed=args.seed if args.seed is not None else random.randrange(1 << 31),
         workers=args.workers, min_delay_ms=args.min_delay_ms, max_delay_ms=args.max_delay_ms,
         lease_seconds=args.lease_seconds, workdir=args.workdir, keep=args.keep)
+    # Stopped early (Ctrl-C, or SIGTERM; a background job starts with SIGINT ignored):
+    # the daemon is stopped and the run's folders are kept and named, as for a failed run.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     result = run(settings)
     if args.as_json:
         print(json.dumps(result, indent=2))

@@ -19,6 +19,9 @@ Publish protocol: reserve (lease) -> write chunks to tmp (verified as they arriv
 commit: verify size and checksums, fsync, rename into blobs/, fsync the directory, one
 LMDB transaction makes it visible, waiters wake. A crash before the LMDB commit leaves at
 worst a tmp file (swept) or an unindexed blob (re-indexed from its header at start-up).
+A removal runs the other way round: files, then a directory fsync, then rows (see
+Entries.remove_entry), so a blob without a row is always a publish cut short, never a
+removal.
 
 Modules, one concern each (read ``facade`` first, then the part you need):
 
@@ -46,6 +49,15 @@ Invariants, and the tests that hold them:
 * An entry is visible only once its blob is durable and whole; a kill at any point loses
   no committed entry and leaves none half-visible (tests/test_crash_harness.py::
   test_a_hundred_kills_lose_nothing, tests/test_daemon_crash.py).
+* A removal (delete, prune, eviction, quarantine, the pieces built on an entry with it)
+  that anyone could have seen is never undone by a crash, a kill or a power cut, at any
+  instant: its files go, and their directories are fsynced, before one transaction drops
+  its rows; start-up drops rows whose blob is gone and re-indexes only blobs, so once a row
+  is gone nothing is left to bring it back, not even a rebuilt index. A RAM copy goes
+  before the row stops saying "in RAM". No tombstones: a new save of a removed key is an
+  ordinary save (tests/test_durable_removals.py, one test per window of a removal, and
+  test_a_delete_with_pieces_and_ram_copies_killed_at_every_step_is_never_undone;
+  tests/test_crash_harness.py counts an answered delete or prune listed again as loss).
 * A piece is never visible without its parent: it is published only in a transaction
   that finds the parent, and removed with it (tests/test_pieces.py::
   test_a_corrupt_piece_takes_what_is_built_on_it, test_start_up_drops_pieces_whose_parent_is_gone).

@@ -4,6 +4,7 @@ built on each one, and removing an entry together with everything built on it.""
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections import Counter
@@ -11,13 +12,15 @@ from typing import TYPE_CHECKING
 
 from .. import blob as blobfmt
 from .. import keys
-from ..errors import Busy, InvalidArgument, NotFound
+from ..errors import Busy, InvalidArgument, NotFound, StoreError
 from ..index import Index, Record, dir_fsync
 
 if TYPE_CHECKING:
     from .reads import ReadPins
     from .settings import StoreConfig
     from .tiers import Layout, Tally
+
+log = logging.getLogger("kvcache")
 
 
 def check_tokens(raw_tokens: bytes, max_tokens: int) -> None:
@@ -54,7 +57,7 @@ class Entries:
 
     Locking: the children map changes with Store._cond held (add_child, drop_child);
     children, dependents, set_pinned, delete and remove_entry take it themselves (it is
-    re-entrant); remove_entry's file removals run after it is released."""
+    re-entrant); remove_entry holds it over its file removals too (see there)."""
 
     def __init__(self, config: StoreConfig, layout: Layout, index: Index, tally: Tally,
                  pins: ReadPins, counters: Counter[str], cond: threading.Condition) -> None:
@@ -160,29 +163,55 @@ class Entries:
                 self._cond.wait(left)  # woken whenever an entry stops being held
 
     def remove_entry(self, record: Record, counter: str) -> list[Record]:
-        """Unpublish an entry and everything built on it, in one index transaction (no
-        piece stays visible without its parent), then their files. A piece whose commit
-        is under way is in the children map before it is visible, so it is either removed
-        here or its publish finds the parent gone. Returns what was removed.
+        """Remove an entry and everything built on it: their files first, durably, then
+        their rows, in one index transaction (no piece stays visible without its parent).
+        Returns what was removed (nothing when the entry is gone already).
 
-        The dependents are read and removed under the store lock, also when the caller
-        does not hold it (quarantine): a piece added to the children map in between
-        would otherwise stay published without its parent."""
+        Files before rows, so that no crash undoes a removal anyone could have seen
+        (the invariant in the package docstring): until the rows go, a lookup still finds
+        the entry, and a crash leaves rows whose blob is gone, which start-up drops
+        (Reconcile); once the rows are gone, no blob is left to re-index. In between, the
+        store lock is held throughout, so no read opens a file that is going: a reader
+        waits, then finds the entry gone. Each blob goes before its RAM copy (a crash
+        between leaves a copy without a blob, removed at start-up) and each piece before
+        what it is built on (a crash between leaves a shorter chain, never a broken one).
+        The blob directories are fsynced before the rows go: a power cut cannot bring back
+        a blob whose row is gone.
+
+        A piece whose commit is under way is in the children map before it is visible, so
+        its file is removed here and its row either goes with the others or is never
+        written (its publish finds the parent gone). A file that cannot be removed (an
+        I/O error, not a missing file) stops the removal there: the entries whose files
+        went leave the index too (only pieces of those that stay: no chain breaks), the
+        others stay published, and StoreError says why."""
         with self._cond:
-            removed = self._index.delete_many([record.key, *self.dependents(record.key)])
+            if self._index.get(record.key) is None:
+                return []
+            doomed = [record.key, *self.dependents(record.key)]
+            gone: list[bytes] = []  # files removed, pieces before their parents
+            failure = ""
+            for key in reversed(doomed):  # nearest first reversed: each piece before its parent
+                try:
+                    self._layout.blob_path(key).unlink(missing_ok=True)
+                except OSError as exc:
+                    failure = f"could not remove the blob of entry {key.hex()}: {exc}"
+                    break
+                gone.append(key)
+                with contextlib.suppress(OSError):  # a copy left over goes at start-up
+                    self._layout.ram_path(key).unlink(missing_ok=True)
+            for d in sorted({self._layout.blob_path(k).parent for k in gone}):
+                try:
+                    dir_fsync(d)
+                except OSError as exc:  # the file is gone; only its durability is unknown
+                    log.warning("could not fsync %s after removing blobs: %s", d, exc)
+            removed = self._index.delete_many(gone[::-1])  # the entry first, as listed
             for r in removed:  # their tiers as they are now, not as when chosen
                 self._tally.entry_removed(r)
                 self._pins.forget_usage(r.key)
                 self.drop_child(r.parent, r.key)
                 self._children.pop(r.key, None)
                 self.counters[counter if r.key == record.key else "dependents_removed"] += 1
-        dirs = set()
-        for r in removed:
-            self._layout.ram_path(r.key).unlink(missing_ok=True)
-            path = self._layout.blob_path(r.key)
-            path.unlink(missing_ok=True)
-            dirs.add(path.parent)
-        for d in dirs:
-            with contextlib.suppress(OSError):
-                dir_fsync(d)
+        if failure:
+            raise StoreError(f"{failure}; the removal stopped there, the entries not yet "
+                             "removed stay")
         return removed

@@ -45,11 +45,17 @@ class Reconcile:
     * a blob the index does not know is re-indexed from its checksummed header, each
       piece after its parent (tests/test_daemon_crash.py::
       test_blob_renamed_but_not_indexed_is_reindexed, tests/test_pieces.py::
-      test_a_lost_index_is_rebuilt_parents_first);
+      test_a_lost_index_is_rebuilt_parents_first). That never undoes a removal: removals
+      take the files, durably, before the rows (Entries.remove_entry), so such a blob is
+      a publish that a crash cut short between its rename and its index commit
+      (tests/test_durable_removals.py);
     * a piece whose chain is broken goes, with what is built on it
       (tests/test_pieces.py::test_start_up_drops_pieces_whose_parent_is_gone);
     * RAM flags follow the RAM tier's files, whole <key>.kvc copies only
       (tests/test_store.py::test_a_ram_copy_cut_short_by_a_crash_is_not_taken_for_the_copy);
+      a dropped copy is unlinked before its flag is cleared, so a copy found is never one
+      a prune or an eviction dropped (tests/test_durable_removals.py::
+      test_a_ram_copy_dropped_by_a_prune_stays_dropped_after_a_kill);
     * an entry without passes rows gets them, its row otherwise kept (tests/test_store.py::
       test_an_entry_without_passes_rows_gets_them_at_start_up_and_keeps_its_row);
     * a new block size re-keys the entries

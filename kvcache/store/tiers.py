@@ -142,11 +142,20 @@ class RamCopies:
         self._cond = cond
 
     def drop_ram_copy(self, record: Record, counter: str) -> bool:
-        """Drop ``record``'s copy; False when the entry is gone (nothing was dropped)."""
-        if self._index.update(record.key, in_ram=False) is None:
-            return False
-        self._layout.ram_path(record.key).unlink(missing_ok=True)
+        """Drop ``record``'s copy; False when the entry is gone (nothing was dropped).
+
+        The file goes before the index stops saying "in RAM": the RAM tier outlives the
+        daemon, and start-up takes a whole copy it finds for the entry's copy, so a crash
+        after the flag but before the unlink would bring back a copy a prune had answered
+        for (tests/test_durable_removals.py::
+        test_a_ram_copy_dropped_by_a_prune_stays_dropped_after_a_kill). In between, the
+        store lock keeps every read from choosing the copy."""
         with self._cond:  # held by every caller already; re-entrant
+            if self._index.get(record.key) is None:
+                return False
+            self._layout.ram_path(record.key).unlink(missing_ok=True)
+            if self._index.update(record.key, in_ram=False) is None:
+                return False
             self._tally.ram_copy_dropped(record.size)
             self.counters[counter] += 1
         return True
