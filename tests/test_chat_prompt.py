@@ -100,6 +100,21 @@ def test_a_prompt_that_opens_reasoning_is_read_from_inside_it() -> None:
     assert not closed.inside_reasoning and closed.text.endswith("</think>\n\n")
 
 
+def test_a_prompt_that_closed_reasoning_gets_a_grammar_without_it() -> None:
+    """enable_thinking false: the template closed the block, so the constrained answer
+    starts at once (a grammar offering a new <think> block first lets a model spend its
+    tokens there)."""
+    tmpl, fmt = template("think")
+    tools = {"tools": [WEATHER], "tool_choice": ToolChoice("required")}
+    thinking = plan_chat(tmpl, fmt, ChatRequest(ask("q"), **tools))
+    closed = plan_chat(tmpl, fmt, ChatRequest(ask("q"), variables={"enable_thinking": False},
+                                              **tools))
+    assert thinking.constraint is not None and closed.constraint is not None
+    assert "<think>" in thinking.constraint.grammar
+    assert "<think>" not in closed.constraint.grammar
+    assert "think" not in closed.constraint.grammar.replace("get_weather", "")
+
+
 def test_each_tool_choice_gets_its_constraint() -> None:
     hermes = template("hermes")
     auto = plan_chat(*hermes, ChatRequest(ask("q"), tools=[WEATHER, NOOP]))

@@ -32,13 +32,19 @@ from .messages import Tool
 __all__ = ["Constraint", "SchemaError", "envelope_grammar", "gbnf_literal",
            "schema_grammar", "tool_call_grammar"]
 
+# What llama.cpp's grammar decodes from bytes that are not UTF-8 (it reads 0xF5-0xFF as the
+# lead of a 4-byte sequence, and 0xED 0xA0-0xBF as any other 3-byte one): surrogates and
+# values past U+10FFFF. Left out of the string classes, so a constrained string is valid
+# UTF-8 (every JSON parser decodes it as written, and its length is what the schema says).
+NOT_UTF8 = r'\uD800-\uDFFF\U00110000-\U003FFFFF'
 # JSON's characters in a string: no raw control characters (the port allows them). NUL
 # is left out of the classes: llama.cpp reads a grammar as a C string.
-JSON_CHAR = r'[^"\\\x7F\x01-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
+JSON_CHAR = (r'[^"\\\x7F\x01-\x1F' + NOT_UTF8 + r'] | "\\" (["\\/bfnrt] | '
+             r'"u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])')
 # A string as json.dumps(ensure_ascii=False) writes it: replies in the generic envelope are
 # then written back into the history byte for byte.
-CANONICAL_STRING = (r'"\"" ( [^"\\\x01-\x1F] | "\\" (["\\bfnrt] | "u00" [01] [0-9a-f]) )* '
-                    r'"\""')
+CANONICAL_STRING = (r'"\"" ( [^"\\\x01-\x1F' + NOT_UTF8 + r'] | '
+                    r'"\\" (["\\bfnrt] | "u00" [01] [0-9a-f]) )* "\""')
 # Between the parts of a tool call: what models write there, and no runaway whitespace.
 WS = '| " " | "\\n"'
 

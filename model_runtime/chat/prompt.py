@@ -78,13 +78,13 @@ def _check(req: ChatRequest) -> None:
                                         "response_format.")
 
 
-def _constraint(req: ChatRequest, fmt: ChatFormat, envelope: bool,
-                inside: bool) -> Constraint | None:
+def _constraint(req: ChatRequest, fmt: ChatFormat, envelope: bool, inside: bool,
+                closed: bool = False) -> Constraint | None:
     choice = req.tool_choice
     selected = [t for t in req.tools if choice.mode != "function" or t.name == choice.name]
     parallel = req.parallel_tool_calls and choice.mode != "function"
     calling = bool(req.tools) and choice.mode != "none"
-    reasoning = {"reasoning": fmt.reasoning, "inside_reasoning": inside}
+    reasoning = {"reasoning": None if closed else fmt.reasoning, "inside_reasoning": inside}
     if req.grammar is not None:
         return Constraint(req.grammar)
     if envelope:
@@ -130,6 +130,9 @@ def plan_chat(template: ChatTemplate, fmt: ChatFormat, req: ChatRequest) -> Prom
         except TemplateError:  # a template that needs a user turn: no boundary
             head_chars = 0
     inside = fmt.reasoning is not None and text.rstrip().endswith(fmt.reasoning[0])
-    return PromptPlan(fmt, text, head_chars, _constraint(req, fmt, envelope, inside),
+    # A prompt that closed the reasoning block itself (``enable_thinking`` false) asks for
+    # no reasoning: the grammar then starts at the answer.
+    closed = fmt.reasoning is not None and text.rstrip().endswith(fmt.reasoning[1])
+    return PromptPlan(fmt, text, head_chars, _constraint(req, fmt, envelope, inside, closed),
                       tools=bool(req.tools) and req.tool_choice.mode != "none",
                       envelope=envelope, inside_reasoning=inside)
