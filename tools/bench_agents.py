@@ -3,7 +3,8 @@
 
     python tools/bench_agents.py [--model PATH] [--threads 2] [--steps 8] [--rounds 2]
                                  [--requests 4] [--workloads agent,concurrent]
-                                 [--llama-server PATH] [--out FILE.json]
+                                 [--llama-server PATH | --without-llama-server]
+                                 [--out FILE.json]
 
 Prints ONE JSON document on stdout (progress on stderr).
 
@@ -20,7 +21,9 @@ Prints ONE JSON document on stdout (progress on stderr).
   (gaps between content chunks), with ratios kvcache / llama-server.
 
 llama-server comes from ``tools/build_llama_server.sh`` (the llama.cpp vendored in the
-llama-cpp-python sdist); without it the benchmark says so and stops.
+llama-cpp-python sdist); without it the benchmark says so and stops, unless
+``--without-llama-server`` asks for the gateway's figures alone (no ratios: nothing to
+compare them with).
 """
 
 from __future__ import annotations
@@ -197,12 +200,15 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4, help="per client and round")
     parser.add_argument("--workloads", default="agent,concurrent")
     parser.add_argument("--llama-server", type=Path, default=DEFAULT_BINARY)
+    parser.add_argument("--without-llama-server", action="store_true",
+                        help="the gateway alone: its figures, no side-by-side ratios")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     workloads = set(args.workloads.split(","))
-    if not args.llama_server.is_file():
+    if not args.without_llama_server and not args.llama_server.is_file():
         raise SystemExit(f"llama-server not found at {args.llama_server}: run "
-                         "`bash tools/build_llama_server.sh` first")
+                         "`bash tools/build_llama_server.sh` first (or pass "
+                         "--without-llama-server for the gateway's figures alone)")
     if args.model is None:
         from model_runtime.runtime import default_model_path
 
@@ -213,20 +219,22 @@ def main() -> None:
     gateway = Gateway(workdir / "gateway.log", "--model", f"bench={args.model}",
                       "--workers", "1", "--n-seq-max", str(N_CONCURRENT), "--n-ctx",
                       str(args.n_ctx), cache=daemon.address, threads=args.threads)
-    server = LlamaServer(args.llama_server, args.model, threads=args.threads,
-                         n_ctx=args.n_ctx * N_CONCURRENT, parallel=N_CONCURRENT,
-                         log_path=workdir / "llama-server.log", extra_args=["--jinja"])
+    server = None if args.without_llama_server else LlamaServer(
+        args.llama_server, args.model, threads=args.threads, n_ctx=args.n_ctx * N_CONCURRENT,
+        parallel=N_CONCURRENT, log_path=workdir / "llama-server.log", extra_args=["--jinja"])
     doc: dict[str, Any] = {"benchmark": "agents", "machine": machine_info(),
                            "settings": {k: str(v) for k, v in vars(args).items()},
                            "llama_server_argv": None}
     try:
         daemon.start()
-        log("starting the gateway (1 worker, 4 slots) and llama-server -np 4 --jinja")
+        log("starting the gateway (1 worker, 4 slots)" +
+            ("" if server is None else " and llama-server -np 4 --jinja"))
         gateway.start(timeout=300)
-        server.start()
-        doc["llama_server_argv"] = server.argv()[1:]
-        arms = [Arm("kvcache", f"{gateway.url}/v1", "bench"),
-                Arm("llama-server", f"http://127.0.0.1:{server.port}/v1", "bench")]
+        arms = [Arm("kvcache", f"{gateway.url}/v1", "bench")]
+        if server is not None:
+            server.start()
+            doc["llama_server_argv"] = server.argv()[1:]
+            arms.append(Arm("llama-server", f"http://127.0.0.1:{server.port}/v1", "bench"))
         if "agent" in workloads:
             doc["agent"] = {}
             for arm in arms:
@@ -240,8 +248,8 @@ def main() -> None:
                     "ttft_after_first_median_ms": round(statistics.median(
                         r["ttft_s"] for r in rows[1:]) * 1e3, 1) if len(rows) > 1 else None,
                     "steps_with_tool_calls": sum(1 for r in rows if r["tool_calls"])}
-            ours, theirs = doc["agent"]["kvcache"], doc["agent"]["llama-server"]
-            doc["agent"]["ratios"] = {
+            ours, theirs = doc["agent"]["kvcache"], doc["agent"].get("llama-server")
+            doc["agent"]["ratios"] = None if theirs is None else {
                 "prefilled_total": round(ours["prefilled_total"] /
                                          max(1, theirs["prefilled_total"]), 3),
                 "ttft_median": round(ours["ttft_median_ms"] / theirs["ttft_median_ms"], 3),
@@ -262,8 +270,8 @@ def main() -> None:
                     runs[arm.name].append(concurrent_round(arm, system, args.requests,
                                                            round_no))
             summary = {name: concurrent_summary(rounds) for name, rounds in runs.items()}
-            ours, theirs = summary["kvcache"], summary["llama-server"]
-            summary["ratios"] = {
+            ours, theirs = summary["kvcache"], summary.get("llama-server")
+            summary["ratios"] = None if theirs is None else {
                 "aggregate_tokens_per_s": round(ours["aggregate_tokens_per_s"] /
                                                 theirs["aggregate_tokens_per_s"], 3),
                 "ttft_median": round(ours["ttft"]["median"] / theirs["ttft"]["median"], 3),
@@ -271,7 +279,8 @@ def main() -> None:
                                             theirs["inter_token"]["median"], 3)}
             doc["concurrent"] = summary
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
         gateway.close()
         daemon.close()
         shutil.rmtree(workdir, ignore_errors=True)

@@ -1,10 +1,11 @@
 """Every worker of every model and tenant, and admission: a slot on the right worker now,
 or a clear refusal.
 
-Tenants: the runtime salts its cache keys with the tenant it was started with, and has no
-per-request tenant. So each tenant named in the API key file gets its own workers (per
-model, ``workers`` of them); a request runs on a worker of its key's tenant, never of one
-the caller names. With no key file, every request has the default tenant.
+Tenants: each tenant named in the API key file gets its own workers (per model,
+``workers`` of them), started with ``--tenant``; a request runs on a worker of its key's
+tenant, never of one the caller names. With no key file, every request has the default
+tenant. (The runtime also takes a tenant per request, which would let one worker serve
+every tenant; the fleet does not use it yet.)
 """
 
 from __future__ import annotations
