@@ -338,7 +338,9 @@ class Runtime:
         ``logprobs``: each generated token's log probability under the raw scores
         (before any sampling setting), and the ``top_logprobs`` most likely at its place.
 
-        ``n``: that many completions (choices) of the prompt. The prompt is computed or
+        ``n``: that many completions (choices) of the prompt; not served yet: ``n`` > 1
+        is refused (``invalid_argument``, "n: not served yet"), and what follows is the
+        contract it will keep. The prompt is computed or
         restored once, on one sequence, and copied to the others; every choice has its
         own chain (``seed + i``), and its events and Completion carry its ``choice``
         index. A request with ``n`` takes ``n`` sequences at once (it waits until that
