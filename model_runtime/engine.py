@@ -42,7 +42,8 @@ from kvcache.common import HIT_COLD, HIT_STICKY
 from .config import RuntimeConfig, SettingError, check_int
 from .counters import COUNTERS
 from .executor import Executor
-from .llama_backend import LlamaContext, LlamaDecodeError, LlamaModel
+from .identity import Identities
+from .llama_backend import GrammarDeadEnd, LlamaContext, LlamaDecodeError, LlamaError, LlamaModel
 from .request import (
     Call,
     Cancel,
@@ -75,7 +76,8 @@ class Engine:
                  cache: CacheClient | None, config: RuntimeConfig) -> None:
         self.model = model
         self.ctx = ctx
-        self.identity = identity
+        self.identity = identity  # the runtime's own tenant's (config.tenant)
+        self.identities = Identities(identity)  # any tenant's
         self.cache = cache
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()
@@ -87,11 +89,12 @@ class Engine:
         self.scheduler = Scheduler(ctx.n_seq_max, ctx.n_batch,
                                    cut_restored=ctx.can_truncate_restored(),
                                    cut_live=not model.is_recurrent)
-        self.executor = Executor(ctx, identity, cache, self.saver, config, count=self.count,
+        self.executor = Executor(ctx, self.identities, cache, self.saver, config,
+                                 count=self.count,
                                  key_of=self.key_of,
                                  on_latency=lambda name, s: self.on_latency(name, s))
         self.save_points = SavePoints(config, self.executor, self.count)
-        self.resolver = Resolver(cache, identity, self.saver, config,
+        self.resolver = Resolver(cache, self.identities, self.saver, config,
                                  plain_kv=ctx.can_truncate_restored(), count=self.count,
                                  session_keys=self.save_points.session_last_key)
         self._inbox: queue.Queue[Message] = queue.Queue()
@@ -146,7 +149,7 @@ class Engine:
         tenant = self.identity.tenant if tenant is None else tenant
         if not isinstance(tenant, str):
             raise SettingError("tenant", f"must be a string, got {tenant!r}")
-        _refuse_unbuilt(sampling, n, tenant != self.identity.tenant)
+        _refuse_unbuilt(n)
         req = Request(next(self._ids), list(tokens), sampling, session_id, parent_key,
                       boundary if 0 < boundary < len(tokens) else 0, n=n, tenant=tenant)
         # Checked and queued under the lock close() takes to set _stopping: a request is
@@ -198,10 +201,13 @@ class Engine:
             ("save_queue", ()): self.saver.pending(),
         }
 
-    def key_of(self, tokens: Sequence[int]) -> bytes:
-        """The daemon's key for a state of ``tokens`` (b"" while its block size is
-        unknown). On the model thread this never waits for the daemon."""
-        return self.resolver.key_of(tokens, wait=threading.current_thread() is not self._thread)
+    def key_of(self, tokens: Sequence[int], tenant: str | None = None) -> bytes:
+        """The daemon's key for a state of ``tokens`` of ``tenant`` (None: the runtime's
+        own), b"" while the daemon's block size is unknown. On the model thread this
+        never waits for the daemon."""
+        namespace = self.identities.namespace(self.identity.tenant if tenant is None else tenant)
+        return self.resolver.key_of(tokens, namespace,
+                                    wait=threading.current_thread() is not self._thread)
 
     # -- the model thread -------------------------------------------------------------------
 
@@ -237,13 +243,9 @@ class Engine:
             self.core.fail_running(RequestError("internal", f"internal error: {exc!r}"))
 
 
-def _refuse_unbuilt(sampling: SamplingParams, n: int, other_tenant: bool) -> None:
+def _refuse_unbuilt(n: int) -> None:
     """Options of the API that this build does not serve yet: refused, never ignored."""
-    unbuilt = [name for name, asked in (
-        ("min_p", sampling.min_p), ("repeat_penalty", sampling.repeat_penalty != 1.0),
-        ("presence_penalty", sampling.presence_penalty),
-        ("frequency_penalty", sampling.frequency_penalty), ("logit_bias", sampling.logit_bias),
-        ("grammar", sampling.grammar), ("n", n > 1), ("tenant", other_tenant)) if asked]
+    unbuilt = [name for name, asked in (("n", n > 1),) if asked]
     if unbuilt:
         raise RequestError("invalid_argument", f"{', '.join(unbuilt)}: not served yet")
 
@@ -311,6 +313,11 @@ class EngineCore:
             self.scheduler.unpin(seq)
             self.executor.clear(seq)
         binding = self.scheduler.bind(req, seq)
+        try:
+            self.executor.new_sampler(req)
+        except LlamaError as exc:  # (a grammar is checked before, so hardly ever)
+            self._fail(req, RequestError("invalid_argument", str(exc)))
+            return
         # Sticky: the session's live sequence already holds a prefix of this prompt.
         if binding.reuse is Reuse.STICKY and self.executor.truncate(seq, binding.keep):
             req.cache.hit_kind = HIT_STICKY
@@ -355,8 +362,17 @@ class EngineCore:
 
     def _first_token(self, req: Request) -> None:
         req.timings.first = time.perf_counter()
-        self._after_sample(req, self.executor.sample(req))
+        self._next_token(req)
         req.restored_from = []  # unmapped now, after the first token
+
+    def _next_token(self, req: Request) -> None:
+        try:
+            token = self.executor.sample(req)
+        except GrammarDeadEnd as exc:
+            self._fail(req, RequestError(
+                "grammar_dead_end", f"after {len(req.generated)} generated tokens: {exc}"))
+            return
+        self._after_sample(req, token)
 
     # -- one tick: a batch over every active sequence -------------------------------------
 
@@ -380,7 +396,7 @@ class EngineCore:
             if row.decode:
                 req.timings.decode += share
                 self.executor.keep_logits(req, row.start, decoded=True)
-                self._after_sample(req, self.executor.sample(req))
+                self._next_token(req)
                 continue
             req.timings.prefill += share
             if plan.logits[row.last]:  # the prompt's end or a save boundary
@@ -439,6 +455,9 @@ class EngineCore:
 
     def _release(self, req: Request) -> None:
         req.restored_from = []
+        if req.sampler is not None:  # whatever ended it: finish, failure, cancel
+            req.sampler.close()
+            req.sampler = None
         seq = self.scheduler.release(req)
         if seq is not None and not seq.session and not self.config.reuse_live:
             self.executor.clear(seq)

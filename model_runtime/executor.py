@@ -14,15 +14,17 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from kvcache.client import CacheClient, Identity, LoadedBlob
+from kvcache.client import CacheClient, LoadedBlob
 from kvcache.common import HIT_EXACT, HIT_PARTIAL, TIER_LIVE
 
 from . import kv_cells, pieces
 from .config import RuntimeConfig
+from .identity import Identities
 from .kv_cells import StateFormatError
 from .llama_backend import LlamaContext
 from .request import Request, Seq, common_prefix, servable
-from .sampling import TokenLogprob, sample, token_logprob
+from .sampler import RequestSampler
+from .sampling import TokenLogprob, token_logprob
 from .saver import SaveJob, Saver, Waypoint
 from .scheduler import BatchPlan
 
@@ -30,17 +32,18 @@ log = logging.getLogger("model_runtime")
 
 
 class Executor:
-    def __init__(self, ctx: LlamaContext, identity: Identity, cache: CacheClient | None,
+    def __init__(self, ctx: LlamaContext, identities: Identities, cache: CacheClient | None,
                  saver: Saver, config: RuntimeConfig, *, count: Callable[[str], None],
-                 key_of: Callable[[Sequence[int]], bytes],
+                 key_of: Callable[[Sequence[int], str], bytes],
                  on_latency: Callable[[str, float], None]) -> None:
         self.ctx = ctx
-        self.identity = identity
+        self.identities = identities  # each tenant's identity
         self.cache = cache
         self.saver = saver
         self.config = config
         self.count = count
-        self.key_of = key_of  # the key of a state (b"" while the block size is unknown)
+        # The key of a state of a tenant (b"" while the block size is unknown).
+        self.key_of = key_of
         self.on_latency = on_latency
         # Restores build llama.cpp's bytes here: kept across restores so its pages are
         # faulted in once, not on every restore.
@@ -149,11 +152,17 @@ class Executor:
         assert seq is not None
         return token_logprob(seq.logits[len(seq.tokens)], token, req.sampling.top_logprobs)
 
+    def new_sampler(self, req: Request) -> None:
+        """Make the request's sampler chain (it has its sequence now)."""
+        req.sampler = RequestSampler(self.ctx.model, req.sampling, prompt=req.tokens,
+                                     choice=0, n_ctx=self.ctx.n_ctx)
+
     def sample(self, req: Request) -> int:
-        """The request's next token, from the scores after its sequence's cells."""
+        """The request's next token, from the scores after its sequence's cells, taken by
+        its chain (which records it). Raises GrammarDeadEnd."""
         seq = req.seq
-        assert seq is not None
-        return sample(seq.logits[len(seq.tokens)], req.sampling, req.rng)
+        assert seq is not None and req.sampler is not None
+        return req.sampler.take(seq.logits[len(seq.tokens)])
 
     # -- saves ----------------------------------------------------------------------------
 
@@ -165,8 +174,8 @@ class Executor:
         if n < self.config.min_save_tokens or self.cache is None:
             return b""
         if n == seq.saved_len:
-            return seq.saved_key or self.key_of(seq.tokens)
-        key = self.key_of(seq.tokens)
+            return seq.saved_key or self.key_of(seq.tokens, seq.tenant)
+        key = self.key_of(seq.tokens, seq.tenant)
         if not key:
             self.count("saves_dropped")
             self.count("saves_dropped_unavailable")
@@ -176,7 +185,9 @@ class Executor:
         state = self.ctx.state_seq_get(seq.id, out=buffer)
         self.on_latency("state_get", time.perf_counter() - t0)
         as_cells = self.ctx.can_truncate_restored()
-        job = SaveJob(self.identity, tuple(seq.tokens), state, reason, key,
+        # The tenant whose requests made this KV: saved under its namespace only.
+        job = SaveJob(self.identities.of(seq.tenant), self.identities.namespace(seq.tenant),
+                      tuple(seq.tokens), state, reason, key,
                       as_cells=as_cells, buffer=buffer, logits=_scores_bytes(seq, n),
                       waypoints=self._prompt_waypoint(seq, req) if as_cells else ())
         if not self.saver.submit(job):  # dropped (counted): no entry to name or skip
@@ -186,7 +197,8 @@ class Executor:
             req.cache.tokens_saved = max(req.cache.tokens_saved, n - req.cache.tokens_read)
             for point in job.waypoints:
                 req.cache.saves.append({"reason": point.reason, "tokens": point.n_tokens,
-                                        "key": self.key_of(seq.tokens[:point.n_tokens]).hex()})
+                                        "key": self.key_of(seq.tokens[:point.n_tokens],
+                                                           seq.tenant).hex()})
             req.cache.saves.append({"reason": reason, "tokens": n, "key": key.hex()})
         return key
 

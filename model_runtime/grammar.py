@@ -115,27 +115,22 @@ class _Parser:
             raise self.fail(pos, "expecting an integer")
         return int(self.src[pos:end]), end
 
-    def char(self, pos: int) -> tuple[str, int]:
+    def char(self, pos: int) -> tuple[int, int]:
+        """A character (its code point, as llama.cpp reads it) and where the next starts."""
         c = self.at(pos)
         if not c:
             raise self.fail(pos, "unexpected end of input")
         if c != "\\":
-            return c, pos + 1
+            return ord(c), pos + 1
         kind = self.at(pos + 1)
         if kind in _HEX_DIGITS:
             digits = self.src[pos + 2:pos + 2 + _HEX_DIGITS[kind]]
             if len(digits) != _HEX_DIGITS[kind] or any(
                     d not in "0123456789abcdefABCDEF" for d in digits):
                 raise self.fail(pos, f"expecting {_HEX_DIGITS[kind]} hex digits after \\{kind}")
-            value = int(digits, 16)
-            if value > 0x10FFFF:
-                raise self.fail(pos, f"\\{kind}{digits} is beyond Unicode")
-            if value == 0:
-                raise self.fail(pos, "a NUL character cannot be matched (llama.cpp's "
-                                     "strings end there)")
-            return chr(value), pos + 2 + len(digits)
+            return int(digits, 16), pos + 2 + len(digits)
         if kind in _ESCAPES:
-            return _ESCAPES[kind], pos + 2
+            return ord(_ESCAPES[kind]), pos + 2
         raise self.fail(pos, f"unknown escape \\{kind}" if kind else "unexpected end of input")
 
     # -- structure ------------------------------------------------------------------------

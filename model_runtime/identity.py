@@ -3,6 +3,8 @@ never left to the caller (a wrong identity would restore a state into the wrong 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import threading
@@ -60,3 +62,23 @@ def runtime_identity(model_path: str | os.PathLike[str], kv_layout: dict[str, st
                      tenant: str = "") -> Identity:
     return Identity(model_fingerprint=model_fingerprint(model_path), kv_layout=kv_layout,
                     tenant=tenant, model_name=Path(model_path).name)
+
+
+class Identities:
+    """The identity of each tenant one runtime serves: the model's identity salted with
+    the tenant, and its namespace (hashed once per tenant, not per key). Any thread;
+    the most recently used tenants are kept (a request may name any tenant)."""
+
+    def __init__(self, base: Identity, max_tenants: int = 1024) -> None:
+        self.base = base
+        self._of = functools.lru_cache(maxsize=max_tenants)(self._identity)
+
+    def _identity(self, tenant: str) -> tuple[Identity, bytes]:
+        identity = dataclasses.replace(self.base, tenant=tenant)
+        return identity, identity.namespace
+
+    def of(self, tenant: str) -> Identity:
+        return self._of(tenant)[0]
+
+    def namespace(self, tenant: str) -> bytes:
+        return self._of(tenant)[1]

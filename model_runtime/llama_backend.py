@@ -50,13 +50,13 @@ import contextlib
 import ctypes
 import functools
 import json
+import math
 import os
 import struct
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -314,26 +314,6 @@ def _read_string(fn: Any, *args: Any, initial: int = 256) -> str:
         size = n + 1
 
 
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _raise_exception(message: str) -> None:
-    raise ValueError(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
 class _Owner:
     """Owns a llama.cpp object: ``close()`` frees it; usable as a context manager."""
 
@@ -397,7 +377,6 @@ class LlamaModel(_Owner):
         self.eos_token: int = _lc.llama_vocab_eos(self._vocab)
         self.add_bos: bool = bool(_lc.llama_vocab_get_add_bos(self._vocab))
         self._template_src: str | None = None
-        self._template: Any = None
         raw = _lc.llama_model_chat_template(model, None)
         if raw:
             self._template_src = raw.decode("utf-8", errors="replace")
@@ -542,46 +521,9 @@ class LlamaModel(_Owner):
 
     # -- chat template
     def chat_template(self) -> str | None:
-        """The GGUF's ``tokenizer.chat_template`` (jinja source), or None."""
+        """The GGUF's ``tokenizer.chat_template`` (jinja source), or None. Rendered by
+        :mod:`model_runtime.chat.templates`."""
         return self._template_src
-
-    def apply_chat_template(
-        self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True
-    ) -> str:
-        """Render ``messages`` with the model's jinja chat template.
-
-        Same environment as llama-cpp-python's ``Jinja2ChatFormatter`` (and HF
-        transformers): sandboxed, ``trim_blocks``/``lstrip_blocks``, ``loopcontrols``, a
-        ``tojson`` filter, and the variables ``bos_token``, ``eos_token``,
-        ``raise_exception``, ``strftime_now``, ``add_generation_prompt``.
-        The result contains special-token *texts*; tokenize it with
-        ``add_special=False, parse_special=True`` when the template emits BOS itself.
-        """
-        if self._template_src is None:
-            raise LlamaError(f"{self.path.name} has no chat template")
-        if self._template is None:
-            import jinja2
-            import jinja2.ext
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            env = ImmutableSandboxedEnvironment(
-                loader=jinja2.BaseLoader(),
-                trim_blocks=True,
-                lstrip_blocks=True,
-                extensions=[jinja2.ext.loopcontrols],
-            )
-            env.filters["tojson"] = _tojson
-            self._template = env.from_string(self._template_src)
-        return str(
-            self._template.render(
-                messages=messages,
-                bos_token=self.token_text(self.bos_token) if self.bos_token >= 0 else "",
-                eos_token=self.token_text(self.eos_token) if self.eos_token >= 0 else "",
-                raise_exception=_raise_exception,
-                strftime_now=_strftime_now,
-                add_generation_prompt=add_generation_prompt,
-            )
-        )
 
 
 # --------------------------------------------------------------------------- context
@@ -1013,8 +955,19 @@ class GrammarDeadEnd(LlamaError):
     """The grammar allows no token here (none of the vocabulary continues it)."""
 
 
+# The port's rule for a character of a JSON string lets control characters through (raw
+# newlines, \x16: invalid JSON, seen in its output); llama.cpp's own converter excludes
+# them, as JSON does. Excluded too: what llama.cpp's UTF-8 decoder takes for a character
+# but is none (surrogates; "code points" beyond U+10FFFF, which it makes of any byte from
+# 0xF5 on: invalid UTF-8, seen in its output as one character of a maxLength that Python
+# decodes to four U+FFFD).
+_PORT_JSON_CHAR = r'char ::= [^"\\] | '
+_JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F\uD800-\uDFFF\U00110000-\UFFFFFFFF] | '
+
+
 def json_schema_to_gbnf(schema_json: str, name: str = "root") -> str:
-    """llama.cpp's JSON-Schema-to-GBNF converter (as llama-cpp-python ports it): the
+    """llama.cpp's JSON-Schema-to-GBNF converter (as llama-cpp-python ports it, with
+    JSON strings' characters limited to those JSON and UTF-8 allow unescaped): the
     grammar of one JSON value valid for the schema, its rule named ``name``. Raises what
     the converter raises on a schema it cannot convert."""
     from llama_cpp.llama_grammar import SchemaConverter
@@ -1023,7 +976,9 @@ def json_schema_to_gbnf(schema_json: str, name: str = "root") -> str:
                                 raw_pattern=False)
     schema = converter.resolve_refs(json.loads(schema_json), "input")
     converter.visit(schema, "" if name == "root" else name)
-    return converter.format_grammar()
+    return "\n".join(_JSON_CHAR + line[len(_PORT_JSON_CHAR):]
+                     if line.startswith(_PORT_JSON_CHAR) else line
+                     for line in converter.format_grammar().split("\n"))
 
 
 def grammar_refusal(model: LlamaModel, grammar: str) -> str | None:
@@ -1171,35 +1126,31 @@ class SamplerChain(_Owner):
     def _apply(self, sampler: Any) -> None:
         _lc.llama_sampler_apply(sampler, ctypes.byref(self._array))
 
-    def _selected(self) -> int:
+    def _selected(self, why: str) -> int:
         array = self._array
         if not 0 <= array.selected < array.size:
             raise LlamaError("the sampler chain selected no token")
-        return int(array.data[array.selected].id)
-
-    def _some_allowed(self) -> bool:
-        # (The candidates are in id order: the samplers that reorder run after this.)
-        return bool(np.isfinite(self._logit_column).any())
+        chosen = array.data[array.selected]
+        if not math.isfinite(chosen.logit):  # every candidate was at -inf
+            raise GrammarDeadEnd(why)
+        return int(chosen.id)
 
     def sample(self, logits: np.ndarray, banned: Sequence[int] = ()) -> int:
         """The chain's token for ``logits`` (raw scores, one per vocabulary entry), never
         one of ``banned``; with an active grammar, one the grammar allows. Nothing is
         recorded: :meth:`accept` the token taken. Raises :class:`GrammarDeadEnd` when no
-        token is allowed at all."""
+        token is allowed at all (a -inf score for every one)."""
         chain = self._h()
         self._fill(logits, banned)
-        if banned and not self._some_allowed():
-            raise GrammarDeadEnd("every token is banned here")
         self._apply(chain)
-        token = self._selected()
+        token = self._selected("no token is allowed here (the logit bias and the banned "
+                               "tokens leave none)")
         if not self.grammar_active or self.allows(token):
             return token
         self._fill(logits, banned)
         self._apply(self._grammar)
-        if not self._some_allowed():
-            raise GrammarDeadEnd("the grammar allows no token here")
         self._apply(chain)
-        return self._selected()
+        return self._selected("the grammar allows no token here")
 
     def allows(self, token: int) -> bool:
         """Whether the grammar (active or not) allows ``token`` next; True without one."""
@@ -1212,11 +1163,12 @@ class SamplerChain(_Owner):
         _lc.llama_sampler_apply(self._grammar, ctypes.byref(one))
         return bool(np.isfinite(self._one["logit"][0]))
 
-    def accept(self, token: int) -> None:
+    def accept(self, token: int, *, feed_grammar: bool = True) -> None:
         """Record the token taken: in the chain, and in the active grammar (which must
-        allow it: checked, as llama.cpp would abort the process otherwise). An
-        end-of-generation token ends the output and is not fed to the grammar."""
-        if self.grammar_active and not self.model.is_eog(token):
+        allow it: checked, as llama.cpp would abort the process otherwise), unless not
+        ``feed_grammar`` (:meth:`start_grammar` fed it). An end-of-generation token
+        ends the output and is not fed to the grammar."""
+        if feed_grammar and self.grammar_active and not self.model.is_eog(token):
             if not self.allows(token):
                 raise LlamaError(f"the grammar does not allow token {token} here")
             _lc.llama_sampler_accept(self._grammar, token)

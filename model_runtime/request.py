@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,6 +22,12 @@ from kvcache.client import LoadedBlob
 from kvcache.common import HIT_COLD
 
 from .sampling import SamplingParams, TextStream, TokenLogprob
+
+if TYPE_CHECKING:
+    from .sampler import RequestSampler
+
+
+SessionKey = tuple[str, str]  # (tenant, session id)
 
 
 class RequestError(Exception):
@@ -142,7 +148,7 @@ class Request:
     parent_key: bytes = b""
     boundary: int = 0  # explicit cold save boundary (end of the system message); 0: none
     n: int = 1  # choices asked for
-    tenant: str = ""  # the salt of its cache namespace
+    tenant: str = ""  # the salt of its cache namespace: tenants share nothing
     # -- where it stands
     phase: Phase = Phase.ADMIT
     seq: Seq | None = None
@@ -163,11 +169,16 @@ class Request:
     timings: Timings = field(default_factory=Timings)
     events: queue.Queue[Any] = field(default_factory=queue.Queue)
     stream: TextStream = field(init=False)
-    rng: np.random.Generator = field(init=False)
+    # Its llama.cpp sampler chain: made when it gets a sequence, closed when it ends.
+    sampler: RequestSampler | None = None
 
     def __post_init__(self) -> None:
         self.stream = TextStream(self.sampling.stop)
-        self.rng = np.random.default_rng(self.sampling.seed)
+
+    @property
+    def session_key(self) -> SessionKey | None:
+        """Its session, as the runtime names sessions: each tenant has its own ids."""
+        return (self.tenant, self.session_id) if self.session_id else None
 
     def completion(self, reason: str, finish_key: bytes, text: str, now: float) -> Completion:
         return Completion(
@@ -186,7 +197,9 @@ class Seq:
 
     id: int
     tokens: list[int] = field(default_factory=list)  # exactly what the KV cells hold
-    session: str = ""  # the session pinned to it ("" for none)
+    session: SessionKey | None = None  # the session pinned to it
+    # The tenant whose request put its KV there: only that tenant's requests reuse it.
+    tenant: str = ""
     request: Request | None = None  # the request running on it
     last_used: float = 0.0  # time.monotonic() of its last bind or release
     saved_len: int = 0  # length of the last state saved from this sequence

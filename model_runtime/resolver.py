@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -29,14 +29,14 @@ from kvcache.client import (
     CacheError,
     CacheUnavailable,
     CorruptBlob,
-    Identity,
     LoadedBlob,
     LookupResult,
 )
 from kvcache.common import TIER_REMOTE
 
 from .config import RuntimeConfig
-from .request import Request, common_prefix, servable
+from .identity import Identities
+from .request import Request, SessionKey, common_prefix, servable
 from .saver import Saver
 
 log = logging.getLogger("model_runtime")
@@ -45,19 +45,18 @@ Chain = list[LoadedBlob]  # a saved state's blobs, root first
 
 
 class Resolver:
-    def __init__(self, cache: CacheClient | None, identity: Identity, saver: Saver,
+    def __init__(self, cache: CacheClient | None, identities: Identities, saver: Saver,
                  config: RuntimeConfig, *, plain_kv: bool, count: Callable[[str], None],
-                 session_keys: Mapping[str, tuple[bytes, int]]) -> None:
+                 session_keys: Mapping[SessionKey, tuple[bytes, int]]) -> None:
         self.cache = cache
-        self.identity = identity
-        self._namespace = identity.namespace  # computed once: key_of runs on every save
+        self.identities = identities  # each tenant's identity and namespace
         self.saver = saver
         self.config = config
         # A restored plain-attention state can be cut anywhere (see llama_backend's
         # LlamaContext.can_truncate_restored); SWA and recurrent states cannot.
         self.plain_kv = plain_kv
         self._count = count
-        self.session_keys = session_keys  # session -> (key, n_tokens) of its last save
+        self.session_keys = session_keys  # (tenant, session) -> (key, n_tokens) of its last save
         self._block_size: int | None = None
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-resolve")
 
@@ -99,7 +98,7 @@ class Resolver:
         candidates: list[tuple[str, bytes]] = []
         if req.parent_key:
             candidates.append(("parent", req.parent_key))
-        last = self.session_keys.get(req.session_id) if req.session_id else None
+        last = self.session_keys.get(req.session_key) if req.session_key else None
         # (Not worth loading when a live sequence already serves as much.)
         if last and last[1] <= limit and min(last[1], len(tokens) - 1) > req.live_keep:
             candidates.append(("session", last[0]))
@@ -118,6 +117,11 @@ class Resolver:
                     self._count("corrupt_blobs")
                 self._count(f"{source}_key_unusable")
                 log.info("%s key %s unusable: %s", source, key.hex(), exc)
+                continue
+            if chain[-1].meta.namespace != self.identities.namespace(req.tenant):
+                # Another tenant's entry (or another model's): a key is no pass into a
+                # namespace (tests/test_tenants_per_request.py).
+                self._count(f"{source}_key_unusable")
                 continue
             if len(chain[-1].meta.tokens) <= limit:
                 self._count(f"resolved_by_{source}")
@@ -179,8 +183,10 @@ class Resolver:
         # tokens of a longer state, would not be restored (see _longest_prefix).
         open_min = max(req.live_keep + 1, self.config.min_save_tokens)
 
+        identity = self.identities.of(req.tenant)
+
         def ask() -> LookupResult | None:
-            return cache.lookup(self.identity, tokens, max_tokens=limit,
+            return cache.lookup(identity, tokens, max_tokens=limit,
                                 common_prefix=self.plain_kv, open_min_tokens=open_min,
                                 timeout=self.config.cache_timeout_s)
 
@@ -190,7 +196,8 @@ class Resolver:
         more_than = served + self.config.min_save_tokens - 1
         if more_than >= len(tokens) - 1:
             return hit
-        queued = self.saver.in_flight_sharing(tokens, more_than=more_than)
+        queued = self.saver.in_flight_sharing(self.identities.namespace(req.tenant), tokens,
+                                              more_than=more_than)
         if not queued:
             return hit
         self._count("lookups_waited_own_save")
@@ -220,25 +227,25 @@ class Resolver:
             with contextlib.suppress(CacheError):
                 self._block_size = int(self.cache.stats().block_size) or None
 
-    def key_of(self, tokens: list[int] | tuple[int, ...], *, wait: bool) -> bytes:
-        """The daemon's key for a state of ``tokens``; b"" while the block size is
-        unknown."""
+    def key_of(self, tokens: Sequence[int], namespace: bytes, *, wait: bool) -> bytes:
+        """The daemon's key for a state of ``tokens`` in ``namespace``; b"" while the
+        block size is unknown."""
         bs = self.block_size(wait=wait)
         if bs is None:
             return b""
-        return keys.entry_key(self._namespace, tokens, bs).key
+        return keys.entry_key(namespace, tokens, bs).key
 
     # -- rejected states ------------------------------------------------------------------
 
     def forget_later(self, blob: LoadedBlob) -> None:
         """Delete a state llama.cpp refused: kept, every later request with its prefix
         would try it again, and its key would stop a good state from ever being saved."""
-        cache, tokens = self.cache, list(blob.meta.tokens)
+        cache, tokens, namespace = self.cache, list(blob.meta.tokens), blob.meta.namespace
         if cache is None:
             return
 
         def forget() -> None:
-            key = self.key_of(tokens, wait=True)
+            key = self.key_of(tokens, namespace, wait=True)
             # The daemon refuses to delete an entry while another runtime reads it (its
             # own work on it, such as its RAM copy, it waits for): that passes in
             # moments, so retry (tests/test_counters.py holds a read open across the

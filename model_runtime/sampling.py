@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import codecs
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -45,6 +46,17 @@ class GrammarTrigger:
         if not isinstance(self.value, str) or not self.value:
             raise SettingError("grammar_triggers", f"must be non-empty strings, got "
                                                    f"{self.value!r}")
+        if self.pattern:
+            try:
+                self.regex()
+            except re.error as exc:
+                raise SettingError("grammar_triggers", f"pattern {self.value!r} is not a "
+                                                       f"regular expression: {exc}") from None
+
+    def regex(self) -> re.Pattern[bytes]:
+        """The trigger as a pattern over the output's UTF-8 bytes."""
+        value = self.value.encode()
+        return re.compile(value if self.pattern else re.escape(value))
 
 
 @dataclass(frozen=True)
@@ -151,29 +163,6 @@ def token_logprob(logits: np.ndarray, token: int, top: int = 0) -> TokenLogprob:
         ids = ids[np.lexsort((ids, -scores[ids]))]
         best = tuple((int(i), float(scores[i]) - log_total) for i in ids)
     return TokenLogprob(int(token), float(scores[token]) - log_total, best)
-
-
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    if params.temperature == 0.0:
-        return int(np.argmax(logits))
-    # Shifted before dividing: logits / a tiny temperature overflow to inf, and inf - inf
-    # is NaN. Shifted, the best score is 0 and the others lie below it, down to -inf.
-    scores = logits.astype(np.float64)
-    with np.errstate(over="ignore"):  # to -inf: a probability of 0, as it should be
-        scores = (scores - np.max(scores)) / params.temperature
-    if params.top_k and params.top_k < scores.size:
-        cut = np.partition(scores, -params.top_k)[-params.top_k]
-        scores = np.where(scores >= cut, scores, -np.inf)
-    probs = np.exp(scores)
-    probs /= probs.sum()
-    if params.top_p < 1.0:
-        order = np.argsort(-probs)
-        cumulative = np.cumsum(probs[order])
-        keep = order[: int(np.searchsorted(cumulative, params.top_p)) + 1]
-        mask = np.zeros_like(probs)
-        mask[keep] = probs[keep]
-        probs = mask / mask.sum()
-    return int(rng.choice(probs.size, p=probs))
 
 
 class StopScanner:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 
 from .config import RuntimeConfig
 from .executor import Executor
-from .request import Request, Seq
+from .request import Request, Seq, SessionKey
 
 # Sessions whose last saved key is remembered (the least recently saved are forgotten):
 # one entry per session id ever seen would grow without bound.
@@ -41,9 +41,9 @@ class SavePoints:
         self.config = config
         self.executor = executor
         self._count = count
-        # session -> (key, n_tokens), least recently saved first; written on the model
-        # thread only (resolver threads just read it)
-        self.session_last_key: OrderedDict[str, tuple[bytes, int]] = OrderedDict()
+        # (tenant, session) -> (key, n_tokens), least recently saved first; written on the
+        # model thread only (resolver threads just read it)
+        self.session_last_key: OrderedDict[SessionKey, tuple[bytes, int]] = OrderedDict()
 
     def plan_cold(self, req: Request) -> None:
         """Where prefill must stop to save a reusable prefix (``req.save_at``; 0: nowhere)."""
@@ -79,14 +79,14 @@ class SavePoints:
             enabled, save_reason = self.config.save_finish, "finish"
         if enabled:
             key = self.executor.save(seq, save_reason, req)
-        if req.session_id and key:
-            self._remember(req.session_id, key, len(seq.tokens))
+        if req.session_key is not None and key:
+            self._remember(req.session_key, key, len(seq.tokens))
         return key
 
     def evict(self, seq: Seq) -> None:
         """An idle session's sequence is taken: its ``evict`` save, which the session's
         next request resumes from."""
-        if self.config.save_evict:
+        if self.config.save_evict and seq.session is not None:
             key = self.executor.save(seq, "evict", None)
             if key:
                 self._remember(seq.session, key, len(seq.tokens))
@@ -103,7 +103,7 @@ class SavePoints:
                 continue
             self.executor.save(seq, "shutdown", None)
 
-    def _remember(self, session: str, key: bytes, n_tokens: int) -> None:
+    def _remember(self, session: SessionKey, key: bytes, n_tokens: int) -> None:
         last = self.session_last_key
         last[session] = (key, n_tokens)
         last.move_to_end(session)

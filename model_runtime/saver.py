@@ -47,7 +47,8 @@ class Waypoint:
 
 @dataclass(frozen=True)
 class SaveJob:
-    identity: Identity
+    identity: Identity  # whose state: the model's identity salted with the tenant's
+    namespace: bytes  # that identity's (keys and in-flight saves are per namespace)
     tokens: tuple[int, ...]
     state: bytes | memoryview  # the sequence state as llama.cpp wrote it
     reason: str
@@ -73,8 +74,8 @@ class Saver:
         self.counters = counters
         self._lock = counters_lock
         self._queue: queue.Queue[SaveJob | None] = queue.Queue(maxsize=max_pending)
-        # Saves queued or being sent: key -> (tokens, set when done).
-        self._in_flight: dict[bytes, tuple[tuple[int, ...], threading.Event]] = {}
+        # Saves queued or being sent: key -> (namespace, tokens, set when done).
+        self._in_flight: dict[bytes, tuple[bytes, tuple[int, ...], threading.Event]] = {}
         self.buffers = StateBuffers()  # what the model thread copies states into
         # (reason, seconds) of every save the daemon published: reserve, write, commit.
         self.on_saved: Callable[[str, float], None] = lambda reason, seconds: None
@@ -89,7 +90,7 @@ class Saver:
         """Queue ``job``; False (counted) when the backlog is full. The engine never
         submits without a client (it takes no saves then)."""
         with self._lock:
-            self._in_flight.setdefault(job.key, (job.tokens, threading.Event()))
+            self._in_flight.setdefault(job.key, (job.namespace, job.tokens, threading.Event()))
         try:
             self._queue.put_nowait(job)
         except queue.Full:
@@ -109,16 +110,18 @@ class Saver:
         """An event set when the save of ``key`` (queued here) has finished, or None."""
         with self._lock:
             entry = self._in_flight.get(key)
-        return entry[1] if entry is not None else None
+        return entry[2] if entry is not None else None
 
-    def in_flight_sharing(self, tokens: Sequence[int], more_than: int) -> list[threading.Event]:
-        """Events of the saves queued here whose states share more than ``more_than``
-        leading tokens with ``tokens``: until they are published the daemon cannot
-        serve those tokens (the resolver waits for them, bounded)."""
+    def in_flight_sharing(self, namespace: bytes, tokens: Sequence[int],
+                          more_than: int) -> list[threading.Event]:
+        """Events of the saves of ``namespace`` queued here whose states share more than
+        ``more_than`` leading tokens with ``tokens``: until they are published the daemon
+        cannot serve those tokens (the resolver waits for them, bounded). Another
+        tenant's saves are never waited for: they could serve nothing."""
         with self._lock:
             queued = list(self._in_flight.values())
-        return [event for saved, event in queued
-                if len(saved) > more_than and len(tokens) > more_than
+        return [event for space, saved, event in queued
+                if space == namespace and len(saved) > more_than and len(tokens) > more_than
                 and saved[:more_than + 1] == tuple(tokens[:more_than + 1])]
 
     def _finish(self, job: SaveJob) -> None:
@@ -127,7 +130,7 @@ class Saver:
         with self._lock:
             entry = self._in_flight.pop(job.key, None)
         if entry is not None:
-            entry[1].set()
+            entry[2].set()
 
     def _run(self) -> None:
         while True:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .request import Phase, Request, RequestError, Seq, common_prefix, servable
+from .request import Phase, Request, RequestError, Seq, SessionKey, common_prefix, servable
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class Scheduler:
     def __init__(self, n_seq: int, n_batch: int, *, cut_restored: bool,
                  cut_live: bool = True) -> None:
         self.seqs = [Seq(i) for i in range(n_seq)]
-        self.sessions: dict[str, Seq] = {}  # session id -> its pinned sequence
+        self.sessions: dict[SessionKey, Seq] = {}  # (tenant, session id) -> its sequence
         self.waiting: list[Request] = []  # admitted, waiting for a sequence (oldest first)
         self.resolving: set[Request] = set()  # waiting for cache I/O
         self.running: list[Request] = []  # prefill or decode, in the order they started
@@ -99,14 +99,14 @@ class Scheduler:
         """A session's request goes to its pinned sequence (busy: ``sticky_busy``);
         any other to a free sequence, else an idle session's; else it waits (queued
         here)."""
-        sid = req.session_id
-        if sid and sid in self.sessions:
-            seq = self.sessions[sid]
+        key, sid = req.session_key, req.session_id
+        if key is not None and key in self.sessions:
+            seq = self.sessions[key]
             if seq.request is not None:
                 return Admission(error=RequestError(
                     "sticky_busy", f"session {sid!r} has a request running"))
             return Admission(seq)
-        if sid and any(r.session_id == sid for r in self.waiting):
+        if key is not None and any(r.session_key == key for r in self.waiting):
             return Admission(error=RequestError(
                 "sticky_busy", f"session {sid!r} has a request waiting"))
         admission = self._place(req)
@@ -129,7 +129,7 @@ class Scheduler:
         if free:
             # The one whose live KV serves the most of the prompt; else the least recently
             # used, so the most recent finished states stay reusable longest.
-            return Admission(max(free, key=lambda s: (self.reusable_prefix(s, req.tokens),
+            return Admission(max(free, key=lambda s: (self.reusable_prefix(s, req),
                                                       -s.last_used)))
         idle = [s for s in self.seqs if s.request is None and s.session]
         if not idle:
@@ -138,20 +138,23 @@ class Scheduler:
 
     def unpin(self, seq: Seq) -> None:
         """The sequence no longer belongs to its session (it was evicted)."""
+        assert seq.session is not None
         del self.sessions[seq.session]
-        seq.session = ""
+        seq.session = None
 
     def bind(self, req: Request, seq: Seq) -> Binding:
         """Put ``req`` on ``seq`` (pinning its session there) and say what of the
         sequence's live KV it can keep."""
-        own_session = bool(req.session_id) and seq.session == req.session_id
+        key = req.session_key
+        own_session = key is not None and seq.session == key
         req.seq = seq
         seq.request = req
         seq.last_used = time.monotonic()
-        if req.session_id:
-            seq.session = req.session_id
-            self.sessions[req.session_id] = seq
-        keep = self.reusable_prefix(seq, req.tokens)
+        keep = self.reusable_prefix(seq, req)
+        seq.tenant = req.tenant  # (what it keeps is the same tenant's)
+        if key is not None:
+            seq.session = key
+            self.sessions[key] = seq
         if own_session and keep:
             return Binding(Reuse.STICKY, keep)
         if own_session or not keep:
@@ -159,11 +162,15 @@ class Scheduler:
         req.live_keep = keep
         return Binding(Reuse.LIVE, keep)
 
-    def reusable_prefix(self, seq: Seq, tokens: Sequence[int]) -> int:
-        """How many of ``tokens`` the sequence's live KV can serve in place: the common
-        prefix; all of them only where the sequence kept the scores after them (else the
-        last is decoded again for them); 0 where cutting the sequence is not safe (a
-        restored SWA/recurrent state)."""
+    def reusable_prefix(self, seq: Seq, req: Request) -> int:
+        """How many of the request's prompt tokens the sequence's live KV can serve in
+        place: the common prefix; all of them only where the sequence kept the scores
+        after them (else the last is decoded again for them); 0 where cutting the
+        sequence is not safe (a restored SWA/recurrent state), and 0 for another tenant's
+        KV (tests/test_tenants_per_request.py)."""
+        if seq.tenant != req.tenant:
+            return 0
+        tokens = req.tokens
         keep = servable(common_prefix(seq.tokens, tokens), len(tokens),
                         len(tokens) in seq.logits)
         if keep <= 0 or (keep < len(seq.tokens) and not self.can_cut(seq)):

@@ -6,7 +6,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -32,14 +32,18 @@ ERROR_CODES = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "decode_failed": grpc.StatusCode.INTERNAL,
+    "grammar_dead_end": grpc.StatusCode.INVALID_ARGUMENT,  # the request's grammar
 }
 
 
-def logprob_message(lp: TokenLogprob | None) -> pb.TokenLogprob | None:
+def logprob_message(lp: TokenLogprob | None,
+                    piece: Callable[[int], bytes] = lambda token: b"") -> pb.TokenLogprob | None:
+    """``piece``: a token's text (the gateway shows each token's text, as OpenAI does)."""
     if lp is None:
         return None
-    return pb.TokenLogprob(token=lp.token, logprob=lp.logprob,
-                           top=[pb.TopLogprob(token=t, logprob=v) for t, v in lp.top])
+    return pb.TokenLogprob(token=lp.token, logprob=lp.logprob, piece=piece(lp.token),
+                           top=[pb.TopLogprob(token=t, logprob=v, piece=piece(t))
+                                for t, v in lp.top])
 
 
 def logprob_from_message(m: pb.TokenLogprob) -> TokenLogprob:
@@ -86,7 +90,7 @@ def request_kwargs(request: pb.CompleteRequest) -> dict[str, Any]:
                              for t in request.grammar_triggers],
         "stop": list(request.stop), "n": request.n or 1,
         "session_id": request.session_id, "parent_key": request.parent_key,
-        "prefix_tokens": request.prefix_tokens,
+        "prefix_tokens": request.prefix_tokens, "prefix_chars": request.prefix_chars,
         "seed": request.seed if request.HasField("seed") else None,
         "logprobs": request.logprobs, "top_logprobs": request.top_logprobs,
     }
@@ -110,6 +114,9 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
 
+    def piece(self, token: int) -> bytes:
+        return self.runtime.model.token_to_piece(token, render_special=True)
+
     def Complete(self, request: pb.CompleteRequest, context: Any) -> Iterator[pb.CompleteEvent]:
         try:
             events = self.runtime.complete(stream=True, **request_kwargs(request))
@@ -118,7 +125,8 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
                     # (token -1: held-back text flushed at the end)
                     if event.text or event.logprob is not None:
                         yield pb.CompleteEvent(text=event.text, token=max(event.token, 0),
-                                               logprob=logprob_message(event.logprob),
+                                               logprob=logprob_message(event.logprob,
+                                                                       self.piece),
                                                choice=event.choice)
                 else:
                     yield pb.CompleteEvent(done=completion_message(event))
@@ -133,7 +141,11 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
 
     def Stats(self, request: pb.RuntimeStatsRequest, context: Any) -> pb.RuntimeStatsResponse:
         rt = self.runtime
+        template = rt.template
         return pb.RuntimeStatsResponse(
+            chat_template=template.source if template else "",
+            bos_text=template.bos_token if template else "",
+            eos_text=template.eos_token if template else "", add_bos=rt.model.add_bos,
             counters=rt.stats(), model_path=str(rt.model_path),
             model_fingerprint=rt.identity.model_fingerprint, kv_layout=rt.identity.kv_layout,
             n_seq_max=rt.ctx.n_seq_max, n_ctx=rt.ctx.n_ctx, cache_reachable=rt.cache_reachable(),

@@ -67,6 +67,22 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_hermes_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a Hermes-style tool template (Qwen 2.5's shape)."""
+    from conftest_llama import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory, chat_template="hermes")
+
+
+@pytest.fixture(scope="session")
+def tiny_think_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with tools and <think> reasoning in its template (Qwen 3's shape)."""
+    from conftest_llama import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory, chat_template="think")
+
+
+@pytest.fixture(scope="session")
 def tiny_swa_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny sliding-window model (window 32, 4 layers)."""
     from conftest_llama import make_tiny_swa_model

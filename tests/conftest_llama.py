@@ -37,11 +37,13 @@ SAMPLE_TEXT = (
 )
 
 
-def make_tiny_model(tmp_path_factory: pytest.TempPathFactory, *, seed: int = 0) -> Path:
-    """Write the tiny llama GGUF (2 layers, n_embd 64, ~0.5 MB) into a session temp dir."""
+def make_tiny_model(tmp_path_factory: pytest.TempPathFactory, *, seed: int = 0,
+                    chat_template: str = "chatml") -> Path:
+    """Write the tiny llama GGUF (2 layers, n_embd 64, ~0.5 MB) into a session temp dir,
+    with one of make_tiny_gguf's chat templates (ChatML, Hermes-style tools, <think>)."""
     return write_tiny_llama_gguf(
-        tmp_path_factory.mktemp("tiny_model") / f"tiny-{seed}.gguf", seed=seed
-    )
+        tmp_path_factory.mktemp("tiny_model") / f"tiny-{chat_template}-{seed}.gguf",
+        seed=seed, chat_template=chat_template)
 
 
 def make_tiny_swa_model(

@@ -35,6 +35,7 @@ from test_daemon import BLOCK, IDENT, DaemonFactory, blob_file, flip_payload, pa
 from kvcache import keys
 from kvcache.cli import human_bytes
 from kvcache.client import CacheClient, Identity
+from model_runtime.chat.templates import ChatTemplate
 from model_runtime.identity import hash_file
 
 BOB = Identity(IDENT.model_fingerprint, IDENT.kv_layout, tenant="bob",
@@ -473,7 +474,7 @@ def chat_tokens(model_path: Path) -> tuple[list[int], str]:
     from model_runtime.llama_backend import LlamaModel
 
     with LlamaModel(model_path) as m:
-        text = m.apply_chat_template([{"role": "system", "content": "Be brief. " * 10},
+        text = ChatTemplate.of_model(m).render([{"role": "system", "content": "Be brief. " * 10},
                                       {"role": "user", "content": "Where is the cat?"}])
         return m.tokenize(text, add_special=False, parse_special=True), text
 

@@ -212,8 +212,10 @@ def test_restores_after_a_daemon_restart_give_what_a_cold_prefill_gives(
         writer = runtimes(tiny_model, d.address)
         cold = runtimes(tiny_model, None, n_seq_max=1)
         batch = prompts(cold, 10, seed=1)
-        firsts = [ask(writer, p) for p in batch]
-        flush(writer)
+        firsts = []
+        for p in batch:  # each one's saves sent before the next: none dropped by a full
+            firsts.append(ask(writer, p))  # backlog (3 saves a request, 8 queued at most)
+            flush(writer)
         d.close()
         d = DaemonProcess(tmp_path / "data", *BLOCKS).start()
         reader = runtimes(tiny_model, d.address)

@@ -148,9 +148,13 @@ def test_each_key_runs_as_its_tenant(tls_gw: GatewayProcess, pki: dict[str, Path
     alice, bob = client(tls_gw, pki, ALICE), client(tls_gw, pki, BOB)
     first = alice.chat.completions.create(model="tiny", messages=messages, max_tokens=3,
                                           temperature=0)
-    # The caller cannot pick its tenant: a "tenant" field is ignored like any unknown one.
+    # The caller cannot pick its tenant: a "tenant" field is refused like any unknown one.
+    with pytest.raises(openai.BadRequestError) as err:
+        bob.chat.completions.create(model="tiny", messages=messages, max_tokens=3,
+                                    temperature=0, extra_body={"tenant": "alice"})
+    assert err.value.body["param"] == "tenant"  # type: ignore[index]
     other = bob.chat.completions.create(model="tiny", messages=messages, max_tokens=3,
-                                        temperature=0, extra_body={"tenant": "alice"})
+                                        temperature=0)
     again = alice.chat.completions.create(model="tiny", messages=messages, max_tokens=3,
                                           temperature=0)
     assert first.model_extra["kvcache"]["tenant"] == "alice"

@@ -14,12 +14,12 @@ import pytest
 from model_runtime.gateway.keys import ApiKeys, KeyConfigError, check_listener, is_loopback
 from model_runtime.gateway.openai_api import (
     ApiError,
-    chunk,
     parse_chat,
     parse_completion,
     parse_json,
-    usage,
+    served_text,
 )
+from model_runtime.gateway.openai_output import chunk, usage
 from model_runtime.gateway.ring import LogRing
 from model_runtime.gateway.router import (
     MIN_ROUTE_CHARS,
@@ -49,7 +49,7 @@ def test_chat_defaults_follow_openai() -> None:
     assert not req.stream and not req.include_usage and req.stop == []
     proto = req.to_proto()
     assert proto.max_tokens == 0 and proto.until_context_full  # no limit given
-    assert proto.WhichOneof("input") == "chat" and not proto.HasField("seed")
+    assert not proto.HasField("seed")
 
 
 def test_chat_fields_are_mapped() -> None:
@@ -65,9 +65,9 @@ def test_chat_fields_are_mapped() -> None:
     proto = req.to_proto()  # a limit given: it must fit with the prompt, or be refused
     assert proto.max_tokens == 7 and not proto.until_context_full
     assert req.include_usage and req.session_id == "from-header"
-    assert req.messages == [{"role": "system", "content": "be brief"},
-                            {"role": "user", "content": "ab"},
-                            {"role": "assistant", "content": ""}]
+    assert req.chat is not None
+    assert [(m.role, m.content) for m in req.chat.messages] == [
+        ("developer", "be brief"), ("user", "ab"), ("assistant", "")]
     body_wins = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}],
                             "session_id": "from-body"}, session_header="from-header")
     assert body_wins.session_id == "from-body"
@@ -77,7 +77,8 @@ def test_image_parts_are_refused() -> None:
     with pytest.raises(ApiError) as err:
         parse_chat({"model": "m", "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x"}}]}]})
-    assert err.value.status == 400 and err.value.param == "messages[0].content"
+    assert err.value.status == 400 and err.value.param == "messages[0].content[0]"
+    assert "cannot read images" in err.value.message
 
 
 def test_completion_prompts() -> None:
@@ -123,13 +124,20 @@ def test_chunks_have_openai_s_shape() -> None:
 
 
 def test_a_conversation_s_next_turn_extends_its_routing_text() -> None:
-    turn1 = parse_chat({"model": "m", "messages": [{"role": "system", "content": "S"},
-                                                   {"role": "user", "content": "Q1"}]})
-    assert turn1.messages is not None
-    turn2 = parse_chat({"model": "m", "messages": [*turn1.messages,
+    first = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"}]
+    turn1 = parse_chat({"model": "m", "messages": first})
+    turn2 = parse_chat({"model": "m", "messages": [*first,
                                                    {"role": "assistant", "content": "A1"},
                                                    {"role": "user", "content": "Q2"}]})
-    assert turn2.routing_text().startswith(turn1.routing_text("A1"))
+    assert turn2.routing_text().startswith(turn1.routing_text(served_text("A1", [])))
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    calling = parse_chat({"model": "m", "messages": first, "tools": tools})
+    round_trip = parse_chat({"model": "m", "tools": tools, "messages": [
+        *first, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "r", "tool_call_id": "c1"}]})
+    assert round_trip.routing_text().startswith(calling.routing_text(served_text("",
+                                                                                [("f", "{}")])))
     raw = parse_completion({"model": "m", "prompt": "abc"})
     assert parse_completion({"model": "m", "prompt": "abcdef!"}).routing_text().startswith(
         raw.routing_text("def"))

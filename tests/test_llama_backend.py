@@ -14,6 +14,7 @@ import pytest
 from conftest_llama import generate_greedy, prefill, sample_prompt
 from make_tiny_gguf import write_tiny_llama_gguf
 
+from model_runtime.chat.templates import ChatTemplate
 from model_runtime.llama_backend import (
     ContextParams,
     LlamaContext,
@@ -120,14 +121,14 @@ def test_chat_template_renders_and_tokenizes_specials(model: LlamaModel) -> None
     src = model.chat_template()
     assert src is not None and "<|im_start|>" in src
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
-    text = model.apply_chat_template(messages)
+    text = ChatTemplate.of_model(model).render(messages)
     assert text == (
         "<|im_start|>system\nBe brief.<|im_end|>\n"
         "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
     )
-    no_gen = model.apply_chat_template(messages, add_generation_prompt=False)
+    no_gen = ChatTemplate.of_model(model).render(messages, add_generation_prompt=False)
     assert not no_gen.endswith("assistant\n")
-    default_system = model.apply_chat_template([{"role": "user", "content": "x"}])
+    default_system = ChatTemplate.of_model(model).render([{"role": "user", "content": "x"}])
     assert default_system.startswith("<|im_start|>system\n")
 
     toks = model.tokenize(text, add_special=False, parse_special=True)

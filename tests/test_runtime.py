@@ -30,6 +30,7 @@ from conftest_llama import sample_prompt, saves_held
 from daemon_proc import DaemonProcess, wait_for
 
 from kvcache.client import CacheClient
+from model_runtime.chat.templates import ChatTemplate
 from model_runtime.config import RuntimeConfig
 from model_runtime.counters import COUNTERS
 from model_runtime.request import Completion, RequestError, TokenEvent, common_prefix
@@ -173,7 +174,7 @@ def test_explicit_and_system_message_boundaries(make_runtime: Callable[..., Runt
     tokens, expected = rt.render_chat([{"role": "system", "content": system},
                                        {"role": "user", "content": "x"}])
     assert boundary == expected and tokens[:boundary] == rt.tokenize(
-        rt.model.apply_chat_template([{"role": "system", "content": system}],
+        ChatTemplate.of_model(rt.model).render([{"role": "system", "content": system}],
                                      add_generation_prompt=False))
     assert rt._head_tokens.cache_info().hits >= 1  # the system message tokenized once
     flush(rt)
@@ -394,7 +395,8 @@ def test_evict_when_sessions_outnumber_sequences(
     assert rt.stats()["sessions_evicted"] == 1
     flush(rt)
     assert daemon_counters(daemon.address)["saves_committed_evict"] == 1
-    assert set(rt.engine.sessions) == {"b", "c"}
+    tenant = rt.config.tenant  # (sessions are named per tenant)
+    assert set(rt.engine.sessions) == {(tenant, "b"), (tenant, "c")}
 
     # Session a comes back (evicting b): restored from its evict save, not sticky.
     a = prompts["a"] + firsts["a"].tokens + prompt(rt, 9, TEXT_C)[1:]
@@ -525,7 +527,8 @@ def test_session_keys_are_kept_for_the_most_recent_sessions_only(
     rt.engine.save_points.max_session_keys = 2
     for session in ("a", "b", "c"):
         assert rt.complete(tokens=prompt(rt, 20), max_tokens=2, session_id=session).finish_key
-    assert list(rt.engine.save_points.session_last_key) == ["b", "c"]
+    assert list(rt.engine.save_points.session_last_key) == [(rt.config.tenant, s)
+                                                            for s in ("b", "c")]
 
 
 def test_engine_stats_report_every_declared_counter(plain: Runtime) -> None:
@@ -766,7 +769,7 @@ def test_sliding_window_states_are_never_truncated(make_runtime: Callable[..., R
     # it cannot be served by cutting it; it is resolved from the cache instead.
     check(grown[:100] + prompt(rt, 10, TEXT_C)[1:], ("partial", 96), session="s")
     # A prompt extending the live sequence is sticky (nothing cut).
-    live = rt.engine.sessions["s"].tokens
+    live = rt.engine.sessions[rt.config.tenant, "s"].tokens
     check(list(live) + [50, 51, 52], ("sticky", len(live)), session="s")
     assert restored.cache_tier in ("ram", "disk")
     stats = rt.stats()
@@ -881,9 +884,10 @@ def test_saver_survives_a_save_that_fails_unexpectedly(daemon: DaemonProcess) ->
     ident = Identity("fp-saver", {"type_k": "f16"})
     with CacheClient(daemon.address) as client:
         saver = Saver(client, counters, threading.Lock())
-        saver.submit(SaveJob(ident, (1, 2, 1 << 40), b"x" * 100, "cold", b"k" * 16))
+        saver.submit(SaveJob(ident, ident.namespace, (1, 2, 1 << 40), b"x" * 100, "cold",
+                             b"k" * 16))
         good = tuple(range(1, 40))
-        saver.submit(SaveJob(ident, good, b"y" * 100, "cold", b"g" * 16))
+        saver.submit(SaveJob(ident, ident.namespace, good, b"y" * 100, "cold", b"g" * 16))
         assert saver.flush(30)
         saver.close()
         assert counters["saves_failed"] == 1 and counters["saves_cold"] == 1, counters

@@ -85,7 +85,7 @@ def test_a_session_returns_to_its_pinned_sequence_and_keeps_its_kv_sticky() -> N
     first = request(30, session="s")
     seq = run(s, first, hold=first.tokens + [7, 8])  # prompt + decoded tokens
     finish(s, first)
-    assert s.sessions == {"s": seq} and (s.idle_sessions(), s.free()) == (1, 1)
+    assert s.sessions == {("", "s"): seq} and (s.idle_sessions(), s.free()) == (1, 1)
     # Another request never takes a session's sequence, even sharing its whole prefix.
     other = request(first.tokens + [7, 8, 9])
     assert s.admit(other).seq is not seq
@@ -133,7 +133,7 @@ def test_with_no_free_sequence_the_least_recently_used_idle_session_is_evicted()
     admission = s.admit(request(20))
     assert admission == Admission(seqs["b"], evict=True)
     s.unpin(seqs["b"])  # (after its evict save)
-    assert set(s.sessions) == {"a", "c"} and seqs["b"].session == ""
+    assert set(s.sessions) == {("", "a"), ("", "c")} and seqs["b"].session is None
 
 
 def test_busy_sequences_are_never_evicted_the_request_waits() -> None:
@@ -168,9 +168,28 @@ def test_a_sequence_is_cut_only_where_llama_cpp_can_cut_it(
         cut_restored: bool, cut_live: bool, restored: bool, expected: int) -> None:
     s = scheduler(cut_restored=cut_restored, cut_live=cut_live)
     seq = Seq(0, tokens=list(range(40)), restored=restored)
-    assert s.reusable_prefix(seq, list(range(20)) + [99]) == expected
+    assert s.reusable_prefix(seq, request(list(range(20)) + [99])) == expected
     # Extending the sequence needs no cut: always reusable.
-    assert s.reusable_prefix(seq, list(range(45))) == 40
+    assert s.reusable_prefix(seq, request(list(range(45)))) == 40
+
+
+def test_another_tenant_never_reuses_a_sequence_s_kv_nor_its_session() -> None:
+    s = scheduler(n_seq=2)
+    mine = request(30, session="s")
+    seq = run(s, mine)
+    finish(s, mine)
+    theirs = request(mine.tokens + [1])
+    theirs.tenant = "other"
+    assert s.reusable_prefix(seq, theirs) == 0
+    same = request(mine.tokens + [1])
+    assert s.reusable_prefix(seq, same) == 30
+    # A session id names a session per tenant: the other tenant's "s" is another one.
+    their_s = request(mine.tokens + [1], session="s")
+    their_s.tenant = "other"
+    admission = s.admit(their_s)
+    assert admission.seq is not seq and admission.seq is not None
+    assert s.bind(their_s, admission.seq).reuse is Reuse.NONE
+    assert set(s.sessions) == {("", "s"), ("other", "s")}
 
 
 # --------------------------------------------------------------------------- batch plans

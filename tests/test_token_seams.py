@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from model_runtime.chat.templates import ChatTemplate
 from model_runtime.config import RuntimeConfig
 from model_runtime.llama_backend import LlamaModel
 from model_runtime.request import common_prefix
@@ -57,8 +58,8 @@ def check_tokenize_after(model: LlamaModel) -> int:
     """Every split tokenization equals the whole text's; returns how many were split."""
     split = 0
     for messages in chats():
-        text = model.apply_chat_template(messages)
-        head = model.apply_chat_template(messages[:1], add_generation_prompt=False)
+        text = ChatTemplate.of_model(model).render(messages)
+        head = ChatTemplate.of_model(model).render(messages[:1], add_generation_prompt=False)
         assert text.startswith(head)
         whole = model.tokenize(text)
         got = model.tokenize_after(model.tokenize(head), text, len(head))
@@ -89,8 +90,8 @@ def test_tokens_after_a_system_message_equal_the_whole_text_bpe() -> None:
 def test_render_chat_tokenizes_the_system_message_once(tiny_model: Path) -> None:
     with Runtime(tiny_model, config=RuntimeConfig(n_ctx=512, n_seq_max=1, n_threads=1)) as rt:
         for messages in chats():
-            text = rt.model.apply_chat_template(messages)
-            head = rt.model.apply_chat_template(messages[:1], add_generation_prompt=False)
+            text = ChatTemplate.of_model(rt.model).render(messages)
+            head = ChatTemplate.of_model(rt.model).render(messages[:1], add_generation_prompt=False)
             whole = rt.tokenize(text)
             assert rt.render_chat(messages) == (whole, common_prefix(rt.tokenize(head), whole))
         # Same system message, another user message: its tokens were kept.

@@ -94,6 +94,7 @@ from system_prompt import USER_MESSAGES, build_system_prompt
 
 from kvcache.client import CacheClient
 from kvcache.v1 import kvcache_pb2 as pb
+from model_runtime.chat.templates import ChatTemplate
 from model_runtime.config import RuntimeConfig
 from model_runtime.llama_backend import ContextParams, LlamaContext, LlamaModel
 from model_runtime.request import Completion, TokenEvent, common_prefix
@@ -188,8 +189,8 @@ def user_message(i: int) -> str:
 def chat_tokens(model: LlamaModel, messages: list[Message]) -> tuple[list[int], int]:
     """Tokens of a chat rendered with the model's template, and the end of its system
     message (the same computation as ``Runtime.render_chat``)."""
-    tokens = model.tokenize(model.apply_chat_template(messages))
-    head = model.tokenize(model.apply_chat_template(messages[:1], add_generation_prompt=False))
+    tokens = model.tokenize(ChatTemplate.of_model(model).render(messages))
+    head = model.tokenize(ChatTemplate.of_model(model).render(messages[:1], add_generation_prompt=False))
     return tokens, common_prefix(head, tokens)
 
 
@@ -1136,7 +1137,7 @@ class ServerArm(SideArm):
 
     def request(self, *, max_tokens: int, prompt: str | None = None,
                 messages: list[Message] | None = None) -> Served:
-        text = prompt if prompt is not None else self.model.apply_chat_template(messages or [])
+        text = prompt if prompt is not None else ChatTemplate.of_model(self.model).render(messages or [])
         reply = self.server.complete(text, n_predict=max_tokens)
         return Served(reply.ttft_ms, reply.e2e_ms, reply.prompt_tokens, reply.prompt_n,
                       reply.cache_n, reply.text, reply.tokens,

@@ -69,6 +69,7 @@ from system_prompt import USER_MESSAGES, build_system_prompt
 from kvcache import blob as blobfmt
 from kvcache.client import CacheClient, map_file
 from kvcache.store import BLOB_SUFFIX
+from model_runtime.chat.templates import ChatTemplate
 from model_runtime.config import RuntimeConfig
 from model_runtime.request import Completion
 from model_runtime.runtime import Runtime, default_model_path
@@ -141,7 +142,7 @@ class Prompts:
     def __init__(self, runtime: Runtime, n_tokens: int) -> None:
         self.model = runtime.model
         self.n = n_tokens
-        self.chatml = "<|im_start|>" in (self.model.apply_chat_template(
+        self.chatml = "<|im_start|>" in (ChatTemplate.of_model(self.model).render(
             [{"role": "user", "content": "x"}]) or "")
         self.text = build_system_prompt(int(n_tokens / 1.1) + 200)
 
@@ -351,7 +352,7 @@ def capture_state(bench: Bench, tokens: list[int], path: Path, repeats: int = 5
     rt = bench.rt
     session = "bench-floor"
     done = bench.request(tokens, session_id=session, max_tokens=1)
-    seq = rt.engine.sessions[session]
+    seq = rt.engine.sessions[rt.config.tenant, session]
 
     def get() -> tuple[bytes, list[float], int, bytes]:
         times = []

@@ -540,7 +540,9 @@ class CrashHarness:
         self.own_workdir = settings.workdir is None
         # A short path: unix socket paths are limited to 107 bytes.
         self.workdir = settings.workdir or Path(tempfile.mkdtemp(prefix="kvcrash", dir="/tmp"))
-        self.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)  # it holds the socket
+        # Owner-only: the daemon's socket lives here, and it refuses a folder others can
+        # enter (a given --workdir is made so; mkdtemp's already is).
+        self.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.data_dir = self.workdir / "data"
         shm = Path("/dev/shm")
         # The RAM tier on a memory filesystem, as in production (it survives the kills):

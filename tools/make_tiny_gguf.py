@@ -28,7 +28,9 @@ Importing from tests: ``tools/`` is on pytest's ``pythonpath`` (pyproject.toml):
 ``olmo2`` with ``attention.sliding_window``), for tests of the SWA restore trap.
 
 CLI: ``python tools/make_tiny_gguf.py OUT.gguf [--seed N] [--no-chat-template]
-[--sliding-window W]``.
+[--chat-template chatml|hermes|think|none] [--sliding-window W]``. The ``hermes`` and
+``think`` templates (tools in the Hermes style of Qwen 2.5; with ``<think>`` reasoning as
+Qwen 3) add their tags to the vocabulary as user-defined tokens.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ import numpy as np
 
 __all__ = [
     "CHATML_TEMPLATE",
+    "CHAT_TEMPLATES",
+    "HERMES_TEMPLATE",
+    "THINK_TEMPLATE",
     "SPECIAL_TOKENS",
     "main",
     "write_tiny_llama_gguf",
@@ -58,11 +63,101 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# ChatML with tools in the Hermes style of Qwen 2.5 (our own wording): tools in the system
+# message, calls between <tool_call> tags with the arguments written by `tojson`, tool
+# results in a user turn between <tool_response> tags.
+_TOOLS_SYSTEM = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call functions. Their signatures, within <tools></tools>:"
+    "\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nTo call one, write a JSON object with its name and arguments "
+    "within <tool_call></tool_call> tags:\\n<tool_call>\\n{\"name\": <name>, \"arguments\": "
+    "<arguments>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+)
+_TOOL_RESULT = (
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+)
+HERMES_TEMPLATE = (
+    _TOOLS_SYSTEM
+    + "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{%- if call.function is defined %}{%- set call = call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' "
+    "+ (call.arguments | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    + _TOOL_RESULT
+    + "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# The Hermes template with reasoning in the way of Qwen 3 (our own wording): an assistant
+# turn after the last user message keeps its <think> block, earlier ones lose it;
+# arguments given as a string are written as they are; enable_thinking=false closes an
+# empty block in the generation prompt.
+THINK_TEMPLATE = (
+    _TOOLS_SYSTEM
+    + "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for message in messages %}{%- if message.role == 'user' %}"
+    "{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{%- set content = message.content or '' %}"
+    "{%- set reasoning = message.reasoning_content or '' %}"
+    "{%- if not reasoning and '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if loop.index0 > ns.last_user and reasoning %}"
+    "{{- '<think>\\n' + reasoning + '\\n</think>\\n\\n' }}{%- endif %}"
+    "{{- content }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{%- if call.function is defined %}{%- set call = call.function %}{%- endif %}"
+    "{%- if content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' }}"
+    "{%- if call.arguments is string %}{{- call.arguments }}"
+    "{%- else %}{{- call.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    + _TOOL_RESULT
+    + "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+#: --chat-template choices: the template and the tokens it adds to the vocabulary (as
+#: user-defined tokens: each one token, shown in the output, as in Qwen's vocabulary).
+CHAT_TEMPLATES: dict[str, tuple[str | None, tuple[str, ...]]] = {
+    "chatml": (CHATML_TEMPLATE, ()),
+    "hermes": (HERMES_TEMPLATE, ("<tool_call>", "</tool_call>")),
+    "think": (THINK_TEMPLATE, ("<tool_call>", "</tool_call>", "<think>", "</think>")),
+    "none": (None, ()),
+}
+
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 
 # gguf.TokenType values (kept literal so the vocabulary is readable without the enum).
-_TT_NORMAL, _TT_UNKNOWN, _TT_CONTROL, _TT_BYTE = 1, 2, 3, 6
+_TT_NORMAL, _TT_UNKNOWN, _TT_CONTROL, _TT_USER_DEFINED, _TT_BYTE = 1, 2, 3, 4, 6
 
 _SPACE = "\u2581"  # SentencePiece's visible space
 # Merged pieces, most preferred first (SPM merges the pair with the highest score).
@@ -121,7 +216,7 @@ _MERGES = (
 )
 
 
-def _vocabulary() -> tuple[list[str], list[float], list[int]]:
+def _vocabulary(added: tuple[str, ...] = ()) -> tuple[list[str], list[float], list[int]]:
     tokens: list[str] = list(SPECIAL_TOKENS)
     types: list[int] = [_TT_UNKNOWN] + [_TT_CONTROL] * (len(SPECIAL_TOKENS) - 1)
     scores: list[float] = [0.0] * len(SPECIAL_TOKENS)
@@ -139,6 +234,10 @@ def _vocabulary() -> tuple[list[str], list[float], list[int]]:
         tokens.append(piece)
         types.append(_TT_NORMAL)
         scores.append(-float(rank))
+    for piece in added:
+        tokens.append(piece)
+        types.append(_TT_USER_DEFINED)
+        scores.append(0.0)
     return tokens, scores, types
 
 
@@ -152,10 +251,12 @@ def write_tiny_llama_gguf(
     n_head_kv: int = 2,
     n_ctx_train: int = 4096,
     with_chat_template: bool = True,
+    chat_template: str = "chatml",
 ) -> Path:
     """Write the tiny llama model to ``path`` and return it as a Path.
 
-    Deterministic: the same arguments give a byte-identical file.
+    ``chat_template``: a key of :data:`CHAT_TEMPLATES` (``hermes`` and ``think`` add their
+    tags to the vocabulary). Deterministic: the same arguments give a byte-identical file.
     """
     return _write(
         path,
@@ -168,6 +269,7 @@ def write_tiny_llama_gguf(
         n_ctx_train=n_ctx_train,
         with_chat_template=with_chat_template,
         sliding_window=0,
+        chat_template=chat_template,
     )
 
 
@@ -218,13 +320,15 @@ def _write(
     n_ctx_train: int,
     with_chat_template: bool,
     sliding_window: int,
+    chat_template: str = "chatml",
 ) -> Path:
     import gguf  # imported lazily: only this tool needs it
 
     if n_embd % n_head or n_head % n_head_kv:
         raise ValueError("n_embd must be divisible by n_head, n_head by n_head_kv")
     path = Path(path)
-    tokens, scores, types = _vocabulary()
+    template, added = CHAT_TEMPLATES[chat_template]
+    tokens, scores, types = _vocabulary(added)
     n_vocab = len(tokens)
     head_dim = n_embd // n_head
     n_embd_kv = head_dim * n_head_kv
@@ -263,8 +367,8 @@ def _write(
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
     w.add_add_space_prefix(False)
-    if with_chat_template:
-        w.add_chat_template(CHATML_TEMPLATE)
+    if with_chat_template and template is not None:
+        w.add_chat_template(template)
 
     w.add_tensor("token_embd.weight", rand(n_vocab, n_embd, scale=1.0))
     for i in range(n_layer):
@@ -304,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-layer", type=int, default=2)
     ap.add_argument("--n-embd", type=int, default=64)
     ap.add_argument("--no-chat-template", action="store_true")
+    ap.add_argument("--chat-template", choices=sorted(CHAT_TEMPLATES), default="chatml",
+                    help="the chat template: ChatML (SmolLM2's shape), Hermes-style tools "
+                         "(Qwen 2.5's shape), or tools and <think> reasoning (Qwen 3's)")
     ap.add_argument(
         "--sliding-window",
         type=int,
@@ -320,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sliding_window:
         out = write_tiny_swa_gguf(args.out, sliding_window=args.sliding_window, **common)
     else:
-        out = write_tiny_llama_gguf(args.out, **common)
+        out = write_tiny_llama_gguf(args.out, chat_template=args.chat_template, **common)
     print(f"{out} ({out.stat().st_size} bytes)")
     return 0
 

@@ -20,18 +20,27 @@ import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ..chat.grammars import SchemaError
+from ..chat.messages import ChatInputError
+from ..chat.prompt import PromptPlan, plan_chat
+from ..chat.templates import TemplateError
 from .fleet import Fleet
 from .openai_api import (
-    DONE,
+    PROTO_FIELDS,
     SESSION_HEADER,
     ApiError,
     GenRequest,
-    chunk,
-    finish_reason,
-    kvcache_details,
+    bad_param,
     parse_chat,
     parse_completion,
     parse_json,
+)
+from .openai_output import (
+    DONE,
+    Choice,
+    chunk,
+    finish_reason,
+    kvcache_details,
     response_body,
     sse,
     usage,
@@ -194,12 +203,40 @@ def refusal_error(exc: RuntimeRefused, req: GenRequest) -> ApiError:
     if exc.status == grpc.StatusCode.FAILED_PRECONDITION:  # sticky_busy
         return ApiError(409, f"{exc.code}: {exc.message}", param="session_id",
                         code="session_busy")
-    return ApiError(400, exc.message, code="invalid_value")
+    # The runtime names the setting it refused first ("grammar is not valid GBNF: ...",
+    # "min_p, n: not served yet").
+    setting = exc.message.replace(":", " ").replace(",", " ").split(" ", 1)[0]
+    param = {"penalty_last_n": "repeat_last_n"}.get(setting, setting)
+    chat = req.chat
+    if setting == "grammar" and chat is not None and chat.grammar is None:  # ours
+        param = "tool_choice" if chat.tools and chat.tool_choice.mode != "none" else \
+            "response_format"
+    return ApiError(400, exc.message, param=param if setting in PROTO_FIELDS else None,
+                    code="invalid_value")
 
 
 def failure_error(exc: WorkerFailure) -> ApiError:
     return ApiError(503, f"The request failed: {exc.detail} ({exc.reason}; it was not "
                          "retried).", type="server_error", code=exc.reason)
+
+
+def plan(req: GenRequest, worker: Worker) -> PromptPlan | None:
+    """A chat rendered with the worker's template: the prompt, its save boundary, the
+    grammar and how to read the output. Refusals are 400s naming their place."""
+    if req.chat is None:
+        return None
+    if worker.template is None or worker.chat_format is None:
+        raise bad_param("messages", f"The model '{req.model}' has no chat template: use "
+                                    "/v1/completions with a prompt.")
+    try:
+        return plan_chat(worker.template, worker.chat_format, req.chat)
+    except ChatInputError as exc:
+        raise bad_param(exc.param, exc.message) from None
+    except SchemaError as exc:
+        raise bad_param(exc.param, str(exc)) from None
+    except TemplateError as exc:
+        raise bad_param("messages", f"The model's chat template refused these messages: "
+                                    f"{exc}") from None
 
 
 async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
@@ -213,26 +250,44 @@ async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
     parse = parse_chat if endpoint == "chat" else parse_completion
     req = parse(data, request.headers.get(SESSION_HEADER))
     worker, flight = await fleet.admit(req.model, request["tenant"], req.routing_text(),
-                                       req.session_id)
+                                       req.session_id, req.route_key, req.n)
     served_text: str | None = None
     outcome = "disconnected"  # unless it ends otherwise: a cancelled handler says nothing
     try:
-        events = worker.events(flight, req.to_proto())
+        prompt = plan(req, worker)
+        proto = req.to_proto(prompt)
+        choices = [Choice(i, prompt.parser() if prompt is not None else None)
+                   for i in range(req.n)]
+        events = worker.events(flight, proto)
         async with contextlib.aclosing(events):
             if req.stream:
                 response, served_text, outcome = await stream(request, req, worker, events,
-                                                              arrived)
+                                                              choices, arrived)
                 return response
-            async for event in events:  # text pieces, then the final record
+            finished: list[Any] = []
+            async for event in events:  # text pieces, then a final record per choice
+                choice = choices[choice_of(event, len(choices))]
                 if event.HasField("done"):
-                    done = event.done
-                    check_finished(done, fleet)
-                    account(fleet, req, done, arrived)
-                    served_text = req.routing_text(done.text)
+                    check_finished(event.done, fleet)
+                    choice.close()
+                    finished.append(event.done)
+                    if len(finished) < len(choices):
+                        continue
+                    done = finished[0]
+                    generated = sum(len(d.tokens) for d in finished)
+                    account(fleet, req, done, arrived, generated)
+                    served_text = req.routing_text(choices[0].served())
                     outcome = "ok"
                     return web.json_response(response_body(
-                        req, done, kvcache_details(done, worker.name, worker.tenant)))
+                        req, choices, finished, kvcache_details(done, worker.name,
+                                                                worker.tenant), generated))
+                choice.feed(event.text)
+                if event.HasField("logprob"):
+                    choice.logprobs.append(event.logprob)
             raise WorkerFailure("worker_error", "the stream ended without a final record")
+    except ApiError:
+        outcome = "bad_request"
+        raise
     except RuntimeRefused as exc:
         outcome = "bad_request"
         raise refusal_error(exc, req) from None
@@ -247,6 +302,14 @@ async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
         request[OUTCOME] = outcome
 
 
+def choice_of(event: Any, n: int) -> int:
+    """The choice an event belongs to (the runtime numbers them from 0)."""
+    index = int(getattr(event.done if event.HasField("done") else event, "choice", 0))
+    if not 0 <= index < n:
+        raise WorkerFailure("worker_error", f"an event of choice {index} of {n}")
+    return index
+
+
 def check_finished(done: Any, fleet: Fleet) -> None:
     """A final record cut short because the worker was being stopped is a failure."""
     if done.finish_reason == "shutdown":
@@ -254,8 +317,9 @@ def check_finished(done: Any, fleet: Fleet) -> None:
         raise WorkerFailure(reason, "the worker was stopped during the request")
 
 
-def account(fleet: Fleet, req: GenRequest, done: Any, arrived: float) -> None:
-    u = usage(done)
+def account(fleet: Fleet, req: GenRequest, done: Any, arrived: float,
+            completion_tokens: int) -> None:
+    u = usage(done, completion_tokens)
     tokens = fleet.metrics.tokens
     tokens.labels(req.model, "prompt").inc(u["prompt_tokens"])
     tokens.labels(req.model, "cached").inc(u["prompt_tokens_details"]["cached_tokens"])
@@ -266,37 +330,64 @@ def account(fleet: Fleet, req: GenRequest, done: Any, arrived: float) -> None:
 
 
 async def stream(request: web.Request, req: GenRequest, worker: Worker, events: Any,
-                 arrived: float) -> tuple[web.StreamResponse, str | None, str]:
+                 choices: list[Choice], arrived: float
+                 ) -> tuple[web.StreamResponse, str | None, str]:
     """Server-sent events. Returns the response, the text served (for routing) and the
     outcome. Raises before the first event (so errors keep their status), never after."""
     fleet = request.app[FLEET]
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
+    chat = req.endpoint == "chat"
     first = True
+    finished: list[Any] = []
     try:
         async for event in events:
             if first:  # the runtime accepted the request: from here on, errors are events
                 await response.prepare(request)
                 fleet.metrics.ttft.labels(req.model).observe(time.monotonic() - arrived)
-                if req.endpoint == "chat":  # OpenAI's first chunk names the role
-                    await response.write(sse(chunk(req, "", first=True)))
+                if chat:  # OpenAI's first chunk names the role
+                    for choice in choices:
+                        await response.write(sse(chunk(req, "", first=True,
+                                                       index=choice.index)))
                 first = False
+            choice = choices[choice_of(event, len(choices))]
             if event.HasField("done"):
-                done = event.done
-                check_finished(done, fleet)
-                account(fleet, req, done, arrived)
+                check_finished(event.done, fleet)
+                for delta in choice.close():
+                    await response.write(sse(chunk(req, delta=delta, index=choice.index)))
+                finished.append(event.done)
+                last = len(finished) == len(choices)
+                done = finished[0]
+                generated = sum(len(d.tokens) for d in finished)
                 # kvcache's details ride on the last chunk: the usage chunk when asked for
-                # (where clients read usage), else the finish_reason chunk.
+                # (where clients read usage), else the last finish_reason chunk.
                 extra = kvcache_details(done, worker.name, worker.tenant)
-                await response.write(sse(chunk(req, finish=finish_reason(done),
-                                               extra=None if req.include_usage else extra)))
+                await response.write(sse(chunk(
+                    req, finish=finish_reason(event.done, choice.has_tool_calls),
+                    index=choice.index, extra=extra if last and not req.include_usage
+                    else None)))
+                if not last:
+                    continue
+                account(fleet, req, done, arrived, generated)
                 if req.include_usage:
-                    await response.write(sse(chunk(req, usage_body=usage(done), extra=extra)))
+                    await response.write(sse(chunk(req, usage_body=usage(done, generated),
+                                                   extra=extra)))
                 await response.write(DONE)
                 await response.write_eof()
-                return response, req.routing_text(done.text), "ok"
-            await response.write(sse(chunk(req, event.text)))
+                return response, req.routing_text(choices[0].served()), "ok"
+            logprobs = choice.logprobs_body([event.logprob], chat) \
+                if event.HasField("logprob") else None
+            pieces = choice.feed(event.text)
+            if not pieces and logprobs is not None:
+                pieces = [{}] if chat else [{"text": ""}]
+            for piece in pieces:
+                if chat:
+                    body = chunk(req, delta=piece, index=choice.index, logprobs=logprobs)
+                else:
+                    body = chunk(req, piece["text"], index=choice.index, logprobs=logprobs)
+                logprobs = None  # the token's logprobs ride on its first chunk
+                await response.write(sse(body))
         raise WorkerFailure("worker_error", "the stream ended without a final record")
     except (RuntimeRefused, WorkerFailure) as exc:
         if first:

@@ -1,10 +1,11 @@
 """Every worker of every model and tenant, and admission: a slot on the right worker now,
 or a clear refusal.
 
-Tenants: the runtime salts its cache keys with the tenant it was started with, and has no
-per-request tenant. So each tenant named in the API key file gets its own workers (per
-model, ``workers`` of them); a request runs on a worker of its key's tenant, never of one
-the caller names. With no key file, every request has the default tenant.
+Tenants: each tenant named in the API key file gets its own workers (per model,
+``workers`` of them), started with ``--tenant``; a request runs on a worker of its key's
+tenant, never of one the caller names. With no key file, every request has the default
+tenant. (The runtime also takes a tenant per request, which would let one worker serve
+every tenant; the fleet does not use it yet.)
 """
 
 from __future__ import annotations
@@ -131,23 +132,31 @@ class Fleet:
 
     # -- admission --------------------------------------------------------------------------
 
-    async def admit(self, model: str, tenant: str, text: str,
-                    session: str) -> tuple[Worker, Flight]:
+    async def admit(self, model: str, tenant: str, text: str, session: str,
+                    affinity: str = "", slots: int = 1) -> tuple[Worker, Flight]:
         """A slot for the request, or an :class:`ApiError`: 404 for an unknown model, 429
         (with Retry-After) when every ready worker is busy: never a queue. A request that
         finds no worker serving (all starting or restarting) waits for one, up to
-        ``ready_wait_s``."""
+        ``ready_wait_s``. ``session`` (the runtime's sticky session) or else ``affinity``
+        (OpenAI's prompt_cache_key or user) prefers the worker that key last ran on.
+        ``slots``: a request with n choices runs on n sequences of one worker."""
         pool = self.pools.get((model, tenant))
         if pool is None:
             raise ApiError(404, f"The model '{model}' does not exist; this server has: "
                                 f"{', '.join(self.model_names())}.", param="model",
                            code="model_not_found")
-        session_key = f"{tenant}\x00{model}\x00{session}"
+        key = session or affinity
+        session_key = f"{tenant}\x00{model}\x00{'s' if session else 'a'}\x00{key}"
         deadline = time.monotonic() + self.settings.supervision.ready_wait_s
         while True:
             try:
-                owner = self.sessions.get(session_key) if session else None
-                worker = choose(pool, text, owner)
+                owner = self.sessions.get(session_key) if key else None
+                most = max((w.slots for w in pool if w.ready), default=slots)
+                if slots > most:
+                    raise ApiError(400, f"n={slots} needs {slots} sequences of one worker; "
+                                        f"the workers of model '{model}' have {most}.",
+                                   param="n", code="invalid_value")
+                worker = choose(pool, text, owner, slots)
                 break
             except NoFreeSlot:
                 raise ApiError(429, f"All {sum(w.slots for w in pool if w.ready)} slots of "
@@ -165,6 +174,6 @@ class Fleet:
                                    type="server_error", code="worker_not_ready",
                                    headers={"Retry-After": str(RETRY_AFTER_S)}) from None
                 await asyncio.sleep(0.05)
-        if session:
+        if key:
             self.sessions.set(session_key, worker.name)
-        return worker, worker.acquire()
+        return worker, worker.acquire(slots)

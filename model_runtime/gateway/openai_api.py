@@ -1,8 +1,8 @@
-"""The OpenAI API's shapes: requests parsed and checked, responses, chunks, error bodies.
-
-Pure functions and small types, no I/O: the HTTP routes (``app``) call them. Unknown
-request fields are ignored, as OpenAI-compatible servers do; a known field with a value
-OpenAI would refuse is refused with OpenAI's error body and status.
+"""The OpenAI API's requests: every field of chat completions and completions either
+applied or refused with OpenAI's error body and status (:data:`CHAT_FIELDS`,
+:data:`COMPLETION_FIELDS` say which and how), none accepted and ignored; a field this
+server does not know is refused as OpenAI refuses it. Pure functions and small types, no
+I/O: the HTTP routes (``app``) call them; the answers' shapes are in ``openai_output``.
 """
 
 from __future__ import annotations
@@ -11,15 +11,97 @@ import json
 import math
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..chat.messages import ChatInputError
+from ..chat.prompt import ChatRequest, PromptPlan
 from ..v1 import runtime_pb2 as pb
+from .openai_chat import parse_messages, parse_response_format, parse_tool_choice, parse_tools
 
 MAX_STOP = 4  # OpenAI accepts up to 4 stop sequences
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20  # chat (OpenAI's bound)
+MAX_TEXT_LOGPROBS = 5  # completions' integer logprobs (OpenAI's bound)
 SESSION_HEADER = "X-Session-Id"
 MAX_SESSION_ID = 256
+#: The runtime's request fields (the sampler's settings come with llama.cpp's chain).
+PROTO_FIELDS = frozenset(f.name for f in pb.CompleteRequest.DESCRIPTOR.fields)
+
+_COMMON_FIELDS = {
+    "model": "the served model's name (GET /v1/models)",
+    "stream": "server-sent events",
+    "stream_options": "include_usage: a last chunk with usage; include_obfuscation: false only",
+    "max_tokens": "tokens to generate at most (with the prompt, must fit the context)",
+    "n": "refused above 1 (the runtime does not copy a prompt to n sequences yet)",
+    "stop": "up to 4 strings that end the text",
+    "temperature": "0 to 2 (default 1)",
+    "top_p": "nucleus sampling",
+    "seed": "the sampler's seed (same seed, same settings: same output)",
+    "frequency_penalty": "llama.cpp's penalties sampler",
+    "presence_penalty": "llama.cpp's penalties sampler",
+    "logit_bias": "token id -> bias (-100 to 100)",
+    "user": "routes a user's requests to the worker holding their KV",
+    # llama.cpp's server's names
+    "top_k": "llama.cpp: keep the k most likely tokens",
+    "min_p": "llama.cpp: drop tokens below min_p times the most likely's probability",
+    "repeat_penalty": "llama.cpp: penalty of repeated tokens",
+    "repeat_last_n": "llama.cpp: tokens the penalties look back on (-1: the context)",
+    "grammar": "llama.cpp: a GBNF grammar the output must follow",
+    # kvcache's own
+    "session_id": "the runtime's sticky session (or the X-Session-Id header)",
+}
+#: Every field /v1/chat/completions reads, and how: applied, or "refused" (a 400 naming
+#: it) for any value but null and those noted.
+CHAT_FIELDS: Mapping[str, str] = {
+    **_COMMON_FIELDS,
+    "messages": "text parts, assistant tool_calls, tool results, developer",
+    "max_completion_tokens": "as max_tokens (wins over it)",
+    "tools": "function tools; calls in the model's own syntax, or a JSON envelope",
+    "tool_choice": "none, auto, required, or a named function (grammar-constrained)",
+    "parallel_tool_calls": "false: at most one call",
+    "response_format": "text, json_object, json_schema (held to the schema)",
+    "logprobs": "each token's log probability",
+    "top_logprobs": "0 to 20 most likely tokens at each place",
+    "prompt_cache_key": "routes requests with the same key to the same worker",
+    "service_tier": "refused unless 'auto' or 'default' (there is one tier)",
+    "store": "refused unless false (nothing is stored)",
+    "metadata": "refused (only kept with store)",
+    "modalities": "refused unless ['text']",
+    "audio": "refused",
+    "prediction": "refused",
+    "reasoning_effort": "refused (use chat_template_kwargs, e.g. enable_thinking)",
+    "verbosity": "refused",
+    "web_search_options": "refused",
+    "safety_identifier": "refused",
+    "functions": "refused (deprecated; use tools)",
+    "function_call": "refused (deprecated; use tool_choice)",
+    "chat_template_kwargs": "llama.cpp/vLLM: variables for the chat template",
+}
+#: Every field /v1/completions reads, and how.
+COMPLETION_FIELDS: Mapping[str, str] = {
+    **_COMMON_FIELDS,
+    "prompt": "a string or token ids (a batch of one)",
+    "logprobs": "0 to 5: each token's log probability and that many most likely",
+    "echo": "refused unless false",
+    "suffix": "refused (no fill-in-the-middle)",
+    "best_of": "refused above 1",
+}
+# Refused fields: a value other than these is a 400.
+_ONLY = {"metadata": (None,), "audio": (None,), "prediction": (None,),
+         "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,),
+         "safety_identifier": (None,), "functions": (None, []), "function_call": (None,),
+         "store": (None, False), "service_tier": (None, "auto", "default"),
+         "modalities": (None, ["text"]), "echo": (None, False), "suffix": (None, ""),
+         "best_of": (None, 1)}
+# Sampler fields: the runtime's name for each, and the values that change nothing.
+_SAMPLER = {"frequency_penalty": ("frequency_penalty", (None, 0)),
+            "presence_penalty": ("presence_penalty", (None, 0)),
+            "logit_bias": ("logit_bias", (None, {})), "min_p": ("min_p", (None, 0)),
+            "repeat_penalty": ("repeat_penalty", (None, 1)),
+            "repeat_last_n": ("penalty_last_n", (None,)), "grammar": ("grammar", (None,)),
+            "n": ("n", (None, 1))}
 
 
 class ApiError(Exception):
@@ -59,7 +141,19 @@ class GenRequest:
     seed: int | None
     stop: list[str]
     session_id: str
-    messages: list[dict[str, str]] | None = None
+    n: int = 1
+    route_key: str = ""  # prompt_cache_key / user: a routing preference
+    top_k: int = 0
+    min_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    grammar: str | None = None  # completions (chat: in ``chat``)
+    chat: ChatRequest | None = None
     prompt: str | None = None
     tokens: list[int] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
@@ -70,36 +164,71 @@ class GenRequest:
             prefix = "chatcmpl" if self.endpoint == "chat" else "cmpl"
             self.id = f"{prefix}-{secrets.token_hex(12)}"
 
-    def to_proto(self) -> pb.CompleteRequest:
+    def to_proto(self, plan: PromptPlan | None = None) -> pb.CompleteRequest:
+        """The runtime's request; a chat needs its ``plan`` (the prompt the gateway
+        rendered with the worker's template)."""
         # A max_tokens given must fit with the prompt (the runtime refuses it otherwise, as
         # OpenAI does); none given: until the context is full.
         req = pb.CompleteRequest(
             session_id=self.session_id, max_tokens=self.max_tokens or 0,
             until_context_full=self.max_tokens is None, temperature=self.temperature,
-            top_p=self.top_p, stop=self.stop)
+            top_p=self.top_p, top_k=self.top_k, stop=self.stop, logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs)
         if self.seed is not None:
             req.seed = self.seed
-        if self.messages is not None:
-            req.chat.messages.extend(pb.ChatMessage(**m) for m in self.messages)
+        sampler: dict[str, Any] = {
+            "n": self.n if self.n > 1 else None, "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty or None,
+            "frequency_penalty": self.frequency_penalty or None,
+            "repeat_penalty": self.repeat_penalty, "penalty_last_n": self.repeat_last_n}
+        for name, value in sampler.items():
+            if value is not None and name in PROTO_FIELDS:
+                setattr(req, name, value)
+        if self.logit_bias and "logit_bias" in PROTO_FIELDS:
+            req.logit_bias.update(self.logit_bias)
+        grammar, triggers = self.grammar, ()
+        if plan is not None:
+            req.prompt = plan.text
+            req.prefix_chars = plan.head_chars
+            if plan.constraint is not None:
+                grammar, triggers = plan.constraint.grammar, plan.constraint.triggers
         elif self.tokens is not None:
             req.tokens.ids.extend(self.tokens)
         else:
             req.prompt = self.prompt or ""
+        if grammar is not None:
+            if "grammar" not in PROTO_FIELDS:  # a runtime without constrained decoding
+                param = "tool_choice" if self.chat and self.chat.tools else \
+                    "response_format" if self.chat and self.chat.json_schema else "grammar"
+                raise bad_param(param, "This needs constrained decoding (a grammar), which "
+                                       "this server's runtime does not have.",
+                                code="unsupported_parameter")
+            req.grammar = grammar
+            for trigger in triggers:  # literals: the text that opens a tool call
+                req.grammar_triggers.add(value=trigger)
         return req
 
-    def routing_text(self, completion: str | None = None) -> str:
+    def routing_text(self, served: str | None = None) -> str:
         """The request as one string whose prefixes match those of a later request that
-        continues it: a chat's messages (plus the reply, as the next turn will carry it),
-        or a raw prompt (plus its completion). Used only to route, never sent."""
-        if self.messages is not None:
-            turns = list(self.messages)
-            if completion is not None:
-                turns.append({"role": "assistant", "content": completion})
-            return "\x00chat\x00" + "".join(f"{m['role']}\x1f{m['content']}\x1e"
-                                            for m in turns)
+        continues it: the tools and a chat's messages (plus ``served``, the reply as the
+        next turn will carry it), or a raw prompt (plus its completion). Used only to
+        route, never sent."""
+        if self.chat is not None:
+            tools = json.dumps([t.as_openai() for t in self.chat.tools], sort_keys=True)
+            parts = [f"{m.role}\x1f{m.content}\x1f" +
+                     "".join(f"{c.name}{c.arguments}" for c in m.tool_calls) + "\x1e"
+                     for m in self.chat.messages]
+            if served is not None:
+                parts.append(f"assistant\x1f{served}")
+            return "\x00chat\x00" + tools + "\x00" + "".join(parts)
         if self.tokens is not None:
             return "\x00tokens\x00" + "".join(f"{t}," for t in self.tokens)
-        return "\x00text\x00" + (self.prompt or "") + (completion or "")
+        return "\x00text\x00" + (self.prompt or "") + (served or "")
+
+
+def served_text(content: str, calls: list[tuple[str, str]]) -> str:
+    """A reply as :meth:`GenRequest.routing_text` writes an assistant turn."""
+    return f"{content}\x1f" + "".join(f"{name}{args}" for name, args in calls) + "\x1e"
 
 
 # --------------------------------------------------------------------------- parsing
@@ -140,21 +269,61 @@ def _int(data: dict[str, Any], name: str, low: int, high: int) -> int | None:
     return value
 
 
-def _bool(data: dict[str, Any], name: str) -> bool:
-    value = data.get(name, False)
+def _bool(data: dict[str, Any], name: str, default: bool = False) -> bool:
+    value = data.get(name, default)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
         raise bad_param(name, f"Invalid value for '{name}': {value!r}; it must be a boolean.",
                         code="invalid_type")
     return value
 
 
-def _unsupported(data: dict[str, Any], name: str, allowed: tuple[Any, ...]) -> None:
-    if name in data and data[name] not in allowed:
-        raise bad_param(name, f"'{name}' is not supported by this server "
-                              f"(accepted: {', '.join(map(json.dumps, allowed))}).",
-                        code="unsupported_parameter")
+def _string(data: dict[str, Any], name: str, limit: int = MAX_SESSION_ID) -> str:
+    value = data.get(name)
+    if value is None:
+        return ""
+    if not isinstance(value, str) or len(value) > limit:
+        raise bad_param(name, f"'{name}' must be a string of at most {limit} characters.",
+                        code="invalid_type")
+    return value
+
+
+def _check_fields(data: dict[str, Any], known: Mapping[str, str]) -> None:
+    """OpenAI's answer to a field it does not know; and refused fields' values."""
+    for name in data:
+        if name not in known:
+            raise bad_param(name, f"Unrecognized request argument supplied: {name}",
+                            code="unknown_parameter")
+    for name, allowed in _ONLY.items():
+        if name in known and name in data and data[name] not in allowed:
+            raise bad_param(name, f"'{name}' is not supported by this server "
+                                  f"({known[name]}).", code="unsupported_parameter")
+    for name, (proto, neutral) in _SAMPLER.items():
+        if data.get(name) not in neutral and proto not in PROTO_FIELDS:
+            raise bad_param(name, f"'{name}' is not supported by this server.",
+                            code="unsupported_parameter")
+
+
+def _logit_bias(data: dict[str, Any]) -> dict[int, float]:
+    value = data.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_param("logit_bias", "'logit_bias' must map token ids to biases.",
+                        code="invalid_type")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            token = -1
+        if token < 0 or isinstance(bias, bool) or not isinstance(bias, (int, float)) or \
+                not math.isfinite(bias) or not -100 <= bias <= 100:
+            raise bad_param("logit_bias", f"Invalid logit_bias entry {key!r}: {bias!r}; keys "
+                                          "are token ids, values numbers from -100 to 100.")
+        out[token] = float(bias)
+    return out
 
 
 def _common(data: dict[str, Any], endpoint: str, max_tokens_names: tuple[str, ...],
@@ -169,20 +338,21 @@ def _common(data: dict[str, Any], endpoint: str, max_tokens_names: tuple[str, ..
         if not stream:
             raise bad_param("stream_options", "The 'stream_options' parameter is only "
                                               "allowed when 'stream' is enabled.")
-        if not isinstance(options, dict):
-            raise bad_param("stream_options", "'stream_options' must be an object.",
+        if not isinstance(options, dict) or set(options) - {"include_usage",
+                                                            "include_obfuscation"}:
+            raise bad_param("stream_options", "'stream_options' takes include_usage (and "
+                                              "include_obfuscation false).",
                             code="invalid_type")
         include_usage = _bool(options, "include_usage")
+        if _bool(options, "include_obfuscation"):
+            raise bad_param("stream_options", "include_obfuscation is not supported by this "
+                                              "server.", code="unsupported_parameter")
     max_tokens = None
     for name in max_tokens_names:  # max_completion_tokens wins over max_tokens
         value = _int(data, name, 1, 2**31 - 1)
         if value is not None:
             max_tokens = value
             break
-    n = _int(data, "n", 1, 128)
-    if n not in (None, 1):
-        raise bad_param("n", "Only n=1 is supported by this server.",
-                        code="unsupported_parameter")
     stop = data.get("stop")
     stops: list[str] = []
     if isinstance(stop, str):
@@ -194,161 +364,89 @@ def _common(data: dict[str, Any], endpoint: str, max_tokens_names: tuple[str, ..
                         code="invalid_type")
     if len(stops) > MAX_STOP or any(not s for s in stops):
         raise bad_param("stop", f"'stop' takes at most {MAX_STOP} non-empty sequences.")
-    for name in ("frequency_penalty", "presence_penalty"):
-        _number(data, name, 0.0, -2.0, 2.0)  # checked like OpenAI does; not applied
-    user = data.get("user")
-    if user is not None and not isinstance(user, str):
-        raise bad_param("user", "'user' must be a string.", code="invalid_type")
     session = data.get("session_id") or session_header or ""
     if not isinstance(session, str) or len(session) > MAX_SESSION_ID:
         raise bad_param("session_id", f"'session_id' must be a string of at most "
                                       f"{MAX_SESSION_ID} characters.")
+    if session and (data.get("n") or 1) != 1:
+        raise bad_param("n", "n > 1 cannot run in a sticky session (a session holds one "
+                             "sequence).")
+    grammar = data.get("grammar")
+    if grammar is not None and (not isinstance(grammar, str) or not grammar.strip()):
+        raise bad_param("grammar", "'grammar' must be a GBNF grammar (a non-empty string).",
+                        code="invalid_type")
+    repeat_last_n = _int(data, "repeat_last_n", -1, 2**31 - 1)
     return {
         "endpoint": endpoint, "model": model, "stream": stream,
         "include_usage": include_usage, "max_tokens": max_tokens,
         "temperature": _number(data, "temperature", 1.0, 0.0, 2.0),
         "top_p": _number(data, "top_p", 1.0, 0.0, 1.0, low_open=True),
         "seed": _int(data, "seed", 0, 2**63 - 1), "stop": stops, "session_id": session,
+        "n": _int(data, "n", 1, MAX_N) or 1,
+        "route_key": _string(data, "user"),
+        "top_k": _int(data, "top_k", 0, 2**31 - 1) or 0,
+        "min_p": _number(data, "min_p", 0.0, 0.0, 1.0) if data.get("min_p") is not None
+        else None,
+        "presence_penalty": _number(data, "presence_penalty", 0.0, -2.0, 2.0),
+        "frequency_penalty": _number(data, "frequency_penalty", 0.0, -2.0, 2.0),
+        "repeat_penalty": _number(data, "repeat_penalty", 1.0, 0.0, 10.0, low_open=True)
+        if data.get("repeat_penalty") is not None else None,
+        "repeat_last_n": repeat_last_n,
+        "logit_bias": _logit_bias(data), "grammar": grammar,
     }
 
 
-def _content(message: dict[str, Any], index: int) -> str:
-    content = message.get("content")
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or \
-                    not isinstance(part.get("text"), str):
-                raise bad_param(f"messages[{index}].content", "Only text content parts are "
-                                "supported by this server.", code="unsupported_parameter")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise bad_param(f"messages[{index}].content", "Message content must be a string or a "
-                                                  "list of text parts.", code="invalid_type")
+def _chat_input(exc: ChatInputError) -> ApiError:
+    return bad_param(exc.param, exc.message)
 
 
 def parse_chat(data: dict[str, Any], session_header: str | None = None) -> GenRequest:
+    _check_fields(data, CHAT_FIELDS)
     common = _common(data, "chat", ("max_completion_tokens", "max_tokens"), session_header)
-    messages = data.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_param("messages", "'messages' must be a non-empty list of messages.",
-                        code="invalid_type" if messages is not None else "missing_required")
-    checked = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
-            raise bad_param(f"messages[{i}].role", f"messages[{i}] needs a role, one of "
-                                                   f"{', '.join(sorted(CHAT_ROLES))}.")
-        role = "system" if m["role"] == "developer" else m["role"]
-        checked.append({"role": role, "content": _content(m, i)})
-    _unsupported(data, "logprobs", (None, False))
-    _unsupported(data, "tools", (None, []))
-    _unsupported(data, "functions", (None, []))
-    _unsupported(data, "response_format", (None, {"type": "text"}))
-    return GenRequest(**common, messages=checked)
+    grammar = common.pop("grammar")
+    route = _string(data, "prompt_cache_key", 1024) or common["route_key"]
+    logprobs = _bool(data, "logprobs")
+    top = _int(data, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+    if top and not logprobs:
+        raise bad_param("top_logprobs", "'top_logprobs' needs 'logprobs' set to true.")
+    variables = data.get("chat_template_kwargs") or {}
+    if not isinstance(variables, dict):
+        raise bad_param("chat_template_kwargs", "'chat_template_kwargs' must be an object.",
+                        code="invalid_type")
+    try:
+        messages = parse_messages(data.get("messages"))
+        tools = parse_tools(data.get("tools"))
+        choice = parse_tool_choice(data.get("tool_choice"), tools)
+        schema, schema_param = parse_response_format(data.get("response_format"))
+    except ChatInputError as exc:
+        code = "missing_required" if exc.param == "messages" and data.get("messages") is None \
+            else "invalid_value"
+        raise bad_param(exc.param, exc.message, code=code) from None
+    chat = ChatRequest(messages, tools, choice, _bool(data, "parallel_tool_calls", True),
+                       schema, schema_param, grammar, variables)
+    return GenRequest(**{**common, "route_key": route}, logprobs=logprobs, top_logprobs=top,
+                      chat=chat)
 
 
 def parse_completion(data: dict[str, Any], session_header: str | None = None) -> GenRequest:
+    _check_fields(data, COMPLETION_FIELDS)
     common = _common(data, "text", ("max_tokens",), session_header)
     prompt = data.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
-    _unsupported(data, "echo", (None, False))
-    _unsupported(data, "suffix", (None, ""))
-    _unsupported(data, "logprobs", (None, 0))
-    _unsupported(data, "best_of", (None, 1))
+    top = _int(data, "logprobs", 0, MAX_TEXT_LOGPROBS)
+    logprobs = {"logprobs": top is not None, "top_logprobs": top or 0}
     if isinstance(prompt, str):
         if not prompt:
             raise bad_param("prompt", "'prompt' must not be empty.")
-        return GenRequest(**common, prompt=prompt)
+        return GenRequest(**common, **logprobs, prompt=prompt)
     if isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt):
-        return GenRequest(**common, tokens=list(prompt))
+        return GenRequest(**common, **logprobs, tokens=list(prompt))
     raise bad_param("prompt", "'prompt' must be a non-empty string or list of token ids (a "
                               "batch of one; batches of several are not supported).",
                     code="invalid_type" if prompt is not None else "missing_required")
 
 
-# --------------------------------------------------------------------------- responses
-
-
-def usage(done: pb.Completion) -> dict[str, Any]:
-    """OpenAI's usage; ``cached_tokens`` is the prompt tokens not recomputed (as OpenAI,
-    vLLM, SGLang and llama.cpp's server report it)."""
-    completion_tokens = len(done.tokens)
-    cached = min(done.cache_delta.tokens_read, done.prompt_tokens)
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": done.prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def kvcache_details(done: pb.Completion, worker: str, tenant: str) -> dict[str, Any]:
-    """kvcache's own account of the request, beside OpenAI's fields."""
-    t = done.timings
-    return {"hit_kind": done.cache_hit_kind, "tier": done.cache_tier,
-            "tokens_restored": done.cache_delta.tokens_read,
-            "tokens_saved": done.cache_delta.tokens_saved,
-            "ttft_ms": round(t.ttft_ms, 3), "restore_ms": round(t.restore_ms, 3),
-            "prefill_ms": round(t.prefill_ms, 3), "decode_ms": round(t.decode_ms, 3),
-            "finish_key": done.finish_key, "session_id": done.session_id,
-            "worker": worker, "tenant": tenant}
-
-
-def finish_reason(done: pb.Completion) -> str:
-    return "length" if done.finish_reason == "length" else "stop"
-
-
-def response_body(req: GenRequest, done: pb.Completion, extra: dict[str, Any]) -> dict[str, Any]:
-    if req.endpoint == "chat":
-        choice: dict[str, Any] = {
-            "index": 0, "message": {"role": "assistant", "content": done.text,
-                                    "refusal": None},
-            "logprobs": None, "finish_reason": finish_reason(done)}
-        kind = "chat.completion"
-    else:
-        choice = {"index": 0, "text": done.text, "logprobs": None,
-                  "finish_reason": finish_reason(done)}
-        kind = "text_completion"
-    return {"id": req.id, "object": kind, "created": req.created, "model": req.model,
-            "system_fingerprint": None, "choices": [choice], "usage": usage(done),
-            "kvcache": extra}
-
-
-def chunk(req: GenRequest, text: str | None = None, *, first: bool = False,
-          finish: str | None = None, usage_body: dict[str, Any] | None = None,
-          extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One streamed chunk: text, the closing chunk (``finish``), or the usage chunk
-    (``usage_body``: no choices, as OpenAI sends it last when include_usage is set)."""
-    choices: list[dict[str, Any]] = []
-    if usage_body is None:
-        if req.endpoint == "chat":
-            delta: dict[str, Any] = {}
-            if first:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            choices = [{"index": 0, "delta": delta, "logprobs": None,
-                        "finish_reason": finish}]
-        else:
-            choices = [{"index": 0, "text": text or "", "logprobs": None,
-                        "finish_reason": finish}]
-    body: dict[str, Any] = {
-        "id": req.id, "object": "chat.completion.chunk" if req.endpoint == "chat"
-        else "text_completion", "created": req.created, "model": req.model,
-        "system_fingerprint": None, "choices": choices}
-    if req.include_usage:
-        body["usage"] = usage_body  # null on every chunk but the last, as OpenAI does
-    if extra is not None:
-        body["kvcache"] = extra
-    return body
-
-
-def sse(data: dict[str, Any] | str) -> bytes:
-    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    return f"data: {text}\n\n".encode()
-
-
-DONE = sse("[DONE]")
+__all__ = ["CHAT_FIELDS", "COMPLETION_FIELDS", "SESSION_HEADER", "ApiError", "GenRequest",
+           "bad_param", "parse_chat", "parse_completion", "parse_json", "served_text"]

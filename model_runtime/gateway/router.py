@@ -99,15 +99,17 @@ class SessionMap:
             self._owner.popitem(last=False)
 
 
-def choose(workers: Sequence[W], text: str, session_owner: str | None = None) -> W:
-    """The worker for a request: its session's worker if that one has a free slot, else
+def choose(workers: Sequence[W], text: str, session_owner: str | None = None,
+           slots: int = 1) -> W:
+    """The worker for a request (needing ``slots`` free slots: one per choice): its
+    session's worker if that one has the slots free, else
     the longest tracked prefix, then the fewest requests in flight, then the fewest
     served (so that new conversations spread over the workers). Raises
     :class:`NoReadyWorker` or :class:`NoFreeSlot`."""
     ready = [w for w in workers if w.ready]
     if not ready:
         raise NoReadyWorker()
-    free = [w for w in ready if w.free_slots > 0]
+    free = [w for w in ready if w.free_slots >= slots]
     if not free:
         raise NoFreeSlot()
     for w in free:

@@ -33,6 +33,8 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ..chat.formats import ChatFormat, detect_format
+from ..chat.templates import ChatTemplate, TemplateError
 from ..v1 import runtime_pb2 as pb
 from ..v1 import runtime_pb2_grpc as pb_grpc
 from .ring import LogRing
@@ -80,6 +82,7 @@ class Flight:
 
     id: int
     started: float
+    slots: int = 1  # a request with n choices runs on n sequences
     wait_since: float | None = None  # set while waiting for the worker's next event
     call: Any = None  # the gRPC call, cancelled when the worker fails
     failure: WorkerFailure | None = None
@@ -113,6 +116,9 @@ class Worker:
         self.slots = 0  # the runtime's n_seq_max, known once it serves
         self.n_ctx = 0
         self.fingerprint = ""
+        # The model's chat template, from the runtime (the gateway renders chats itself).
+        self.template: ChatTemplate | None = None
+        self.chat_format: ChatFormat | None = None
         self.flights: dict[int, Flight] = {}
         self.served = 0
         self.restarts = 0
@@ -142,7 +148,8 @@ class Worker:
 
     @property
     def free_slots(self) -> int:
-        return max(0, self.slots - len(self.flights)) if self.ready else 0
+        busy = sum(f.slots for f in self.flights.values())
+        return max(0, self.slots - busy) if self.ready else 0
 
     @property
     def pid(self) -> int | None:
@@ -158,9 +165,9 @@ class Worker:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def acquire(self) -> Flight:
-        """Take a slot (the router checked that one is free)."""
-        flight = Flight(next(_flight_ids), time.monotonic())
+    def acquire(self, slots: int = 1) -> Flight:
+        """Take ``slots`` slots (the router checked that they are free)."""
+        flight = Flight(next(_flight_ids), time.monotonic(), slots)
         self.flights[flight.id] = flight
         return flight
 
@@ -329,6 +336,14 @@ class Worker:
             raise StartError(f"Stats failed: {exc.code().name}") from None
         self.slots, self.n_ctx = stats.n_seq_max, stats.n_ctx
         self.fingerprint = stats.model_fingerprint
+        self.template = self.chat_format = None
+        if stats.chat_template:
+            try:
+                self.template = ChatTemplate(stats.chat_template, bos_token=stats.bos_text,
+                                             eos_token=stats.eos_text, add_bos=stats.add_bos)
+                self.chat_format = detect_format(stats.chat_template)
+            except TemplateError as exc:
+                log.warning("worker %s: %s; chats are refused", self.name, exc)
 
     async def _watch(self) -> tuple[str, str]:
         assert self.proc is not None and self._exited is not None

@@ -1,0 +1,138 @@
+"""One chat request made ready for the runtime: the prompt text and its save boundary,
+the constraint on the output, and how to read the output back.
+
+The save boundary is the end of the leading system message(s) as the template renders
+them with the tools (in the system message for the hermes, llama3 and generic families),
+so a second request with the same system prompt and tools restores them. Every earlier
+turn is rendered as the model wrote it where the family allows (see
+:mod:`.formats`), so a tool round trip continues the previous turn's KV.
+(tests/test_chat_prompt.py)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .formats import ChatFormat, Family, template_messages
+from .grammars import Constraint, envelope_grammar, schema_grammar, tool_call_grammar
+from .messages import (
+    ChatInputError,
+    ChatMessage,
+    Tool,
+    ToolChoice,
+    check_tool_results,
+    check_tools,
+)
+from .parsing import OutputParser
+from .templates import ChatTemplate, TemplateError
+
+__all__ = ["ChatRequest", "PromptPlan", "plan_chat"]
+
+#: Where a lazy grammar starts, per family: the text that opens a tool call.
+TRIGGERS: Mapping[Family, tuple[str, ...]] = {
+    Family.HERMES: ("<tool_call>",), Family.MISTRAL: ("[TOOL_CALLS]",),
+    Family.LLAMA3: ('{"name"', '{"type"')}
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: Sequence[ChatMessage]
+    tools: Sequence[Tool] = ()
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    parallel_tool_calls: bool = True
+    json_schema: Mapping[str, Any] | None = None  # response_format (json_object: an object)
+    schema_param: str = "response_format"  # where the schema came from, for errors
+    grammar: str | None = None  # llama.cpp's `grammar` (GBNF), as given
+    variables: Mapping[str, Any] = field(default_factory=dict)  # chat_template_kwargs
+
+
+@dataclass(frozen=True)
+class PromptPlan:
+    fmt: ChatFormat
+    text: str
+    head_chars: int  # the save boundary, in characters of text (0: none)
+    constraint: Constraint | None
+    tools: bool  # tool calls may come
+    envelope: bool  # the output is the generic family's JSON envelope
+    inside_reasoning: bool  # the prompt opened a reasoning block
+
+    def parser(self) -> OutputParser:
+        return OutputParser(self.fmt, tools=self.tools, envelope=self.envelope,
+                            inside_reasoning=self.inside_reasoning)
+
+
+def _check(req: ChatRequest) -> None:
+    check_tools(req.tools)
+    choice = req.tool_choice
+    if choice.forced and not req.tools:
+        raise ChatInputError("tool_choice", f"tool_choice '{choice.mode}' needs tools.")
+    if choice.mode == "function" and choice.name not in {t.name for t in req.tools}:
+        raise ChatInputError("tool_choice", f"tool_choice names {choice.name!r}, which is "
+                                            "not among the tools.")
+    if req.grammar is not None and (req.json_schema is not None or
+                                    (req.tools and choice.mode != "none")):
+        raise ChatInputError("grammar", "'grammar' cannot be combined with tools or "
+                                        "response_format.")
+
+
+def _constraint(req: ChatRequest, fmt: ChatFormat, envelope: bool, inside: bool,
+                closed: bool = False) -> Constraint | None:
+    choice = req.tool_choice
+    selected = [t for t in req.tools if choice.mode != "function" or t.name == choice.name]
+    parallel = req.parallel_tool_calls and choice.mode != "function"
+    calling = bool(req.tools) and choice.mode != "none"
+    reasoning = {"reasoning": None if closed else fmt.reasoning, "inside_reasoning": inside}
+    if req.grammar is not None:
+        return Constraint(req.grammar)
+    if envelope:
+        return Constraint(envelope_grammar(
+            selected, reply=not choice.forced, calls=calling, parallel=parallel,
+            content_schema=req.json_schema, **reasoning))
+    if calling and choice.mode == "auto" and req.json_schema is None:
+        return Constraint(tool_call_grammar(fmt.family, selected, parallel=parallel),
+                          TRIGGERS[fmt.family])
+    if calling:
+        content = req.json_schema if choice.mode == "auto" else None
+        return Constraint(tool_call_grammar(fmt.family, selected, parallel=parallel,
+                                            content_schema=content, **reasoning))
+    if req.json_schema is not None:
+        return Constraint(schema_grammar(req.json_schema, req.schema_param, **reasoning))
+    return None
+
+
+def plan_chat(template: ChatTemplate, fmt: ChatFormat, req: ChatRequest) -> PromptPlan:
+    """Render ``req`` with the model's template. Raises :class:`ChatInputError` for a bad
+    combination or a tool result answering no call, :class:`SchemaError` for a schema
+    that cannot be constrained, :class:`TemplateError` when the template refuses."""
+    _check(req)
+    calls = check_tool_results(req.messages)
+    generic = fmt.family is Family.GENERIC
+    envelope = generic and bool(req.tools)
+    variables = dict(req.variables)
+    if fmt.family is Family.LLAMA3:  # tools in the system message, where they are cached
+        variables.setdefault("tools_in_user_message", False)
+    messages = template_messages(fmt, req.messages, calls,
+                                 tools=req.tools if generic else (), envelope=envelope)
+    tools = [t.as_openai() for t in req.tools] if req.tools and not generic else None
+    text = template.render(messages, tools=tools, variables=variables)
+    n_system = 0
+    while n_system < len(messages) and messages[n_system]["role"] == "system":
+        n_system += 1
+    head_chars = 0
+    if 0 < n_system < len(messages):
+        try:
+            head = template.render(messages[:n_system], add_generation_prompt=False,
+                                   tools=tools, variables=variables)
+            head_chars = len(os.path.commonprefix([head, text]))
+        except TemplateError:  # a template that needs a user turn: no boundary
+            head_chars = 0
+    inside = fmt.reasoning is not None and text.rstrip().endswith(fmt.reasoning[0])
+    # A prompt that closed the reasoning block itself (``enable_thinking`` false) asks for
+    # no reasoning: the grammar then starts at the answer.
+    closed = fmt.reasoning is not None and text.rstrip().endswith(fmt.reasoning[1])
+    return PromptPlan(fmt, text, head_chars, _constraint(req, fmt, envelope, inside, closed),
+                      tools=bool(req.tools) and req.tool_choice.mode != "none",
+                      envelope=envelope, inside_reasoning=inside)

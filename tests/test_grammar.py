@@ -1,0 +1,159 @@
+"""Grammars are checked before a request is queued: GBNF read by llama.cpp's rules, with
+the line and column of what failed, and JSON Schema converted by llama.cpp's converter.
+
+Each grammar below is also compiled by llama.cpp itself (the tiny model's vocabulary):
+what the check lets through, llama.cpp accepts; what llama.cpp refuses, the check
+refuses with a reason. The check refuses a few grammars llama.cpp would take and then
+hang on or misuse (``{2,1}`` loops forever in llama.cpp; those are not compiled here).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from model_runtime.grammar import (
+    GrammarError,
+    check_gbnf,
+    check_grammar,
+    grammar_of,
+    json_schema_grammar,
+)
+from model_runtime.llama_backend import LlamaModel, grammar_refusal
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model: Path) -> Iterator[LlamaModel]:
+    m = LlamaModel(tiny_model)
+    yield m
+    m.close()
+
+
+VALID = [
+    'root ::= "a"',
+    'root ::= "a" | ',  # an empty alternative
+    "root ::= ",
+    "root ::= [^]",
+    "root ::= .",
+    'root ::= "a"\n\nroot ::= "b"',  # defined twice: the last one counts
+    'root ::= "a" "b"*{3}',
+    'root ::= "\\u00e9" [\\x41-\\x5A] "\\t\\r\\n\\\\\\"\\[\\]\\-"',
+    'root ::= ("a"{40}){60}',
+    'root ::= ( "a"\n | "b" )  # newlines inside parentheses',
+    "root ::= <[5]> !<[6]> <|im_end|>",
+    'root ::= "a" root',  # right recursion: endless, but fine
+    '  root ::= "a"  \r\n',
+    'root::="a"',
+    'root ::= "日本" [あ-ん]+',
+    'root ::= x\nx ::= "a"{0,3000}',  # a maximum above 2000 means none
+]
+
+# (grammar, where and what) — the message must say both.
+INVALID = [
+    ('expr ::= "a"', "no 'root' rule"),
+    ('root ::= root "a" | "b"', "line 1, column 1 .*'root' is left-recursive"),
+    ('root ::= x\nx ::= "c"? root', "'root' is left-recursive"),
+    ('root ::= x\nx ::= y?\ny ::= x "a"', "line 2, column 1 .*'x' is left-recursive"),
+    ('root ::= "a"* root', "left-recursive"),
+    ("root ::= [a-", "column 12 .*unexpected end of input in a range"),
+    ('root ::= "abc', "column 14.*end of input inside a literal"),
+    ('root ::= "\\q"', "column 11 .*unknown escape \\\\q"),
+    ('root ::= "\\x4"', "expecting 2 hex digits after \\\\x"),
+    ('root ::= "a"{3000}', "at least 3000 exceeds llama.cpp's limit of 2000"),
+    ('root ::= ( "a" ', "column 10 .*this \\( is never closed"),
+    ('root ::= "a" ) ', "column 14 .*expecting a newline or the end"),
+    ("root ::= x", "column 10 .*undefined rule 'x'"),
+    ('root ::= "a" # comment\n  | "b"', "line 2, column 3 .*expecting a rule name"),
+    ('root ::= "a" ::= "b"', "expecting a newline or the end"),
+    ('root := "a"', "column 6 .*expecting ::= after the rule name 'root'"),
+    ("root ::= <nosuch>", "'<nosuch>' is not one token"),
+    ('root ::= * "a"', "\\* repeats nothing"),
+    ('root ::= "a"{x}', "expecting a number after \\{"),
+    ('root ::= "a"{2', "expecting \\} to close"),
+]
+
+# Refused here although llama.cpp takes them: it would hang, run out of memory, read a
+# shorter grammar than given, or wait for a token that does not exist.
+REFUSED_BEFORE_LLAMA = [
+    ("root ::= <[999999]>", "token id 999999 is outside the vocabulary \\(0 to 99\\)"),
+    ('root ::= "a"{2,1}', "repetition \\{2,1\\}: the minimum is above the maximum"),
+    ('root ::= "ab"{2000}{2000}', "expands to 8000000 symbols"),
+    ('root ::= "a"\x00"b"', "a NUL character"),
+]
+
+
+@pytest.mark.parametrize("grammar", VALID)
+def test_what_the_check_lets_through_llama_cpp_accepts(model: LlamaModel, grammar: str) -> None:
+    check_grammar(model, grammar)
+    assert grammar_refusal(model, grammar) is None
+
+
+@pytest.mark.parametrize("grammar, message", INVALID)
+def test_what_llama_cpp_refuses_the_check_refuses_saying_where_and_why(
+        model: LlamaModel, grammar: str, message: str) -> None:
+    assert grammar_refusal(model, grammar) is not None
+    with pytest.raises(GrammarError, match=message):
+        check_grammar(model, grammar)
+
+
+@pytest.mark.parametrize("grammar, message", REFUSED_BEFORE_LLAMA)
+def test_grammars_llama_cpp_cannot_serve_are_refused_before_it_sees_them(
+        grammar: str, message: str) -> None:
+    with pytest.raises(GrammarError, match=message):
+        check_gbnf(grammar, n_vocab=100)
+
+
+def test_llama_cpp_s_own_reasons_are_captured(model: LlamaModel) -> None:
+    assert "left recursion" in (grammar_refusal(model, 'root ::= root "a"') or "")
+    assert "root" in (grammar_refusal(model, 'item ::= "a"') or "")
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}},
+        "where": {"type": "object", "properties": {"x": {"type": "number"}},
+                  "required": ["x"]},
+        "note": {"type": "string"},
+    },
+    "required": ["id", "where"],
+    "additionalProperties": False,
+}
+
+
+def test_a_json_schema_becomes_a_grammar_llama_cpp_accepts(model: LlamaModel) -> None:
+    gbnf = json_schema_grammar(SCHEMA)
+    check_grammar(model, gbnf)
+    assert json_schema_grammar(json.dumps(SCHEMA)) == gbnf
+    assert grammar_of("", SCHEMA, False) == gbnf
+    # JSON strings: no control characters, nothing that is not UTF-8.
+    (char,) = [line for line in gbnf.splitlines() if line.startswith("char ::=")]
+    assert "\\x00-\\x1F" in char and "\\uD800-\\uDFFF" in char
+    embedded = json_schema_grammar(SCHEMA, name="call")
+    check_grammar(model, f'root ::= "<tool_call>" call "</tool_call>"\n{embedded}')
+    check_grammar(model, grammar_of("", None, True))  # json_object
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "objekt"}, "cannot be converted to a grammar: Unrecognized schema"),
+    ([1, 2], "must be a JSON object"),
+    ("{nope", "is not JSON"),
+    ({"$ref": "#/definitions/missing"}, "cannot be converted"),
+    ({"type": "string", "pattern": "(("}, "cannot be converted"),
+])
+def test_a_schema_that_cannot_be_converted_is_refused_saying_why(
+        schema: object, message: str) -> None:
+    with pytest.raises(GrammarError, match=f"json_schema {message}"):
+        json_schema_grammar(schema)  # type: ignore[arg-type]
+
+
+def test_one_constraint_at_a_time() -> None:
+    with pytest.raises(ValueError, match="json_object cannot be combined with grammar"):
+        grammar_of('root ::= "a"', None, True)
+    with pytest.raises(ValueError, match="json_schema cannot be combined with grammar"):
+        grammar_of('root ::= "a"', SCHEMA, False)
+    assert grammar_of("", None, False) == ""

@@ -1,0 +1,291 @@
+"""Agents' workloads, kvcache's gateway side by side with llama.cpp's ``llama-server
+--jinja`` (same model, threads and context per sequence), both through OpenAI's client:
+
+    python tools/bench_agents.py [--model PATH] [--threads 2] [--steps 8] [--rounds 2]
+                                 [--requests 4] [--workloads agent,concurrent]
+                                 [--llama-server PATH | --without-llama-server]
+                                 [--out FILE.json]
+
+Prints ONE JSON document on stdout (progress on stderr).
+
+* ``agent``: a tool-calling agent loop of ``--steps`` steps on each arm: the request (tools,
+  ``tool_choice`` ``required`` on kvcache; llama-server cannot force a call on a template
+  without tools, so it gets ``auto``), the reply appended as returned, a tool result for
+  each call (a reply without calls is followed by "Go on with the next lookup."). Per step:
+  prompt tokens, prompt tokens prefilled (prompt minus ``cached_tokens``; llama-server also
+  reports ``timings.prompt_n``), TTFT (request sent to the first chunk with a delta).
+* ``concurrent``: 4 concurrent streaming clients over a shared ~1,000-token system prompt,
+  ``--requests`` requests each (a distinct user message, 32 tokens, greedy); one worker
+  with 4 slots against ``llama-server -np 4``; ``--rounds`` rounds, the arms' order
+  alternating. Aggregate completion tokens per second, TTFT median and inter-token median
+  (gaps between content chunks), with ratios kvcache / llama-server.
+
+llama-server comes from ``tools/build_llama_server.sh`` (the llama.cpp vendored in the
+llama-cpp-python sdist); without it the benchmark says so and stops, unless
+``--without-llama-server`` asks for the gateway's figures alone (no ratios: nothing to
+compare them with).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from benchlib import Daemon, emit_json, log, machine_info, summarize
+from llama_server_arm import DEFAULT_BINARY, LlamaServer
+from procs import Gateway, short_workdir
+from system_prompt import build_system_prompt
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Today's weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]}}},
+    {"type": "function", "function": {
+        "name": "track_parcel", "description": "Where a parcel is and when it arrives.",
+        "parameters": {"type": "object", "properties": {"parcel_id": {"type": "string"}},
+                       "required": ["parcel_id"]}}},
+]
+AGENT_SYSTEM = ("You are the dispatcher of a delivery company. For every question, call the "
+                "tools to look things up; never guess. ") * 4
+TASK = ("Parcels 101 to 108 go to Paris, Lyon, Rome, Oslo, Madrid, Vienna, Prague and Berlin. "
+        "For each one, track it, then check the weather where it goes.")
+N_CONCURRENT = 4
+CONCURRENT_TOKENS = 32
+
+
+class Arm:
+    """One server behind OpenAI's API."""
+
+    def __init__(self, name: str, base_url: str, model: str) -> None:
+        import openai
+
+        self.name = name
+        self.model = model
+        self.client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0,
+                                    timeout=600)
+
+    def stream(self, messages: list[dict[str, Any]], max_tokens: int,
+               **extra: Any) -> dict[str, Any]:
+        """One streamed request: TTFT, the gaps between content chunks, usage, and the
+        reply as a message to append."""
+        start = time.perf_counter()
+        first = 0.0
+        stamps: list[float] = []
+        content, reasoning = "", ""
+        calls: dict[int, dict[str, Any]] = {}
+        usage: Any = None
+        timings: dict[str, Any] = {}
+        for chunk in self.client.chat.completions.create(
+                model=self.model, messages=messages, max_tokens=max_tokens, temperature=0,
+                stream=True, stream_options={"include_usage": True}, **extra):
+            now = time.perf_counter()
+            if chunk.usage is not None:
+                usage = chunk.usage
+            timings = (chunk.model_extra or {}).get("timings") or timings
+            if not chunk.choices:
+                continue
+            delta = chunk.choices[0].delta
+            text = delta.content or ""
+            extra_reasoning = (delta.model_extra or {}).get("reasoning_content") or ""
+            if text or delta.tool_calls or extra_reasoning:
+                first = first or now
+                stamps.append(now)
+            content += text
+            reasoning += extra_reasoning
+            for call in delta.tool_calls or []:
+                slot = calls.setdefault(call.index, {"id": "", "name": "", "arguments": ""})
+                slot["id"] = call.id or slot["id"]
+                if call.function is not None:
+                    slot["name"] = call.function.name or slot["name"]
+                    slot["arguments"] += call.function.arguments or ""
+        cached = usage.prompt_tokens_details.cached_tokens if usage and \
+            usage.prompt_tokens_details else 0
+        message: dict[str, Any] = {"role": "assistant", "content": content or None}
+        if calls:
+            message["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
+                "name": c["name"], "arguments": c["arguments"]}} for c in calls.values()]
+        return {"ttft_s": (first or time.perf_counter()) - start,
+                "gaps_s": [b - a for a, b in zip(stamps, stamps[1:], strict=False)],
+                "prompt_tokens": usage.prompt_tokens if usage else None,
+                "completion_tokens": usage.completion_tokens if usage else 0,
+                "cached_tokens": cached, "server_prompt_n": timings.get("prompt_n"),
+                "message": message}
+
+
+def agent_loop(arm: Arm, steps: int, force: bool) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": AGENT_SYSTEM},
+                                      {"role": "user", "content": TASK}]
+    rows = []
+    for step in range(steps):
+        got = arm.stream(messages, 48, tools=TOOLS,
+                         tool_choice="required" if force else "auto")
+        reply = got.pop("message")
+        got.pop("gaps_s")
+        calls = reply.get("tool_calls") or []
+        got.update(step=step + 1, tool_calls=len(calls),
+                   prefilled=(got["prompt_tokens"] or 0) - got["cached_tokens"])
+        rows.append(got)
+        messages.append(reply)
+        for call in calls:
+            result = {"get_weather": "18 C, light rain", "track_parcel":
+                      f"In transit, arrives tomorrow (step {step + 1})."}.get(
+                call["function"]["name"], "unknown tool")
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+        if not calls:
+            messages.append({"role": "user", "content": "Go on with the next lookup."})
+    return rows
+
+
+def concurrent_round(arm: Arm, system: str, requests: int, round_no: int) -> dict[str, Any]:
+    results: list[dict[str, Any]] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def client(index: int) -> None:
+        for j in range(requests):
+            user = f"Client {index}, request {j} of round {round_no}: which aisle for item {j}?"
+            try:
+                got = arm.stream([{"role": "system", "content": system},
+                                  {"role": "user", "content": user}], CONCURRENT_TOKENS)
+            except Exception as exc:  # reported, not hidden
+                with lock:
+                    errors.append(f"{type(exc).__name__}: {exc}"[:200])
+                continue
+            with lock:
+                results.append(got)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(N_CONCURRENT)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    tokens = sum(r["completion_tokens"] for r in results)
+    return {"seconds": elapsed, "completion_tokens": tokens, "errors": errors,
+            "ttft_s": [r["ttft_s"] for r in results],
+            "gaps_s": [g for r in results for g in r["gaps_s"]],
+            "prompt_tokens": [r["prompt_tokens"] for r in results],
+            "prefilled": [(r["prompt_tokens"] or 0) - r["cached_tokens"] for r in results]}
+
+
+def concurrent_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    ttft = [t for r in rounds for t in r["ttft_s"]]
+    gaps = [g for r in rounds for g in r["gaps_s"]]
+    seconds = sum(r["seconds"] for r in rounds)
+    tokens = sum(r["completion_tokens"] for r in rounds)
+    return {"requests": len(ttft), "errors": [e for r in rounds for e in r["errors"]][:5],
+            "aggregate_tokens_per_s": round(tokens / seconds, 2) if seconds else None,
+            "ttft": summarize(ttft) if ttft else None,
+            "inter_token": summarize(gaps) if gaps else None,
+            "prompt_tokens_median": statistics.median(
+                [p for r in rounds for p in r["prompt_tokens"] if p] or [0]),
+            "prefilled_median": statistics.median(
+                [p for r in rounds for p in r["prefilled"]] or [0])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, default=None, help="GGUF (default: SmolLM2)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--n-ctx", type=int, default=4096, help="per sequence")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=4, help="per client and round")
+    parser.add_argument("--workloads", default="agent,concurrent")
+    parser.add_argument("--llama-server", type=Path, default=DEFAULT_BINARY)
+    parser.add_argument("--without-llama-server", action="store_true",
+                        help="the gateway alone: its figures, no side-by-side ratios")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    workloads = set(args.workloads.split(","))
+    if not args.without_llama_server and not args.llama_server.is_file():
+        raise SystemExit(f"llama-server not found at {args.llama_server}: run "
+                         "`bash tools/build_llama_server.sh` first (or pass "
+                         "--without-llama-server for the gateway's figures alone)")
+    if args.model is None:
+        from model_runtime.runtime import default_model_path
+
+        args.model = default_model_path()
+
+    workdir = short_workdir("kvba")
+    daemon = Daemon(workdir / "data", workdir / "ram", log_dir=workdir)
+    gateway = Gateway(workdir / "gateway.log", "--model", f"bench={args.model}",
+                      "--workers", "1", "--n-seq-max", str(N_CONCURRENT), "--n-ctx",
+                      str(args.n_ctx), cache=daemon.address, threads=args.threads)
+    server = None if args.without_llama_server else LlamaServer(
+        args.llama_server, args.model, threads=args.threads, n_ctx=args.n_ctx * N_CONCURRENT,
+        parallel=N_CONCURRENT, log_path=workdir / "llama-server.log", extra_args=["--jinja"])
+    doc: dict[str, Any] = {"benchmark": "agents", "machine": machine_info(),
+                           "settings": {k: str(v) for k, v in vars(args).items()},
+                           "llama_server_argv": None}
+    try:
+        daemon.start()
+        log("starting the gateway (1 worker, 4 slots)" +
+            ("" if server is None else " and llama-server -np 4 --jinja"))
+        gateway.start(timeout=300)
+        arms = [Arm("kvcache", f"{gateway.url}/v1", "bench")]
+        if server is not None:
+            server.start()
+            doc["llama_server_argv"] = server.argv()[1:]
+            arms.append(Arm("llama-server", f"http://127.0.0.1:{server.port}/v1", "bench"))
+        if "agent" in workloads:
+            doc["agent"] = {}
+            for arm in arms:
+                log(f"agent loop: {arm.name}, {args.steps} steps")
+                rows = agent_loop(arm, args.steps, force=arm.name == "kvcache")
+                doc["agent"][arm.name] = {
+                    "steps": rows,
+                    "prefilled_total": sum(r["prefilled"] for r in rows),
+                    "ttft_median_ms": round(statistics.median(r["ttft_s"] for r in rows) * 1e3,
+                                            1),
+                    "ttft_after_first_median_ms": round(statistics.median(
+                        r["ttft_s"] for r in rows[1:]) * 1e3, 1) if len(rows) > 1 else None,
+                    "steps_with_tool_calls": sum(1 for r in rows if r["tool_calls"])}
+            ours, theirs = doc["agent"]["kvcache"], doc["agent"].get("llama-server")
+            doc["agent"]["ratios"] = None if theirs is None else {
+                "prefilled_total": round(ours["prefilled_total"] /
+                                         max(1, theirs["prefilled_total"]), 3),
+                "ttft_median": round(ours["ttft_median_ms"] / theirs["ttft_median_ms"], 3),
+                "ttft_after_first_median": round(
+                    ours["ttft_after_first_median_ms"] /
+                    theirs["ttft_after_first_median_ms"], 3)
+                if ours["ttft_after_first_median_ms"] else None}
+        if "concurrent" in workloads:
+            system = build_system_prompt(720)
+            for arm in arms:  # both start with the system prompt computed once
+                arm.stream([{"role": "system", "content": system},
+                            {"role": "user", "content": "Warm-up."}], 4)
+            runs: dict[str, list[dict[str, Any]]] = {arm.name: [] for arm in arms}
+            for round_no in range(args.rounds):
+                order = arms if round_no % 2 == 0 else arms[::-1]
+                for arm in order:
+                    log(f"concurrent: round {round_no + 1}, {arm.name}")
+                    runs[arm.name].append(concurrent_round(arm, system, args.requests,
+                                                           round_no))
+            summary = {name: concurrent_summary(rounds) for name, rounds in runs.items()}
+            ours, theirs = summary["kvcache"], summary.get("llama-server")
+            summary["ratios"] = None if theirs is None else {
+                "aggregate_tokens_per_s": round(ours["aggregate_tokens_per_s"] /
+                                                theirs["aggregate_tokens_per_s"], 3),
+                "ttft_median": round(ours["ttft"]["median"] / theirs["ttft"]["median"], 3),
+                "inter_token_median": round(ours["inter_token"]["median"] /
+                                            theirs["inter_token"]["median"], 3)}
+            doc["concurrent"] = summary
+    finally:
+        if server is not None:
+            server.stop()
+        gateway.close()
+        daemon.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    emit_json(doc, args.out)
+
+
+if __name__ == "__main__":
+    main()
