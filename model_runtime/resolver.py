@@ -50,7 +50,6 @@ class Resolver:
                  session_keys: Mapping[str, tuple[bytes, int]]) -> None:
         self.cache = cache
         self.identity = identity
-        self._namespace = identity.namespace  # computed once: key_of runs on every save
         self.saver = saver
         self.config = config
         # A restored plain-attention state can be cut anywhere (see llama_backend's
@@ -226,7 +225,9 @@ class Resolver:
         bs = self.block_size(wait=wait)
         if bs is None:
             return b""
-        return keys.entry_key(self._namespace, tokens, bs).key
+        # The daemon's namespace (a tenant's is salted by its secret), asked once.
+        assert self.cache is not None  # a block size comes from the daemon
+        return keys.entry_key(self.cache.namespace_of(self.identity), tokens, bs).key
 
     # -- rejected states ------------------------------------------------------------------
 
