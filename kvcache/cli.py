@@ -411,6 +411,11 @@ def _path_given(ctx: click.Context, param: click.Parameter, value: str | None) -
               help="Refuse saves that would leave less free space on the disk.")
 @click.option("--block-size", type=click.IntRange(1, 65536), default=256, show_default=True,
               help="Tokens per hashed block.")
+@click.option("--max-entry-bytes", type=SIZE, default="16G", show_default=True,
+              help="The largest entry a save may reserve.")
+@click.option("--max-saves-per-tenant", type=click.IntRange(1), default=64, show_default=True,
+              help="Saves one tenant may have in flight at once (entries without a tenant "
+                   "count as one tenant).")
 @click.option("--lease-seconds", type=PERIOD, default=30.0, show_default=True,
               help="A reservation with no traffic for this long is aborted.")
 @click.option("--pin-seconds", type=PERIOD, default=60.0,
@@ -456,6 +461,7 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
           tls_client_ca: Path | None, insecure_tcp: bool, tcp_admin: bool,
           ram_dir: Path | None,
           ram_bytes: int, disk_bytes: int, min_free_bytes: int, block_size: int,
+          max_entry_bytes: int, max_saves_per_tenant: int,
           lease_seconds: float, pin_seconds: float, metrics_port: int | None,
           remote_url: str | None, remote_password_file: Path | None,
           remote_password_env: str | None, remote_signing_key_file: Path | None,
@@ -505,7 +511,9 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
     root = (data_dir or default_dir()).expanduser().resolve()
     config = StoreConfig(root=root, ram_dir=ram_dir, ram_bytes=ram_bytes, disk_bytes=disk_bytes,
                          min_free_bytes=min_free_bytes, block_size=block_size,
-                         lease_seconds=lease_seconds, pin_seconds=pin_seconds)
+                         lease_seconds=lease_seconds, pin_seconds=pin_seconds,
+                         max_blob_bytes=max_entry_bytes,
+                         max_saves_per_tenant=max_saves_per_tenant)
     try:
         daemon = Daemon(config, socket_path=socket_path, listen=listen,
                         metrics_port=metrics_port, auth=auth, insecure_tcp=insecure_tcp,

@@ -19,7 +19,15 @@ import lmdb
 
 from .. import blob as blobfmt
 from .. import keys
-from ..errors import InvalidArgument, LeaseLost, NotFound, OutOfRange, StoreError, StoreFull
+from ..errors import (
+    InvalidArgument,
+    LeaseLost,
+    NotFound,
+    OutOfRange,
+    StoreError,
+    StoreFull,
+    TooManySaves,
+)
 from ..index import Index, ParentGone, Record, dir_fsync
 from .entries import check_tokens, record_from
 
@@ -173,6 +181,13 @@ class Publisher:
                 self.counters["saves_parent_gone"] += 1
                 raise NotFound(f"parent entry {parent.hex()} is gone (evicted or deleted); "
                                "save the whole state or look again")
+            tenant = tenant_id or ""
+            if sum((r.tenant_id or "") == tenant for r in self._leases.reservations.values()) \
+                    >= cfg.max_saves_per_tenant:
+                self.counters["saves_refused_tenant_limit"] += 1
+                raise TooManySaves(f"this tenant has {cfg.max_saves_per_tenant} saves in "
+                                   "flight already (--max-saves-per-tenant): commit or abort "
+                                   "one first")
             # No room is made here (a save that could never fit is refused): a client
             # could reserve the whole budget, evict every tenant's entries and abort. Room
             # is made as the bytes arrive (_claim_room;
