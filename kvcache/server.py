@@ -478,6 +478,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             r = remote_stats
             remote = pb.RemoteStats(url=str(r["url"]), connected=bool(r["connected"]),
                                     cluster=bool(r["cluster"]), signed=bool(r["signed"]),
+                                    unsigned_by_choice=bool(r["unsigned_by_choice"]),
+                                    encrypted=bool(r["encrypted"]),
                                     queue_depth=int(r["queue_depth"]),  # type: ignore[call-overload]
                                     queue_max=int(r["queue_max"]),  # type: ignore[call-overload]
                                     last_error=str(r["last_error"] or ""))
