@@ -439,6 +439,7 @@ class Rpc:
 
 RPCS = [
     Rpc("Lookup", "unary", pb.LookupRequest, frozenset({IA}), 120),
+    Rpc("Resolve", "unary", pb.Identity, frozenset({IA}), 40),
     # NOT_FOUND: a piece whose parent entry is not published.
     Rpc("Reserve", "unary", pb.ReserveRequest, frozenset({IA, NF, Code.RESOURCE_EXHAUSTED}),
         120),
