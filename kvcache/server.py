@@ -255,16 +255,20 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             raise PermissionDenied(f"this token may not use tenant {tenant!r}" if tenant else
                                    "this token is bound to tenants: name one")
 
+    def may_see(self, key: bytes, context: Any) -> bool:
+        """Whether the caller's scope covers the entry ``key`` (one that does not exist
+        included: it answers as such)."""
+        scope = self.scope(context)
+        if scope.tenants is None:
+            return True
+        owner = self.store.tenant_of(key)
+        return owner is None or owner in {self.salts.tenant_id(t) for t in scope.tenants}
+
     def check_key_scope(self, key: bytes, context: Any) -> bytes:
         """``key``, when the caller may see it; else NotFound, worded as for a key that
         does not exist, and answered before any wait (no timing tells them apart)."""
-        check_key(key)
-        scope = self.scope(context)
-        if scope.tenants is not None:
-            owner = self.store.tenant_of(key)
-            if owner is not None and owner not in {self.salts.tenant_id(t)
-                                                   for t in scope.tenants}:
-                raise NotFound(f"no entry {key.hex()}")
+        if not self.may_see(check_key(key), context):
+            raise NotFound(f"no entry {key.hex()}")
         return key
 
     def _call(self, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
@@ -343,6 +347,10 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         def run() -> pb.ReserveResponse:
             ns = self.namespace(request.identity, context)
             raw = request_tokens(request)
+            if request.parent and not self.may_see(request.parent, context):
+                # Worded as for a parent that is gone: not "another tenant's".
+                raise NotFound(f"parent entry {request.parent.hex()} is gone (evicted or "
+                               "deleted); save the whole state or look again")
             result = self.store.reserve(ns, raw, request.size, request.reason,
                                         request.identity.model_fingerprint,
                                         tenant_id=self.salts.tenant_id(request.identity.tenant),
@@ -462,8 +470,13 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         return pb.DeleteResponse(deleted=True, dependents_removed=len(removed) - 1)
 
     def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
-        s = self.store.stats()
         cfg = self.store.config
+        if not self.scope(context).admin:
+            # A runtime token learns what a client needs (the block size) and nothing that
+            # moves with other tenants' traffic: counters, sizes and latencies would tell
+            # it when another tenant's prompt hit the cache.
+            return pb.StatsResponse(block_size=cfg.block_size, version=__version__)
+        s = self.store.stats()
         tiers = [
             pb.TierStats(tier=pb.TIER_RAM, entries=s["ram_entries"], bytes=s["ram_used"],
                          budget_bytes=cfg.ram_bytes, directory=str(self.store.ram_dir),

@@ -156,6 +156,19 @@ def test_a_runtime_token_reaches_only_its_tenants(daemon_factory: DaemonFactory,
             "Unpin": grpc.StatusCode.PERMISSION_DENIED,
             "Inspect": grpc.StatusCode.PERMISSION_DENIED,
             "Verify": grpc.StatusCode.PERMISSION_DENIED}
+        # A piece of bob's naming alice's entry as its parent: a parent that is gone.
+        def as_parent(k: bytes) -> tuple[grpc.StatusCode, str]:
+            code, details = answer(lambda: stub.Reserve(pb.ReserveRequest(
+                identity=BOB.message(), tokens=prompt + [7], size=4096, reason="cold",
+                parent=k, base=20), timeout=5))
+            return code, details.replace(k.hex(), "KEY")
+
+        assert as_parent(key) == as_parent(absent)
+        assert as_parent(key)[0] == grpc.StatusCode.NOT_FOUND
+        # Stats: the block size, and nothing that moves with alice's traffic.
+        seen = bob.stats()
+        assert seen.block_size == 16 and not seen.counters and not seen.tiers
+        assert not seen.latencies and admin.stats().counters["saves_committed"] == 1
         for call in (bob.list_entries, lambda: bob.list_entries(tenant="alice"),
                      lambda: bob.prune(tenant="alice", older_than_seconds=0.0)):
             assert answer(call)[0] == grpc.StatusCode.PERMISSION_DENIED

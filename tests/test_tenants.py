@@ -11,7 +11,8 @@ What is not tenant-scoped, by design:
 
 * Read, OpenRead, Pin, Unpin, Delete and Verify take a key and no tenant. A key is an
   unguessable 128-bit name; the tests below show that bob cannot learn alice's keys from
-  any tenant-scoped call.
+  any tenant-scoped call. On TCP, a runtime token bound to bob's tenant gets alice's
+  entries answered as missing keys by these calls too (tests/test_scoped_tokens.py).
 * List, Inspect and Prune without a tenant, Stats and Verify are the operator's view of
   every entry. What protects it is the daemon's unix socket, created owner-only (0600,
   tests/test_daemon.py::test_socket_and_directories_are_owner_only): whoever can connect
