@@ -129,9 +129,8 @@ def model_matches(record: Record, model: str) -> bool:
 
 
 def record_filter(salts: TenantSalts, model: str = "", tenant: str = "", reason: str = "",
-                  tier: int = 0,
-                  min_tokens: int = 0, older_than: float = 0.0, unused_for: float = 0.0,
-                  now: float = 0.0, key_prefix: str = "",
+                  tier: int = 0, min_tokens: int = 0, older_than: float = 0.0,
+                  unused_for: float = 0.0, now: float = 0.0, key_prefix: str = "",
                   only_keys: frozenset[bytes] = frozenset()
                   ) -> Callable[[Record], bool] | None:
     """A predicate over records from operator filters (None when no filter is set); an
@@ -426,7 +425,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         chunk_bytes = min(request.chunk_bytes or (1 << 20), MAX_MESSAGE_BYTES // 2)
         t0 = time.perf_counter()
         pin, chunks = self._call(context, lambda: self.store.iter_read(
-            self.check_key_scope(request.key, context), wait_budget_ms(request.wait_ms, context), chunk_bytes))
+            self.check_key_scope(request.key, context), wait_budget_ms(request.wait_ms, context),
+            chunk_bytes))
         offset = 0
         try:
             for data in chunks:
@@ -446,7 +446,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
     def OpenRead(self, request: pb.OpenReadRequest, context: Any) -> pb.OpenReadResponse:
         t0 = time.perf_counter()
         pin = self._call(context, lambda: self.store.open_read(
-            self.check_key_scope(request.key, context), wait_budget_ms(request.wait_ms, context)))
+            self.check_key_scope(request.key, context),
+            wait_budget_ms(request.wait_ms, context)))
         self._observe(self.read_seconds.labels(pin.tier, "local"), f"read_{pin.tier}_local", t0)
         return pb.OpenReadResponse(path=str(pin.path), size=pin.size, tier=TIERS[pin.tier],
                                    pin_id=pin.pin_id, pin_seconds=self.store.config.pin_seconds,
@@ -458,15 +459,18 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         return pb.ReleaseReadResponse(quarantined=quarantined)
 
     def Pin(self, request: pb.KeyRequest, context: Any) -> pb.PinResponse:
-        self._call(context, lambda: self.store.set_pinned(self.check_key_scope(request.key, context), True))
+        self._call(context, lambda: self.store.set_pinned(
+            self.check_key_scope(request.key, context), True))
         return pb.PinResponse(pinned=True)
 
     def Unpin(self, request: pb.KeyRequest, context: Any) -> pb.PinResponse:
-        self._call(context, lambda: self.store.set_pinned(self.check_key_scope(request.key, context), False))
+        self._call(context, lambda: self.store.set_pinned(
+            self.check_key_scope(request.key, context), False))
         return pb.PinResponse(pinned=False)
 
     def Delete(self, request: pb.KeyRequest, context: Any) -> pb.DeleteResponse:
-        removed = self._call(context, lambda: self.store.delete(self.check_key_scope(request.key, context)))
+        removed = self._call(context, lambda: self.store.delete(
+            self.check_key_scope(request.key, context)))
         return pb.DeleteResponse(deleted=True, dependents_removed=len(removed) - 1)
 
     def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
@@ -512,8 +516,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             return pb.ListResponse(entries=self._remote_entries(request, context))
         # The key prefix is matched by the listing itself (one seek), not as a filter.
         predicate = record_filter(self.salts, request.model, request.tenant, request.reason,
-                                  request.tier,
-                                  request.min_tokens, now=time.time())
+                                  request.tier, request.min_tokens, now=time.time())
         size = request.page_size or request.limit
         if request.page_size and request.limit:
             size = min(request.page_size, request.limit)
