@@ -15,13 +15,14 @@ from __future__ import annotations
 import collections
 import hmac
 import os
-import stat
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
+
+from .secrets import SecretFileError, read_secret_file
 
 ENV_TOKEN_FILE = "KVCACHE_TOKEN_FILE"
 ENV_TLS_CA = "KVCACHE_TLS_CA"
@@ -41,21 +42,91 @@ class AuthConfigError(ValueError):
 
 
 def read_token(path: str | Path) -> str:
-    """The token in ``path``, which must be readable by its owner only."""
+    """The token in ``path`` (a client's token file: one token), which must be readable by
+    its owner only."""
     p = Path(path).expanduser()
+    token = _secret_text(p).strip()
+    _check_token(token, p)
+    return token
+
+
+def _secret_text(p: Path) -> str:
     try:
-        mode = p.stat().st_mode
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise AuthConfigError(f"cannot read token file {p}: {exc.strerror}") from None
-    if stat.S_IMODE(mode) & 0o077:
-        raise AuthConfigError(f"token file {p} is accessible to other users "
-                              f"(mode {stat.S_IMODE(mode):o}); chmod 600 it")
-    token = text.strip()
+        return read_secret_file(p, "token file").decode("utf-8")
+    except SecretFileError as exc:
+        raise AuthConfigError(str(exc)) from None
+    except UnicodeDecodeError:
+        raise AuthConfigError(f"token file {p} is not UTF-8 text") from None
+
+
+def _check_token(token: str, p: Path) -> None:
     if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
         raise AuthConfigError(f"token in {p} must be at least {MIN_TOKEN_CHARS} characters "
                               "with no spaces (e.g. the output of: openssl rand -hex 32)")
-    return token
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What a token may do on the daemon. ``tenants`` None: an admin token (every tenant,
+    and operator calls where the listener allows them); else a runtime token, bound to
+    these tenants: any other tenant's entries are, to it, entries that do not exist."""
+
+    tenants: frozenset[str] | None = None
+
+    @property
+    def admin(self) -> bool:
+        return self.tenants is None
+
+    def may_use(self, tenant: str) -> bool:
+        return self.tenants is None or tenant in self.tenants
+
+
+ADMIN = Scope()
+TENANTS_PREFIX = "tenants="
+
+
+def parse_token_lines(text: str, p: Path) -> dict[str, Scope]:
+    """The tokens of a daemon's token file and their scopes. One token a line, then its
+    scope: nothing or ``admin`` (an admin token; a file of one bare token, the original
+    format, is one), or ``tenants=NAME[,NAME...]`` (a runtime token). Blank lines and
+    lines starting with ``#`` are skipped. Pure: tests/test_scoped_tokens.py."""
+    tokens: dict[str, Scope] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        fields = line.split()
+        if not fields or fields[0].startswith("#"):
+            continue
+        token, rest = fields[0], fields[1:]
+        _check_token(token, p)
+        if token in tokens:
+            raise AuthConfigError(f"token file {p}, line {number}: a token given twice")
+        if not rest or rest == ["admin"]:
+            tokens[token] = ADMIN
+        elif len(rest) == 1 and rest[0].startswith(TENANTS_PREFIX):
+            names = rest[0][len(TENANTS_PREFIX):].split(",")
+            if not all(names):
+                raise AuthConfigError(f"token file {p}, line {number}: an empty tenant "
+                                      "name in tenants=")
+            tokens[token] = Scope(frozenset(names))
+        else:
+            raise AuthConfigError(f"token file {p}, line {number}: the scope after a "
+                                  "token is 'admin' or 'tenants=NAME[,NAME...]', got "
+                                  f"{' '.join(rest)!r}")
+    if not tokens:
+        _check_token("", p)
+    return tokens
+
+
+def read_token_table(path: str | Path) -> dict[str, Scope]:
+    """A daemon's token file: every token it admits, with its scope."""
+    p = Path(path).expanduser()
+    return parse_token_lines(_secret_text(p), p)
+
+
+def presented_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> str:
+    """The bearer token a call carries ("" when none)."""
+    given = dict(metadata or ()).get(TOKEN_METADATA, "")
+    text = given if isinstance(given, str) else bytes(given).decode(errors="replace")
+    return text[len("Bearer "):] if text.startswith("Bearer ") else ""
 
 
 def _read_pem(path: str | Path | None, what: str) -> bytes | None:
@@ -79,7 +150,7 @@ def bearer(token: str) -> str:
 class ServerAuth:
     """How the TCP listener authenticates callers."""
 
-    token: str | None = None
+    tokens: Mapping[str, Scope] = field(default_factory=dict)  # empty: no token needed
     tls_cert: bytes | None = None
     tls_key: bytes | None = None
     client_ca: bytes | None = None  # set: clients must present a certificate it signed
@@ -93,7 +164,7 @@ class ServerAuth:
         if client_ca and not tls_cert:
             raise AuthConfigError("--tls-client-ca needs --tls-cert and --tls-key: client "
                                   "certificates are checked during the TLS handshake")
-        return cls(token=read_token(token_file) if token_file else None,
+        return cls(tokens=read_token_table(token_file) if token_file else {},
                    tls_cert=_read_pem(tls_cert, "TLS certificate"),
                    tls_key=_read_pem(tls_key, "TLS key"),
                    client_ca=_read_pem(client_ca, "client CA certificate"))
@@ -101,14 +172,14 @@ class ServerAuth:
     @property
     def authenticates(self) -> bool:
         """Whether a caller must prove who it is (a token or a client certificate)."""
-        return bool(self.token or self.client_ca)
+        return bool(self.tokens or self.client_ca)
 
     @property
     def encrypts(self) -> bool:
         return self.tls_cert is not None
 
     def describe(self) -> str:
-        parts = (["token"] if self.token else []) + \
+        parts = (["token"] if self.tokens else []) + \
                 (["mutual TLS"] if self.client_ca else ["TLS"] if self.tls_cert else [])
         return " + ".join(parts) or "no authentication"
 
@@ -120,7 +191,7 @@ class ServerAuth:
             require_client_auth=self.client_ca is not None)
 
     def interceptors(self) -> list[grpc.ServerInterceptor]:
-        return [TokenInterceptor(self.token)] if self.token else []
+        return [TokenInterceptor(self.tokens)] if self.tokens else []
 
 
 def refuse_unprotected_tcp(listen: str | None, auth: ServerAuth, insecure_tcp: bool) -> None:
@@ -155,8 +226,8 @@ def tcp_security(auth: ServerAuth) -> tuple[bool, str]:
 class TokenInterceptor(grpc.ServerInterceptor):
     """Answers UNAUTHENTICATED to any call without the right bearer token."""
 
-    def __init__(self, token: str) -> None:
-        self._expected = bearer(token).encode()
+    def __init__(self, tokens: Mapping[str, Scope]) -> None:
+        self._expected = [bearer(token).encode() for token in tokens]
 
     def intercept_service(self, continuation: Callable[[Any], Any],
                           details: grpc.HandlerCallDetails) -> Any:
@@ -165,8 +236,9 @@ class TokenInterceptor(grpc.ServerInterceptor):
             return handler
         given = dict(details.invocation_metadata or ()).get(TOKEN_METADATA, "")
         given_bytes = given.encode() if isinstance(given, str) else bytes(given)
-        # Constant-time: the comparison must not tell an attacker how much of a guess fits.
-        if hmac.compare_digest(given_bytes, self._expected):
+        # Constant-time, and every token compared: the comparison must not tell an
+        # attacker how much of a guess fits, nor which token it came close to.
+        if sum(hmac.compare_digest(given_bytes, t) for t in self._expected):
             return handler
         reason = "missing bearer token" if not given else "wrong bearer token"
         return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED,
@@ -177,17 +249,28 @@ class TokenInterceptor(grpc.ServerInterceptor):
 class OperatorGate(grpc.ServerInterceptor):
     """Answers PERMISSION_DENIED to operator calls (``methods``) on a listener whose callers
     are clients, not operators: a runtime's credentials must not list, inspect or prune
-    every tenant's entries."""
+    every tenant's entries. With ``admins_allowed`` (--tcp-admin) an admin token (or, with
+    no token file, any authenticated caller) may make them; a runtime token never may."""
 
-    def __init__(self, methods: frozenset[str]) -> None:
+    def __init__(self, methods: frozenset[str], tokens: Mapping[str, Scope] | None = None,
+                 admins_allowed: bool = False) -> None:
         self.methods = methods
+        self.tokens = tokens or {}
+        self.admins_allowed = admins_allowed
 
     def intercept_service(self, continuation: Callable[[Any], Any],
                           details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(details)
         if handler is None or details.method not in self.methods:
             return handler
+        scope = self.tokens.get(presented_token(details.invocation_metadata), ADMIN)
+        if self.admins_allowed and scope.admin:
+            return handler
         name = details.method.rsplit("/", 1)[-1]
+        if not scope.admin:
+            return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED,
+                            f"{name} is an operator call: a runtime token (bound to tenants) "
+                            "may not make it")
         return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED,
                         f"{name} is an operator call: use the unix socket, or start the daemon "
                         "with --tcp-admin if every TCP client is an operator")

@@ -367,7 +367,7 @@ def server_auth(listen: str | None, token_file: Path | None, tls_cert: Path | No
     """The TCP listener's protection, or a clear refusal."""
     try:
         auth = ServerAuth.load(token_file, tls_cert, tls_key, tls_client_ca)
-        if (auth.token or auth.tls_cert) and not listen:
+        if (auth.tokens or auth.tls_cert) and not listen:
             raise AuthConfigError("--token-file and --tls-* protect a TCP listener: "
                                   "give --listen HOST:PORT too")
         refuse_unprotected_tcp(listen, auth, insecure_tcp)
@@ -411,6 +411,11 @@ def _path_given(ctx: click.Context, param: click.Parameter, value: str | None) -
               help="Refuse saves that would leave less free space on the disk.")
 @click.option("--block-size", type=click.IntRange(1, 65536), default=256, show_default=True,
               help="Tokens per hashed block.")
+@click.option("--max-entry-bytes", type=SIZE, default="16G", show_default=True,
+              help="The largest entry a save may reserve.")
+@click.option("--max-saves-per-tenant", type=click.IntRange(1), default=64, show_default=True,
+              help="Saves one tenant may have in flight at once (entries without a tenant "
+                   "count as one tenant).")
 @click.option("--lease-seconds", type=PERIOD, default=30.0, show_default=True,
               help="A reservation with no traffic for this long is aborted.")
 @click.option("--pin-seconds", type=PERIOD, default=60.0,
@@ -432,6 +437,19 @@ def _path_given(ctx: click.Context, param: click.Parameter, value: str | None) -
               help="Sign every value written to the remote (HMAC-SHA256) and refuse unsigned "
                    "or mis-signed ones; the file (at least 16 bytes, readable by its owner "
                    "only) is shared by the fleet.")
+@click.option("--remote-unsigned", is_flag=True,
+              help="Run the shared tier without a signing key: anyone who can write to the "
+                   "remote can hand this host altered states (logged, and shown in stats). "
+                   "Without it, --remote needs --remote-signing-key-file.")
+@click.option("--remote-encrypt", is_flag=True,
+              help="Also encrypt every value written to the remote (AES-256-GCM, with a key "
+                   "derived from the signing key), so that reading the remote reveals no "
+                   "prompt.")
+@click.option("--tenant-secret-file", type=click.Path(dir_okay=False, path_type=Path),
+              default=None,
+              help="Owner-only file whose secret salts tenant namespaces (give every host "
+                   "of a fleet the same one). Default: derived from "
+                   "--remote-signing-key-file, else a secret made once in DIR.")
 @click.option("--remote-tls-ca", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None, help="CA certificates (PEM) that verify a rediss:// server "
                                  "(default: the system's).")
@@ -443,15 +461,18 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
           tls_client_ca: Path | None, insecure_tcp: bool, tcp_admin: bool,
           ram_dir: Path | None,
           ram_bytes: int, disk_bytes: int, min_free_bytes: int, block_size: int,
+          max_entry_bytes: int, max_saves_per_tenant: int,
           lease_seconds: float, pin_seconds: float, metrics_port: int | None,
           remote_url: str | None, remote_password_file: Path | None,
           remote_password_env: str | None, remote_signing_key_file: Path | None,
+          remote_unsigned: bool, remote_encrypt: bool, tenant_secret_file: Path | None,
           remote_tls_ca: Path | None, remote_timeout: float, log_level: str) -> None:
     """Run the cache daemon until SIGTERM or SIGINT."""
     from .errors import StoreError
     from .remote import RemoteConfig, load_signing_key
     from .server import Daemon
     from .store import StoreConfig
+    from .tenancy import load_secret_file
 
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -459,26 +480,44 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
     auth = server_auth(listen, token_file, tls_cert, tls_key, tls_client_ca, insecure_tcp)
     remote = None
     if remote_url or remote_password_file or remote_password_env or remote_signing_key_file \
-            or remote_tls_ca:
+            or remote_tls_ca or remote_unsigned or remote_encrypt:
         if not remote_url:
             raise click.UsageError("the --remote-* options need --remote URL")
+        if remote_signing_key_file and remote_unsigned:
+            raise click.UsageError("--remote-unsigned and --remote-signing-key-file contradict "
+                                   "each other")
+        if not remote_signing_key_file and not remote_unsigned:
+            raise click.UsageError(
+                "--remote needs --remote-signing-key-file (an owner-only file holding the "
+                "fleet's key): without one, anyone who can write to the remote can hand this "
+                "host altered states. Pass --remote-unsigned to accept that.")
+        if remote_encrypt and not remote_signing_key_file:
+            raise click.UsageError("--remote-encrypt needs --remote-signing-key-file (the "
+                                   "encryption key is derived from it)")
         try:
             remote = RemoteConfig(
                 remote_url, password_file=remote_password_file,
                 password_env=remote_password_env, op_timeout_s=remote_timeout,
                 signing_key=load_signing_key(remote_signing_key_file)
-                if remote_signing_key_file else None, tls_ca_file=remote_tls_ca)
+                if remote_signing_key_file else None, tls_ca_file=remote_tls_ca,
+                encrypt=remote_encrypt)
             remote.password()  # a missing file or variable is refused now, not later
         except (ValueError, OSError) as exc:
             raise click.ClickException(str(exc)) from None
+    try:
+        tenant_secret = load_secret_file(tenant_secret_file) if tenant_secret_file else None
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     root = (data_dir or default_dir()).expanduser().resolve()
     config = StoreConfig(root=root, ram_dir=ram_dir, ram_bytes=ram_bytes, disk_bytes=disk_bytes,
                          min_free_bytes=min_free_bytes, block_size=block_size,
-                         lease_seconds=lease_seconds, pin_seconds=pin_seconds)
+                         lease_seconds=lease_seconds, pin_seconds=pin_seconds,
+                         max_blob_bytes=max_entry_bytes,
+                         max_saves_per_tenant=max_saves_per_tenant)
     try:
         daemon = Daemon(config, socket_path=socket_path, listen=listen,
                         metrics_port=metrics_port, auth=auth, insecure_tcp=insecure_tcp,
-                        tcp_admin=tcp_admin, remote=remote)
+                        tcp_admin=tcp_admin, remote=remote, tenant_secret=tenant_secret)
     except (ValueError, OSError, RuntimeError, StoreError) as exc:
         raise click.ClickException(str(exc)) from None
     daemon.serve_forever()
@@ -500,6 +539,8 @@ def stats_data(s: pb.StatsResponse) -> dict[str, Any]:
                                        "directory": t.directory} for t in s.tiers},
         "remote": ({"url": s.remote.url, "connected": s.remote.connected,
                     "cluster": s.remote.cluster, "signed": s.remote.signed,
+                    "unsigned_by_choice": s.remote.unsigned_by_choice,
+                    "encrypted": s.remote.encrypted,
                     "queue_depth": s.remote.queue_depth, "queue_max": s.remote.queue_max,
                     "last_error": s.remote.last_error}
                    if s.HasField("remote") else None),
@@ -596,7 +637,8 @@ def remote_text(remote: dict[str, Any], counters: dict[str, int]) -> str:
         f"DISCONNECTED ({remote['last_error'] or 'reconnecting'})"
     errors = sum(v for k, v in counters.items() if k.startswith("remote_errors_"))
     return (f"{remote['url']}{' (cluster)' if remote['cluster'] else ''}, {state}"
-            f"{', signed' if remote['signed'] else ''}; "
+            f"{', signed' if remote['signed'] else ', UNSIGNED (--remote-unsigned)'}"
+            f"{', encrypted' if remote['encrypted'] else ''}; "
             f"{human_count(counters.get('remote_hits', 0))} hits, "
             f"{human_bytes(counters.get('remote_bytes_fetched', 0))} fetched, "
             f"{human_bytes(counters.get('remote_bytes_sent', 0))} sent, "

@@ -118,7 +118,12 @@ class Identity:
 
     @property
     def namespace(self) -> bytes:
-        return keys.namespace(self.model_fingerprint, self.kv_layout, self.tenant)
+        """The namespace of an identity without a tenant. A tenant's is salted with the
+        daemon's secret: ask the daemon (CacheClient.namespace_of)."""
+        if self.tenant:
+            raise ValueError("a tenant's namespace is the daemon's to derive: use "
+                             "CacheClient.namespace_of")
+        return keys.namespace(self.model_fingerprint, self.kv_layout, "")
 
 
 @dataclass(frozen=True)
@@ -219,6 +224,8 @@ class CacheClient:
             ("grpc.max_reconnect_backoff_ms", 2000),
         ])
         self.stub = pb_grpc.KVCacheStub(self.channel)
+        # Identity -> (namespace, tenant label), as the daemon derives them (Resolve).
+        self._resolved: dict[tuple[object, ...], tuple[bytes, str]] = {}
         # Read pins released without waiting for the answer (see _release_later).
         self._releases: list[grpc.Future] = []
         self._releases_lock = threading.Lock()
@@ -240,6 +247,22 @@ class CacheClient:
             return getattr(self.stub, method)(request, timeout=timeout or self.timeout)
         except grpc.RpcError as exc:
             raise _wrap(exc, self.address) from None
+
+    def resolve(self, identity: Identity) -> tuple[bytes, str]:
+        """``(namespace, tenant_id)`` of ``identity`` on this daemon: computed here without
+        a tenant, else asked once (a tenant's salt comes from the daemon's secret)."""
+        if not identity.tenant:
+            return identity.namespace, ""
+        name = (identity.model_fingerprint, tuple(sorted(identity.kv_layout.items())),
+                identity.tenant)
+        known = self._resolved.get(name)
+        if known is None:
+            resp = self._rpc("Resolve", identity.message())
+            known = self._resolved[name] = (resp.namespace, resp.tenant_id)
+        return known
+
+    def namespace_of(self, identity: Identity) -> bytes:
+        return self.resolve(identity)[0]
 
     def _release_later(self, pin_id: str) -> None:
         """Release a read pin of a blob read well, without waiting for the answer: it is
@@ -318,10 +341,11 @@ class CacheClient:
         parent gone meanwhile raises CacheError with code NOT_FOUND. ``cell_layout``
         describes the payload for whoever joins pieces, ``logits`` the scores of the token
         after the last one (both stored, never read here)."""
+        namespace, tenant_id = self.resolve(identity)
         meta = blobfmt.BlobMeta(
-            namespace=identity.namespace, model_fingerprint=identity.model_fingerprint,
+            namespace=namespace, model_fingerprint=identity.model_fingerprint,
             kv_layout=dict(identity.kv_layout), tokens=list(tokens), reason=reason,
-            model_name=identity.model_name, tenant_id=keys.tenant_id(identity.tenant),
+            model_name=identity.model_name, tenant_id=tenant_id,
             parent=parent, base=base, cell_layout=cell_layout, logits=logits)
         parts = blobfmt.encode_blob(meta, payload, codec)
         size = blobfmt.blob_size(parts)

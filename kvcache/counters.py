@@ -50,6 +50,8 @@ SECTIONS: dict[str, dict[str, str]] = {
         "leases_expired": "Reservations aborted after their lease ran out without traffic",
         "saves_refused_full": "Reservations refused: no room within the disk budget or "
                               "watermark",
+        "saves_refused_tenant_limit": "Reservations refused: the tenant had "
+                                      "--max-saves-per-tenant saves in flight",
     },
     "reads": {
         "reads": "Entries opened for reading (streamed or same-host)",

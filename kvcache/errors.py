@@ -25,6 +25,12 @@ class StoreFull(StoreError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class TooManySaves(StoreError):
+    """One tenant holds as many open leases as it may."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class Busy(StoreError):
     """The entry is pinned or being read, so it cannot be removed now."""
 

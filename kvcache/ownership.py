@@ -20,7 +20,7 @@ MARKER_FORMAT = 1
 # The names kvcache itself puts in a data directory (the fingerprint memo of the runtime
 # included): a folder holding only these is one of ours that merely lacks the marker.
 DATA_DIR_NAMES = frozenset({"index", "blobs", "tmp", "quarantine", "daemon.lock", "ram",
-                            "kvcache.sock", "fingerprints.json"})
+                            "kvcache.sock", "fingerprints.json", "tenant-secret"})
 # Blob files (<key>.kvc) and temp files (<key or lease id>.part): 16 bytes in hex. Only
 # names of this shape are ever swept.
 _OWN_FILE = re.compile(r"[0-9a-f]{32}\.(kvc|part)")

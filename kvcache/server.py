@@ -9,7 +9,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,9 +18,12 @@ from grpc_health.v1 import health, health_pb2
 
 from . import __version__, keys
 from .auth import (
+    ADMIN,
     OperatorGate,
+    Scope,
     ServerAuth,
     add_tcp_port,
+    presented_token,
     refuse_unprotected_tcp,
     tcp_security,
 )
@@ -33,6 +36,7 @@ from .metrics import LatencyWindows, Metrics
 from .ownership import check_data_dir
 from .remote import RemoteConfig, RemoteSync, RemoteTier
 from .store import Found, Store, StoreConfig
+from .tenancy import TenantSalts, data_dir_secret, secret_from_signing_key
 from .unix_socket import OwnedSocket
 from .v1 import kvcache_pb2 as pb
 from .v1 import kvcache_pb2_grpc as pb_grpc
@@ -48,10 +52,8 @@ T = TypeVar("T")
 TIERS = {TIER_RAM: pb.TIER_RAM, TIER_DISK: pb.TIER_DISK}
 
 
-def identity_namespace(identity: pb.Identity) -> bytes:
-    if not identity.model_fingerprint:
-        raise InvalidArgument("identity.model_fingerprint is required")
-    return keys.namespace(identity.model_fingerprint, dict(identity.kv_layout), identity.tenant)
+class PermissionDenied(StoreError):
+    code = grpc.StatusCode.PERMISSION_DENIED
 
 
 def request_tokens(request: pb.LookupRequest | pb.ReserveRequest) -> bytes:
@@ -126,15 +128,15 @@ def model_matches(record: Record, model: str) -> bool:
         record.model_fingerprint.lower().startswith(model.lower())
 
 
-def record_filter(model: str = "", tenant: str = "", reason: str = "", tier: int = 0,
-                  min_tokens: int = 0, older_than: float = 0.0, unused_for: float = 0.0,
-                  now: float = 0.0, key_prefix: str = "",
+def record_filter(salts: TenantSalts, model: str = "", tenant: str = "", reason: str = "",
+                  tier: int = 0, min_tokens: int = 0, older_than: float = 0.0,
+                  unused_for: float = 0.0, now: float = 0.0, key_prefix: str = "",
                   only_keys: frozenset[bytes] = frozenset()
                   ) -> Callable[[Record], bool] | None:
     """A predicate over records from operator filters (None when no filter is set); an
     entry must pass every filter given. Filters are text and taken as text: one that
     cannot match (a key prefix that is not hex digits) matches nothing."""
-    tenant_id = keys.tenant_id(tenant) if tenant else ""
+    tenant_id = salts.tenant_id(tenant)
     prefix = key_prefix.lower()  # keys are shown in lowercase hex; typed in any case
     if not any((model, tenant, reason, tier, min_tokens, older_than, unused_for, prefix,
                 only_keys)):
@@ -204,10 +206,18 @@ def remote_gauges(state: dict[str, object]) -> dict[tuple[str, tuple[tuple[str, 
 
 
 class KVCacheService(pb_grpc.KVCacheServicer):
+    """The RPCs. A caller's scope is its token's (kvcache.auth.Scope; no token: an admin,
+    as on the owner-only unix socket). A runtime token names only its own tenants; every
+    call by key answers an entry of another tenant exactly as a key that does not exist
+    (tests/test_scoped_tokens.py)."""
+
     def __init__(self, store: Store, metrics: Metrics | None = None,
-                 remote: RemoteSync | None = None) -> None:
+                 remote: RemoteSync | None = None, salts: TenantSalts | None = None,
+                 tokens: Mapping[str, Scope] | None = None) -> None:
         self.store = store
         self.remote = remote
+        self.salts = salts or TenantSalts(data_dir_secret(store.root))
+        self.tokens = tokens or {}
         self.metrics = metrics or Metrics("kvcache")
         self.metrics.describe_counters({**COUNTERS, **REMOTE_SECTION})
         # Recent samples per series, for the percentiles of `kvcache stats`.
@@ -226,6 +236,39 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         elapsed = time.perf_counter() - t0
         histogram.observe(elapsed)
         self.latencies.observe(series, elapsed)
+
+    def scope(self, context: Any) -> Scope:
+        return self.tokens.get(presented_token(context.invocation_metadata()), ADMIN)
+
+    def namespace(self, identity: pb.Identity, context: Any) -> bytes:
+        """The namespace of ``identity``, for a caller whose scope covers its tenant."""
+        if not identity.model_fingerprint:
+            raise InvalidArgument("identity.model_fingerprint is required")
+        self.check_tenant(identity.tenant, context)
+        return self.salts.namespace(identity.model_fingerprint, dict(identity.kv_layout),
+                                    identity.tenant)
+
+    def check_tenant(self, tenant: str, context: Any) -> None:
+        if not self.scope(context).may_use(tenant):
+            # About the caller's own token, not about any entry: it reveals nothing.
+            raise PermissionDenied(f"this token may not use tenant {tenant!r}" if tenant else
+                                   "this token is bound to tenants: name one")
+
+    def may_see(self, key: bytes, context: Any) -> bool:
+        """Whether the caller's scope covers the entry ``key`` (one that does not exist
+        included: it answers as such)."""
+        scope = self.scope(context)
+        if scope.tenants is None:
+            return True
+        owner = self.store.tenant_of(key)
+        return owner is None or owner in {self.salts.tenant_id(t) for t in scope.tenants}
+
+    def check_key_scope(self, key: bytes, context: Any) -> bytes:
+        """``key``, when the caller may see it; else NotFound, worded as for a key that
+        does not exist, and answered before any wait (no timing tells them apart)."""
+        if not self.may_see(check_key(key), context):
+            raise NotFound(f"no entry {key.hex()}")
+        return key
 
     def _call(self, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
         try:
@@ -246,7 +289,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
 
     def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         def run() -> pb.LookupResponse:
-            ns = identity_namespace(request.identity)
+            ns = self.namespace(request.identity, context)
             raw = request_tokens(request)
             t0 = time.perf_counter()
             answer = self.lookup(ns, raw, request.max_tokens, request.common_prefix)
@@ -301,11 +344,15 @@ class KVCacheService(pb_grpc.KVCacheServicer):
 
     def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:
         def run() -> pb.ReserveResponse:
-            ns = identity_namespace(request.identity)
+            ns = self.namespace(request.identity, context)
             raw = request_tokens(request)
+            if request.parent and not self.may_see(request.parent, context):
+                # Worded as for a parent that is gone: not "another tenant's".
+                raise NotFound(f"parent entry {request.parent.hex()} is gone (evicted or "
+                               "deleted); save the whole state or look again")
             result = self.store.reserve(ns, raw, request.size, request.reason,
                                         request.identity.model_fingerprint,
-                                        tenant_id=keys.tenant_id(request.identity.tenant),
+                                        tenant_id=self.salts.tenant_id(request.identity.tenant),
                                         parent=request.parent, base=request.base)
             status = {"granted": pb.ReserveResponse.GRANTED,
                       "already_present": pb.ReserveResponse.ALREADY_PRESENT,
@@ -314,6 +361,11 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                                       lease_seconds=self.store.config.lease_seconds,
                                       local_path=result.local_path)
         return self._call(context, run)
+
+    def Resolve(self, request: pb.Identity, context: Any) -> pb.ResolveResponse:
+        return self._call(context, lambda: pb.ResolveResponse(
+            namespace=self.namespace(request, context),
+            tenant_id=self.salts.tenant_id(request.tenant)))
 
     def Write(self, request_iterator: Iterator[pb.WriteChunk], context: Any) -> pb.WriteResponse:
         lease_id = ""
@@ -373,7 +425,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         chunk_bytes = min(request.chunk_bytes or (1 << 20), MAX_MESSAGE_BYTES // 2)
         t0 = time.perf_counter()
         pin, chunks = self._call(context, lambda: self.store.iter_read(
-            check_key(request.key), wait_budget_ms(request.wait_ms, context), chunk_bytes))
+            self.check_key_scope(request.key, context), wait_budget_ms(request.wait_ms, context),
+            chunk_bytes))
         offset = 0
         try:
             for data in chunks:
@@ -393,7 +446,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
     def OpenRead(self, request: pb.OpenReadRequest, context: Any) -> pb.OpenReadResponse:
         t0 = time.perf_counter()
         pin = self._call(context, lambda: self.store.open_read(
-            check_key(request.key), wait_budget_ms(request.wait_ms, context)))
+            self.check_key_scope(request.key, context),
+            wait_budget_ms(request.wait_ms, context)))
         self._observe(self.read_seconds.labels(pin.tier, "local"), f"read_{pin.tier}_local", t0)
         return pb.OpenReadResponse(path=str(pin.path), size=pin.size, tier=TIERS[pin.tier],
                                    pin_id=pin.pin_id, pin_seconds=self.store.config.pin_seconds,
@@ -405,20 +459,28 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         return pb.ReleaseReadResponse(quarantined=quarantined)
 
     def Pin(self, request: pb.KeyRequest, context: Any) -> pb.PinResponse:
-        self._call(context, lambda: self.store.set_pinned(check_key(request.key), True))
+        self._call(context, lambda: self.store.set_pinned(
+            self.check_key_scope(request.key, context), True))
         return pb.PinResponse(pinned=True)
 
     def Unpin(self, request: pb.KeyRequest, context: Any) -> pb.PinResponse:
-        self._call(context, lambda: self.store.set_pinned(check_key(request.key), False))
+        self._call(context, lambda: self.store.set_pinned(
+            self.check_key_scope(request.key, context), False))
         return pb.PinResponse(pinned=False)
 
     def Delete(self, request: pb.KeyRequest, context: Any) -> pb.DeleteResponse:
-        removed = self._call(context, lambda: self.store.delete(check_key(request.key)))
+        removed = self._call(context, lambda: self.store.delete(
+            self.check_key_scope(request.key, context)))
         return pb.DeleteResponse(deleted=True, dependents_removed=len(removed) - 1)
 
     def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
-        s = self.store.stats()
         cfg = self.store.config
+        if not self.scope(context).admin:
+            # A runtime token learns what a client needs (the block size) and nothing that
+            # moves with other tenants' traffic: counters, sizes and latencies would tell
+            # it when another tenant's prompt hit the cache.
+            return pb.StatsResponse(block_size=cfg.block_size, version=__version__)
+        s = self.store.stats()
         tiers = [
             pb.TierStats(tier=pb.TIER_RAM, entries=s["ram_entries"], bytes=s["ram_used"],
                          budget_bytes=cfg.ram_bytes, directory=str(self.store.ram_dir),
@@ -433,6 +495,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             r = remote_stats
             remote = pb.RemoteStats(url=str(r["url"]), connected=bool(r["connected"]),
                                     cluster=bool(r["cluster"]), signed=bool(r["signed"]),
+                                    unsigned_by_choice=bool(r["unsigned_by_choice"]),
+                                    encrypted=bool(r["encrypted"]),
                                     queue_depth=int(r["queue_depth"]),  # type: ignore[call-overload]
                                     queue_max=int(r["queue_max"]),  # type: ignore[call-overload]
                                     last_error=str(r["last_error"] or ""))
@@ -451,8 +515,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         if request.tier == pb.TIER_REMOTE:
             return pb.ListResponse(entries=self._remote_entries(request, context))
         # The key prefix is matched by the listing itself (one seek), not as a filter.
-        predicate = record_filter(request.model, request.tenant, request.reason, request.tier,
-                                  request.min_tokens, now=time.time())
+        predicate = record_filter(self.salts, request.model, request.tenant, request.reason,
+                                  request.tier, request.min_tokens, now=time.time())
         size = request.page_size or request.limit
         if request.page_size and request.limit:
             size = min(request.page_size, request.limit)
@@ -470,7 +534,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                           "this daemon has no shared tier (kvcache serve --remote URL)")
         # The operator filters of ls, over remote records (they carry every field these
         # filters read: key, model, tenant, reason, tokens).
-        predicate = record_filter(request.model, request.tenant, request.reason,
+        predicate = record_filter(self.salts, request.model, request.tenant, request.reason,
                                   min_tokens=request.min_tokens,
                                   key_prefix=request.key_prefix)
         records = self.remote.tier.list_entries(
@@ -484,9 +548,10 @@ class KVCacheService(pb_grpc.KVCacheServicer):
 
     def Inspect(self, request: pb.InspectRequest, context: Any) -> pb.EntryDetail:
         # With a tenant, another tenant's entry gets the answer of a missing key.
-        tenant_id = keys.tenant_id(request.tenant) if request.tenant else None
+        tenant_id = self.salts.tenant_id(request.tenant) if request.tenant else None
         record, header, meta, path = self._call(
-            context, lambda: self.store.inspect(check_key(request.key), tenant_id))
+            context, lambda: self.store.inspect(self.check_key_scope(request.key, context),
+                                                tenant_id))
         chain = self._call(context, lambda: self.store.chain(record))
         return pb.EntryDetail(
             entry=entry_message(record, self.store.children(record.key)),
@@ -511,7 +576,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                               f"{name} must be a finite number >= 0, got {value}")
         keys_of = lambda field: frozenset(  # noqa: E731
             self._call(context, lambda: [check_key(k) for k in getattr(request, field)]))
-        filters = record_filter(request.model, request.tenant, request.reason,
+        filters = record_filter(self.salts, request.model, request.tenant, request.reason,
                                 older_than=request.older_than_seconds,
                                 unused_for=request.unused_for_seconds, now=time.time(),
                                 only_keys=frozenset() if request.confirmed_plan
@@ -558,7 +623,8 @@ class Daemon:
                  listen: str | None = None, workers: int = 32,
                  metrics_port: int | None = None, auth: ServerAuth | None = None,
                  insecure_tcp: bool = False, tcp_admin: bool = False,
-                 remote: RemoteConfig | None = None) -> None:
+                 remote: RemoteConfig | None = None,
+                 tenant_secret: bytes | None = None) -> None:
         self.auth = auth or ServerAuth()
         if listen:
             parse_listen(listen)  # ValueError for a bad HOST:PORT
@@ -573,10 +639,17 @@ class Daemon:
         self.store = Store(config)
         self.remote_tier: RemoteTier | None = None
         try:
+            if tenant_secret is None and remote is not None and remote.signing_key:
+                tenant_secret = secret_from_signing_key(remote.signing_key)
+            self.salts = TenantSalts(tenant_secret or data_dir_secret(config.root))
             if remote is not None:
                 # Connecting is tried once here and then in the background: a remote that
                 # is down does not keep the daemon from serving its local tiers.
                 self.remote_tier = RemoteTier(remote, config.block_size).start()
+                if remote.signing_key is None:
+                    log.warning("SHARED TIER UNSIGNED (--remote-unsigned): anyone who can "
+                                "write to %s can hand this host altered states, and anyone "
+                                "who can read it reads the prompts", remote.url)
             self._listen(listen, workers, metrics_port, tcp_admin)
         except BaseException:
             if self.remote_tier is not None:
@@ -596,14 +669,15 @@ class Daemon:
             lambda: {**store_gauges(self.store),
                      **remote_gauges(remote_state(self.remote_tier))})
         self.metrics_port = metrics_port
-        self.service = KVCacheService(self.store, self.metrics, sync)
+        self.service = KVCacheService(self.store, self.metrics, sync, self.salts,
+                                      self.auth.tokens)
         self.health = health.HealthServicer()
         self.servers = [self._server(workers, [])]
         self.socket.bind(self.servers[0])
         self.addresses = [self.socket.address]
         if listen:
-            gate = [] if tcp_admin else [OperatorGate(OPERATOR_METHODS)]
-            tcp = self._server(workers, self.auth.interceptors() + gate)
+            gate = OperatorGate(OPERATOR_METHODS, self.auth.tokens, admins_allowed=tcp_admin)
+            tcp = self._server(workers, [*self.auth.interceptors(), gate])
             self.addresses.append(add_tcp_port(tcp, listen, self.auth))
             self.servers.append(tcp)
 

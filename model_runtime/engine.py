@@ -77,7 +77,8 @@ class Engine:
         self.model = model
         self.ctx = ctx
         self.identity = identity  # the runtime's own tenant's (config.tenant)
-        self.identities = Identities(identity)  # any tenant's
+        self.identities = Identities(  # any tenant's
+            identity, cache.namespace_of if cache is not None else None)
         self.cache = cache
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()

@@ -4,14 +4,16 @@ never left to the caller (a wrong identity would restore a state into the wrong 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import xxhash
 
+from kvcache import keys
 from kvcache.client import Identity
 from kvcache.config import default_dir
 
@@ -65,20 +67,59 @@ def runtime_identity(model_path: str | os.PathLike[str], kv_layout: dict[str, st
 
 
 class Identities:
-    """The identity of each tenant one runtime serves: the model's identity salted with
-    the tenant, and its namespace (hashed once per tenant, not per key). Any thread;
-    the most recently used tenants are kept (a request may name any tenant)."""
+    """The identity of each tenant one runtime serves: the model's identity with the
+    tenant, and its namespace, kept per tenant (a request may name any tenant). Any
+    thread.
 
-    def __init__(self, base: Identity, max_tenants: int = 1024) -> None:
+    A tenant's namespace is the daemon's to derive (salted with its secret): ``resolve``
+    asks it (CacheClient.namespace_of), once per tenant. Without a daemon, or while it
+    cannot answer, a local stand-in is used and not kept: it equals no namespace the
+    daemon gives, so nothing restored can match it (a blob of another namespace is
+    refused) and nothing is saved under it (saves need the daemon)."""
+
+    def __init__(self, base: Identity,
+                 resolve: Callable[[Identity], bytes] | None = None) -> None:
         self.base = base
-        self._of = functools.lru_cache(maxsize=max_tenants)(self._identity)
-
-    def _identity(self, tenant: str) -> tuple[Identity, bytes]:
-        identity = dataclasses.replace(self.base, tenant=tenant)
-        return identity, identity.namespace
+        self._resolve = resolve
+        self._lock = threading.Lock()
+        self._known: dict[str, tuple[Identity, bytes]] = {}
+        self._failed_at: dict[str, float] = {}
 
     def of(self, tenant: str) -> Identity:
-        return self._of(tenant)[0]
+        return self._entry(tenant)[0]
 
     def namespace(self, tenant: str) -> bytes:
-        return self._of(tenant)[1]
+        return self._entry(tenant)[1]
+
+    def _entry(self, tenant: str) -> tuple[Identity, bytes]:
+        with self._lock:
+            known = self._known.get(tenant)
+        if known is not None:
+            return known
+        identity = dataclasses.replace(self.base, tenant=tenant)
+        if not tenant:
+            entry = (identity, identity.namespace)
+        else:
+            unresolved = (identity, keys.namespace(identity.model_fingerprint,
+                                                   identity.kv_layout,
+                                                   "\x00unresolved\x00" + tenant))
+            with self._lock:  # a daemon that just failed is not asked again at once:
+                failed = self._failed_at.get(tenant)  # callers include the model thread
+            if self._resolve is None or (failed is not None and
+                                         time.monotonic() - failed < RETRY_RESOLVE_S):
+                return unresolved
+            try:
+                entry = (identity, self._resolve(identity))
+            except Exception:  # the daemon is down or refuses: ask again later
+                with self._lock:
+                    self._failed_at[tenant] = time.monotonic()
+                return unresolved
+        with self._lock:
+            if len(self._known) >= MAX_TENANTS_KEPT:
+                self._known.clear()  # rare: a runtime serving that many tenants asks again
+            self._known[tenant] = entry
+        return entry
+
+
+MAX_TENANTS_KEPT = 4096
+RETRY_RESOLVE_S = 2.0

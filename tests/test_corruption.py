@@ -126,7 +126,7 @@ def random_tokens(rng: random.Random, n: int) -> list[int]:
 
 def save(c: CacheClient, ident: Identity, tokens: list[int]) -> Saved:
     # Distinct per namespace and tokens, so a wrong state can never compare equal.
-    payload = payload_for(tokens, PAYLOAD, salt=ident.namespace)
+    payload = payload_for(tokens, PAYLOAD, salt=c.namespace_of(ident))
     done = c.save(ident, tokens, payload, "cold")
     assert done.status == "saved", done
     return Saved(ident, tokens, payload, done.key)
@@ -169,7 +169,7 @@ def assert_loads(c: CacheClient, saved: Saved, case: object, tier: str | None = 
     loaded = c.load(saved.key, prefix_of=saved.tokens)
     assert bytes(loaded.payload) == saved.payload, f"{case}: WRONG STATE SERVED"
     assert list(loaded.meta.tokens) == saved.tokens, f"{case}: wrong tokens served"
-    assert loaded.meta.namespace == saved.ident.namespace, f"{case}: wrong namespace served"
+    assert loaded.meta.namespace == c.namespace_of(saved.ident), f"{case}: wrong namespace served"
     if tier is not None:
         assert loaded.tier == tier, f"{case}: served from {loaded.tier}, expected {tier}"
 

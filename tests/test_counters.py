@@ -233,7 +233,7 @@ def test_every_daemon_counter_moves(tmp_path: Path) -> None:
     # 4 KB-payload one; leases and read pins expire within the test.
     d = DaemonProcess(tmp_path / "data", "--block-size", str(BLOCK), "--lease-seconds", "3",
                       "--pin-seconds", "1", "--ram-bytes", "2000", "--disk-bytes", "30000",
-                      "--metrics-port", "0")
+                      "--metrics-port", "0", "--max-saves-per-tenant", "8")
     try:
         _daemon_traffic(d)
     finally:
@@ -342,6 +342,13 @@ def _daemon_traffic(d: DaemonProcess) -> None:
         with pytest.raises(grpc.RpcError) as full:
             reserve(c, toks(42, 20), 100_000)
         assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # saves_refused_full
+        held = []
+        with pytest.raises(grpc.RpcError) as capped:  # saves_refused_tenant_limit
+            for i in range(9):
+                held.append(reserve(c, toks(43 + i, 20), 500))
+        assert "--max-saves-per-tenant" in str(capped.value.details())
+        for lease in held:
+            c.stub.Abort(pb.AbortRequest(lease_id=lease.lease_id), timeout=10)
 
         # Reads from both tiers over both paths. A fresh small entry is placed in RAM
         # (placements of the entries above have already evicted each other there).

@@ -237,7 +237,7 @@ def test_tenants_are_isolated(shared: DaemonProcess) -> None:
         assert c.lookup(IDENT, tokens) is None, "a tenant-less request found alice's entry"
         assert saved.key not in {e.key for e in c.list_entries(tenant="bob")}
         assert saved.key in {e.key for e in c.list_entries(tenant="alice")}
-        assert {e.tenant_id for e in c.list_entries(tenant="alice")} == {keys.tenant_id("alice")}
+        assert {e.tenant_id for e in c.list_entries(tenant="alice")} == {c.resolve(alice)[1]}
         err = pytest.raises(CacheError, c.inspect, saved.key, tenant="bob").value
         assert err.code == grpc.StatusCode.NOT_FOUND
         assert "alice" not in str(err)
@@ -818,7 +818,7 @@ def test_admin_through_the_client(daemon_factory: DaemonFactory) -> None:
     assert list(detail.tokens) == t["c"]
     assert dict(detail.kv_layout) == {"type_k": "f16"}
     assert detail.entry.reason == "finish" and detail.entry.n_tokens == len(t["c"])
-    assert detail.entry.tenant_id == keys.tenant_id("t1")
+    assert detail.entry.tenant_id == c.resolve(tenant)[1] != keys.tenant_id("t1")
     assert detail.entry.model_name == "tiny.gguf"
     assert detail.raw_payload_size == 1000 and detail.format_version == blobfmt.FORMAT_VERSION
     assert Path(detail.path) == blob_file(d, k["c"]) and Path(detail.path).exists()

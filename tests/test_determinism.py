@@ -233,10 +233,15 @@ def test_restores_after_a_daemon_restart_give_what_a_cold_prefill_gives(
 
 def test_states_from_the_shared_tier_give_what_a_cold_prefill_gives(
         tiny_model: Path, daemon_factory: Callable[..., DaemonProcess],
-        runtimes: Callable[..., Runtime]) -> None:
+        runtimes: Callable[..., Runtime], tmp_path: Path) -> None:
+    # One fleet key: it signs the values and salts the tenant namespaces alike on both.
+    fleet_key = tmp_path / "fleet-key"
+    fleet_key.write_text("the-fleet-key-of-the-determinism-test\n")
+    fleet_key.chmod(0o600)
     with redis_server() as server:
-        a = daemon_factory("--remote", server.url, "--block-size", "16", name="a")
-        b = daemon_factory("--remote", server.url, "--block-size", "16", name="b")
+        a, b = (daemon_factory("--remote", server.url, "--block-size", "16",
+                               "--remote-signing-key-file", str(fleet_key), name=name)
+                for name in ("a", "b"))
         wait_connected(a)
         wait_connected(b)
         writer, reader = runtimes(tiny_model, a.address), runtimes(tiny_model, b.address)

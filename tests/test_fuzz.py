@@ -439,6 +439,7 @@ class Rpc:
 
 RPCS = [
     Rpc("Lookup", "unary", pb.LookupRequest, frozenset({IA}), 120),
+    Rpc("Resolve", "unary", pb.Identity, frozenset({IA}), 40),
     # NOT_FOUND: a piece whose parent entry is not published.
     Rpc("Reserve", "unary", pb.ReserveRequest, frozenset({IA, NF, Code.RESOURCE_EXHAUSTED}),
         120),
@@ -618,7 +619,7 @@ def blob_for(identity: Identity, tokens: list[int], payload: bytes) -> bytes:
                             model_fingerprint=identity.model_fingerprint,
                             kv_layout=dict(identity.kv_layout), tokens=list(tokens),
                             reason="cold", model_name=identity.model_name,
-                            tenant_id=keys.tenant_id(identity.tenant), created=1234.5)
+                            tenant_id="", created=1234.5)
     return b"".join(bytes(p) for p in blobfmt.encode_blob(meta, payload))
 
 

@@ -546,6 +546,7 @@ def test_password_from_a_file_or_the_environment(tmp_path: Path,
             RemoteConfig(f"redis://:{secret}@127.0.0.1:{server.port}/0")
         password_file = tmp_path / "redis-password"
         password_file.write_text(secret + "\n")
+        password_file.chmod(0o600)
         tier = tiers(url, password_file=password_file)
         chain = make_chain(prompt(21), [40])
         publish_all(tier, chain)
@@ -556,6 +557,7 @@ def test_password_from_a_file_or_the_environment(tmp_path: Path,
         # No password or a wrong one: never connected, every call a miss at once.
         wrong = tmp_path / "wrong"
         wrong.write_text("not-it")
+        wrong.chmod(0o600)
         for settings in ({}, {"password_file": wrong}):
             denied = tiers(url, connect=False, **settings)
             assert not denied.connected and denied.find(NS, chain.tokens) is None
@@ -567,6 +569,7 @@ def test_password_from_a_file_or_the_environment(tmp_path: Path,
                                         "~*", "+@read", "+ping", "+client|setname")
         reader_pw = tmp_path / "reader"
         reader_pw.write_text("reader-pw")
+        reader_pw.chmod(0o600)
         reader = tiers(f"redis://reader@127.0.0.1:{server.port}/0", password_file=reader_pw)
         assert reader.find(NS, chain.tokens) is not None
         publish_all(reader, make_chain(prompt(22), [40]))
@@ -686,7 +689,7 @@ def test_urls_and_secrets(tmp_path: Path) -> None:
     key_file.chmod(0o600)
     assert load_signing_key(key_file) == b"0123456789abcdef0123456789abcdef"
     key_file.chmod(0o644)
-    with pytest.raises(RemoteConfigError, match="every user"):
+    with pytest.raises(RemoteConfigError, match="other users"):
         load_signing_key(key_file)
     key_file.chmod(0o600)
     key_file.write_bytes(b"\n")

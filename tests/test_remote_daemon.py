@@ -62,14 +62,19 @@ def server() -> Iterator[RedisServer]:
 
 
 @pytest.fixture
-def host(daemon_factory: Callable[..., DaemonProcess], server: RedisServer) -> Host:
+def host(daemon_factory: Callable[..., DaemonProcess], server: RedisServer,
+         tmp_path: Path) -> Host:
     """``host("a", *extra_args, url=...)``: a daemon (its own data dir) on the shared
-    remote (this test's redis-server unless ``url``), connected to it."""
+    remote (this test's redis-server unless ``url``), connected to it; signed with the
+    fleet's key unless ``extra_args`` say how (a key of their own, --remote-unsigned)."""
+    fleet_key = key_file(tmp_path / "fleet-key", "the-fleet-signing-key-of-this-test\n")
 
     def start(name: str, *extra: str, url: str | None = None,
               connected: bool = True) -> DaemonProcess:
-        d = daemon_factory("--remote", url or server.url, "--block-size", str(B), *extra,
-                           name=name)
+        signing = [] if {"--remote-signing-key-file", "--remote-unsigned"} & set(extra) \
+            else ["--remote-signing-key-file", str(fleet_key)]
+        d = daemon_factory("--remote", url or server.url, "--block-size", str(B), *signing,
+                           *extra, name=name)
         if connected:
             wait_connected(d)
         return d
@@ -240,7 +245,8 @@ def test_a_three_node_cluster_serves_the_fleet(daemon_factory: Callable[..., Dae
                                                ) -> None:
     with redis_cluster(3) as cluster:
         def start(name: str) -> DaemonProcess:
-            d = daemon_factory("--remote", cluster.url, "--block-size", str(B), name=name)
+            d = daemon_factory("--remote", cluster.url, "--block-size", str(B),
+                               "--remote-unsigned", name=name)
             wait_connected(d)
             return d
 
@@ -449,7 +455,9 @@ def test_a_piece_evicted_mid_chain_serves_the_shorter_prefix(host: Host,
 
 
 def test_values_overwritten_with_garbage_are_refused(host: Host, server: RedisServer) -> None:
-    a, b = host("a"), host("b")
+    # Unsigned hosts: what the blob checks catch without a signature (a signed host
+    # refuses every one of these by its signature).
+    a, b = host("a", "--remote-unsigned"), host("b", "--remote-unsigned")
     c = server.client()
 
     def damage_part(key: bytes) -> None:  # random bytes: not even a remote value
@@ -501,7 +509,7 @@ def test_values_signed_with_another_key_are_refused(host: Host, tmp_path: Path) 
     assert counters(c)["remote_signature_failures"] == 0
 
     # An unsigned value (a host without a key wrote it) is refused by hosts with one.
-    d = host("d")
+    d = host("d", "--remote-unsigned")
     u = toks(14, 150)
     save(d, u)
     wait_uploads(d, 1)
@@ -613,12 +621,13 @@ def test_cli_shows_the_remote_and_refuses_secrets_in_the_url(
 
     # Refused before the data directory is touched.
     never = tmp_path / "never"
-    done = cli("serve", "--dir", str(never), "--remote", "redis://:secret@127.0.0.1:1/0")
+    done = cli("serve", "--dir", str(never), "--remote", "redis://:secret@127.0.0.1:1/0",
+               "--remote-unsigned")
     assert done.returncode != 0 and "password" in done.stderr
     assert "secret" not in done.stderr + done.stdout and "Traceback" not in done.stderr
     missing = tmp_path / "no-such-password-file"
     done = cli("serve", "--dir", str(never), "--remote", "redis://127.0.0.1:1/0",
-               "--remote-password-file", str(missing))
+               "--remote-unsigned", "--remote-password-file", str(missing))
     assert done.returncode != 0 and str(missing) in done.stderr
     assert "Traceback" not in done.stderr
     assert not never.exists()
@@ -626,7 +635,8 @@ def test_cli_shows_the_remote_and_refuses_secrets_in_the_url(
     # A password from a file reaches a server that requires one.
     with redis_server(password="s3cret-of-the-fleet") as guarded:
         secret = key_file(tmp_path / "password", "s3cret-of-the-fleet\n")
-        d = daemon_factory("--remote", guarded.url, "--remote-password-file", str(secret),
+        d = daemon_factory("--remote", guarded.url, "--remote-unsigned",
+                           "--remote-password-file", str(secret),
                            name="guarded")
         wait_connected(d)
         d.close()
@@ -639,7 +649,8 @@ def test_a_tls_remote_verified_with_its_ca(daemon_factory: Callable[..., DaemonP
     that CA the server's certificate is refused (said in stats); a CA given for a plain
     redis:// URL is refused at start-up."""
     with tls_redis_server() as server:
-        d = daemon_factory("--remote", server.url, "--remote-tls-ca", str(server.ca_file),
+        d = daemon_factory("--remote", server.url, "--remote-unsigned",
+                           "--remote-tls-ca", str(server.ca_file),
                            name="tls")
         wait_connected(d)
         key = save(d, toks(60, 100))
@@ -647,7 +658,8 @@ def test_a_tls_remote_verified_with_its_ca(daemon_factory: Callable[..., DaemonP
         assert entry_keys(server.client(), key)  # on the server
         d.close()
 
-        untrusted = daemon_factory("--remote", server.url, name="untrusted")
+        untrusted = daemon_factory("--remote", server.url, "--remote-unsigned",
+                                   name="untrusted")
         wait_for(lambda: "CERTIFICATE_VERIFY_FAILED" in cli(
             "stats", "--json", "--address", untrusted.address).stdout,
             "the refused certificate in stats")
@@ -656,11 +668,11 @@ def test_a_tls_remote_verified_with_its_ca(daemon_factory: Callable[..., DaemonP
 
     never = tmp_path / "never"
     done = cli("serve", "--dir", str(never), "--remote", "redis://127.0.0.1:1/0",
-               "--remote-tls-ca", str(tmp_path / "missing.pem"))
+               "--remote-unsigned", "--remote-tls-ca", str(tmp_path / "missing.pem"))
     assert done.returncode != 0 and "missing.pem" in done.stderr
     ca = key_file(tmp_path / "ca.pem", "not used")
     done = cli("serve", "--dir", str(never), "--remote", "redis://127.0.0.1:1/0",
-               "--remote-tls-ca", str(ca))
+               "--remote-unsigned", "--remote-tls-ca", str(ca))
     assert done.returncode != 0 and "rediss://" in done.stderr
     assert "Traceback" not in done.stderr and not never.exists()
 

@@ -582,7 +582,7 @@ def test_state_from_other_kv_settings_is_never_restored(
         plain: Runtime) -> None:
     f16 = make_runtime(type_k="f16")
     q8 = make_runtime(type_k="q8_0")
-    assert f16.identity.namespace != q8.identity.namespace
+    assert replace(f16.identity, tenant="").namespace != replace(q8.identity, tenant="").namespace
     p = prompt(f16, 100, TEXT_B)
     f16.complete(tokens=p, max_tokens=4)
     flush(f16)

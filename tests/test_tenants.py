@@ -11,7 +11,8 @@ What is not tenant-scoped, by design:
 
 * Read, OpenRead, Pin, Unpin, Delete and Verify take a key and no tenant. A key is an
   unguessable 128-bit name; the tests below show that bob cannot learn alice's keys from
-  any tenant-scoped call.
+  any tenant-scoped call. On TCP, a runtime token bound to bob's tenant gets alice's
+  entries answered as missing keys by these calls too (tests/test_scoped_tokens.py).
 * List, Inspect and Prune without a tenant, Stats and Verify are the operator's view of
   every entry. What protects it is the daemon's unix socket, created owner-only (0600,
   tests/test_daemon.py::test_socket_and_directories_are_owner_only): whoever can connect
@@ -174,8 +175,8 @@ def test_list_and_prune_filters_never_show_another_tenant(
         alice_all = mine["alice"] | set(alices.values())
         # Whose an entry is, independently of its label: the namespace its key hangs in.
         by_namespace = {name: {e.key for e in c.list_entries()
-                               if e.namespace == Identity("fp-tenants", LAYOUT,
-                                                          tenant=name).namespace}
+                               if e.namespace == c.namespace_of(
+                                   Identity("fp-tenants", LAYOUT, tenant=name))}
                         for name in ("bob", "eve")}
         assert mine["bob"] <= by_namespace["bob"] and not by_namespace["eve"]
         for tenant in ("bob", "eve"):
@@ -231,11 +232,13 @@ def test_an_entry_cannot_be_filed_under_another_tenant(tenants_daemon: DaemonPro
     its entry from its own tenant's filters."""
     with tenants_daemon.client() as c:
         s = c.stub
-        cases = [(BOB, keys.tenant_id("alice")), (ALICE, ""), (NOBODY, keys.tenant_id("bob")),
+        label_of = {name: c.resolve(ident)[1] for name, ident in TENANTS.items()}
+        cases = [(BOB, label_of["alice"]), (ALICE, ""), (NOBODY, label_of["bob"]),
                  (BOB, "not-a-tenant-id")]
         for i, (writer, label) in enumerate(cases):
             tokens = toks(40 + i + 10 * local_write, 20)
-            data = blob_bytes(writer, tokens, b"f" * 400, tenant_id=label)
+            data = blob_bytes(writer, tokens, b"f" * 400, tenant_id=label,
+                              namespace=c.namespace_of(writer))
             res = s.Reserve(pb.ReserveRequest(identity=writer.message(), tokens=tokens,
                                               size=len(data), reason="cold"), timeout=10)
             if local_write:
@@ -250,7 +253,7 @@ def test_an_entry_cannot_be_filed_under_another_tenant(tenants_daemon: DaemonPro
             # The honest label is accepted.
             assert c.save(writer, tokens, b"f" * 400, "cold").status == "saved"
             assert c.inspect(c.lookup(writer, tokens).key).entry.tenant_id == \
-                keys.tenant_id(writer.tenant)
+                label_of[writer.tenant]
         assert c.stats().in_flight == 0
         assert not list((tenants_daemon.data_dir / "tmp").iterdir())
 

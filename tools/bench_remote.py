@@ -150,8 +150,14 @@ class Host:
         self.data_dir = workdir / "data"
         self.ram_parent = ram_root / name
         self.ram_parent.mkdir()
+        # Signed, as --remote is by default: one fleet key beside the hosts' folders.
+        fleet_key = root / "fleet-key"
+        if not fleet_key.exists():
+            fleet_key.write_text(os.urandom(32).hex() + "\n")
+            fleet_key.chmod(0o600)
         self.daemon = Daemon(self.data_dir, self.ram_parent, "--remote", remote_url,
-                                    name=f"daemon-{name}", log_dir=workdir)
+                             "--remote-signing-key-file", str(fleet_key),
+                             name=f"daemon-{name}", log_dir=workdir)
         self.probe: CacheClient | None = None
         self.runtime: Runtime | None = None
         self.resets = 0

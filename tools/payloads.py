@@ -22,14 +22,16 @@ def payload_for(tokens: Sequence[int], size: int | tuple[int, int], salt: bytes 
 
 def blob_bytes(identity: Identity, tokens: Sequence[int], payload: bytes, reason: str = "cold",
                *, created: float | None = None, tenant_id: str | None = None,
-               parent: bytes = b"", base: int = 0) -> bytes:
+               parent: bytes = b"", base: int = 0, namespace: bytes | None = None) -> bytes:
     """The blob exactly as ``CacheClient.save`` encodes it; ``tenant_id`` replaces the label
-    the identity's tenant gives (to file an entry under another tenant); ``parent`` and
-    ``base`` make it a piece."""
+    (none without a tenant: give a tenant's, from CacheClient.resolve, to file an entry
+    under a tenant); ``parent`` and ``base`` make it a piece; ``namespace``: a tenant's
+    (CacheClient.namespace_of), the identity's own without a tenant."""
     meta = blobfmt.BlobMeta(
-        namespace=identity.namespace, model_fingerprint=identity.model_fingerprint,
+        namespace=identity.namespace if namespace is None else namespace,
+        model_fingerprint=identity.model_fingerprint,
         kv_layout=dict(identity.kv_layout), tokens=list(tokens), reason=reason,
         model_name=identity.model_name,
-        tenant_id=keys.tenant_id(identity.tenant) if tenant_id is None else tenant_id,
+        tenant_id="" if tenant_id is None else tenant_id,
         parent=parent, base=base, **({"created": created} if created is not None else {}))
     return b"".join(bytes(p) for p in blobfmt.encode_blob(meta, payload))

@@ -16,10 +16,11 @@ or from the environment variable named by ``password_env``, never from the URL.
 from __future__ import annotations
 
 import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
+
+from ..secrets import SecretFileError, read_secret_file
 
 SCHEMES = {"redis": (False, False), "rediss": (True, False),
            "redis+cluster": (False, True), "rediss+cluster": (True, True)}
@@ -52,6 +53,8 @@ class RemoteConfig:
     username: str | None = None
     # HMAC-SHA256 key: sign every value written, refuse unsigned or mis-signed ones read.
     signing_key: bytes | None = field(default=None, repr=False)
+    # Encrypt every value (AES-256-GCM, key derived from signing_key), refuse plain ones.
+    encrypt: bool = False
     # CA bundle for rediss:// (default: the system's).
     tls_ca_file: Path | None = None
     # Deadline of each remote call, connect included: well inside a runtime's 2 s cache
@@ -90,6 +93,9 @@ class RemoteConfig:
         if not self.key_prefix or any(c in self.key_prefix for c in "{}*?[]\\ \n"):
             raise RemoteConfigError(f"remote key prefix {self.key_prefix!r} must be non-empty "
                                     "and free of braces, glob characters and spaces")
+        if self.encrypt and self.signing_key is None:
+            raise RemoteConfigError("encrypting the remote's values needs the signing key "
+                                    "(the encryption key is derived from it)")
         if self.signing_key is not None and len(self.signing_key) < MIN_SIGNING_KEY_BYTES:
             raise RemoteConfigError(f"the remote signing key has {len(self.signing_key)} "
                                     f"bytes; at least {MIN_SIGNING_KEY_BYTES} are needed")
@@ -101,10 +107,9 @@ class RemoteConfig:
         """Read the password now (a rotated file or variable is picked up on reconnect)."""
         if self.password_file is not None:
             try:
-                text = Path(self.password_file).read_text()
-            except OSError as exc:
-                raise RemoteConfigError(f"cannot read the remote password file "
-                                        f"{self.password_file}: {exc.strerror}") from None
+                text = read_secret_file(self.password_file, "remote password file").decode()
+            except (SecretFileError, UnicodeDecodeError) as exc:
+                raise RemoteConfigError(str(exc)) from None
             if not text.strip():
                 raise RemoteConfigError(f"the remote password file {self.password_file} "
                                         "is empty")
@@ -163,15 +168,9 @@ def load_signing_key(path: Path | str) -> bytes:
     Refuses a file others may read or write, and an empty or short key."""
     path = Path(path)
     try:
-        info = path.stat()
-        data = path.read_bytes()
-    except OSError as exc:
-        raise RemoteConfigError(f"cannot read the remote signing key file {path}: "
-                                f"{exc.strerror}") from None
-    if info.st_mode & (stat.S_IROTH | stat.S_IWOTH):
-        raise RemoteConfigError(f"the remote signing key file {path} is readable or "
-                                f"writable by every user (mode {stat.filemode(info.st_mode)}):"
-                                f" chmod 600 {path}")
+        data = read_secret_file(path, "remote signing key file")
+    except SecretFileError as exc:
+        raise RemoteConfigError(str(exc)) from None
     key = data.rstrip()
     if not key:
         raise RemoteConfigError(f"the remote signing key file {path} is empty")

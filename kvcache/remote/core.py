@@ -52,6 +52,7 @@ class Core:
         self.block_size = block_size
         self.names = Names(config.key_prefix)
         self.signing_key = config.signing_key
+        self.encrypt = config.encrypt
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter()
         self.conn = Connection(config, on_error=lambda kind: self.count(f"remote_errors_{kind}"),
@@ -151,7 +152,7 @@ class Core:
     def open(self, name: bytes, value: bytes) -> memoryview:
         """A value's body; a refused one is counted and raises ValueInvalid."""
         try:
-            return open_value(name, value, self.signing_key)
+            return open_value(name, value, self.signing_key, require_encrypted=self.encrypt)
         except ValueRefused:
             self.count("remote_signature_failures")
             raise

@@ -1,4 +1,5 @@
-"""What the remote tier stores: key names, the signed value envelope, the entry record.
+"""What the remote tier stores: key names, the signed (or encrypted) value envelope, the
+entry record.
 
 Everything read back is untrusted: :func:`open_value` and :meth:`RemoteRecord.unpack`
 raise :class:`ValueRefused` (a signature problem) or :class:`ValueInvalid` (anything else)
@@ -9,12 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgpack
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from .. import keys
 
@@ -22,9 +26,13 @@ RECORD_VERSION = 1
 _MAGIC = b"KVR1"
 _UNSIGNED = 0
 _SIGNED = 1
+_ENCRYPTED = 2
 _TAG_BYTES = 32
+_NONCE_BYTES = 12
+_GCM_TAG_BYTES = 16
 _HEAD = len(_MAGIC) + 1
 _SIGN_DOMAIN = b"kvcache.remote.v1\x00"
+_ENCRYPT_DOMAIN = b"kvcache.remote-encryption-key.v1\x00"
 # Far beyond any real chain or blob, low enough that a crafted record cannot make a
 # reader build huge key lists.
 MAX_CHAIN = 4096
@@ -90,33 +98,69 @@ def _tag(signing_key: bytes, name: bytes, body: bytes | memoryview) -> bytes:
     return mac.digest()
 
 
-def seal(name: bytes, body: bytes | memoryview, signing_key: bytes | None) -> bytes:
-    """The value stored under ``name``: a small header, an HMAC-SHA256 over the key name
-    and the body when a signing key is set (a value cannot be moved to another name), then
-    the body."""
+def _aead(signing_key: bytes) -> AESGCM:
+    """AES-256-GCM under a key derived from the fleet's signing key (one secret to give
+    every host; the derivation keeps the two uses apart)."""
+    return AESGCM(hmac.new(signing_key, _ENCRYPT_DOMAIN, hashlib.sha256).digest())
+
+
+def _aad(name: bytes) -> bytes:
+    """What an encrypted value is bound to besides its key: the name it is stored under
+    (a value cannot be moved to another name)."""
+    return _SIGN_DOMAIN + struct.pack("<I", len(name)) + name
+
+
+def seal(name: bytes, body: bytes | memoryview, signing_key: bytes | None,
+         encrypt: bool = False) -> bytes:
+    """The value stored under ``name``: a small header, then either the body after an
+    HMAC-SHA256 over the key name and the body when a signing key is set (a value cannot
+    be moved to another name), or, with ``encrypt``, a random nonce and the body
+    encrypted and authenticated (AES-256-GCM) with the key name as associated data."""
     if signing_key is None:
+        if encrypt:
+            raise ValueError("encryption needs the signing key")
         return b"".join((_MAGIC, bytes((_UNSIGNED,)), body))
+    if encrypt:
+        nonce = os.urandom(_NONCE_BYTES)  # 96 random bits: no repeat in 2**32 values
+        return b"".join((_MAGIC, bytes((_ENCRYPTED,)), nonce,
+                         _aead(signing_key).encrypt(nonce, bytes(body), _aad(name))))
     return b"".join((_MAGIC, bytes((_SIGNED,)), _tag(signing_key, name, body), body))
 
 
-def open_value(name: bytes, value: bytes, signing_key: bytes | None) -> memoryview:
+def open_value(name: bytes, value: bytes, signing_key: bytes | None,
+               require_encrypted: bool = False) -> memoryview:
     """The body of a value read from ``name``. With a signing key, only a value signed
-    with it for this very name is accepted. Without one, signatures are not checked (the
-    blob checksums and key recomputation still are)."""
+    or encrypted with it for this very name is accepted (with ``require_encrypted``, only
+    an encrypted one). Without one, signatures are not checked (the blob checksums and
+    key recomputation still are) and encrypted values cannot be read."""
     view = memoryview(value)
+    label = name.decode(errors="replace")
     if len(view) < _HEAD or view[: len(_MAGIC)] != _MAGIC:
-        raise ValueInvalid(f"{name.decode(errors='replace')}: not a kvcache remote value")
+        raise ValueInvalid(f"{label}: not a kvcache remote value")
     flag = view[len(_MAGIC)]
+    if flag == _ENCRYPTED:
+        if signing_key is None:
+            raise ValueRefused(f"{label}: encrypted value, and no fleet key to open it")
+        if len(view) < _HEAD + _NONCE_BYTES + _GCM_TAG_BYTES:
+            raise ValueInvalid(f"{label}: malformed value header")
+        nonce = bytes(view[_HEAD : _HEAD + _NONCE_BYTES])
+        try:
+            return memoryview(_aead(signing_key).decrypt(
+                nonce, bytes(view[_HEAD + _NONCE_BYTES :]), _aad(name)))
+        except InvalidTag:
+            raise ValueRefused(f"{label}: encrypted value fails authentication") from None
+    if require_encrypted and flag in (_UNSIGNED, _SIGNED):
+        raise ValueRefused(f"{label}: value not encrypted")
     if flag == _UNSIGNED:
         if signing_key is not None:
-            raise ValueRefused(f"{name.decode(errors='replace')}: unsigned value")
+            raise ValueRefused(f"{label}: unsigned value")
         return view[_HEAD:]
     if flag != _SIGNED or len(view) < _HEAD + _TAG_BYTES:
-        raise ValueInvalid(f"{name.decode(errors='replace')}: malformed value header")
+        raise ValueInvalid(f"{label}: malformed value header")
     body = view[_HEAD + _TAG_BYTES :]
     if signing_key is not None and not hmac.compare_digest(
             view[_HEAD : _HEAD + _TAG_BYTES], _tag(signing_key, name, body)):
-        raise ValueRefused(f"{name.decode(errors='replace')}: signature mismatch")
+        raise ValueRefused(f"{label}: signature mismatch")
     return body
 
 

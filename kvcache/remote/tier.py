@@ -106,6 +106,8 @@ class RemoteTier:
             "url": self.config.url,
             "cluster": self._core.conn.cluster,
             "signed": self.config.signing_key is not None,
+            "unsigned_by_choice": self.config.signing_key is None,
+            "encrypted": self.config.encrypt,
             "queue_depth": self._uploader.queue.qsize(),
             "queue_max": self.config.queue_max,
             "last_error": self._core.conn.last_error,

@@ -188,10 +188,11 @@ class Uploader:
         sent = 0
         try:
             for batch in _batches(values, UPLOAD_BATCH_BYTES):
-                sealed = [(name, seal(name, body, core.signing_key)) for name, body in batch]
+                sealed = [(name, seal(name, body, core.signing_key, core.encrypt))
+                          for name, body in batch]
                 core.call(lambda c, sealed=sealed: core.pipeline(c, lambda p: _set_all(p, sealed)))
                 sent += sum(len(v) for _, v in sealed)
-            pointers = [(name, seal(name, link.key, core.signing_key)) for name in (
+            pointers = [(name, seal(name, link.key, core.signing_key, core.encrypt)) for name in (
                 core.names.block(h) for h in keys.block_hashes(meta.namespace, raw_tokens,
                                                                  core.block_size))]
             core.call(lambda c: core.pipeline(c, lambda p: _set_all(p, pointers)))

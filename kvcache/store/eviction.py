@@ -63,11 +63,15 @@ class Evictor:
         self.counters = counters
         self._cond = cond
 
-    def make_room_on_disk(self, size: int) -> None:
+    def make_room_on_disk(self, size: int, *, evict: bool = True, on_disk: int = 0) -> None:
         """Evict until a blob of ``size`` fits the disk budget and the free-space watermark.
         Raises StoreFull (before anything is written). Store._cond held. Evictions are
         removals like any other (Entries.remove_entries: files, fsync, then rows), made a
-        batch at a time so that a full cache pays one fsync per folder per ~8 saves."""
+        batch at a time so that a full cache pays one fsync per folder per ~8 saves.
+        Without ``evict``, only refuses a size that evicting everything allowed would not
+        make room for (what Reserve checks: its room is made as bytes arrive). ``on_disk``:
+        bytes of it already written (a local writer's), which the free space already
+        lacks."""
         cfg = self._config
         tally = self._tally
 
@@ -76,7 +80,7 @@ class Evictor:
             need = size + spare
             within_budget = tally.disk_used - freed + tally.reserved_bytes + need <= cfg.disk_bytes
             above_watermark = (self._layout.disk_free() + freed - tally.reserved_bytes - need
-                               >= cfg.min_free_bytes)
+                               + on_disk >= cfg.min_free_bytes)
             return within_budget and above_watermark
 
         if fits():
@@ -89,6 +93,8 @@ class Evictor:
         evictable = tally.disk_used - order.unevictable_disk_bytes(held)
         # Evict only when evicting every candidate would make room (the rest is pinned or
         # being read otherwise): a save that is refused evicts nothing.
+        if fits(evictable) and not evict:
+            return
         if fits(evictable):
             slack = room_slack(size, cfg.disk_bytes)
             chosen: list[Record] = []
@@ -105,7 +111,7 @@ class Evictor:
         if not fits():
             self.counters["saves_refused_full"] += 1
             raise StoreFull(
-                f"no room for {size} bytes: disk tier holds {tally.disk_used} of "
+                f"no space for {size} bytes: disk tier holds {tally.disk_used} of "
                 f"{cfg.disk_bytes} budget bytes ({tally.reserved_bytes} reserved), "
                 f"{self._layout.disk_free()} bytes free against a watermark of "
                 f"{cfg.min_free_bytes}; "

@@ -342,6 +342,17 @@ class Store:
     def get(self, key: bytes) -> Record:
         return self._entries.get(key)
 
+    def tenant_of(self, key: bytes) -> str | None:
+        """The tenant label of the entry ``key``, published or being written (None: no
+        such key)."""
+        with self._cond:
+            record = self.index.get(key)
+            if record is not None:
+                return record.tenant_id
+            lease_id = self._leases.in_flight.get(key)
+            res = self._leases.get(lease_id) if lease_id else None
+            return None if res is None else res.tenant_id or ""
+
     def children(self, key: bytes) -> int:
         """How many entries are built directly on ``key``."""
         return self._entries.children(key)

@@ -19,9 +19,21 @@ import lmdb
 
 from .. import blob as blobfmt
 from .. import keys
-from ..errors import InvalidArgument, LeaseLost, NotFound, OutOfRange, StoreError, StoreFull
+from ..errors import (
+    InvalidArgument,
+    LeaseLost,
+    NotFound,
+    OutOfRange,
+    StoreError,
+    StoreFull,
+    TooManySaves,
+)
 from ..index import Index, ParentGone, Record, dir_fsync
 from .entries import check_tokens, record_from
+
+# Room for a streamed save is taken this much ahead of its bytes (or all of it, when
+# smaller): a chunk at a time would make each chunk a removal batch.
+ROOM_STEP = 4 << 20
 
 if TYPE_CHECKING:
     from .entries import Entries
@@ -50,6 +62,9 @@ class Reservation:
     parent: bytes = b""  # a piece's parent, held (like a read) until commit or abort
     base: int = 0
     raw_tokens: bytes = b""  # what a lookup compares a save in flight with
+    # Bytes of the disk budget this save holds (Tally.reserved_bytes): taken as its bytes
+    # arrive, never at Reserve, so a reservation nobody writes evicts nothing.
+    room: int = 0
 
 
 @dataclass(frozen=True)
@@ -166,7 +181,18 @@ class Publisher:
                 self.counters["saves_parent_gone"] += 1
                 raise NotFound(f"parent entry {parent.hex()} is gone (evicted or deleted); "
                                "save the whole state or look again")
-            self._evictor.make_room_on_disk(size)
+            tenant = tenant_id or ""
+            if sum((r.tenant_id or "") == tenant for r in self._leases.reservations.values()) \
+                    >= cfg.max_saves_per_tenant:
+                self.counters["saves_refused_tenant_limit"] += 1
+                raise TooManySaves(f"this tenant has {cfg.max_saves_per_tenant} saves in "
+                                   "flight already (--max-saves-per-tenant): commit or abort "
+                                   "one first")
+            # No room is made here (a save that could never fit is refused): a client
+            # could reserve the whole budget, evict every tenant's entries and abort. Room
+            # is made as the bytes arrive (_claim_room;
+            # tests/test_reservations.py::test_a_reservation_nobody_writes_evicts_nothing).
+            self._evictor.make_room_on_disk(size, evict=False)
             lease_id = secrets.token_hex(16)
             tmp_path = self._layout.tmp_path(lease_id)
             fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -180,7 +206,6 @@ class Publisher:
             if parent:
                 self._pins.hold(parent)  # not evicted or deleted under the piece
             self._leases.open(res)
-            self._tally.reserve(size)
             self.counters["saves_granted"] += 1
             return ReserveResult("granted", entry.key, lease_id, str(tmp_path))
 
@@ -230,6 +255,11 @@ class Publisher:
                 raise OutOfRange(f"chunk ends at {res.written + len(data)}, "
                                  f"beyond the {res.size} bytes reserved (save aborted)")
             try:
+                self._claim_room(res, res.written + len(data))
+            except StoreFull:
+                self.abort(lease_id, _locked=res)
+                raise
+            try:
                 res.verifier.feed(data)
             except blobfmt.BlobError as exc:
                 self.abort(lease_id, _locked=res)
@@ -254,6 +284,20 @@ class Publisher:
             res.expires = time.monotonic() + self._config.lease_seconds
             return res.written
 
+    def _claim_room(self, res: Reservation, upto: int, written_locally: bool = False) -> None:
+        """Hold room for the first ``upto`` bytes of ``res`` (and up to ROOM_STEP more, so
+        a stream of small chunks does not evict chunk by chunk), evicting what must go.
+        StoreFull when it cannot be had. ``written_locally``: the bytes are on the disk
+        already (a local writer's, claimed at commit). ``res.lock`` held."""
+        if upto <= res.room:
+            return
+        target = min(res.size, max(upto, res.room + ROOM_STEP))
+        with self._cond:
+            self._evictor.make_room_on_disk(
+                target - res.room, on_disk=target - res.room if written_locally else 0)
+            self._tally.reserve(target - res.room)
+            res.room = target
+
     # -- commit -----------------------------------------------------------------------------
 
     def commit(self, lease_id: str, local_write: bool = False) -> Record:
@@ -261,6 +305,12 @@ class Publisher:
         with res.lock:
             if res.done:
                 raise LeaseLost(f"lease {lease_id!r} ended before commit")
+            try:
+                # A local writer's bytes arrived unseen; a streamed save's are held already.
+                self._claim_room(res, res.size, written_locally=local_write)
+            except StoreFull:
+                self.abort(lease_id, _locked=res)
+                raise
             try:
                 header, meta = self._verify_reserved(res, local_write)
             except blobfmt.BlobError as exc:
@@ -311,7 +361,7 @@ class Publisher:
             with self._cond:
                 res.done = True
                 self._leases.close(res)
-                self._tally.unreserve(res.size)
+                self._tally.unreserve(res.room)
                 if res.parent:
                     self._pins.release(res.parent)
                     self.counters["pieces_committed"] += 1
@@ -387,7 +437,7 @@ class Publisher:
             return
         res.done = True
         self._leases.close(res)
-        self._tally.unreserve(res.size)
+        self._tally.unreserve(res.room)
         if res.parent:
             self._pins.release(res.parent)
         if res.file is not None:

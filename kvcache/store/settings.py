@@ -25,5 +25,9 @@ class StoreConfig:
     # operator's delete right after a save should not fail on a copy it cannot see.
     delete_wait_seconds: float = 5.0
     max_tokens: int = 1 << 20
-    max_blob_bytes: int = 16 * GiB
+    max_blob_bytes: int = 16 * GiB  # the largest entry a save may reserve
+    # Saves one tenant (entries without a tenant count as one) may have open at once:
+    # each holds a temp file and a lease, and a client opening leases without end must
+    # run out of its own, not of everyone's.
+    max_saves_per_tenant: int = 64
     usage_flush_seconds: float = 1.0
