@@ -291,7 +291,8 @@ def _write(
     w.add_context_length(n_ctx_train)
     w.add_embedding_length(n_embd)
     w.add_block_count(n_layer)
-    w.add_layer_norm_rms_eps(1e-5)
+    # (The plain and SWA models' keys stay in this order: their files, hence their
+    # fingerprints and cache namespaces, are the same as before the other kinds.)
     if arch == "mamba2":
         w.add_feed_forward_length(0)  # unused; the loader reads them (as the converter writes)
         w.add_head_count(0)
@@ -306,6 +307,7 @@ def _write(
             w.add_head_count_kv(n_head_kv)
         w.add_rope_dimension_count(head_dim)
         w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
     if sliding_window:
         w.add_sliding_window(sliding_window)
     w.add_vocab_size(n_vocab)
