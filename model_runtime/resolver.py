@@ -119,7 +119,8 @@ class Resolver:
             if self.usable(chain, req):
                 self._count(f"resolved_by_{source}")
                 return chain
-            # The whole prompt, where a restored state cannot be cut (SWA/recurrent).
+            # The whole prompt without its end's scores, where a restored state cannot
+            # be cut (sliding-window, recurrent, hybrid).
             self._count(f"{source}_key_unusable")
         return self._longest_prefix(req)
 

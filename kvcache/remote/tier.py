@@ -200,7 +200,8 @@ class RemoteTier:
                 continue
             shared = min(keys.common_prefix_tokens(record.tokens, raw), limit)
             found = RemoteMatch(key, record.n_tokens, shared, record.chain, record)
-            if servable_tokens(found, whole_prefix) > (servable_tokens(best, whole_prefix) if best else 0):
+            serves = servable_tokens(found, whole_prefix)
+            if serves > (servable_tokens(best, whole_prefix) if best else 0):
                 best = found
         return best
 
