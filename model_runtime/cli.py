@@ -86,6 +86,10 @@ def runtime_options(f: Any) -> Any:
         click.option("--flash-attn", is_flag=True),
         click.option("--continued-interval", type=int, default=_DEFAULTS.continued_interval,
                      show_default=True, help="Save every N generated tokens (0: off)."),
+        click.option("--checkpoint-interval", type=int,
+                     default=_DEFAULTS.checkpoint_interval, show_default=True,
+                     help="Models whose states cannot be cut (sliding-window, recurrent, "
+                          "hybrid): save a checkpoint every N prefilled tokens (0: off)."),
         click.option("--reuse-live/--no-reuse-live", default=_DEFAULTS.reuse_live,
                      show_default=True,
                      help="Serve a prompt from an idle sequence's KV in place when it covers "

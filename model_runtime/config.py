@@ -71,6 +71,10 @@ class RuntimeConfig:
     trim: int = 32  # ... and lies at least this many tokens before the prompt's end
     min_save_tokens: int = 64  # states shorter than this are cheaper to recompute
     continued_interval: int = 512  # a `continued` save every N generated tokens (0: off)
+    # States that cannot be cut (sliding-window, recurrent, hybrid models): a checkpoint
+    # every N tokens of a prefill, so a prompt that diverges late in a long prefix still
+    # finds a state near the divergence (0: off).
+    checkpoint_interval: int = 1024
     save_finish: bool = True
     save_evict: bool = True
     save_shutdown: bool = True
@@ -99,8 +103,8 @@ class RuntimeConfig:
                      "max_pending_saves"):
             check_int(name, getattr(self, name), 1)
         check_int("n_seq_max", self.n_seq_max, 1, max_parallel_sequences())
-        for name in ("trim", "min_save_tokens", "continued_interval", "session_resume_wait_ms",
-                     "in_flight_wait_ms"):
+        for name in ("trim", "min_save_tokens", "continued_interval", "checkpoint_interval",
+                     "session_resume_wait_ms", "in_flight_wait_ms"):
             check_int(name, getattr(self, name), 0)
         check_number("shutdown_deadline_s", self.shutdown_deadline_s, 0)
         check_number("cache_timeout_s", self.cache_timeout_s, 0, above=True)

@@ -90,9 +90,6 @@ class Resolver:
             return None
         self.fetch_block_size()  # off the model thread: later saves need it for keys
         tokens = req.tokens
-        # A restored state needs its last cell dropped to get fresh logits; where that
-        # is impossible (SWA/recurrent), only strictly shorter states are usable.
-        limit = len(tokens) if self.plain_kv else len(tokens) - 1
         timeout = self.config.cache_timeout_s
         wait_ms = self.config.session_resume_wait_ms
         candidates: list[tuple[str, bytes]] = []
@@ -100,7 +97,7 @@ class Resolver:
             candidates.append(("parent", req.parent_key))
         last = self.session_keys.get(req.session_key) if req.session_key else None
         # (Not worth loading when a live sequence already serves as much.)
-        if last and last[1] <= limit and min(last[1], len(tokens) - 1) > req.live_keep:
+        if last and last[1] <= len(tokens) and min(last[1], len(tokens) - 1) > req.live_keep:
             candidates.append(("session", last[0]))
         for source, key in candidates:
             event = self.saver.in_flight(key)
@@ -123,20 +120,34 @@ class Resolver:
                 # namespace (tests/test_tenants_per_request.py).
                 self._count(f"{source}_key_unusable")
                 continue
-            if len(chain[-1].meta.tokens) <= limit:
+            if self.usable(chain, req):
                 self._count(f"resolved_by_{source}")
                 return chain
-            # The whole prompt, where a restored state cannot be cut (SWA/recurrent).
+            # The whole prompt without its end's scores, where a restored state cannot
+            # be cut (sliding-window, recurrent, hybrid).
             self._count(f"{source}_key_unusable")
-        return self._longest_prefix(req, limit)
+        return self._longest_prefix(req)
 
-    def _longest_prefix(self, req: Request, limit: int) -> Chain | None:
+    def usable(self, chain: Chain, req: Request) -> bool:
+        """Whether a restore of ``chain`` serves ``req`` without cutting a state that
+        cannot be cut (sliding-window, recurrent, hybrid): one strictly shorter than the
+        prompt, or of the whole prompt with the scores after it (nothing decoded again).
+        A plain-attention state is cut wherever it leaves the prompt."""
+        n = len(chain[-1].meta.tokens)
+        return self.plain_kv or n < len(req.tokens) or self.serves(chain, req) == n
+
+    def _longest_prefix(self, req: Request) -> Chain | None:
         # A plain-attention state can be cut anywhere: any entry sharing leading tokens
         # with the prompt serves them (longer or diverging ones are cut after restore).
+        # Other states serve only whole: the deepest one at or below the prompt (an
+        # entry of the whole prompt only with its end's scores, else the next shorter).
         assert self.cache is not None
         tokens = req.tokens
+        limit = len(tokens)
         timeout = self.config.cache_timeout_s
-        for _attempt in range(2):  # a corrupt hit is quarantined: look again, once
+        # A corrupt hit is quarantined: look again, once; so is a whole-prompt state
+        # without scores where states cannot be cut (then only shorter ones are asked).
+        for _attempt in range(2 if self.plain_kv else 3):
             try:
                 hit = self._lookup(req, limit)
                 if hit is None:
@@ -152,6 +163,9 @@ class Resolver:
                                               pieces=hit.pieces_for(hit.matched_tokens),
                                               block_size=hit.block_size,
                                               timeout=timeout * 4)
+                if not self.usable(chain, req):
+                    limit = len(tokens) - 1
+                    continue
                 if hit.tier == TIER_REMOTE:  # fetched into the daemon's tiers for this hit
                     chain[-1] = replace(chain[-1], tier=TIER_REMOTE)
                 self._count(f"restored_from_{chain[-1].tier or 'cache'}")

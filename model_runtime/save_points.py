@@ -5,6 +5,13 @@
                       (the end of the system message, or a declared prefix length), else
                       the last ``save_block``-aligned position at least ``trim`` tokens
                       before the prompt's end. The scheduler stops prefill chunks there.
+                      For states that cannot be cut (sliding-window, recurrent, hybrid
+                      models) also every ``checkpoint_interval`` tokens of a prefill.
+``prompt``            states that cannot be cut: at the prompt's end, with the scores of
+                      its next token (the same prompt again decodes nothing; a next turn
+                      whose template re-renders the reply still finds the prompt's end).
+                      Plain-attention states store the prompt's end inside their
+                      ``finish`` save instead (a waypoint: :meth:`Executor.save`).
 ``continued``         every ``continued_interval`` generated tokens
 ``finish``            when a request ends: the whole sequence; its key is ``finish_key``
 ``evict``             an idle session's sequence taken for another request
@@ -46,18 +53,30 @@ class SavePoints:
         self.session_last_key: OrderedDict[SessionKey, tuple[bytes, int]] = OrderedDict()
 
     def plan_cold(self, req: Request) -> None:
-        """Where prefill must stop to save a reusable prefix (``req.save_at``; 0: nowhere)."""
+        """Where prefill must stop next to save a reusable prefix (``req.save_at``; 0:
+        nowhere): the cold save boundary, and for states that cannot be cut every
+        ``checkpoint_interval`` tokens before it and after it."""
         cfg = self.config
-        at = req.boundary or (len(req.tokens) - cfg.trim) // cfg.save_block * cfg.save_block
-        if at >= cfg.min_save_tokens and at > req.n_past and at > req.cache.tokens_read:
-            req.save_at = at
+        past = max(req.n_past, req.cache.tokens_read)
+        stops = [req.boundary or (len(req.tokens) - cfg.trim) // cfg.save_block * cfg.save_block]
+        if cfg.checkpoint_interval and not self.executor.ctx.can_truncate_restored():
+            step = cfg.checkpoint_interval
+            following = (past // step + 1) * step
+            if following < len(req.tokens):
+                stops.append(following)
+        stops = [at for at in stops if at >= cfg.min_save_tokens and at > past]
+        req.save_at = min(stops, default=0)
 
     def after_prefill(self, req: Request) -> None:
-        """A prefill chunk ran: the ``cold`` save when it reached the boundary."""
-        assert req.seq is not None
+        """A prefill chunk ran: the ``cold`` save when it reached the next stop, and the
+        ``prompt`` checkpoint of a state that cannot be cut when it reached the end."""
+        seq = req.seq
+        assert seq is not None
         if req.save_at and req.n_past == req.save_at:
-            self.executor.save(req.seq, "cold", req)
-            req.save_at = 0
+            self.executor.save(seq, "cold", req)
+            self.plan_cold(req)
+        elif req.n_past == len(req.tokens) and not self.executor.ctx.can_truncate_restored():
+            self.executor.save(seq, "prompt", req)
 
     def after_token(self, req: Request) -> None:
         """A token was generated: the ``continued`` save every interval."""

@@ -91,6 +91,22 @@ def tiny_swa_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny hybrid model (lfm2: short convolutions between attention layers)."""
+    from conftest_llama import make_tiny_hybrid_model
+
+    return make_tiny_hybrid_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_recurrent_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny recurrent model (mamba2)."""
+    from conftest_llama import make_tiny_recurrent_model
+
+    return make_tiny_recurrent_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_no_eog(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny llama model with its end-of-generation tokens made unreachable.
 

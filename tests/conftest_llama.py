@@ -18,14 +18,21 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
-from make_tiny_gguf import write_tiny_llama_gguf, write_tiny_swa_gguf
+from make_tiny_gguf import (
+    write_tiny_hybrid_gguf,
+    write_tiny_llama_gguf,
+    write_tiny_recurrent_gguf,
+    write_tiny_swa_gguf,
+)
 
 if TYPE_CHECKING:
     from model_runtime.llama_backend import LlamaContext
 
 __all__ = [
     "generate_greedy",
+    "make_tiny_hybrid_model",
     "make_tiny_model",
+    "make_tiny_recurrent_model",
     "make_tiny_swa_model",
     "prefill",
     "sample_prompt",
@@ -52,6 +59,18 @@ def make_tiny_swa_model(
     """Write a tiny sliding-window model (olmo2 architecture, 4 layers)."""
     d = tmp_path_factory.mktemp("tiny_swa_model")
     return write_tiny_swa_gguf(d / "tiny-swa.gguf", sliding_window=sliding_window, n_layer=4)
+
+
+def make_tiny_hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Write a tiny hybrid model (lfm2: convolution and attention layers, 4 layers)."""
+    d = tmp_path_factory.mktemp("tiny_hybrid_model")
+    return write_tiny_hybrid_gguf(d / "tiny-hybrid.gguf")
+
+
+def make_tiny_recurrent_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Write a tiny recurrent model (mamba2, 2 layers)."""
+    d = tmp_path_factory.mktemp("tiny_recurrent_model")
+    return write_tiny_recurrent_gguf(d / "tiny-recurrent.gguf")
 
 
 def sample_prompt(

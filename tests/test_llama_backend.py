@@ -412,6 +412,52 @@ def test_swa_model_restored_state_must_not_be_truncated(tiny_swa_model: Path) ->
         assert generate_greedy(c, 1, idx, len(prompt), N_NEW) == cold
 
 
+@pytest.mark.parametrize(("fixture", "arch", "recurrent", "hybrid"), [
+    ("tiny_hybrid_model", "lfm2", False, True),
+    ("tiny_recurrent_model", "mamba2", True, False),
+])
+def test_hybrid_and_recurrent_models_are_detected_and_never_cut(
+        fixture: str, arch: str, recurrent: bool, hybrid: bool,
+        request: pytest.FixtureRequest) -> None:
+    import llama_cpp
+
+    with (
+        LlamaModel(request.getfixturevalue(fixture)) as m,
+        new_ctx(m, n_ctx=512, n_seq_max=2) as c,
+    ):
+        assert m.description.startswith(arch)
+        assert bool(llama_cpp.llama_model_is_recurrent(m._model)) is recurrent
+        assert bool(llama_cpp.llama_model_is_hybrid(m._model)) is hybrid
+        assert m.is_recurrent and m.n_swa == 0
+        assert not c.can_truncate_restored()
+        assert c.kv_layout()["is_recurrent"] == "true"
+        prompt = sample_prompt(m.tokenize, 150)
+        p = 100
+        cold = cold_run(c, 0, prompt)
+        c.clear()
+        prefill(c, 0, prompt[:p])
+        state = c.state_seq_get(0)
+        # llama.cpp refuses to cut a recurrent state (the runtime never asks it to).
+        assert not c.seq_truncate(0, p - 10)
+        c.clear()
+        assert c.state_seq_set(1, state) == len(state)
+        # Extending a restored state is exact.
+        idx = prefill(c, 1, prompt[p:], start=p)
+        assert generate_greedy(c, 1, idx, len(prompt), N_NEW) == cold
+
+
+def test_the_generator_writes_each_kind_from_the_command_line(tmp_path: Path) -> None:
+    from make_tiny_gguf import ARCHS, main
+
+    for arch in ARCHS:
+        out = tmp_path / f"{arch}.gguf"
+        assert main([str(out), "--arch", arch]) == 0
+        with LlamaModel(out) as m:
+            assert m.n_vocab > 300
+            assert (m.n_swa > 0) == (arch == "swa")
+            assert m.is_recurrent == (arch in ("hybrid", "recurrent"))
+
+
 # --------------------------------------------------------------------------- errors
 
 

@@ -39,6 +39,7 @@ from kvcache.remote import (
 from kvcache.remote import tier as tier_module
 from kvcache.remote import upload as upload_module
 from kvcache.remote.layout import Names, seal
+from kvcache.remote.tier import servable_tokens
 
 REPO = Path(__file__).resolve().parent.parent
 B = 16  # block size: small, so short prompts span several blocks
@@ -205,6 +206,32 @@ def test_multi_part_chain_round_trip(server: RedisServer,
     s = b.stats()
     assert s["connected"] and s["url"] == server.url and s["queue_depth"] == 0
     assert counters(b)["remote_bytes_fetched"] == sum(len(v) for v in chain.blobs.values())
+
+
+def test_whole_states_a_longer_one_hides_from_the_pointers_are_found(
+        server: RedisServer, tiers: Callable[..., RemoteTier]) -> None:
+    # States that cannot be cut are whole entries, no pieces: a prompt's checkpoint (70)
+    # and its finish (100), published after it, whose block pointers then name only the
+    # finish. A whole-prefix lookup of the prompt still finds the checkpoint (its own key
+    # read with the records: no third round trip), and of a longer prompt the finish.
+    tier = tiers(server.url)
+    tokens = prompt(6)
+    checkpoint, finish = make_chain(tokens, [70]), make_chain(tokens, [100])
+    publish_all(tier, checkpoint)
+    publish_all(tier, finish)
+    c = server.client()
+    assert tier.find(NS, tokens[:70]).key == finish.keys[0]  # type: ignore[union-attr]
+    before = command_calls(c)
+    match = tier.find(NS, tokens[:70], whole_prefix=True)
+    assert match is not None and (match.key, match.shared) == (checkpoint.keys[0], 70)
+    assert command_calls(c) - before == Counter({"mget": 2})
+    # Not yet: a prompt between them (80) does not find the checkpoint, which only its
+    # own key or a pointer would name (the runtime then prefills from its local tiers'
+    # deepest state, or cold).
+    assert tier.find(NS, tokens[:80], whole_prefix=True) is None
+    match = tier.find(NS, tokens + [7, 8], whole_prefix=True)
+    assert match is not None and (match.key, servable_tokens(match, True)) == (
+        finish.keys[0], 100)
 
 
 def test_find_and_fetch_take_one_round_trip_each(server: RedisServer,

@@ -334,19 +334,45 @@ def test_finish_key_as_parent_key_resumes(make_runtime: Callable[..., Runtime],
     assert delta(before, after, "resolved_by_parent") == 0
 
 
-def test_parent_state_as_long_as_the_prompt_is_unusable_for_sliding_window(
+def test_parent_state_as_long_as_the_prompt_serves_whole_with_its_scores_for_sliding_window(
         make_runtime: Callable[..., Runtime], tiny_swa_model: Path) -> None:
     rt = make_runtime(tiny_swa_model)
+    cold = make_runtime(tiny_swa_model, cache=None, n_seq_max=1)
     p = prompt(rt, 100)
     first = rt.complete(tokens=p, max_tokens=8)
     flush(rt)
-    # Exactly the parent's tokens: a restored SWA state would have to be cut by one token
-    # for fresh logits, so the parent is skipped (and counted) for the lookup's 64.
-    again = rt.complete(tokens=p + first.tokens[:-1], max_tokens=4,
-                        parent_key=first.finish_key)
-    assert kinds(again) == ("partial", 64)
+    # Exactly the parent's tokens, stored with the scores after them: served whole, with
+    # nothing cut (a restored SWA state cannot be) and nothing decoded again.
+    turn = p + first.tokens[:-1]
+    again = rt.complete(tokens=turn, max_tokens=4, parent_key=first.finish_key)
+    assert kinds(again) == ("exact", len(turn))
+    assert again.tokens == cold.complete(tokens=turn, max_tokens=4).tokens
+    stats = rt.stats()
+    assert stats["parent_key_unusable"] == 0 and stats["resolved_by_parent"] == 1
+
+
+def test_state_as_long_as_the_prompt_without_scores_is_unusable_for_sliding_window(
+        make_runtime: Callable[..., Runtime], tiny_swa_model: Path) -> None:
+    rt = make_runtime(tiny_swa_model)
+    cold = make_runtime(tiny_swa_model, cache=None, n_seq_max=1, reuse_live=True)
+    p = prompt(rt, 100)
+    rt.complete(tokens=p[:80], max_tokens=1)  # checkpoints at 64 (cold) and 80 (prompt)
+    # A whole state of p stored without the scores after it (as by another producer):
+    # it would have to be cut by one token for them, which a restored SWA state cannot
+    # be; so the parent is skipped (and counted), and so is the lookup's hit of the
+    # same entry, for the next shorter state (80).
+    cold.complete(tokens=p, max_tokens=1)
+    assert cold.engine.seqs[0].tokens == p
+    state = cold.engine.call(lambda: bytes(cold.ctx.state_seq_get(0)))
+    flush(rt)
+    assert rt.engine.cache is not None
+    key = rt.engine.cache.save(rt.engine.identity, p, state, "finish").key
+    again = rt.complete(tokens=p, max_tokens=4, parent_key=key)
+    assert kinds(again) == ("partial", 80)
+    assert again.tokens == cold.complete(tokens=p, max_tokens=4).tokens
     stats = rt.stats()
     assert stats["parent_key_unusable"] == 1 and stats["resolved_by_parent"] == 0
+    assert stats["restore_failed"] == 0
 
 
 # --------------------------------------------------------------------------- save points
@@ -748,7 +774,8 @@ def test_sliding_window_states_are_never_truncated(make_runtime: Callable[..., R
     assert not rt.ctx.can_truncate_restored()
     p = prompt(rt, 100)
     first = rt.complete(tokens=p, max_tokens=8)
-    assert [(s["reason"], s["tokens"]) for s in first.saves] == [("cold", 64), ("finish", 107)]
+    assert [(s["reason"], s["tokens"]) for s in first.saves] == [
+        ("cold", 64), ("prompt", 100), ("finish", 107)]
     flush(rt)
 
     def check(tokens: list[int], expected: tuple[str, int], session: str = "") -> Completion:
@@ -758,22 +785,22 @@ def test_sliding_window_states_are_never_truncated(make_runtime: Callable[..., R
         flush(rt)
         return done
 
-    # Exactly a saved entry: for a llama model an exact hit; here the entry would have to
-    # be cut by one token, so only strictly shorter entries qualify.
-    check(p[:64], ("cold", 0))
-    check(p + first.tokens[:-1], ("partial", 64))
+    # Exactly a saved entry, with the scores after it: served whole (nothing to cut).
+    check(p[:64], ("exact", 64))
+    check(p + first.tokens[:-1], ("exact", 107))  # the finish state, with its scores
     # Longer prompts extend a restored state without cutting it.
     grown = p + first.tokens + prompt(rt, 20, TEXT_B)[1:]
     restored = check(grown, ("partial", 107), session="s")
     # The session's live sequence is a restored SWA state: a prompt that diverges inside
-    # it cannot be served by cutting it; it is resolved from the cache instead.
-    check(grown[:100] + prompt(rt, 10, TEXT_C)[1:], ("partial", 96), session="s")
+    # it cannot be served by cutting it; it is resolved from the cache instead (the first
+    # prompt's checkpoint at its end).
+    check(grown[:100] + prompt(rt, 10, TEXT_C)[1:], ("partial", 100), session="s")
     # A prompt extending the live sequence is sticky (nothing cut).
     live = rt.engine.sessions[rt.config.tenant, "s"].tokens
     check(list(live) + [50, 51, 52], ("sticky", len(live)), session="s")
     assert restored.cache_tier in ("ram", "disk")
     stats = rt.stats()
-    assert stats.get("restores_exact", 0) == 0 and stats.get("restore_failed", 0) == 0
+    assert stats.get("restore_failed", 0) == 0
 
 
 # --------------------------------------------------------------------------- sampling

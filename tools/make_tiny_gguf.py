@@ -26,17 +26,24 @@ Importing from tests: ``tools/`` is on pytest's ``pythonpath`` (pyproject.toml):
 
 :func:`write_tiny_swa_gguf` writes the same thing as a sliding-window model (architecture
 ``olmo2`` with ``attention.sliding_window``), for tests of the SWA restore trap.
+:func:`write_tiny_hybrid_gguf` writes an attention + recurrent model (architecture ``lfm2``:
+short-convolution layers, whose state is a rolling window of inputs, between attention
+layers) and :func:`write_tiny_recurrent_gguf` a purely recurrent one (``mamba2``), with the
+tensor names, shapes and hyperparameters of the vendored llama.cpp's model definitions
+(``src/models/lfm2.cpp``, ``src/models/mamba2.cpp``). Their states cannot be cut.
 
-CLI: ``python tools/make_tiny_gguf.py OUT.gguf [--seed N] [--no-chat-template]
-[--chat-template chatml|hermes|think|none] [--sliding-window W]``. The ``hermes`` and
-``think`` templates (tools in the Hermes style of Qwen 2.5; with ``<think>`` reasoning as
-Qwen 3) add their tags to the vocabulary as user-defined tokens.
+CLI: ``python tools/make_tiny_gguf.py OUT.gguf [--arch plain|swa|hybrid|recurrent]
+[--seed N] [--no-chat-template] [--chat-template chatml|hermes|think] [--sliding-window W]``.
+The ``hermes`` and ``think`` templates (tools in the Hermes style of Qwen 2.5; with
+``<think>`` reasoning as Qwen 3) add their tags to the vocabulary as user-defined tokens;
+they are for the plain model.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +55,10 @@ __all__ = [
     "THINK_TEMPLATE",
     "SPECIAL_TOKENS",
     "main",
+    "ARCHS",
+    "write_tiny_hybrid_gguf",
     "write_tiny_llama_gguf",
+    "write_tiny_recurrent_gguf",
     "write_tiny_swa_gguf",
 ]
 
@@ -308,6 +318,45 @@ def write_tiny_swa_gguf(
     )
 
 
+def write_tiny_hybrid_gguf(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    n_layer: int = 4,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ctx_train: int = 4096,
+    with_chat_template: bool = True,
+) -> Path:
+    """Write a tiny *hybrid* model (architecture ``lfm2``): even layers are short
+    convolutions (recurrent state: the last ``shortconv.l_cache - 1`` inputs), odd layers
+    attention. ``llama_model_is_hybrid`` is true for it: its state is the attention
+    cells followed by the recurrent state, and cannot be cut."""
+    if n_layer < 2:
+        raise ValueError("a hybrid model needs at least 2 layers (convolution, attention)")
+    return _write(path, arch="lfm2", seed=seed, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
+                  n_head_kv=n_head_kv, n_ctx_train=n_ctx_train,
+                  with_chat_template=with_chat_template, sliding_window=0)
+
+
+def write_tiny_recurrent_gguf(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_ctx_train: int = 4096,
+    with_chat_template: bool = True,
+) -> Path:
+    """Write a tiny *recurrent* model (architecture ``mamba2``, no attention at all):
+    ``llama_model_is_recurrent`` is true for it; its state is one fixed-size recurrent
+    state per sequence, whatever the number of tokens, and cannot be cut."""
+    return _write(path, arch="mamba2", seed=seed, n_layer=n_layer, n_embd=n_embd, n_head=4,
+                  n_head_kv=2, n_ctx_train=n_ctx_train,
+                  with_chat_template=with_chat_template, sliding_window=0)
+
+
 def _write(
     path: str | Path,
     *,
@@ -347,11 +396,22 @@ def _write(
     w.add_context_length(n_ctx_train)
     w.add_embedding_length(n_embd)
     w.add_block_count(n_layer)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(10000.0)
+    # (The plain and SWA models' keys stay in this order: their files, hence their
+    # fingerprints and cache namespaces, are the same as before the other kinds.)
+    if arch == "mamba2":
+        w.add_feed_forward_length(0)  # unused; the loader reads them (as the converter writes)
+        w.add_head_count(0)
+        _add_mamba2_hparams(w, n_embd)
+    else:
+        w.add_feed_forward_length(n_ff)
+        w.add_head_count(n_head)
+        if arch == "lfm2":  # per layer: 0 marks a convolution (recurrent) layer
+            w.add_head_count_kv([0 if i % 2 == 0 else n_head_kv for i in range(n_layer)])
+            w.add_shortconv_l_cache(_SHORTCONV_L_CACHE)
+        else:
+            w.add_head_count_kv(n_head_kv)
+        w.add_rope_dimension_count(head_dim)
+        w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     if sliding_window:
         w.add_sliding_window(sliding_window)
@@ -373,13 +433,27 @@ def _write(
     w.add_tensor("token_embd.weight", rand(n_vocab, n_embd, scale=1.0))
     for i in range(n_layer):
         p = f"blk.{i}."
-        if arch == "llama":
+        if arch == "mamba2":
+            _add_mamba2_layer(w, p, n_embd, rand, ones)
+            continue
+        if arch in ("llama", "lfm2"):
             w.add_tensor(p + "attn_norm.weight", ones(n_embd))
-        # Sharp-ish attention (q, k scale 0.5) so the output depends on the context.
-        w.add_tensor(p + "attn_q.weight", rand(n_embd, n_embd, scale=0.5))
-        w.add_tensor(p + "attn_k.weight", rand(n_embd_kv, n_embd, scale=0.5))
-        w.add_tensor(p + "attn_v.weight", rand(n_embd_kv, n_embd, scale=0.2))
-        w.add_tensor(p + "attn_output.weight", rand(n_embd, n_embd, scale=0.2))
+        if arch == "lfm2" and i % 2 == 0:
+            # Short convolution (src/models/lfm2.cpp): conv {l_cache, n_embd},
+            # in_proj {n_embd, 3 n_embd}, out_proj {n_embd, n_embd} (ggml ne order).
+            w.add_tensor(p + "shortconv.conv.weight",
+                         rand(n_embd, _SHORTCONV_L_CACHE, scale=0.5))
+            w.add_tensor(p + "shortconv.in_proj.weight", rand(3 * n_embd, n_embd, scale=0.3))
+            w.add_tensor(p + "shortconv.out_proj.weight", rand(n_embd, n_embd, scale=0.3))
+        else:
+            # Sharp-ish attention (q, k scale 0.5) so the output depends on the context.
+            w.add_tensor(p + "attn_q.weight", rand(n_embd, n_embd, scale=0.5))
+            w.add_tensor(p + "attn_k.weight", rand(n_embd_kv, n_embd, scale=0.5))
+            w.add_tensor(p + "attn_v.weight", rand(n_embd_kv, n_embd, scale=0.2))
+            w.add_tensor(p + "attn_output.weight", rand(n_embd, n_embd, scale=0.2))
+            if arch == "lfm2":  # per-head q/k norms
+                w.add_tensor(p + "attn_q_norm.weight", ones(head_dim))
+                w.add_tensor(p + "attn_k_norm.weight", ones(head_dim))
         if arch == "olmo2":  # post-norm with q/k norms instead of pre-norm
             w.add_tensor(p + "attn_q_norm.weight", ones(n_embd))
             w.add_tensor(p + "attn_k_norm.weight", ones(n_embd_kv))
@@ -391,7 +465,9 @@ def _write(
         w.add_tensor(p + "ffn_down.weight", rand(n_embd, n_ff, scale=0.1))
         if arch == "olmo2":
             w.add_tensor(p + "post_ffw_norm.weight", ones(n_embd))
-    w.add_tensor("output_norm.weight", ones(n_embd))
+    # (LFM2's final norm is named token_embd_norm in its GGUFs: llama-arch.cpp.)
+    w.add_tensor("token_embd_norm.weight" if arch == "lfm2" else "output_norm.weight",
+                 ones(n_embd))
     w.add_tensor("output.weight", rand(n_vocab, n_embd, scale=1.0))
 
     w.write_header_to_file()
@@ -401,11 +477,61 @@ def _write(
     return path
 
 
+# LFM2's short convolution length (its real models use 3).
+_SHORTCONV_L_CACHE = 3
+# Mamba-2 sizes: inner 2 n_embd, heads of 16 channels, state 16, one group, kernel 4.
+_MAMBA2_D_STATE, _MAMBA2_HEAD_DIM, _MAMBA2_D_CONV = 16, 16, 4
+
+
+def _mamba2_sizes(n_embd: int) -> tuple[int, int, int]:
+    d_inner = 2 * n_embd
+    return d_inner, d_inner // _MAMBA2_HEAD_DIM, d_inner + 2 * _MAMBA2_D_STATE
+
+
+def _add_mamba2_hparams(w: object, n_embd: int) -> None:
+    d_inner, n_head, _ = _mamba2_sizes(n_embd)
+    w.add_ssm_conv_kernel(_MAMBA2_D_CONV)  # type: ignore[attr-defined]
+    w.add_ssm_inner_size(d_inner)  # type: ignore[attr-defined]
+    w.add_ssm_state_size(_MAMBA2_D_STATE)  # type: ignore[attr-defined]
+    w.add_ssm_time_step_rank(n_head)  # type: ignore[attr-defined]
+    w.add_ssm_group_count(1)  # type: ignore[attr-defined]
+
+
+def _add_mamba2_layer(w: object, p: str, n_embd: int, rand: Callable[..., np.ndarray],
+                      ones: Callable[[int], np.ndarray]) -> None:
+    """One Mamba-2 block as src/models/mamba2.cpp loads it (numpy shapes are ggml's ne
+    reversed)."""
+    d_inner, n_head, conv_dim = _mamba2_sizes(n_embd)
+    add = w.add_tensor  # type: ignore[attr-defined]
+    add(p + "attn_norm.weight", ones(n_embd))
+    add(p + "ssm_in.weight", rand(d_inner + conv_dim + n_head, n_embd, scale=0.3))
+    add(p + "ssm_conv1d.weight", rand(conv_dim, _MAMBA2_D_CONV, scale=0.5))
+    add(p + "ssm_conv1d.bias", rand(conv_dim, scale=0.1))
+    add(p + "ssm_dt.bias", rand(n_head, scale=0.5))
+    # A = -exp(A_log) as the converter writes it: negative, so the state decays.
+    add(p + "ssm_a", -np.exp(rand(n_head, 1, scale=0.5)).astype(np.float32))
+    add(p + "ssm_d", ones(n_head).reshape(n_head, 1))
+    add(p + "ssm_norm.weight", ones(d_inner).reshape(1, d_inner))
+    add(p + "ssm_out.weight", rand(n_embd, d_inner, scale=0.3))
+
+
+ARCHS = {
+    "plain": write_tiny_llama_gguf,
+    "swa": write_tiny_swa_gguf,
+    "hybrid": write_tiny_hybrid_gguf,
+    "recurrent": write_tiny_recurrent_gguf,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path, help="output .gguf path")
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="plain",
+                    help="plain (llama), swa (olmo2 with a sliding window), hybrid (lfm2: "
+                         "attention + short convolutions), recurrent (mamba2)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--n-layer", type=int, default=2)
+    ap.add_argument("--n-layer", type=int, default=None,
+                    help="layers (default 2; 4 for hybrid)")
     ap.add_argument("--n-embd", type=int, default=64)
     ap.add_argument("--no-chat-template", action="store_true")
     ap.add_argument("--chat-template", choices=sorted(CHAT_TEMPLATES), default="chatml",
@@ -415,19 +541,24 @@ def main(argv: list[str] | None = None) -> int:
         "--sliding-window",
         type=int,
         default=0,
-        help="write the SWA variant (olmo2 architecture) with this window",
+        help="the SWA variant's window (implies --arch swa; default 32 with --arch swa)",
     )
     args = ap.parse_args(argv)
-    common = dict(
+    arch = "swa" if args.sliding_window else args.arch
+    common: dict[str, object] = dict(
         seed=args.seed,
-        n_layer=args.n_layer,
         n_embd=args.n_embd,
         with_chat_template=not args.no_chat_template,
     )
+    if args.n_layer is not None:
+        common["n_layer"] = args.n_layer
     if args.sliding_window:
-        out = write_tiny_swa_gguf(args.out, sliding_window=args.sliding_window, **common)
-    else:
-        out = write_tiny_llama_gguf(args.out, chat_template=args.chat_template, **common)
+        common["sliding_window"] = args.sliding_window
+    if args.chat_template != "chatml":
+        if arch != "plain":
+            ap.error("--chat-template other than chatml is for --arch plain")
+        common["chat_template"] = args.chat_template
+    out = ARCHS[arch](args.out, **common)  # type: ignore[operator]
     print(f"{out} ({out.stat().st_size} bytes)")
     return 0
 

@@ -20,7 +20,7 @@ from ..errors import StoreError
 from ..index import Record
 from ..store import Found, Store
 from .layout import ChainLink
-from .tier import RemoteTier
+from .tier import RemoteTier, servable_tokens
 
 log = logging.getLogger("kvcache.remote")
 
@@ -64,13 +64,12 @@ class RemoteSync:
         n = len(raw_tokens) // 4
         if local.shared >= (min(n, max_tokens) if max_tokens else n):
             return local  # the remote cannot hold more of the prompt
-        match = self.tier.find(ns, raw_tokens, max_tokens)
+        match = self.tier.find(ns, raw_tokens, max_tokens, whole_prefix=not common_prefix)
         if match is None:
             return local
         # Without common_prefix only an entry that is a whole prefix of the prompt serves:
         # the match, or a link of its chain (the prompt may diverge after a stored root).
-        usable = match.shared if common_prefix else max(
-            (link.n_tokens for link in match.chain if link.n_tokens <= match.shared), default=0)
+        usable = servable_tokens(match, not common_prefix)
         if usable <= local.shared:
             return local
         links = [link for link in match.chain if link.base < usable]

@@ -133,19 +133,26 @@ class RemoteTier:
 
     # -- find -------------------------------------------------------------------------------
 
-    def find(self, ns: bytes, tokens: Sequence[int] | bytes,
-             max_tokens: int = 0) -> RemoteMatch | None:
+    def find(self, ns: bytes, tokens: Sequence[int] | bytes, max_tokens: int = 0, *,
+             whole_prefix: bool = False) -> RemoteMatch | None:
         """The remote entry of namespace ``ns`` sharing the most leading tokens with
         ``tokens`` (ids or packed u32 LE; it may be longer than them or diverge), shared
         at most ``max_tokens`` when given; None if none shares any. Two round trips: the
         prompt's block pointers, then the records of the deepest entries they name. Within
-        ``op_timeout_s``: past it the remote is marked down and this answers None."""
+        ``op_timeout_s``: past it the remote is marked down and this answers None.
+
+        With ``whole_prefix`` (states that cannot be cut), the entry whose chain holds the
+        longest whole prefix of the tokens wins, and the entry of exactly the first
+        ``max_tokens`` tokens (or all) is read with the records: a block pointer names the
+        last entry through its block, so a longer state saved after that one (a ``finish``
+        after its prompt's checkpoint) hides it from the pointers."""
         self.count("remote_lookups")
         match = None
         try:
             raw = tokens if isinstance(tokens, bytes) else keys.tokens_to_bytes(tokens)
-            match = self._core.foreground(lambda job: self._find(ns, raw, max_tokens),
-                                          self.config.op_timeout_s)
+            match = self._core.foreground(
+                lambda job: self._find(ns, raw, max_tokens, whole_prefix),
+                self.config.op_timeout_s)
         except Failed as failed:
             if failed.kind == DISCONNECTED:
                 self.count("remote_skipped_disconnected")
@@ -154,7 +161,8 @@ class RemoteTier:
         self.count("remote_hits" if match else "remote_misses")
         return match
 
-    def _find(self, ns: bytes, raw: bytes, max_tokens: int) -> RemoteMatch | None:
+    def _find(self, ns: bytes, raw: bytes, max_tokens: int,
+              whole_prefix: bool = False) -> RemoteMatch | None:
         core = self._core
         n_query = len(raw) // 4
         limit = min(n_query, max_tokens) if max_tokens else n_query
@@ -164,6 +172,8 @@ class RemoteTier:
         pointer_names = [self.names.block(h) for h in hashes]
         pointers = core.call(lambda c: core.mget(c, pointer_names))
         candidates: list[bytes] = []
+        if whole_prefix:
+            candidates.append(keys.entry_key(ns, raw[: limit * 4], self.block_size).key)
         for k in range(len(hashes) - 1, -1, -1):  # deepest first
             value = pointers[k]
             if value is None:
@@ -177,7 +187,7 @@ class RemoteTier:
                 continue
             if body not in candidates:
                 candidates.append(body)
-                if len(candidates) == MAX_CANDIDATES:
+                if len(candidates) == MAX_CANDIDATES + whole_prefix:
                     break
         if not candidates:
             return None
@@ -191,8 +201,10 @@ class RemoteTier:
                 self.count("remote_verify_failures")
                 continue
             shared = min(keys.common_prefix_tokens(record.tokens, raw), limit)
-            if shared > (best.shared if best else 0):
-                best = RemoteMatch(key, record.n_tokens, shared, record.chain, record)
+            found = RemoteMatch(key, record.n_tokens, shared, record.chain, record)
+            serves = servable_tokens(found, whole_prefix)
+            if serves > (servable_tokens(best, whole_prefix) if best else 0):
+                best = found
         return best
 
     # -- fetch ------------------------------------------------------------------------------
@@ -355,3 +367,10 @@ class RemoteTier:
         self._core.count(name, n)
 
 
+def servable_tokens(match: RemoteMatch, whole_prefix: bool) -> int:
+    """Tokens of the prompt a match serves: all it shares, or without cutting (a state
+    that cannot be cut) the longest link of its chain within them."""
+    if not whole_prefix:
+        return match.shared
+    return max((link.n_tokens for link in match.chain if link.n_tokens <= match.shared),
+               default=0)
