@@ -26,7 +26,7 @@ from daemon_proc import DaemonProcess
 from redis_proc import redis_server
 from test_daemon import blob_file, flip_payload
 from test_determinism import BLOCKS, CONFIG, ask, flush, kind, outcome, prompts, words
-from test_remote_daemon import wait_connected, wait_uploads
+from test_remote_daemon import key_file, wait_connected, wait_uploads
 
 from model_runtime.request import Completion
 from model_runtime.runtime import Runtime
@@ -259,10 +259,12 @@ def test_shutdown_saves_and_a_daemon_restart_give_what_a_cold_prefill_gives(
 
 def test_states_from_the_shared_tier_give_what_a_cold_prefill_gives(
         model: Path, daemon_factory: Callable[..., DaemonProcess],
-        runtimes: Callable[..., Runtime]) -> None:
+        runtimes: Callable[..., Runtime], tmp_path: Path) -> None:
+    signing = ("--remote-signing-key-file",
+               str(key_file(tmp_path / "fleet-key", "the-fleet-key-of-this-test\n")))
     with redis_server() as server:
-        a = daemon_factory("--remote", server.url, *BLOCKS, name="a")
-        b = daemon_factory("--remote", server.url, *BLOCKS, name="b")
+        a = daemon_factory("--remote", server.url, *BLOCKS, *signing, name="a")
+        b = daemon_factory("--remote", server.url, *BLOCKS, *signing, name="b")
         wait_connected(a)
         wait_connected(b)
         writer, reader = runtimes(model, a.address), runtimes(model, b.address)
