@@ -269,3 +269,25 @@ def test_a_request_of_n_ends_with_one_record_per_choice(make: Callable[..., Runt
             ends += 1
     with pytest.raises(queue.Empty):
         req.events.get(timeout=0.2)
+
+
+def test_a_restored_sliding_window_prompt_copied_gives_the_cold_reply(
+        make: Callable[..., Runtime], tiny_swa_model: Path, tmp_path: Path) -> None:
+    # A restored sliding-window state holds only its last window of positions: copied
+    # whole (never cut), each choice decodes past the window as a cold run does.
+    d = DaemonProcess(tmp_path / "data").start()
+    try:
+        rt = make(tiny_swa_model, d.address, reuse_live=False)
+        cold = make(tiny_swa_model, n_seq_max=1, reuse_live=False)
+        p = prompt(rt, 80)
+        reference = cold.complete(tokens=p, max_tokens=40)
+        assert isinstance(reference, Completion)
+        rt.complete(tokens=p, max_tokens=2)
+        flush(rt)
+        three = choices(rt, tokens=p, max_tokens=40, n=3)
+        assert {c.cache_hit_kind for c in three} == {"partial"}  # (its cold save's state)
+        assert three[0].cache_tier == "ram" and three[0].cache_delta["tokens_read"] >= 32
+        assert all(c.tokens == reference.tokens for c in three)
+        rt.close()
+    finally:
+        d.close()
