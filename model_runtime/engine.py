@@ -311,7 +311,8 @@ class EngineCore:
         for other in admission.others:  # held, empty, for the other choices
             if other.session:
                 self._evict(other)
-            self.executor.clear(other)
+            else:
+                self.executor.clear(other)
             self.scheduler.hold(req, other)
         binding = self.scheduler.bind(req, seq)
         try:
