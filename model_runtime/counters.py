@@ -48,6 +48,9 @@ COUNTERS: dict[str, str] = {
     "live_reuses": "Requests served in place by an idle sequence's live KV (tier live, "
                    "no restore)",
     "restore_failed": "States llama.cpp rejected on restore (the request went cold)",
+    "restores_skipped_copy_pending": "States found but not restored into a sequence whose "
+                                     "copy to a request's choices no decode had made yet "
+                                     "(the request went cold)",
     "rejected_states_deleted": "Rejected states deleted from the cache so no request "
                                "retries them",
     "corrupt_blobs": "Hits whose blob failed verification (quarantined by the daemon)",
@@ -69,6 +72,9 @@ COUNTERS: dict[str, str] = {
        for status in SKIP_STATUSES},
     "saves_dropped": "Saves dropped (backlog, daemon unavailable, or refused)",
     "saves_dropped_backlog": "Saves dropped because max_pending_saves were already queued",
+    "saves_skipped_copy_pending": "Saves not taken of a prompt copied to a request's other "
+                                  "choices before the decode that makes the copy (a "
+                                  "choice that ended at its first token)",
     "saves_dropped_unavailable": "Saves dropped because the daemon was unreachable",
     "saves_dropped_in_flight_prefix": "Saves dropped because another writer's save of a "
                                       "longer shared prefix was still being written after "

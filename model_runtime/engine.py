@@ -18,6 +18,11 @@ A request's life, and the module that owns each step:
    (the scheduler plans the batch, the executor runs it).
 5. completion (here): ``finish`` save, record with hit kind, cache delta and timings.
 
+A request of ``n`` choices holds ``n`` sequences from admission on; its prompt runs
+through steps 2 and 3 once (as choice 0), then is copied to the other sequences
+(:meth:`EngineCore._fork`), where each other choice runs steps 4 and 5 as a request of
+its own.
+
 This module: :class:`Engine`, the public API (any thread), which builds the parts and
 runs the model thread's loop over the inbox; and :class:`EngineCore`, what the model
 thread does with each message and each tick, completion and shutdown included. Only
@@ -34,6 +39,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from kvcache.client import CacheClient, Identity, LoadedBlob
@@ -150,7 +156,6 @@ class Engine:
         tenant = self.identity.tenant if tenant is None else tenant
         if not isinstance(tenant, str):
             raise SettingError("tenant", f"must be a string, got {tenant!r}")
-        _refuse_unbuilt(n)
         req = Request(next(self._ids), list(tokens), sampling, session_id, parent_key,
                       boundary if 0 < boundary < len(tokens) else 0, n=n, tenant=tenant)
         # Checked and queued under the lock close() takes to set _stopping: a request is
@@ -244,13 +249,6 @@ class Engine:
             self.core.fail_running(RequestError("internal", f"internal error: {exc!r}"))
 
 
-def _refuse_unbuilt(n: int) -> None:
-    """Options of the API that this build does not serve yet: refused, never ignored."""
-    unbuilt = [name for name, asked in (("n", n > 1),) if asked]
-    if unbuilt:
-        raise RequestError("invalid_argument", f"{', '.join(unbuilt)}: not served yet")
-
-
 class EngineCore:
     """What the model thread does with each message and each tick: it carries out the
     scheduler's decisions with the executor, the resolver and the save points, and
@@ -279,11 +277,12 @@ class EngineCore:
                 self._start(req, chain)
             case Cancel(req):
                 req.cancelled = True
-                if req in self.scheduler.running or req in self.scheduler.waiting:
-                    # End it now rather than at the next tick: a request queued right
-                    # behind the cancel (the same session's next turn) must find the
-                    # session free, not fail with sticky_busy.
-                    self._finish(req, "cancelled")
+                for choice in req.choices:  # (every choice of a request of n)
+                    if choice in self.scheduler.running or choice in self.scheduler.waiting:
+                        # End it now rather than at the next tick: a request queued right
+                        # behind the cancel (the same session's next turn) must find the
+                        # session free, not fail with sticky_busy.
+                        self._finish(choice, "cancelled")
             case Call(fn, result):  # tests and tools run code on the model thread
                 try:
                     result.put((True, fn()))
@@ -308,11 +307,14 @@ class EngineCore:
     def _place(self, req: Request, admission: Admission) -> None:
         seq = admission.seq
         assert seq is not None
-        if admission.evict:  # an idle session's sequence: saved, then taken from it
-            self.save_points.evict(seq)
-            self.count("sessions_evicted")
-            self.scheduler.unpin(seq)
-            self.executor.clear(seq)
+        if admission.evict:
+            self._evict(seq)
+        for other in admission.others:  # held, empty, for the other choices
+            if other.session:
+                self._evict(other)
+            else:
+                self.executor.clear(other)
+            self.scheduler.hold(req, other)
         binding = self.scheduler.bind(req, seq)
         try:
             self.executor.new_sampler(req)
@@ -336,6 +338,13 @@ class EngineCore:
         self.scheduler.resolve(req)
         self.resolver.submit(req, lambda r, chain: self._post(Resolved(r, chain)))
 
+    def _evict(self, seq: Seq) -> None:
+        """An idle session's sequence: saved, then taken from it."""
+        self.save_points.evict(seq)
+        self.count("sessions_evicted")
+        self.scheduler.unpin(seq)
+        self.executor.clear(seq)
+
     def _start(self, req: Request, chain: list[LoadedBlob] | None) -> None:
         """Resolution is done: restore the state found, or reuse the live sequence in
         place, or nothing (cold); then prefill the rest."""
@@ -344,6 +353,13 @@ class EngineCore:
         if req.cancelled:
             self._finish(req, "cancelled")
             return
+        if chain and self.executor.copy_pending(seq):
+            # Its sequence took part in a copy to a request's choices that ended at their
+            # first token, and no decode has made the copy yet: no state can be set into
+            # it before one. The state found is good, so it is not forgotten; this
+            # request computes its prompt instead (which makes the copy).
+            self.count("restores_skipped_copy_pending")
+            chain = None
         if chain:
             if not self.executor.restore(req, seq, chain):
                 self.resolver.forget_later(chain[-1])  # llama.cpp refused it
@@ -363,8 +379,26 @@ class EngineCore:
 
     def _first_token(self, req: Request) -> None:
         req.timings.first = time.perf_counter()
-        self._next_token(req)
+        others = self._fork(req) if req.reserved else []
+        for choice in (req, *others):
+            self._next_token(choice)
         req.restored_from = []  # unmapped now, after the first token
+
+    def _fork(self, req: Request) -> list[Request]:
+        """Choice 0's prompt is done (computed, restored or reused in place, once): it is
+        copied to the sequences held for the other choices, each of which gets its own
+        sampler chain (its own seed) and runs as a request of its own from here, its
+        events in the same queue. Every choice's first token is sampled from the same
+        scores, the prompt end's (tests/test_n_choices.py)."""
+        assert req.seq is not None
+        for choice, seq in enumerate(req.reserved, start=1):
+            self.executor.copy(req.seq, seq)
+            other = req.fork_choice(choice, seq)
+            self.executor.new_sampler(other)
+            self.scheduler.start_choice(other)
+            req.others.append(other)
+        req.reserved = []
+        return req.others
 
     def _next_token(self, req: Request) -> None:
         try:
@@ -418,7 +452,7 @@ class EngineCore:
             req.logprobs.append(logprob)
         req.pending = token
         text, stopped = req.stream.add(self.model.token_to_piece(token))
-        req.events.put(TokenEvent(token, text, logprob))
+        req.events.put(TokenEvent(token, text, logprob, choice=req.choice))
         if stopped:
             self._finish(req, "stop")
             return
@@ -435,17 +469,25 @@ class EngineCore:
         if rest:
             # Text held back while it could have started a stop string (or an incomplete
             # UTF-8 sequence) is streamed now: the pieces always add up to the final text.
-            req.events.put(TokenEvent(-1, rest))
+            req.events.put(TokenEvent(-1, rest, choice=req.choice))
         completion = req.completion(reason, finish_key, text, now)
-        self.count(f"hits_{req.cache.hit_kind}")
-        self.count("requests_completed")
+        # Choices never started (the request ended before its prompt was done): each ends
+        # with a record too, as its caller waits for one per choice.
+        unstarted = [replace(completion, choice=i, saves=list(completion.saves))
+                     for i in range(len(req.others) + 1, req.n)] if req.choice == 0 else []
+        # A request of n choices counts once (its prompt was served once): by choice 0.
+        if req.choice == 0:
+            self.count(f"hits_{req.cache.hit_kind}")
+            self.count("requests_completed")
         self._release(req)
-        for observe in self.observers:
+        for observe in self.observers if req.choice == 0 else ():
             try:
                 observe(completion)
             except Exception:  # an observer must never break a request
                 log.exception("completion observer failed")
         req.events.put(completion)
+        for record in unstarted:
+            req.events.put(record)
 
     def _fail(self, req: Request, exc: Exception) -> None:
         self.count("requests_failed")

@@ -152,10 +152,29 @@ class Executor:
         assert seq is not None
         return token_logprob(seq.logits[len(seq.tokens)], token, req.sampling.top_logprobs)
 
+    def copy(self, src: Seq, dst: Seq) -> None:
+        """Make the empty ``dst`` hold what ``src`` holds (a prompt copied to another
+        choice's sequence): its KV (llama_memory_seq_cp; across KV streams llama.cpp
+        makes the copy at the next decode, see LlamaContext.seq_copy), its tokens, the
+        scores kept after them, and what is known of its last save."""
+        assert not dst.tokens
+        self.ctx.seq_copy(src.id, dst.id)
+        dst.tokens = list(src.tokens)
+        dst.logits = dict(src.logits)  # (rows are never written to: shared)
+        dst.decoded_at = src.decoded_at
+        dst.restored = src.restored
+        dst.tenant = src.tenant
+        dst.saved_len, dst.saved_key = src.saved_len, src.saved_key
+
+    def copy_pending(self, seq: Seq) -> bool:
+        """Whether the sequence is part of a copy the next decode makes (its state can be
+        neither read nor set before)."""
+        return self.ctx.copy_pending(seq.id)
+
     def new_sampler(self, req: Request) -> None:
         """Make the request's sampler chain (it has its sequence now)."""
         req.sampler = RequestSampler(self.ctx.model, req.sampling, prompt=req.tokens,
-                                     choice=0, n_ctx=self.ctx.n_ctx)
+                                     choice=req.choice, n_ctx=self.ctx.n_ctx)
 
     def sample(self, req: Request) -> int:
         """The request's next token, from the scores after its sequence's cells, taken by
@@ -175,6 +194,13 @@ class Executor:
             return b""
         if n == seq.saved_len:
             return seq.saved_key or self.key_of(seq.tokens, seq.tenant)
+        if self.copy_pending(seq):
+            # A prompt just copied to other choices' sequences, before the decode that
+            # makes the copy: its state cannot be read yet. Only a state of the prompt
+            # itself is asked for then (a choice ending at its first token); the prompt's
+            # entry goes with the first save past it of any of the request's choices.
+            self.count("saves_skipped_copy_pending")
+            return b""
         key = self.key_of(seq.tokens, seq.tenant)
         if not key:
             self.count("saves_dropped")
@@ -207,13 +233,16 @@ class Executor:
         """The request's prompt as an entry of its own on the way to a longer state (its
         ``finish``), with the scores its first token was sampled from: the same prompt
         again restores it and decodes nothing before its first token."""
-        if req is None or req.cache.prompt_saved:
+        if req is None:
+            return ()
+        owner = req.first or req  # the choices of a request share its prompt: saved once
+        if owner.cache.prompt_saved:
             return ()
         n = len(req.tokens)
         scores = _scores_bytes(seq, n)
         if not scores or n >= len(seq.tokens) or seq.tokens[:n] != req.tokens:
             return ()
-        req.cache.prompt_saved = True  # with the first save past it (continued or finish)
+        owner.cache.prompt_saved = True  # with the first save past it (continued or finish)
         return (Waypoint(n, "prompt", scores),)
 
 

@@ -717,6 +717,11 @@ class LlamaContext(_Owner):
         if self._n_stream > 1:
             self._copies_pending.update((src, dst))
 
+    def copy_pending(self, seq_id: int) -> bool:
+        """Whether ``seq_id`` is part of a copy llama.cpp makes at the next decode (its
+        state can be neither read nor set until then)."""
+        return seq_id in self._copies_pending
+
     def _check_no_pending_copy(self, seq_id: int) -> None:
         if seq_id in self._copies_pending:
             raise LlamaError(f"sequence {seq_id} is part of a copy llama.cpp makes at the "

@@ -8,6 +8,7 @@ a Completion or a RequestError).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import queue
 import threading
@@ -149,6 +150,9 @@ class Request:
     boundary: int = 0  # explicit cold save boundary (end of the system message); 0: none
     n: int = 1  # choices asked for
     tenant: str = ""  # the salt of its cache namespace: tenants share nothing
+    choice: int = 0  # which of the n choices this is (see fork_choice)
+    # Choice 0's request, for choices 1..n-1 (None for choice 0 itself).
+    first: Request | None = None
     # -- where it stands
     phase: Phase = Phase.ADMIT
     seq: Seq | None = None
@@ -161,6 +165,10 @@ class Request:
     # a 47 MB state costs ~1.5 ms, better spent after the first token than before it.
     restored_from: list[LoadedBlob] = field(default_factory=list)
     cancelled: bool = False
+    # Choice 0 of n > 1, until its prompt is done: the n - 1 sequences held for the other
+    # choices (empty, bound to it); then the other choices' requests, which run on them.
+    reserved: list[Seq] = field(default_factory=list)
+    others: list[Request] = field(default_factory=list)
     # -- what it produced
     generated: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of generated, when asked
@@ -176,6 +184,26 @@ class Request:
         self.stream = TextStream(self.sampling.stop)
 
     @property
+    def choices(self) -> list[Request]:
+        """Every choice of this request that runs (choice 0 first); asked of choice 0."""
+        return [self, *self.others]
+
+    def fork_choice(self, choice: int, seq: Seq) -> Request:
+        """Choice ``choice`` of this request (choice 0, its prompt done): the same prompt
+        and settings on ``seq`` (which holds a copy of the prompt's KV), its own output,
+        events into the same queue, and the cache use and timings so far (the prompt's,
+        shared). Its sampler is made by the caller."""
+        assert self.choice == 0 and self.n_past == len(self.tokens)
+        cache = CacheUse(hit_kind=self.cache.hit_kind, tier=self.cache.tier,
+                         tokens_read=self.cache.tokens_read,
+                         tokens_saved=self.cache.tokens_saved, saves=list(self.cache.saves))
+        return Request(self.id, self.tokens, self.sampling, parent_key=self.parent_key,
+                       boundary=self.boundary, n=self.n, tenant=self.tenant, choice=choice,
+                       first=self, phase=Phase.DECODE, seq=seq, n_past=self.n_past,
+                       cache=cache, timings=dataclasses.replace(self.timings),
+                       events=self.events)
+
+    @property
     def session_key(self) -> SessionKey | None:
         """Its session, as the runtime names sessions: each tenant has its own ids."""
         return (self.tenant, self.session_id) if self.session_id else None
@@ -188,7 +216,7 @@ class Request:
                          "tokens_saved": self.cache.tokens_saved},
             timings=self.timings.to_ms(now), prompt_tokens=len(self.tokens),
             session_id=self.session_id, cache_tier=self.cache.tier, saves=self.cache.saves,
-            logprobs=list(self.logprobs))
+            logprobs=list(self.logprobs), choice=self.choice)
 
 
 @dataclass(eq=False)

@@ -338,15 +338,23 @@ class Runtime:
         ``logprobs``: each generated token's log probability under the raw scores
         (before any sampling setting), and the ``top_logprobs`` most likely at its place.
 
-        ``n``: that many completions (choices) of the prompt; not served yet: ``n`` > 1
-        is refused (``invalid_argument``, "n: not served yet"), and what follows is the
-        contract it will keep. The prompt is computed or
-        restored once, on one sequence, and copied to the others; every choice has its
-        own chain (``seed + i``), and its events and Completion carry its ``choice``
-        index. A request with ``n`` takes ``n`` sequences at once (it waits until that
-        many are free; more than ``n_seq_max`` is refused) and cannot have a
-        ``session_id``. The prompt counts once: every choice's Completion reports the
-        same ``prompt_tokens`` and cache use, and the counters count the request once.
+        ``n``: that many completions (choices) of the prompt. The prompt is computed,
+        restored or reused in place once, on one sequence, and copied to ``n - 1`` more
+        (``llama_memory_seq_cp``); every choice has its own chain (its own seed:
+        ``seed + i``; without a seed, a random one each), grammar state, stop strings,
+        logprobs and finish, and its first token is sampled from the same scores, the
+        prompt end's. Events and Completions carry their ``choice`` index. A request of
+        ``n`` takes ``n`` sequences at once: it waits until that many are free (and
+        requests after it wait behind it), more than ``n_seq_max`` is refused
+        (``invalid_argument``), and it cannot have a ``session_id``. The prompt counts
+        once: every choice's Completion reports the same ``prompt_tokens`` and cache use,
+        and the counters and metrics count the request once (by choice 0). Its saves:
+        the prompt's (``cold`` and the prompt entry) once; each choice's ``continued``
+        and ``finish`` saves are its own, so whichever choice a client goes on with, its
+        next turn is restored from that choice's state (a choice that ends at its very
+        first token has none: its state is the prompt's, which cannot be read until the
+        next decode makes the copies, counted ``saves_skipped_copy_pending``). Cancelling
+        the request ends every choice.
 
         ``tenant``: the cache namespace's salt for this request (None: the runtime's
         ``config.tenant``). Tenants never share anything: not a saved state, not a live

@@ -27,6 +27,9 @@ class Admission:
     # unpinned before the request takes it.
     evict: bool = False
     error: RequestError | None = None
+    # A request of n > 1 choices: the n - 1 more sequences it holds for its other choices
+    # (an idle session's among them is saved and unpinned first, like ``seq``).
+    others: tuple[Seq, ...] = ()
 
 
 class Reuse(enum.Enum):
@@ -97,8 +100,8 @@ class Scheduler:
 
     def admit(self, req: Request) -> Admission:
         """A session's request goes to its pinned sequence (busy: ``sticky_busy``);
-        any other to a free sequence, else an idle session's; else it waits (queued
-        here)."""
+        any other to a free sequence (n of them for n choices), else an idle session's;
+        else, or while other requests wait, it waits (queued here)."""
         key, sid = req.session_key, req.session_id
         if key is not None and key in self.sessions:
             seq = self.sessions[key]
@@ -109,7 +112,9 @@ class Scheduler:
         if key is not None and any(r.session_key == key for r in self.waiting):
             return Admission(error=RequestError(
                 "sticky_busy", f"session {sid!r} has a request waiting"))
-        admission = self._place(req)
+        # Behind a waiting request, a new one waits too: a request of n choices waits
+        # for n sequences, which later requests must not take one by one.
+        admission = self._place(req) if not self.waiting else Admission()
         if admission.seq is None:
             self.waiting.append(req)
         return admission
@@ -125,16 +130,23 @@ class Scheduler:
         return self.waiting.pop(0), admission
 
     def _place(self, req: Request) -> Admission:
+        """A request of n choices gets n sequences at once or waits (the oldest waiting
+        request goes first: a later one never takes the sequences it waits for)."""
         free = [s for s in self.seqs if s.request is None and not s.session]
+        idle = [s for s in self.seqs if s.request is None and s.session]
+        if len(free) + len(idle) < req.n:
+            return Admission()
         if free:
             # The one whose live KV serves the most of the prompt; else the least recently
             # used, so the most recent finished states stay reusable longest.
-            return Admission(max(free, key=lambda s: (self.reusable_prefix(s, req),
-                                                      -s.last_used)))
-        idle = [s for s in self.seqs if s.request is None and s.session]
-        if not idle:
-            return Admission()
-        return Admission(min(idle, key=lambda s: s.last_used), evict=True)
+            seq = max(free, key=lambda s: (self.reusable_prefix(s, req), -s.last_used))
+        else:
+            seq = min(idle, key=lambda s: s.last_used)
+        # The other choices' sequences: free ones before idle sessions', least recently
+        # used first.
+        rest = [s for s in sorted(free, key=lambda s: s.last_used) if s is not seq]
+        rest += [s for s in sorted(idle, key=lambda s: s.last_used) if s is not seq]
+        return Admission(seq, evict=not free, others=tuple(rest[:req.n - 1]))
 
     def unpin(self, seq: Seq) -> None:
         """The sequence no longer belongs to its session (it was evicted)."""
@@ -193,6 +205,19 @@ class Scheduler:
     def resolved(self, req: Request) -> None:
         self.resolving.discard(req)
 
+    def hold(self, req: Request, seq: Seq) -> None:
+        """Keep the empty ``seq`` for one of the request's other choices."""
+        seq.request = req
+        seq.last_used = time.monotonic()
+        req.reserved.append(seq)
+
+    def start_choice(self, choice: Request) -> None:
+        """Another choice of a request runs, on the sequence held for it (which holds a
+        copy of the prompt now): it decodes from the next tick."""
+        assert choice.seq is not None
+        choice.seq.request = choice
+        self.running.append(choice)
+
     def start(self, req: Request) -> None:
         """Its sequence holds what it reuses: the rest of the prompt runs from the next
         tick; a prompt served whole (its first token is sampled from kept scores)
@@ -209,6 +234,9 @@ class Scheduler:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
+        for held in req.reserved:  # (ended before its prompt was copied to them)
+            held.request = None
+        req.reserved = []
         seq = req.seq
         if seq is not None:
             seq.request = None

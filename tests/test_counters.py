@@ -529,6 +529,16 @@ def _runtime_traffic(d: DaemonProcess, model: Path) -> tuple[dict[str, float], d
         y.close()  # type: ignore[union-attr]
         assert isinstance(list(waiting)[-1], Completion)  # type: ignore[call-overload]
 
+        # Two choices that end at their first token: their prompt, copied to the second
+        # sequence only by the next decode, can be neither saved from nor restored into
+        # either sequence before it (the next request computes its prompt instead).
+        p9 = tokens(41, 45)
+        assert len(rt.complete(tokens=p9, max_tokens=1, n=2)) == 2  # type: ignore[arg-type]
+        assert rt.stats()["saves_skipped_copy_pending"] == 2
+        flush(rt)
+        assert rt.complete(tokens=p9, max_tokens=1).cache_hit_kind == "cold"
+        assert rt.stats()["restores_skipped_copy_pending"] == 1
+
         # A state llama.cpp rejects, filed under a valid key: restore_failed, and the
         # runtime deletes it.
         # Another reader holds it meanwhile: the daemon refuses the delete until it is

@@ -7,7 +7,8 @@ argmax. Paths: an exact hit from the daemon with the scores stored at the prompt
 (nothing decoded before the first token), an exact hit from a longer state (its last
 token computed again), partial hits whose suffix is 1, 2, 7 or 40 tokens, a state joined
 from three pieces, a live sequence (partial and exact), a sticky session whose next turn
-holds the generated reply, greedy and seeded sampling; a subset also after a daemon
+holds the generated reply, a request of two choices restored once and copied (choice i
+is what seed + i gives), greedy and seeded sampling; a subset also after a daemon
 restart and from the shared tier on another host.
 
 That holds because llama.cpp, as tools/setup.sh builds it, computes a token decoded
@@ -134,6 +135,13 @@ def check_every_path(model: Path, daemon: DaemonProcess, make: Callable[..., Run
         assert kind(again) == ("exact", len(p)), "the prompt's scores were stored with it"
         same("exact, stored scores", again, p, seed)
 
+        # Restored once, copied to a second sequence: choice i is what a request with
+        # seed + i gives (greedy: both are the cold reply).
+        for choice in ask(reader, p, seed, n=2):  # type: ignore[union-attr]
+            assert kind(choice) == ("exact", len(p))
+            same(f"n=2, choice {choice.choice}", choice, p,
+                 None if seed is None else seed + choice.choice)
+
         shorter = p[: len(p) - 2]
         inner = ask(reader, shorter, seed)
         assert kind(inner) == ("exact", len(shorter) - 1)
@@ -184,7 +192,7 @@ def test_this_build_computes_a_token_alike_alone_or_in_a_batch(tiny_model: Path)
 def test_every_reuse_path_gives_what_a_cold_prefill_gives(
         tiny_model: Path, daemon: DaemonProcess, runtimes: Callable[..., Runtime]) -> None:
     ran = check_every_path(tiny_model, daemon, runtimes, N_PROMPTS)
-    assert min(ran.values()) == N_PROMPTS and len(ran) == 12, ran
+    assert min(ran.values()) == N_PROMPTS and len(ran) == 14, ran
 
 
 def test_requests_running_together_give_what_each_gives_alone(
@@ -264,4 +272,4 @@ def test_states_from_the_shared_tier_give_what_a_cold_prefill_gives(
 def test_every_reuse_path_gives_what_a_cold_prefill_gives_on_smollm2(
         daemon: DaemonProcess, runtimes: Callable[..., Runtime]) -> None:
     ran = check_every_path(default_model_path(), daemon, runtimes, 12)
-    assert min(ran.values()) == 12 and len(ran) == 12, ran
+    assert min(ran.values()) == 12 and len(ran) == 14, ran

@@ -484,16 +484,37 @@ def test_json_object(gw: GatewayProcess, tiny_model: Path) -> None:
     assert isinstance(json.loads(reply.choices[0].message.content), dict)
 
 
-def test_n_above_one_is_refused_by_name_and_the_worker_keeps_serving(
-        gw: GatewayProcess) -> None:
-    """The runtime does not serve n > 1 yet (one prompt copied to n sequences): a request
-    for it is one 400 naming n, streamed or not, never n copies of one choice."""
-    body = {"model": "generic", "messages": ask("Two ideas, please."), "max_tokens": 8,
-            "temperature": 1.0, "seed": 5, "n": 2}
-    assert "n" in refused(gw, body, "n")
-    assert "n" in refused(gw, {**body, "stream": True}, "n")
-    one = gw.client().chat.completions.create(**{**body, "n": 1})
-    assert [c.index for c in one.choices] == [0]
+def test_n_choices_each_are_their_seed_and_the_prompt_counts_once(gw: GatewayProcess) -> None:
+    """n=2 through the official client: two choices whose prompt was computed once and
+    counts once; with a seed and a temperature they differ, and choice i is what a single
+    request with seed + i gives, streamed or not. More choices than a worker has slots is
+    one 400 naming n, and the worker keeps serving."""
+    client = gw.client()
+    body: dict[str, Any] = {"model": "generic", "messages": ask("Two ideas, please."),
+                            "max_tokens": 8, "temperature": 1.0, "seed": 5}
+    two = client.chat.completions.create(**body, n=2)
+    assert [c.index for c in two.choices] == [0, 1]
+    singles = [client.chat.completions.create(**{**body, "seed": 5 + i}) for i in (0, 1)]
+    texts = [c.message.content for c in two.choices]
+    assert texts == [s.choices[0].message.content for s in singles]
+    assert texts[0] != texts[1]
+    assert two.usage is not None and singles[0].usage is not None
+    assert two.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert two.usage.completion_tokens == sum(s.usage.completion_tokens  # type: ignore[union-attr]
+                                              for s in singles)
+    streamed = {0: "", 1: ""}
+    usage = None
+    for piece in client.chat.completions.create(**body, n=2, stream=True,
+                                                stream_options={"include_usage": True}):
+        for choice in piece.choices:
+            streamed[choice.index] += choice.delta.content or ""
+        usage = piece.usage or usage
+    assert [streamed[0], streamed[1]] == texts
+    assert usage is not None and usage.prompt_tokens == two.usage.prompt_tokens
+    done = client.completions.create(model="generic", prompt="Ready?", max_tokens=6, n=3,
+                                     temperature=1.0, seed=3)
+    assert [c.index for c in done.choices] == [0, 1, 2]
+    assert "n=5" in refused(gw, {**body, "n": 5}, "n")  # (4 slots a worker)
     still_serves(gw, "generic")
 
 

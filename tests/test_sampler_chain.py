@@ -458,14 +458,3 @@ def test_every_chain_is_freed_however_its_request_ends(fresh: Callable[..., Runt
     rt.close()  # ends it with "shutdown"
     assert list(running)[-1].finish_reason == "shutdown"  # type: ignore[call-overload]
     assert SamplerChain.live == before
-
-
-def test_n_above_one_is_refused_until_it_is_served(rt: Runtime) -> None:
-    """Choices on copied sequences are not built yet: n > 1 is one clear refusal, never n
-    copies of one choice nor one choice for n, and the runtime keeps serving."""
-    p = sample_prompt(rt.tokenize, 20, TEXT)
-    with pytest.raises(RequestError, match="n: not served yet") as err:
-        rt.complete(tokens=p, max_tokens=2, n=2)
-    assert err.value.code == "invalid_argument"
-    done = rt.complete(tokens=p, max_tokens=2, n=1)
-    assert isinstance(done, Completion) and len(done.tokens) == 2

@@ -65,6 +65,38 @@ def test_requests_take_free_sequences_then_wait_in_arrival_order() -> None:
     assert s.waiting == [r4] and s.next_waiting() is None
 
 
+def test_a_request_of_n_choices_gets_n_sequences_at_once_and_later_ones_wait_behind_it(
+        ) -> None:
+    s = scheduler(n_seq=3)
+    r1 = request(10)
+    run(s, r1)
+    sessions = request(10, session="a")
+    seq_a = run(s, sessions)
+    finish(s, sessions, when=1.0)  # an idle session's sequence, one free, one busy
+    three = request(10)
+    three.n = 3
+    assert s.admit(three) == Admission() and s.waiting == [three]
+    # A request that one free sequence could serve waits behind it.
+    later = request(10)
+    assert s.admit(later) == Admission() and s.waiting == [three, later]
+    finish(s, r1, when=2.0)
+    nxt = s.next_waiting()
+    assert nxt is not None and nxt[0] is three
+    admission = nxt[1]
+    free = [q for q in s.seqs if q is not seq_a]
+    # Free sequences first (the one for choice 0 too), then the idle session's (evicted).
+    assert admission.seq in free and admission.others[-1] is seq_a
+    assert not admission.evict and len(admission.others) == 2
+    s.bind(three, admission.seq)
+    for held in admission.others:
+        if held.session:
+            s.unpin(held)  # (the engine saves it first: evict)
+        s.hold(three, held)
+    assert s.busy() == 3 and s.next_waiting() is None
+    finish(s, three)  # ended before its prompt was copied: every held sequence is free
+    assert three.reserved == [] and s.free() == 3
+
+
 def test_a_free_sequence_holding_most_of_the_prompt_is_chosen_else_the_least_recently_used(
         ) -> None:
     s = scheduler(n_seq=3)

@@ -204,7 +204,7 @@ def refusal_error(exc: RuntimeRefused, req: GenRequest) -> ApiError:
         return ApiError(409, f"{exc.code}: {exc.message}", param="session_id",
                         code="session_busy")
     # The runtime names the setting it refused first ("grammar is not valid GBNF: ...",
-    # "min_p, n: not served yet").
+    # "n 4 needs 4 sequences at once ...").
     setting = exc.message.replace(":", " ").replace(",", " ").split(" ", 1)[0]
     param = {"penalty_last_n": "repeat_last_n"}.get(setting, setting)
     chat = req.chat

@@ -34,7 +34,7 @@ _COMMON_FIELDS = {
     "stream": "server-sent events",
     "stream_options": "include_usage: a last chunk with usage; include_obfuscation: false only",
     "max_tokens": "tokens to generate at most (with the prompt, must fit the context)",
-    "n": "refused above 1 (the runtime does not copy a prompt to n sequences yet)",
+    "n": "choices: the prompt computed once, copied to n slots of one worker",
     "stop": "up to 4 strings that end the text",
     "temperature": "0 to 2 (default 1)",
     "top_p": "nucleus sampling",
