@@ -127,7 +127,11 @@ def check_every_path(model: Path, daemon: DaemonProcess, make: Callable[..., Run
     for i, p in enumerate(prompts(cold, n_prompts)):
         seed = i if i % 3 == 0 else None  # every third prompt sampled with a seed
         first = ask(writer, p, seed)
-        assert first.cache_hit_kind == "cold"
+        # Cold, unless an earlier prompt begins with the same words: a plain-attention
+        # entry serves the tokens it shares (then it must give cold's output too).
+        assert first.cache_hit_kind == "cold" or \
+            (first.cache_hit_kind, first.cache_tier) in {("partial", "ram"), ("partial", "disk")}
+        assert first.cache_delta["tokens_read"] < len(p) - 1, "a new prompt found whole"
         same("cold", first, p, seed)
         flush(writer)
 

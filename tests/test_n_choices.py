@@ -285,7 +285,8 @@ def test_a_restored_sliding_window_prompt_copied_gives_the_cold_reply(
         rt.complete(tokens=p, max_tokens=2)
         flush(rt)
         three = choices(rt, tokens=p, max_tokens=40, n=3)
-        assert {c.cache_hit_kind for c in three} == {"partial"}  # (its cold save's state)
+        # The prompt's own state, stored with its end's scores: served whole, never cut.
+        assert {c.cache_hit_kind for c in three} == {"exact"}
         assert three[0].cache_tier == "ram" and three[0].cache_delta["tokens_read"] >= 32
         assert all(c.tokens == reference.tokens for c in three)
         rt.close()
