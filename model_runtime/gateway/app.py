@@ -55,6 +55,10 @@ from .worker import RuntimeRefused, Worker, WorkerFailure
 log = logging.getLogger("model_runtime.gateway")
 FLEET = web.AppKey("fleet", Fleet)
 CALLER = "caller"  # the request's Caller, set by the api_keys middleware
+# Bodies larger than this are parsed and their chats rendered one at a time: the work holds
+# Python's GIL, and several at once would starve the event loop (every other request).
+LARGE_BODY = 256 << 10
+LARGE_WORK = web.AppKey("large_work", asyncio.Semaphore)
 OPEN_PATHS = frozenset({"/health"})  # probed by load balancers without credentials
 
 # What a handler leaves on its request for the count: the model label, and the outcome
@@ -163,6 +167,7 @@ def build_app(fleet: Fleet) -> web.Application:
     app = web.Application(middlewares=[count_requests, openai_errors, api_keys],
                           client_max_size=fleet.settings.limits.body_bytes)
     app[FLEET] = fleet
+    app[LARGE_WORK] = asyncio.Semaphore(1)
     # Route names are the endpoint label of the request count.
     app.router.add_post("/v1/chat/completions", chat_completions, name="chat")
     app.router.add_post("/v1/completions", completions, name="text")
@@ -294,6 +299,12 @@ def check_message_size(proto: Any) -> None:
                             f"{MAX_REQUEST_MESSAGE_BYTES}.", code="request_too_large")
 
 
+def one_at_a_time(request: web.Request, large: bool
+                  ) -> contextlib.AbstractAsyncContextManager[Any]:
+    """A large request's turn (:data:`LARGE_BODY`); a small one goes at once."""
+    return request.app[LARGE_WORK] if large else contextlib.nullcontext()
+
+
 async def render(req: GenRequest, worker: Worker) -> PromptPlan | None:
     """:func:`plan` on a thread, so that a long chat does not hold up every other request
     on the event loop; a caller that goes away (the handler is cancelled) stops it within
@@ -312,20 +323,25 @@ async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
     arrived = time.monotonic()
     fleet.refuse_if_full(request["tenant"])  # before reading: a full server reads nothing
     body = await read_body(request)
+    large = len(body) > LARGE_BODY
     # Parsed on a thread (bounded by the body limit): the event loop keeps serving.
-    data = await asyncio.to_thread(parse_json, body, fleet.settings.limits)
-    # Labels only of served models: a caller must not grow the metrics with made-up names.
-    model = data.get("model")
-    request[MODEL_LABEL] = model if isinstance(model, str) and model in fleet.model_names() \
-        else "unknown"
-    parse = parse_chat if endpoint == "chat" else parse_completion
-    req = await asyncio.to_thread(parse, data, request.headers.get(SESSION_HEADER))
+    async with one_at_a_time(request, large):
+        data = await asyncio.to_thread(parse_json, body, fleet.settings.limits)
+        del body
+        # Labels only of served models: a caller must not grow the metrics with made-up
+        # names.
+        model = data.get("model")
+        request[MODEL_LABEL] = model if isinstance(model, str) and \
+            model in fleet.model_names() else "unknown"
+        parse = parse_chat if endpoint == "chat" else parse_completion
+        req = await asyncio.to_thread(parse, data, request.headers.get(SESSION_HEADER))
     worker, flight = await fleet.admit(req.model, request["tenant"], req.routing_text(),
                                        req.session_id, req.route_key, req.n)
     served_text: str | None = None
     outcome = "disconnected"  # unless it ends otherwise: a cancelled handler says nothing
     try:
-        prompt = await render(req, worker)
+        async with one_at_a_time(request, large):
+            prompt = await render(req, worker)
         proto = req.to_proto(prompt)
         check_message_size(proto)
         choices = [Choice(i, prompt.parser() if prompt is not None else None)
