@@ -299,3 +299,42 @@ def test_a_tenant_sees_only_its_own_numbers(gw: GatewayProcess) -> None:
     every = metrics(gw, OPERATOR)
     assert 'tenant="alice"' in every and 'tenant="bob"' in every
 
+
+
+def outward_address() -> str | None:
+    """This host's address on its default route (no packet is sent), if any."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+        except OSError:
+            return None
+        address = s.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+def test_without_a_key_file_operator_views_are_loopback_s(tmp_path: Path,
+                                                          tiny_model: Path) -> None:
+    address = outward_address()
+    if address is None:
+        pytest.skip("this host has no address beyond loopback")
+    gateway = GatewayProcess(tmp_path / "gateway.log", "--model", f"tiny={tiny_model}",
+                             "--n-ctx", "512", "--n-seq-max", "1", "--listen", "0.0.0.0:0",
+                             "--insecure-tcp")
+    pids: list[int] = []
+    try:
+        gateway.start()  # ready: polled from loopback
+        gateway.url = gateway.url.replace("0.0.0.0", "127.0.0.1")
+        pids = [w["pid"] for w in gateway.status()["workers"]]
+        for path in ("/status", "/metrics"):
+            assert gateway.http("GET", path)[0] == 200  # from loopback
+        outside = GatewayProcess.__new__(GatewayProcess)
+        outside.url = gateway.url.replace("127.0.0.1", address)
+        for path in ("/status", "/metrics"):
+            code, _, body = GatewayProcess.http(outside, "GET", path)
+            assert code == 403 and json.loads(body)["error"]["code"] == "operator_only"
+        assert GatewayProcess.http(outside, "GET", "/v1/models")[0] == 200
+    finally:
+        gateway.close()
+        kill_leftovers(pids)

@@ -205,8 +205,11 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     """Every tenant's numbers for the operator; a tenant's key, its own tenant's only (a
-    tenant must not watch another's requests, tokens or cache hits)."""
+    tenant must not watch another's requests, tokens or cache hits). Without a key file
+    there is no tenant's credential: the operator's (loopback) only."""
     caller: Caller = request[CALLER]
+    if request.app[FLEET].keys is None:
+        require_operator(request)
     registry = request.app[FLEET].metrics.registry
     data = generate_latest(registry if caller.admin else TenantView(registry, caller.tenant))
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})

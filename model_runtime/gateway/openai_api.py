@@ -278,7 +278,7 @@ def parse_json(body: bytes, limits: Limits | None = None) -> dict[str, Any]:
         raise ApiError(400, "The request body must be a JSON object.", code="invalid_json")
     chars = 0
     for name, value in data.items():
-        chars += check_text(name, name, limits)
+        chars += check_text(name, name)
         chars += _check_value(name, value, limits)
         if chars > limits.chars:
             raise ApiError(413, f"The request's text is longer than this server's limit of "
@@ -296,7 +296,7 @@ def parse_json(body: bytes, limits: Limits | None = None) -> dict[str, Any]:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def check_text(param: str, text: str, limits: Limits | None = None) -> int:
+def check_text(param: str, text: str) -> int:
     """``text``'s length; a 400 naming ``param`` if it holds a lone surrogate (JSON's
     ``\\ud800`` escapes, or a header's bytes that are not UTF-8)."""
     if _SURROGATE.search(text):
