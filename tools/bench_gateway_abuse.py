@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -173,6 +174,7 @@ def main() -> None:
             (4 * limits.body_bytes / 1024), 3)
     finally:
         gateway.close()
+        shutil.rmtree(workdir, ignore_errors=True)
     emit_json(doc, args.out)
 
 
