@@ -49,13 +49,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import itertools
 import json
 import math
 import os
 import struct
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -64,7 +65,7 @@ from typing import Any, TypeVar
 import llama_cpp as _lc
 import numpy as np
 
-from .token_seams import SpecialToken, is_seam
+from .token_seams import SpecialToken, cut_points, is_seam
 
 __all__ = [
     "KV_CACHE_TYPES",
@@ -75,6 +76,7 @@ __all__ = [
     "LlamaContext",
     "LlamaDecodeError",
     "LlamaError",
+    "TokenizeCancelled",
     "LlamaLoadError",
     "LlamaModel",
     "ModelFileError",
@@ -94,6 +96,9 @@ LOG_ENV = "KVCACHE_LLAMA_LOG"
 PIECEWISE_VOCAB_TYPES = frozenset({
     _lc.LLAMA_VOCAB_TYPE_SPM, _lc.LLAMA_VOCAB_TYPE_BPE, _lc.LLAMA_VOCAB_TYPE_UGM,
     _lc.LLAMA_VOCAB_TYPE_RWKV, _lc.LLAMA_VOCAB_TYPE_PLAMO2})
+
+#: Characters tokenized at a time by :meth:`LlamaModel.tokenize_in_pieces` (~1 ms each).
+TOKENIZE_PIECE_CHARS = 8192
 
 #: KV cache element types accepted for ``type_k`` / ``type_v`` (ggml type ids).
 KV_CACHE_TYPES: Mapping[str, int] = {
@@ -116,6 +121,10 @@ _U32 = struct.Struct("<I")
 
 class LlamaError(RuntimeError):
     """A llama.cpp call failed."""
+
+
+class TokenizeCancelled(LlamaError):
+    """The caller of a tokenization in pieces went away: the rest was not tokenized."""
 
 
 class LlamaLoadError(LlamaError):
@@ -428,14 +437,35 @@ class LlamaModel(_Owner):
                 raise LlamaError(f"llama_tokenize failed ({n})")
             cap = -n
 
-    def tokenize_after(self, head_tokens: Sequence[int], text: str, at: int) -> list[int] | None:
+    def tokenize_in_pieces(self, text: str, *, add_special: bool = True,
+                           cancelled: Callable[[], bool] | None = None,
+                           piece_chars: int = TOKENIZE_PIECE_CHARS) -> list[int]:
+        """``tokenize(text, parse_special=True)``, a piece of about ``piece_chars`` at a
+        time, cut where llama.cpp cuts the text anyway (:func:`cut_points`): linear in
+        the text's length, and ``cancelled`` is asked between pieces (true: raises
+        :class:`TokenizeCancelled`). A vocabulary never tokenized in parts is tokenized
+        whole. (tests/test_token_seams.py)"""
+        specials = self.seam_specials
+        cuts = cut_points(text, specials, piece_chars) if specials is not None and \
+            len(text) > piece_chars else []
+        bounds = [0, *cuts, len(text)]
+        tokens: list[int] = []
+        for i, (start, end) in enumerate(itertools.pairwise(bounds)):
+            if cancelled is not None and cancelled():
+                raise TokenizeCancelled(f"cancelled after {start} of {len(text)} characters")
+            tokens += self.tokenize(text[start:end], add_special=add_special and i == 0)
+        return tokens
+
+    def tokenize_after(self, head_tokens: Sequence[int], text: str, at: int,
+                       cancelled: Callable[[], bool] | None = None) -> list[int] | None:
         """``tokenize(text)`` where ``head_tokens`` are ``tokenize(text[:at])``, tokenizing
         only ``text[at:]``; None where that could give other tokens (see
         :mod:`~model_runtime.token_seams`; tests/test_token_seams.py compares both ways)."""
         specials = self.seam_specials
         if specials is None or not is_seam(text, at, specials):
             return None
-        return [*head_tokens, *self.tokenize(text[at:], add_special=False)]
+        return [*head_tokens, *self.tokenize_in_pieces(text[at:], add_special=False,
+                                                       cancelled=cancelled)]
 
     @functools.cached_property
     def seam_specials(self) -> tuple[SpecialToken, ...] | None:

@@ -16,6 +16,7 @@ from kvcache.auth import ServerAuth, add_tcp_port, refuse_unprotected_tcp, tcp_s
 from kvcache.common import details, grpc_server
 from kvcache.unix_socket import OwnedSocket
 
+from .config import MAX_REQUEST_MESSAGE_BYTES
 from .llama_backend import batch_variant_options
 from .request import Completion, RequestError, TokenEvent
 from .runtime import Runtime
@@ -33,6 +34,7 @@ ERROR_CODES = {
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "decode_failed": grpc.StatusCode.INTERNAL,
     "grammar_dead_end": grpc.StatusCode.INVALID_ARGUMENT,  # the request's grammar
+    "cancelled": grpc.StatusCode.CANCELLED,  # the caller went away
 }
 
 
@@ -118,9 +120,16 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
         return self.runtime.model.token_to_piece(token, render_special=True)
 
     def Complete(self, request: pb.CompleteRequest, context: Any) -> Iterator[pb.CompleteEvent]:
+        """A caller that goes away stops costing CPU: tokenizing its prompt stops at the
+        next piece, and the request, queued or prefilling, ends at once (the RPC's
+        termination callback cancels it: a prefill sends no event, so the stream alone
+        would learn of it only at the first token). (tests/test_gateway_limits.py)"""
+        rt = self.runtime
         try:
-            events = self.runtime.complete(stream=True, **request_kwargs(request))
-            for event in events:  # type: ignore[union-attr]
+            req = rt.submit(**request_kwargs(request), cancelled=lambda: not context.is_active())
+            if not context.add_callback(lambda: rt.cancel(req)):
+                rt.cancel(req)  # it terminated already
+            for event in rt.events(req):
                 if isinstance(event, TokenEvent):
                     # (token -1: held-back text flushed at the end)
                     if event.text or event.logprob is not None:
@@ -180,7 +189,8 @@ class RuntimeServer:
     def _server(self, interceptors: list[grpc.ServerInterceptor]) -> grpc.Server:
         return grpc_server(
             lambda server: pb_grpc.add_ModelRuntimeServicer_to_server(self.service, server),
-            SERVICE_NAME, self.health, 16, [("grpc.max_receive_message_length", 16 << 20)],
+            SERVICE_NAME, self.health, 16,
+            [("grpc.max_receive_message_length", MAX_REQUEST_MESSAGE_BYTES)],
             interceptors, thread_name_prefix="runtime-rpc")
 
     def serve_forever(self) -> None:

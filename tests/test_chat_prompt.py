@@ -10,7 +10,7 @@ from chat_fixtures import template
 from model_runtime.chat.formats import envelope_calls, envelope_response
 from model_runtime.chat.messages import ChatInputError, ChatMessage, Tool, ToolCall, ToolChoice
 from model_runtime.chat.prompt import ChatRequest, plan_chat
-from model_runtime.chat.templates import ChatTemplate
+from model_runtime.chat.templates import ChatTemplate, RenderCancelled
 
 WEATHER = Tool("get_weather", {"type": "object", "properties": {"city": {"type": "string"}},
                                "required": ["city"]})
@@ -155,3 +155,20 @@ def test_bad_combinations_name_their_place(request_: ChatRequest, param: str) ->
     with pytest.raises(ChatInputError) as err:
         plan_chat(*template("hermes"), request_)
     assert err.value.param == param
+
+
+def test_a_rendering_stops_once_its_caller_is_gone() -> None:
+    tmpl, fmt = template("chatml")
+    messages = tuple(ChatMessage("user" if i % 2 == 0 else "assistant", f"m{i}")
+                     for i in range(2000))
+    asked: list[int] = []
+
+    def gone() -> bool:
+        asked.append(1)
+        return len(asked) > 2
+
+    with pytest.raises(RenderCancelled):
+        plan_chat(tmpl, fmt, ChatRequest(messages), cancelled=gone)
+    assert len(asked) == 3
+    assert plan_chat(tmpl, fmt, ChatRequest(messages), cancelled=lambda: False).text == \
+        plan_chat(tmpl, fmt, ChatRequest(messages)).text

@@ -21,6 +21,7 @@ from test_gateway_support import SYSTEM, GatewayProcess, chat, kill_leftovers, w
 
 ALICE = "alice-0123456789abcdef0123456789"
 BOB = "bob-0123456789abcdef0123456789ab"
+OPERATOR = "op-0123456789abcdef0123456789abc"
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     ca.private_key_pem.write_to_path(str(files["ca_key"]))
     files["cert"].write_bytes(b"".join(b.bytes() for b in server.cert_chain_pems))
     server.private_key_pem.write_to_path(str(files["key"]))
-    files["keys"].write_text(f"# key tenant\n{ALICE} alice\n{BOB} bob  # the other one\n")
+    files["keys"].write_text(f"# key tenant\n{ALICE} alice\n{BOB} bob  # the other one\n"
+                             f"{OPERATOR} alice role=admin\n")
     files["loose"].write_text(f"{ALICE} alice\n")
     files["short"].write_text("tooshort alice\n")
     for name in ("keys", "loose", "short"):
@@ -99,7 +101,7 @@ def wait_status(gateway: GatewayProcess, context: ssl.SSLContext) -> dict[str, o
 
     deadline = time.monotonic() + 60
     while True:
-        code, body = get(gateway, "/status", context, ALICE)
+        code, body = get(gateway, "/status", context, OPERATOR)
         status = json.loads(body)
         if code == 200 and all(w["state"] == "ready" for w in status["workers"]):
             return status
@@ -137,7 +139,9 @@ def test_health_is_open_the_rest_is_not(tls_gw: GatewayProcess, pki: dict[str, P
     for path in ("/status", "/metrics", "/v1/models"):
         code, body = get(tls_gw, path, context)
         assert code == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
-        assert get(tls_gw, path, context, ALICE)[0] == 200
+        assert get(tls_gw, path, context, OPERATOR)[0] == 200
+        # A tenant's key: its own numbers of /metrics; /status is the operator's.
+        assert get(tls_gw, path, context, ALICE)[0] == (403 if path == "/status" else 200)
     untrusting = ssl.create_default_context()  # TLS is real: an unknown CA is refused
     with pytest.raises(urllib.error.URLError):
         get(tls_gw, "/health", untrusting)

@@ -11,9 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from model_runtime.gateway.keys import ApiKeys, KeyConfigError, check_listener, is_loopback
+from model_runtime.gateway.keys import (
+    ApiKeys,
+    Caller,
+    KeyConfigError,
+    check_listener,
+    is_loopback,
+)
 from model_runtime.gateway.openai_api import (
     ApiError,
+    Limits,
     parse_chat,
     parse_completion,
     parse_json,
@@ -224,10 +231,24 @@ def test_api_keys_map_to_tenants(tmp_path: Path) -> None:
         assert keys.tenant_of(header) is None
 
 
+def test_a_key_marked_admin_is_an_operator(tmp_path: Path) -> None:
+    keys = ApiKeys.load(write_keys(tmp_path, "k" * 16 + " acme\n" + "o" * 16 +
+                                   " acme role=admin\n" + "p" * 16 + " role=admin\n"))
+    assert keys.tenants == ["", "acme"]
+    assert keys.caller_of("Bearer " + "k" * 16) == Caller("acme", admin=False)
+    assert keys.caller_of("Bearer " + "o" * 16) == Caller("acme", admin=True)
+    assert keys.caller_of("Bearer " + "p" * 16) == Caller("", admin=True)
+    # A header's bytes that are not UTF-8 come as surrogate escapes: no key, no error.
+    raw = b"Bearer \xff\xfe" + b"k" * 14
+    assert keys.caller_of(raw.decode("utf-8", "surrogateescape")) is None
+    assert keys.caller_of("Bearer \ud800" + "k" * 15) is None
+
+
 @pytest.mark.parametrize("text, mode, message", [
     ("k" * 16 + "\n", 0o640, "chmod 600"),
     ("short\n", 0o600, "at least 16"),
     ("k" * 16 + " a b\n", 0o600, "KEY [TENANT]"),
+    ("k" * 16 + " a role=root\n", 0o600, "KEY [TENANT] [role=admin]"),
     ("k" * 16 + " bad/tenant\n", 0o600, "a tenant is"),
     ("k" * 16 + "\n" + "k" * 16 + " x\n", 0o600, "already listed"),
     ("# nothing\n", 0o600, "holds no key"),
@@ -315,3 +336,21 @@ def test_stale_run_dirs_of_killed_gateways_are_swept(tmp_path: Path) -> None:
     (foreign / "something").write_text("not ours")
     assert sweep_stale_run_dirs(tmp_path) == [stale]
     assert not stale.exists() and live.exists() and foreign.exists()
+
+
+def test_bodies_are_held_to_the_limits() -> None:
+    limits = Limits(messages=3, chars=40, depth=4)
+    ok = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert parse_json(json.dumps(ok).encode(), limits) == ok
+    cases = [
+        (b"[" * 5000 + b"]" * 5000, 400, None),  # the parser's own recursion
+        (json.dumps({"a": [[[[1]]]]}).encode(), 400, None),  # the gateway's bound
+        (json.dumps({"messages": [{"content": "x"}] * 4}).encode(), 400, "messages"),
+        (json.dumps({"prompt": "x" * 41}).encode(), 413, "prompt"),
+        (json.dumps({"stop": ["\ud800"]}).encode(), 400, "stop"),
+        (json.dumps({"x\udc80": 1}).encode(), 400, "x\udc80"),
+    ]
+    for body, status, param in cases:
+        with pytest.raises(ApiError) as err:
+            parse_json(body, limits)
+        assert (err.value.status, err.value.param) == (status, param), body[:40]

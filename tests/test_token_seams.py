@@ -9,10 +9,10 @@ import pytest
 
 from model_runtime.chat.templates import ChatTemplate
 from model_runtime.config import RuntimeConfig
-from model_runtime.llama_backend import LlamaModel
+from model_runtime.llama_backend import LlamaModel, TokenizeCancelled
 from model_runtime.request import common_prefix
 from model_runtime.runtime import Runtime, default_model_path
-from model_runtime.token_seams import SpecialToken, is_seam
+from model_runtime.token_seams import SpecialToken, cut_points, is_seam
 
 A, B = SpecialToken("<|a|>"), SpecialToken("<|b|>")
 
@@ -99,3 +99,56 @@ def test_render_chat_tokenizes_the_system_message_once(tiny_model: Path) -> None
         rt.render_chat([{"role": "system", "content": CHATS[0][0]},
                         {"role": "user", "content": "Another question"}])
         assert rt._head_tokens.cache_info().hits == hits + 1
+
+
+def long_chat(model: LlamaModel, n: int) -> str:
+    """A chat of ``n`` turns drawn from :data:`CHATS` (specials as text included)."""
+    turns = [{"role": "system", "content": CHATS[0][0]}]
+    for i in range(n):
+        system, user = CHATS[i % len(CHATS)]
+        turns.append({"role": "user" if i % 2 == 0 else "assistant",
+                      "content": f"{user} {i} {system[:40]}"})
+    return ChatTemplate.of_model(model).render(turns)
+
+
+def check_in_pieces(model: LlamaModel) -> None:
+    text = long_chat(model, 300)
+    whole = model.tokenize(text)
+    for piece_chars in (1, 64, 1000, len(text)):
+        assert model.tokenize_in_pieces(text, piece_chars=piece_chars) == whole, piece_chars
+    assert model.tokenize_in_pieces(text, add_special=False, piece_chars=64) == \
+        model.tokenize(text, add_special=False)
+
+
+def test_a_long_text_tokenized_in_pieces_gives_the_whole_text_s_tokens(
+        tiny_model: Path) -> None:
+    with LlamaModel(tiny_model) as model:
+        check_in_pieces(model)
+        text = long_chat(model, 300)
+        cuts = cut_points(text, model.seam_specials or (), 64)
+        assert len(cuts) > 100 and all(is_seam(text, at, model.seam_specials or ())
+                                       for at in cuts)
+        asked: list[int] = []
+
+        def gone() -> bool:  # the caller leaves after the third piece
+            asked.append(1)
+            return len(asked) > 3
+
+        with pytest.raises(TokenizeCancelled):
+            model.tokenize_in_pieces(text, piece_chars=64, cancelled=gone)
+        assert len(asked) == 4
+
+
+@pytest.mark.slow
+def test_a_long_text_tokenized_in_pieces_gives_the_whole_text_s_tokens_bpe() -> None:
+    with LlamaModel(default_model_path()) as model:
+        check_in_pieces(model)
+
+
+def test_cut_points_are_seams_apart() -> None:
+    text = "x" * 10 + "<|a|>" + "y" * 3 + "<|b|>" + "z" * 20 + "<|a|>w"
+    assert cut_points(text, [A, B], 5) == [10, 18, 43]
+    assert cut_points(text, [A, B], 12) == [18, 43]
+    assert cut_points(text, [A, B], 100) == [] and cut_points(text, [], 5) == []
+    # Not inside a special token, even where one special's text holds another's.
+    assert cut_points("ab<|a|>y", [SpecialToken("<|a|>y"), A], 1) == [2]

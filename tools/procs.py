@@ -278,13 +278,15 @@ class Daemon(Proc):
 class Gateway(Proc):
     """``model-runtime gateway`` on a free loopback port, its worker sockets in a short
     private folder (``rtg*`` in /tmp, which tests/leftovers.py watches). ``start`` waits
-    until it has logged its URL and, with ``workers_ready``, all its workers are ready."""
+    until it has logged its URL and, with ``workers_ready``, all its workers are ready.
+    ``admin_key``: an operator's key of its key file, for /status."""
 
     stop_timeout = 30.0
 
     def __init__(self, log_path: Path, *args: str, cache: str = "none", threads: int = 1,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, admin_key: str | None = None) -> None:
         self.dir = short_workdir("rtg")
+        self.admin_key = admin_key
         super().__init__("gateway", [
             sys.executable, "-m", "model_runtime.cli", "gateway", "--listen", "127.0.0.1:0",
             "--run-dir", str(self.dir / "run"), "--cache", cache, "--threads", str(threads),
@@ -339,6 +341,8 @@ class Gateway(Proc):
             return err.code, dict(err.headers), err.read()
 
     def status(self, headers: dict[str, str] | None = None) -> dict[str, Any]:
+        if headers is None and self.admin_key:
+            headers = {"Authorization": f"Bearer {self.admin_key}"}
         code, _, body = self.http("GET", "/status", headers=headers)
         if code != 200:
             raise ValueError(f"status answered {code}: {body[:200]!r}")

@@ -12,7 +12,7 @@ turn is rendered as the model wrote it where the family allows (see
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,10 +103,12 @@ def _constraint(req: ChatRequest, fmt: ChatFormat, envelope: bool, inside: bool,
     return None
 
 
-def plan_chat(template: ChatTemplate, fmt: ChatFormat, req: ChatRequest) -> PromptPlan:
+def plan_chat(template: ChatTemplate, fmt: ChatFormat, req: ChatRequest,
+              cancelled: Callable[[], bool] | None = None) -> PromptPlan:
     """Render ``req`` with the model's template. Raises :class:`ChatInputError` for a bad
     combination or a tool result answering no call, :class:`SchemaError` for a schema
-    that cannot be constrained, :class:`TemplateError` when the template refuses."""
+    that cannot be constrained, :class:`TemplateError` when the template refuses,
+    :class:`~.templates.RenderCancelled` once ``cancelled`` turns true."""
     _check(req)
     calls = check_tool_results(req.messages)
     generic = fmt.family is Family.GENERIC
@@ -117,7 +119,7 @@ def plan_chat(template: ChatTemplate, fmt: ChatFormat, req: ChatRequest) -> Prom
     messages = template_messages(fmt, req.messages, calls,
                                  tools=req.tools if generic else (), envelope=envelope)
     tools = [t.as_openai() for t in req.tools] if req.tools and not generic else None
-    text = template.render(messages, tools=tools, variables=variables)
+    text = template.render(messages, tools=tools, variables=variables, cancelled=cancelled)
     n_system = 0
     while n_system < len(messages) and messages[n_system]["role"] == "system":
         n_system += 1
@@ -125,7 +127,7 @@ def plan_chat(template: ChatTemplate, fmt: ChatFormat, req: ChatRequest) -> Prom
     if 0 < n_system < len(messages):
         try:
             head = template.render(messages[:n_system], add_generation_prompt=False,
-                                   tools=tools, variables=variables)
+                                   tools=tools, variables=variables, cancelled=cancelled)
             head_chars = len(os.path.commonprefix([head, text]))
         except TemplateError:  # a template that needs a user turn: no boundary
             head_chars = 0

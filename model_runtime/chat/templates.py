@@ -14,7 +14,7 @@ BOS itself, would give two BOS tokens: that text is dropped (as llama.cpp's serv
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -22,11 +22,19 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["ChatTemplate", "TemplateError", "TemplateSource"]
+__all__ = ["ChatTemplate", "RenderCancelled", "TemplateError", "TemplateSource"]
 
 
 class TemplateError(ValueError):
     """The template refused the messages (``raise_exception``) or failed to render."""
+
+
+class RenderCancelled(Exception):
+    """The caller of a rendering went away: the rest was not rendered."""
+
+
+#: Pieces of output rendered between two checks of ``cancelled`` (a message is a few).
+CANCEL_CHECK_PIECES = 512
 
 
 class TemplateSource(Protocol):
@@ -90,18 +98,28 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Mapping[str, Any]], *,
                add_generation_prompt: bool = True, tools: Sequence[Any] | None = None,
-               variables: Mapping[str, Any] | None = None) -> str:
+               variables: Mapping[str, Any] | None = None,
+               cancelled: Callable[[], bool] | None = None) -> str:
         """The prompt text of ``messages`` (and ``tools``, when given and not empty).
-        Raises :class:`TemplateError` when the template refuses them."""
+        Raises :class:`TemplateError` when the template refuses them, and
+        :class:`RenderCancelled` when ``cancelled`` (asked every few hundred pieces of
+        output) turns true."""
         extra = dict(variables or {})
         if tools:
             extra["tools"] = list(tools)
         try:
-            text = self._template.render(
+            pieces = self._template.generate(
                 **extra, messages=list(messages), bos_token=self.bos_token,
                 eos_token=self.eos_token, raise_exception=_raise_exception,
                 strftime_now=_strftime_now, add_generation_prompt=add_generation_prompt)
-        except TemplateError:
+            out: list[str] = []
+            for piece in pieces:
+                out.append(piece)
+                if cancelled is not None and len(out) % CANCEL_CHECK_PIECES == 0 and \
+                        cancelled():
+                    raise RenderCancelled(f"cancelled after {len(out)} pieces")
+            text = "".join(out)
+        except (TemplateError, RenderCancelled):
             raise
         except Exception as exc:  # jinja's errors, and a template's own (e.g. a bad index)
             raise TemplateError(f"the chat template failed on these messages: "

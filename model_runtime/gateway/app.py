@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -24,7 +25,10 @@ from ..chat.grammars import SchemaError
 from ..chat.messages import ChatInputError
 from ..chat.prompt import PromptPlan, plan_chat
 from ..chat.templates import TemplateError
+from ..config import MAX_REQUEST_MESSAGE_BYTES
 from .fleet import Fleet
+from .keys import Caller, is_loopback
+from .metrics import NO_TENANT, TenantView
 from .openai_api import (
     PROTO_FIELDS,
     SESSION_HEADER,
@@ -34,6 +38,7 @@ from .openai_api import (
     parse_chat,
     parse_completion,
     parse_json,
+    too_large,
 )
 from .openai_output import (
     DONE,
@@ -49,7 +54,11 @@ from .worker import RuntimeRefused, Worker, WorkerFailure
 
 log = logging.getLogger("model_runtime.gateway")
 FLEET = web.AppKey("fleet", Fleet)
-MAX_BODY = 64 << 20
+CALLER = "caller"  # the request's Caller, set by the api_keys middleware
+# Bodies larger than this are parsed and their chats rendered one at a time: the work holds
+# Python's GIL, and several at once would starve the event loop (every other request).
+LARGE_BODY = 256 << 10
+LARGE_WORK = web.AppKey("large_work", asyncio.Semaphore)
 OPEN_PATHS = frozenset({"/health"})  # probed by load balancers without credentials
 
 # What a handler leaves on its request for the count: the model label, and the outcome
@@ -64,7 +73,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def outcome_of(status: int) -> str:
     if status < 400:
         return "ok"
-    return {401: "unauthorized", 404: "not_found", 429: "no_slot", 503: "not_ready",
+    return {401: "unauthorized", 403: "forbidden", 404: "not_found", 413: "too_large",
+            429: "no_slot", 503: "not_ready",
             CLIENT_GONE: "disconnected"}.get(status, "bad_request" if status < 500 else "error")
 
 
@@ -92,7 +102,8 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
     finally:
         outcome = request.get(OUTCOME) or outcome_of(status)
         request.app[FLEET].metrics.requests.labels(
-            request.get(MODEL_LABEL, ""), endpoint_of(request), outcome, str(status)).inc()
+            request.get(MODEL_LABEL, ""), request.get("tenant", NO_TENANT),
+            endpoint_of(request), outcome, str(status)).inc()
 
 
 def error_response(err: ApiError) -> web.Response:
@@ -122,24 +133,41 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
 
 @web.middleware
 async def api_keys(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Who the caller is (:class:`Caller`): the tenant and role of its key; without a key
+    file, the default tenant, an operator when it calls from loopback."""
     fleet = request.app[FLEET]
     if fleet.keys is None or request.path in OPEN_PATHS:
-        request["tenant"] = fleet.settings.default_tenant
-        return await handler(request)
-    tenant = fleet.keys.tenant_of(request.headers.get("Authorization"))
-    if tenant is None:
+        caller: Caller | None = Caller(fleet.settings.default_tenant,
+                                       admin=fleet.keys is None and peer_on_loopback(request))
+    else:
+        caller = fleet.keys.caller_of(request.headers.get("Authorization"))
+    if caller is None:
         given = "Authorization" in request.headers
         raise ApiError(401, "Incorrect API key provided." if given else
                        "You didn't provide an API key (Authorization: Bearer KEY).",
                        code="invalid_api_key")
-    request["tenant"] = tenant
+    request[CALLER] = caller
+    request["tenant"] = caller.tenant
     return await handler(request)
+
+
+def peer_on_loopback(request: web.Request) -> bool:
+    peer = request.transport.get_extra_info("peername") if request.transport else None
+    return isinstance(peer, tuple) and is_loopback(str(peer[0]))
+
+
+def require_operator(request: web.Request) -> None:
+    if not request[CALLER].admin:
+        raise ApiError(403, "This view is for the gateway's operator: use a key marked "
+                            "role=admin in the key file (without a key file: call from "
+                            "loopback).", type="permission_error", code="operator_only")
 
 
 def build_app(fleet: Fleet) -> web.Application:
     app = web.Application(middlewares=[count_requests, openai_errors, api_keys],
-                          client_max_size=MAX_BODY)
+                          client_max_size=fleet.settings.limits.body_bytes)
     app[FLEET] = fleet
+    app[LARGE_WORK] = asyncio.Semaphore(1)
     # Route names are the endpoint label of the request count.
     app.router.add_post("/v1/chat/completions", chat_completions, name="chat")
     app.router.add_post("/v1/completions", completions, name="text")
@@ -176,11 +204,19 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    data = generate_latest(request.app[FLEET].metrics.registry)
+    """Every tenant's numbers for the operator; a tenant's key, its own tenant's only (a
+    tenant must not watch another's requests, tokens or cache hits). Without a key file
+    there is no tenant's credential: the operator's (loopback) only."""
+    caller: Caller = request[CALLER]
+    if request.app[FLEET].keys is None:
+        require_operator(request)
+    registry = request.app[FLEET].metrics.registry
+    data = generate_latest(registry if caller.admin else TenantView(registry, caller.tenant))
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def status(request: web.Request) -> web.Response:
+    require_operator(request)  # every worker's tenant, pid, socket, counters and logs
     return web.json_response(request.app[FLEET].status())
 
 
@@ -196,6 +232,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 def refusal_error(exc: RuntimeRefused, req: GenRequest) -> ApiError:
+    if exc.code == "request_too_large":
+        return ApiError(413, exc.message, code="request_too_large")
     if exc.code == "prompt_too_long":
         return ApiError(400, f"This model's maximum context length is exceeded: "
                              f"{exc.message}.", param="messages" if req.endpoint == "chat"
@@ -220,7 +258,8 @@ def failure_error(exc: WorkerFailure) -> ApiError:
                          "retried).", type="server_error", code=exc.reason)
 
 
-def plan(req: GenRequest, worker: Worker) -> PromptPlan | None:
+def plan(req: GenRequest, worker: Worker,
+         cancelled: Callable[[], bool] | None = None) -> PromptPlan | None:
     """A chat rendered with the worker's template: the prompt, its save boundary, the
     grammar and how to read the output. Refusals are 400s naming their place."""
     if req.chat is None:
@@ -229,7 +268,7 @@ def plan(req: GenRequest, worker: Worker) -> PromptPlan | None:
         raise bad_param("messages", f"The model '{req.model}' has no chat template: use "
                                     "/v1/completions with a prompt.")
     try:
-        return plan_chat(worker.template, worker.chat_format, req.chat)
+        return plan_chat(worker.template, worker.chat_format, req.chat, cancelled)
     except ChatInputError as exc:
         raise bad_param(exc.param, exc.message) from None
     except SchemaError as exc:
@@ -239,23 +278,75 @@ def plan(req: GenRequest, worker: Worker) -> PromptPlan | None:
                                     f"{exc}") from None
 
 
+async def read_body(request: web.Request) -> bytes:
+    """The body, at most the body limit: refused by its Content-Length before a byte is
+    read, or as soon as a body sent without one (chunked) passes the limit."""
+    limit = request.app[FLEET].settings.limits
+    if request.content_length is not None and request.content_length > limit.body_bytes:
+        raise too_large(limit, request.content_length)
+    body = bytearray()
+    async for piece in request.content.iter_any():
+        body += piece
+        if len(body) > limit.body_bytes:
+            raise too_large(limit)
+    return bytes(body)
+
+
+def check_message_size(proto: Any) -> None:
+    """A request larger than a worker accepts (the rendered prompt can outgrow the body)
+    is the caller's: a 413, never the worker's failure."""
+    size = proto.ByteSize()
+    if size > MAX_REQUEST_MESSAGE_BYTES:
+        raise ApiError(413, f"The request is {size} bytes as the worker receives it (its "
+                            f"rendered prompt included); a worker takes at most "
+                            f"{MAX_REQUEST_MESSAGE_BYTES}.", code="request_too_large")
+
+
+def one_at_a_time(request: web.Request, large: bool
+                  ) -> contextlib.AbstractAsyncContextManager[Any]:
+    """A large request's turn (:data:`LARGE_BODY`); a small one goes at once."""
+    return request.app[LARGE_WORK] if large else contextlib.nullcontext()
+
+
+async def render(req: GenRequest, worker: Worker) -> PromptPlan | None:
+    """:func:`plan` on a thread, so that a long chat does not hold up every other request
+    on the event loop; a caller that goes away (the handler is cancelled) stops it within
+    a few hundred pieces of output."""
+    if req.chat is None:
+        return None
+    gone = threading.Event()
+    try:
+        return await asyncio.to_thread(plan, req, worker, gone.is_set)
+    finally:
+        gone.set()
+
+
 async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
     fleet = request.app[FLEET]
     arrived = time.monotonic()
-    data = parse_json(await request.read())
-    # Labels only of served models: a caller must not grow the metrics with made-up names.
-    model = data.get("model")
-    request[MODEL_LABEL] = model if isinstance(model, str) and model in fleet.model_names() \
-        else "unknown"
-    parse = parse_chat if endpoint == "chat" else parse_completion
-    req = parse(data, request.headers.get(SESSION_HEADER))
+    fleet.refuse_if_full(request["tenant"])  # before reading: a full server reads nothing
+    body = await read_body(request)
+    large = len(body) > LARGE_BODY
+    # Parsed on a thread (bounded by the body limit): the event loop keeps serving.
+    async with one_at_a_time(request, large):
+        data = await asyncio.to_thread(parse_json, body, fleet.settings.limits)
+        del body
+        # Labels only of served models: a caller must not grow the metrics with made-up
+        # names.
+        model = data.get("model")
+        request[MODEL_LABEL] = model if isinstance(model, str) and \
+            model in fleet.model_names() else "unknown"
+        parse = parse_chat if endpoint == "chat" else parse_completion
+        req = await asyncio.to_thread(parse, data, request.headers.get(SESSION_HEADER))
     worker, flight = await fleet.admit(req.model, request["tenant"], req.routing_text(),
                                        req.session_id, req.route_key, req.n)
     served_text: str | None = None
     outcome = "disconnected"  # unless it ends otherwise: a cancelled handler says nothing
     try:
-        prompt = plan(req, worker)
+        async with one_at_a_time(request, large):
+            prompt = await render(req, worker)
         proto = req.to_proto(prompt)
+        check_message_size(proto)
         choices = [Choice(i, prompt.parser() if prompt is not None else None)
                    for i in range(req.n)]
         events = worker.events(flight, proto)
@@ -275,7 +366,7 @@ async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
                         continue
                     done = finished[0]
                     generated = sum(len(d.tokens) for d in finished)
-                    account(fleet, req, done, arrived, generated)
+                    account(fleet, req, request["tenant"], done, arrived, generated)
                     served_text = req.routing_text(choices[0].served())
                     outcome = "ok"
                     return web.json_response(response_body(
@@ -293,7 +384,7 @@ async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
         raise refusal_error(exc, req) from None
     except WorkerFailure as exc:
         outcome = "worker_failure"
-        fleet.metrics.failures.labels(exc.reason).inc()
+        fleet.metrics.failures.labels(request["tenant"], exc.reason).inc()
         raise failure_error(exc) from None
     finally:
         if outcome == "disconnected":  # cancelled: the prompt's KV stays live there anyway
@@ -317,15 +408,16 @@ def check_finished(done: Any, fleet: Fleet) -> None:
         raise WorkerFailure(reason, "the worker was stopped during the request")
 
 
-def account(fleet: Fleet, req: GenRequest, done: Any, arrived: float,
+def account(fleet: Fleet, req: GenRequest, tenant: str, done: Any, arrived: float,
             completion_tokens: int) -> None:
     u = usage(done, completion_tokens)
     tokens = fleet.metrics.tokens
-    tokens.labels(req.model, "prompt").inc(u["prompt_tokens"])
-    tokens.labels(req.model, "cached").inc(u["prompt_tokens_details"]["cached_tokens"])
-    tokens.labels(req.model, "completion").inc(u["completion_tokens"])
+    tokens.labels(req.model, tenant, "prompt").inc(u["prompt_tokens"])
+    tokens.labels(req.model, tenant, "cached").inc(
+        u["prompt_tokens_details"]["cached_tokens"])
+    tokens.labels(req.model, tenant, "completion").inc(u["completion_tokens"])
     if not req.stream:  # streamed: observed at the first token itself
-        fleet.metrics.ttft.labels(req.model).observe(
+        fleet.metrics.ttft.labels(req.model, tenant).observe(
             time.monotonic() - arrived - (done.timings.total_ms - done.timings.ttft_ms) / 1000)
 
 
@@ -345,7 +437,8 @@ async def stream(request: web.Request, req: GenRequest, worker: Worker, events: 
         async for event in events:
             if first:  # the runtime accepted the request: from here on, errors are events
                 await response.prepare(request)
-                fleet.metrics.ttft.labels(req.model).observe(time.monotonic() - arrived)
+                fleet.metrics.ttft.labels(req.model, request["tenant"]).observe(
+                    time.monotonic() - arrived)
                 if chat:  # OpenAI's first chunk names the role
                     for choice in choices:
                         await response.write(sse(chunk(req, "", first=True,
@@ -369,7 +462,7 @@ async def stream(request: web.Request, req: GenRequest, worker: Worker, events: 
                     else None)))
                 if not last:
                     continue
-                account(fleet, req, done, arrived, generated)
+                account(fleet, req, request["tenant"], done, arrived, generated)
                 if req.include_usage:
                     await response.write(sse(chunk(req, usage_body=usage(done, generated),
                                                    extra=extra)))
@@ -393,7 +486,7 @@ async def stream(request: web.Request, req: GenRequest, worker: Worker, events: 
         if first:
             raise
         if isinstance(exc, WorkerFailure):
-            fleet.metrics.failures.labels(exc.reason).inc()
+            fleet.metrics.failures.labels(request["tenant"], exc.reason).inc()
             err = failure_error(exc)
         else:
             err = refusal_error(exc, req)

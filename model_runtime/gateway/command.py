@@ -10,9 +10,11 @@ from typing import Any
 
 import click
 
+from .openai_api import Limits
 from .settings import DEFAULT_LISTEN, ModelSpec, SettingsError, Supervision, model_name
 
 _SUP = Supervision()
+_LIMITS = Limits()
 FilePath = click.Path(dir_okay=False, path_type=Path)
 
 
@@ -41,7 +43,16 @@ FilePath = click.Path(dir_okay=False, path_type=Path)
 @click.option("--worker-args", default="", metavar="ARGS",
               help="More `model-runtime serve` options for every worker, shell-quoted.")
 @click.option("--api-keys", "api_keys_file", type=FilePath, default=None,
-              help="Owner-only file of API keys, one per line: KEY [TENANT].")
+              help="Owner-only file of API keys, one per line: KEY [TENANT] [role=admin] "
+                   "(role=admin: may read /status and every tenant's /metrics).")
+@click.option("--max-body-bytes", type=click.IntRange(1), default=_LIMITS.body_bytes,
+              show_default=True, help="Largest request body (larger: 413, refused before "
+                                      "it is read).")
+@click.option("--max-messages", type=click.IntRange(1), default=_LIMITS.messages,
+              show_default=True, help="Most messages in one chat request (more: 400).")
+@click.option("--max-chars", type=click.IntRange(1), default=_LIMITS.chars,
+              show_default=True, help="Most characters of text in one request, every "
+                                      "string of its body together (more: 413).")
 @click.option("--tls-cert", type=FilePath, default=None, help="Serve HTTPS with this "
                                                                "certificate (PEM).")
 @click.option("--tls-key", type=FilePath, default=None, help="The certificate's key (PEM).")
@@ -74,7 +85,8 @@ def gateway(listen: str, models: tuple[str, ...], config_path: Path | None, work
             cache_address: str | None, threads: int | None, n_ctx: int | None,
             n_seq_max: int | None, worker_args: str, api_keys_file: Path | None,
             tls_cert: Path | None, tls_key: Path | None, tls_client_ca: Path | None,
-            insecure_tcp: bool, run_dir: Path | None, **supervision: Any) -> None:
+            insecure_tcp: bool, max_body_bytes: int, max_messages: int, max_chars: int,
+            run_dir: Path | None, **supervision: Any) -> None:
     """Serve the OpenAI API (chat and text completions) over supervised model workers."""
     from kvcache.config import default_address
 
@@ -121,7 +133,8 @@ def gateway(listen: str, models: tuple[str, ...], config_path: Path | None, work
             cache_address=None if cache_address == "none"
             else cache_address or default_address(),
             supervision=sup, run_dir=run_dir, api_keys_file=api_keys_file,
-            tls_cert=tls_cert, tls_key=tls_key, insecure_tcp=insecure_tcp)
+            tls_cert=tls_cert, tls_key=tls_key, insecure_tcp=insecure_tcp,
+            limits=Limits(body_bytes=max_body_bytes, messages=max_messages, chars=max_chars))
         keys = ApiKeys.load(api_keys_file) if api_keys_file else None
         tls = tls_context(tls_cert, tls_key, tls_client_ca)
         check_listener(split_listen(listen)[0], keys, tls, insecure_tcp)

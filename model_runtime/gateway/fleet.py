@@ -132,6 +132,17 @@ class Fleet:
 
     # -- admission --------------------------------------------------------------------------
 
+    def refuse_if_full(self, tenant: str) -> None:
+        """The 429 of :meth:`admit`, before the request's body is read or parsed, when no
+        model of ``tenant`` has a free slot on a ready worker (a model whose workers are
+        all starting is left to :meth:`admit`, which waits for them)."""
+        pools = [pool for (_, owner), pool in self.pools.items() if owner == tenant]
+        if pools and all(any(w.ready for w in pool) and not any(w.free_slots for w in pool)
+                         for pool in pools):
+            raise ApiError(429, "Every slot of this server's models is busy; retry later.",
+                           type="rate_limit_error", code="no_slot_available",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+
     async def admit(self, model: str, tenant: str, text: str, session: str,
                     affinity: str = "", slots: int = 1) -> tuple[Worker, Flight]:
         """A slot for the request, or an :class:`ApiError`: 404 for an unknown model, 429

@@ -7,9 +7,14 @@ certificate with ``--tls-client-ca``) and the traffic is encrypted (TLS), or
 ``--insecure-tcp`` says that anyone who can connect may use it.
 
 The key file holds one key per line, optionally followed by the tenant its requests run
-as (``KEY [TENANT]``; ``#`` starts a comment). It must be owner-only, like the daemon's
-token file. The tenant salts the workers' cache keys, so it comes from this file, never
-from the request.
+as and ``role=admin`` (``KEY [TENANT] [role=admin]``; ``#`` starts a comment). It must be
+owner-only, like the daemon's token file. The tenant salts the workers' cache keys, so it
+comes from this file, never from the request.
+
+Operator views (``/status``, and ``/metrics`` unfiltered) need an operator: a key marked
+``role=admin``, or, on a gateway without a key file, a caller on loopback. A tenant's key
+reads ``/metrics`` of its own tenant only and is refused ``/status``
+(``app.require_operator``; tests/test_gateway_limits.py).
 """
 
 from __future__ import annotations
@@ -30,9 +35,20 @@ class KeyConfigError(ValueError):
     """An unusable key file, TLS file, or listener without the protection it needs."""
 
 
+ADMIN_ROLE = "role=admin"
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who made a request: its tenant, and whether it may read the operator views."""
+
+    tenant: str
+    admin: bool = False
+
+
 @dataclass(frozen=True)
 class ApiKeys:
-    entries: tuple[tuple[bytes, str], ...]  # (key, tenant)
+    entries: tuple[tuple[bytes, Caller], ...]
 
     @classmethod
     def load(cls, path: Path) -> ApiKeys:
@@ -45,13 +61,16 @@ class ApiKeys:
         if stat.S_IMODE(mode) & 0o077:
             raise KeyConfigError(f"API key file {p} is accessible to other users "
                                  f"(mode {stat.S_IMODE(mode):o}); chmod 600 it")
-        entries: list[tuple[bytes, str]] = []
+        entries: list[tuple[bytes, Caller]] = []
         for number, raw in enumerate(text.splitlines(), 1):
             words = raw.split("#", 1)[0].split()
             if not words:
                 continue
-            if len(words) > 2:
-                raise KeyConfigError(f"{p}:{number}: expected KEY [TENANT]")
+            admin = words[-1] == ADMIN_ROLE and len(words) > 1
+            if admin:
+                words.pop()
+            if len(words) > 2 or any("=" in w for w in words):
+                raise KeyConfigError(f"{p}:{number}: expected KEY [TENANT] [{ADMIN_ROLE}]")
             key, tenant = words[0], words[1] if len(words) == 2 else ""
             if len(key) < MIN_TOKEN_CHARS:
                 raise KeyConfigError(f"{p}:{number}: a key must be at least "
@@ -61,30 +80,35 @@ class ApiKeys:
                 raise KeyConfigError(f"{p}:{number}: a tenant is letters, digits and . _ -")
             if any(hmac.compare_digest(key.encode(), k) for k, _ in entries):
                 raise KeyConfigError(f"{p}:{number}: this key is already listed")
-            entries.append((key.encode(), tenant))
+            entries.append((key.encode(), Caller(tenant, admin)))
         if not entries:
             raise KeyConfigError(f"API key file {p} holds no key")
         return cls(tuple(entries))
 
     @property
     def tenants(self) -> list[str]:
-        return sorted({tenant for _, tenant in self.entries})
+        return sorted({caller.tenant for _, caller in self.entries})
 
-    def tenant_of(self, authorization: str | None) -> str | None:
-        """The tenant of the key in an ``Authorization: Bearer KEY`` header; None when the
+    def caller_of(self, authorization: str | None) -> Caller | None:
+        """The caller of the key in an ``Authorization: Bearer KEY`` header; None when the
         key is missing or unknown. Every key is compared, in constant time, whatever
         matched: neither the answer time nor an early exit tells how much of a guess fits
-        or which key came close."""
+        or which key came close. A header's bytes that are not UTF-8 (the HTTP server
+        hands them over as surrogate escapes) match no key: keys are UTF-8 text."""
         given = b""
         if authorization:
             scheme, _, value = authorization.partition(" ")
             if scheme.lower() == "bearer":
-                given = value.strip().encode()
-        found: str | None = None
-        for key, tenant in self.entries:
+                given = value.strip().encode("utf-8", "surrogatepass")
+        found: Caller | None = None
+        for key, caller in self.entries:
             if hmac.compare_digest(given, key) and found is None:
-                found = tenant
+                found = caller
         return found
+
+    def tenant_of(self, authorization: str | None) -> str | None:
+        caller = self.caller_of(authorization)
+        return caller.tenant if caller is not None else None
 
 
 def is_loopback(host: str) -> bool:

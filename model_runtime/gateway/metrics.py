@@ -1,6 +1,7 @@
 """The gateway's Prometheus metrics: requests by outcome and status, worker restarts by
 reason, slots and workers by state, time to first token and token counts as clients saw
-them."""
+them; each by tenant, so that a tenant's key reads its own numbers only
+(:class:`TenantView`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from kvcache.metrics import LATENCY_BUCKETS
@@ -15,6 +17,7 @@ from kvcache.metrics import LATENCY_BUCKETS
 from .worker import Worker
 
 PREFIX = "kvcache_gateway"
+NO_TENANT = "(none)"  # a request refused before its key named a tenant (no tenant has it)
 
 
 class WorkerCollector(Collector):
@@ -25,22 +28,23 @@ class WorkerCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         slots = GaugeMetricFamily(f"{PREFIX}_slots", "Request slots of ready workers "
-                                  "(the runtime's n_seq_max)", labels=["model", "state"])
+                                  "(the runtime's n_seq_max)",
+                                  labels=["model", "tenant", "state"])
         states = GaugeMetricFamily(f"{PREFIX}_workers", "Workers by state",
-                                   labels=["model", "state"])
-        busy: dict[str, int] = {}
-        total: dict[str, int] = {}
-        by_state: dict[tuple[str, str], int] = {}
+                                   labels=["model", "tenant", "state"])
+        busy: dict[tuple[str, str], int] = {}
+        total: dict[tuple[str, str], int] = {}
+        by_state: dict[tuple[str, str, str], int] = {}
         for w in self.workers():
-            model = w.spec.name
-            busy[model] = busy.get(model, 0) + len(w.flights)
-            total[model] = total.get(model, 0) + (w.slots if w.ready else 0)
-            by_state[(model, w.state)] = by_state.get((model, w.state), 0) + 1
-        for model in total:
-            slots.add_metric([model, "busy"], busy[model])
-            slots.add_metric([model, "free"], max(0, total[model] - busy[model]))
-        for (model, state), n in sorted(by_state.items()):
-            states.add_metric([model, state], n)
+            pool = (w.spec.name, w.tenant)
+            busy[pool] = busy.get(pool, 0) + len(w.flights)
+            total[pool] = total.get(pool, 0) + (w.slots if w.ready else 0)
+            by_state[(*pool, w.state)] = by_state.get((*pool, w.state), 0) + 1
+        for pool in total:
+            slots.add_metric([*pool, "busy"], busy[pool])
+            slots.add_metric([*pool, "free"], max(0, total[pool] - busy[pool]))
+        for labels, n in sorted(by_state.items()):
+            states.add_metric(list(labels), n)
         yield slots
         yield states
 
@@ -52,20 +56,38 @@ class GatewayMetrics:
         self.requests = Counter(f"{PREFIX}_requests", "Requests, refused ones included, by "
                                 "model (of a completion), endpoint (the route: chat, text, "
                                 "models, ...), outcome (ok, bad_request, unauthorized, "
-                                "not_found, no_slot, not_ready, worker_failure, disconnected, "
-                                "error) and the HTTP status answered (499: none, the client "
+                                "forbidden, not_found, too_large, no_slot, not_ready, "
+                                "worker_failure, disconnected, error) and the HTTP status answered (499: none, the client "
                                 "went away first)",
-                                ["model", "endpoint", "outcome", "status"], registry=r)
+                                ["model", "tenant", "endpoint", "outcome", "status"],
+                                registry=r)
         self.failures = Counter(f"{PREFIX}_request_failures", "Requests failed by their "
-                                "worker, by reason", ["reason"], registry=r)
+                                "worker, by reason", ["tenant", "reason"], registry=r)
         self.restarts = Counter(f"{PREFIX}_worker_restarts", "Worker restarts by reason",
-                                ["model", "reason"], registry=r)
+                                ["model", "tenant", "reason"], registry=r)
         self.ttft = Histogram(f"{PREFIX}_ttft_seconds", "From the request's arrival to its "
-                              "first token", ["model"], buckets=LATENCY_BUCKETS, registry=r)
+                              "first token", ["model", "tenant"], buckets=LATENCY_BUCKETS,
+                              registry=r)
         self.tokens = Counter(f"{PREFIX}_tokens", "Tokens by kind (prompt, cached: prompt "
-                              "tokens not recomputed, completion)", ["model", "kind"],
+                              "tokens not recomputed, completion)", ["model", "tenant", "kind"],
                               registry=r)
         r.register(WorkerCollector(workers))
 
     def on_restart(self, worker: Worker, reason: str) -> None:
-        self.restarts.labels(worker.spec.name, reason).inc()
+        self.restarts.labels(worker.spec.name, worker.tenant, reason).inc()
+
+
+class TenantView:
+    """A registry's samples of one tenant only (what ``generate_latest`` reads): a
+    family's samples of other tenants, and families without a tenant label, are left out.
+    (tests/test_gateway_limits.py::test_a_tenant_sees_only_its_own_numbers)"""
+
+    def __init__(self, registry: CollectorRegistry, tenant: str) -> None:
+        self.registry = registry
+        self.tenant = tenant
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            mine = Metric(family.name, family.documentation, family.type, family.unit)
+            mine.samples = [s for s in family.samples if s.labels.get("tenant") == self.tenant]
+            yield mine

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from .openai_api import Limits
+
 DEFAULT_LISTEN = "127.0.0.1:8000"
 # A model's name is what clients put in "model": letters, digits and . _ - : /
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
@@ -90,6 +92,7 @@ class GatewaySettings:
     tls_key: Path | None = None
     insecure_tcp: bool = False
     default_tenant: str = ""  # the tenant of requests when no API keys are configured
+    limits: Limits = field(default_factory=Limits)  # the work one request may ask for
 
     def __post_init__(self) -> None:
         if not self.models:

@@ -213,6 +213,10 @@ class Worker:
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
             runtime_code, _, message = details.partition(": ")
             return RuntimeRefused(code, runtime_code, message or details)
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
+            # gRPC's own limit on a message's size: the request's fault, not the worker's
+            return RuntimeRefused(code, "request_too_large", f"The request is larger than "
+                                                             f"a worker accepts ({details}).")
         # The connection broke or the runtime is going away: did the process die? The
         # supervisor learns it within a tick; wait that long for the verdict.
         if self._exited is not None:
