@@ -355,7 +355,34 @@ class _Body:
         return []
 
 
-class _MarkedCalls(_Body):
+class _StreamedCalls(_Body):
+    """A body whose calls are JSON read as it streams (_MarkedCalls, _BareCalls)."""
+
+    def __init__(self, calls: _Calls) -> None:
+        super().__init__(calls)
+        self._buf = ""
+        self._reader: JsonReader | None = None
+        self._n_read = 0  # calls (or Mistral's arrays of them) read so far
+
+    def _read_call(self, out: list[Delta]) -> bool | None:
+        """Feed the buffer to the call being read: None when it is not JSON after all
+        (the rest is content), False while it goes on, True once it is whole."""
+        assert self._reader is not None
+        events, used = self._reader.feed(self._buf)
+        out.extend(self.calls.handle(events, self._locate))
+        if self._reader.failed:
+            return None
+        self._buf = self._buf[used:]
+        if not self._reader.done:
+            return False
+        self._n_read += 1
+        return True
+
+    def _locate(self, path: Path) -> tuple[object, str] | None:
+        raise NotImplementedError
+
+
+class _MarkedCalls(_StreamedCalls):
     """Content, then calls each a JSON object between markers (Hermes), or (Mistral) an
     array of them after one marker or at the very start."""
 
@@ -363,10 +390,7 @@ class _MarkedCalls(_Body):
         super().__init__(calls)
         self.family = family
         self.marker = HERMES_OPEN if family is Family.HERMES else MISTRAL_MARKER
-        self._buf = ""
         self._state = "start" if family is Family.MISTRAL else "content"
-        self._reader: JsonReader | None = None
-        self._n_read = 0  # calls (Hermes) or arrays (Mistral) read so far
 
     def feed(self, text: str) -> list[Delta]:
         self._buf += text
@@ -397,16 +421,12 @@ class _MarkedCalls(_Body):
                 self._buf = self._buf[at + len(self.marker):]
                 self._start_calls()
             elif self._state == "calls":
-                assert self._reader is not None
-                events, used = self._reader.feed(self._buf)
-                out += self.calls.handle(events, self._locate)
-                if self._reader.failed:  # not JSON after all: the rest is content
+                whole = self._read_call(out)
+                if whole is None:  # not JSON after all: the rest is content
                     self._state = "content"
                     continue
-                self._buf = self._buf[used:]
-                if not self._reader.done:
+                if not whole:
                     break
-                self._n_read += 1
                 self._state = "after" if self.family is Family.HERMES else "between"
             elif self._state == "after":  # Hermes: the closing marker, then maybe more
                 head = self._buf.lstrip()
@@ -454,7 +474,7 @@ class _MarkedCalls(_Body):
         return out
 
 
-class _BareCalls(_Body):
+class _BareCalls(_StreamedCalls):
     """Llama 3.x: the whole output is one or more JSON call objects (a first key "name"
     or "type"), or it is content."""
 
@@ -464,10 +484,7 @@ class _BareCalls(_Body):
 
     def __init__(self, calls: _Calls) -> None:
         super().__init__(calls)
-        self._buf = ""
         self._state = "start"
-        self._reader: JsonReader | None = None
-        self._n_read = 0
 
     def feed(self, text: str) -> list[Delta]:
         self._buf += text
@@ -483,16 +500,12 @@ class _BareCalls(_Body):
                 self._buf = self._buf[self._buf.index("{"):]
                 self._next_call()
             elif self._state == "calls":
-                assert self._reader is not None
-                events, used = self._reader.feed(self._buf)
-                out += self.calls.handle(events, self._locate)
-                if self._reader.failed:
+                whole = self._read_call(out)
+                if whole is None:  # not JSON after all: the rest is content
                     self._state = "content"
                     continue
-                self._buf = self._buf[used:]
-                if not self._reader.done:
+                if not whole:
                     break
-                self._n_read += 1
                 self._state = "between"
             elif self._state == "between":
                 head = self._buf.lstrip(_WS + ";")
