@@ -1090,6 +1090,12 @@ class SamplerChain(_Owner):
             raise
         #: Whether the grammar constrains the output (a lazy one starts inactive).
         self.grammar_active = bool(self._grammar) and grammar_active
+        # A chain of llama.cpp's greedy sampler alone picks the first highest score, as
+        # numpy's argmax does: the row is then not copied into candidates (~0.5 ms a token
+        # over a 49k vocabulary, against ~0.03 ms for the argmax).
+        self._argmax_only = greedy and not logit_bias and not (
+            penalty_last_n and (repeat_penalty != 1.0 or presence_penalty or
+                                frequency_penalty))
         self._candidates = np.empty(self.n_vocab, dtype=TOKEN_DATA)
         self._logit_column = self._candidates.view(np.float32).reshape(self.n_vocab, 3)[:, 1]
         self._array = _lc.llama_token_data_array(
@@ -1176,16 +1182,31 @@ class SamplerChain(_Owner):
         recorded: :meth:`accept` the token taken. Raises :class:`GrammarDeadEnd` when no
         token is allowed at all (a -inf score for every one)."""
         chain = self._h()
-        self._fill(logits, banned)
-        self._apply(chain)
-        token = self._selected("no token is allowed here (the logit bias and the banned "
-                               "tokens leave none)")
+        if self._argmax_only:
+            token = self._argmax(logits, banned)
+        else:
+            self._fill(logits, banned)
+            self._apply(chain)
+            token = self._selected("no token is allowed here (the logit bias and the "
+                                   "banned tokens leave none)")
         if not self.grammar_active or self.allows(token):
             return token
         self._fill(logits, banned)
         self._apply(self._grammar)
         self._apply(chain)
         return self._selected("the grammar allows no token here")
+
+    def _argmax(self, logits: np.ndarray, banned: Sequence[int]) -> int:
+        """What the greedy sampler alone would pick: the first highest score."""
+        if logits.shape != (self.n_vocab,):
+            raise ValueError(f"a row of {self.n_vocab} scores is needed, got {logits.shape}")
+        if banned:
+            logits = logits.copy()
+            logits[np.asarray(banned, dtype=np.int64)] = -np.inf
+        token = int(np.argmax(logits))
+        if not math.isfinite(float(logits[token])):
+            raise GrammarDeadEnd("no token is allowed here (the banned tokens leave none)")
+        return token
 
     def allows(self, token: int) -> bool:
         """Whether the grammar (active or not) allows ``token`` next; True without one."""

@@ -169,6 +169,26 @@ def test_greedy_is_the_first_best_score_as_numpy_s_argmax(model: LlamaModel) -> 
             assert chain.sample(scores) == int(np.argmax(scores))
 
 
+def test_greedy_alone_skips_the_chain_and_picks_what_the_chain_picks(
+        model: LlamaModel) -> None:
+    """A chain of the greedy sampler alone takes numpy's argmax without filling the
+    candidates; llama.cpp's greedy sampler (reached here through a zero bias, which keeps
+    the full path) picks the same token, ties and banned tokens included."""
+    rng = np.random.default_rng(2)
+    with SamplerChain(model, greedy=True) as fast, \
+            SamplerChain(model, greedy=True, logit_bias=[(0, 0.0)]) as full:
+        assert fast._argmax_only and not full._argmax_only
+        for _ in range(50):
+            scores = rng.normal(size=model.n_vocab).astype(np.float32)
+            best = rng.integers(model.n_vocab, size=3)
+            scores[best] = scores.max() + 1.0  # a three-way tie
+            banned = [int(best[0])]
+            assert fast.sample(scores) == full.sample(scores)
+            assert fast.sample(scores, banned) == full.sample(scores, banned)
+        with pytest.raises(GrammarDeadEnd):
+            fast.sample(np.full(model.n_vocab, -np.inf, dtype=np.float32))
+
+
 def test_a_draw_follows_its_seed(model: LlamaModel) -> None:
     scores = np.random.default_rng(2).normal(size=model.n_vocab).astype(np.float32)
 

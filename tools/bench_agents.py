@@ -2,7 +2,7 @@
 --jinja`` (same model, threads and context per sequence), both through OpenAI's client:
 
     python tools/bench_agents.py [--model PATH] [--threads 2] [--steps 8] [--rounds 2]
-                                 [--requests 4] [--workloads agent,concurrent]
+                                 [--requests 4] [--workloads agent,concurrent,json]
                                  [--llama-server PATH | --without-llama-server]
                                  [--out FILE.json]
 
@@ -19,6 +19,11 @@ Prints ONE JSON document on stdout (progress on stderr).
   with 4 slots against ``llama-server -np 4``; ``--rounds`` rounds, the arms' order
   alternating. Aggregate completion tokens per second, TTFT median and inter-token median
   (gaps between content chunks), with ratios kvcache / llama-server.
+* ``json``: decoding speed under a JSON schema (``response_format`` json_schema, strict:
+  nested object, array, enum, integer) against the same requests unconstrained, on each
+  arm, one client, ``--requests`` x ``--rounds`` requests each, alternating. Tokens per
+  second of decoding (completion tokens after the first / time from first to last chunk);
+  ratios constrained / unconstrained per arm, and kvcache / llama-server constrained.
 
 llama-server comes from ``tools/build_llama_server.sh`` (the llama.cpp vendored in the
 llama-cpp-python sdist); without it the benchmark says so and stops, unless
@@ -57,6 +62,18 @@ TASK = ("Parcels 101 to 108 go to Paris, Lyon, Rome, Oslo, Madrid, Vienna, Pragu
         "For each one, track it, then check the weather where it goes.")
 N_CONCURRENT = 4
 CONCURRENT_TOKENS = 32
+JSON_TOKENS = 96
+ORDER_SCHEMA = {
+    "type": "object", "additionalProperties": False,
+    "required": ["customer", "priority", "items"],
+    "properties": {
+        "customer": {"type": "object", "additionalProperties": False,
+                     "required": ["name", "city"],
+                     "properties": {"name": {"type": "string"}, "city": {"type": "string"}}},
+        "priority": {"enum": ["low", "normal", "urgent"]},
+        "items": {"type": "array", "items": {
+            "type": "object", "additionalProperties": False, "required": ["sku", "quantity"],
+            "properties": {"sku": {"type": "string"}, "quantity": {"type": "integer"}}}}}}
 
 
 class Arm:
@@ -175,6 +192,54 @@ def concurrent_round(arm: Arm, system: str, requests: int, round_no: int) -> dic
             "prefilled": [(r["prompt_tokens"] or 0) - r["cached_tokens"] for r in results]}
 
 
+def decode_rate(got: dict[str, Any]) -> float | None:
+    """Tokens per second after the first: completion tokens after the first over the
+    time from the first to the last chunk (None when too short to tell)."""
+    seconds = sum(got["gaps_s"])
+    return (got["completion_tokens"] - 1) / seconds if seconds > 0 and \
+        got["completion_tokens"] > 1 else None
+
+
+def json_runs(arms: list[Arm], requests: int, rounds: int) -> dict[str, Any]:
+    """Each arm, constrained and not, alternating: decoding rates and their ratios."""
+    schema = {"type": "json_schema", "json_schema": {"name": "order", "strict": True,
+                                                     "schema": ORDER_SCHEMA}}
+    rates: dict[str, dict[str, list[float]]] = {
+        arm.name: {"free": [], "schema": []} for arm in arms}
+    tokens: dict[str, dict[str, list[int]]] = {
+        arm.name: {"free": [], "schema": []} for arm in arms}
+    for round_no in range(rounds):
+        for arm in (arms if round_no % 2 == 0 else arms[::-1]):
+            log(f"json: round {round_no + 1}, {arm.name}")
+            for j in range(requests):
+                messages = [{"role": "system", "content": "You turn requests into orders."},
+                            {"role": "user", "content": f"Order {j + 1} of round "
+                             f"{round_no + 1}: three boxes of tea and two mugs for Ana in "
+                             "Porto, urgent. Describe it as JSON."}]
+                for kind, extra in (("free", {}), ("schema", {"response_format": schema})):
+                    got = arm.stream(messages, JSON_TOKENS, **extra)
+                    rate = decode_rate(got)
+                    if rate is not None:
+                        rates[arm.name][kind].append(rate)
+                    tokens[arm.name][kind].append(got["completion_tokens"])
+    doc: dict[str, Any] = {}
+    for name, by_kind in rates.items():
+        free = statistics.median(by_kind["free"]) if by_kind["free"] else None
+        constrained = statistics.median(by_kind["schema"]) if by_kind["schema"] else None
+        doc[name] = {"tokens_per_s_free": round(free, 2) if free else None,
+                     "tokens_per_s_schema": round(constrained, 2) if constrained else None,
+                     "completion_tokens_free": tokens[name]["free"],
+                     "completion_tokens_schema": tokens[name]["schema"],
+                     "schema_over_free": round(constrained / free, 3)
+                     if free and constrained else None}
+    ours, theirs = doc.get("kvcache"), doc.get("llama-server")
+    doc["ratios"] = None if not theirs or not ours or not theirs["tokens_per_s_schema"] \
+        or not ours["tokens_per_s_schema"] else {
+        "schema_tokens_per_s": round(ours["tokens_per_s_schema"] /
+                                     theirs["tokens_per_s_schema"], 3)}
+    return doc
+
+
 def concurrent_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     ttft = [t for r in rounds for t in r["ttft_s"]]
     gaps = [g for r in rounds for g in r["gaps_s"]]
@@ -198,7 +263,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--requests", type=int, default=4, help="per client and round")
-    parser.add_argument("--workloads", default="agent,concurrent")
+    parser.add_argument("--workloads", default="agent,concurrent,json")
     parser.add_argument("--llama-server", type=Path, default=DEFAULT_BINARY)
     parser.add_argument("--without-llama-server", action="store_true",
                         help="the gateway alone: its figures, no side-by-side ratios")
@@ -278,6 +343,8 @@ def main() -> None:
                 "inter_token_median": round(ours["inter_token"]["median"] /
                                             theirs["inter_token"]["median"], 3)}
             doc["concurrent"] = summary
+        if "json" in workloads:
+            doc["json"] = json_runs(arms, args.requests, args.rounds)
     finally:
         if server is not None:
             server.stop()
