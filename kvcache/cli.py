@@ -41,6 +41,7 @@ from .auth import (
 )
 from .blob import SAVE_REASONS
 from .client import TIER_NAMES, CacheClient, CacheError, CacheUnavailable
+from .common import TIER_DISK, TIER_RAM
 from .config import default_address, default_dir, parse_listen
 from .v1 import kvcache_pb2 as pb
 
@@ -416,6 +417,18 @@ def _path_given(ctx: click.Context, param: click.Parameter, value: str | None) -
 @click.option("--max-saves-per-tenant", type=click.IntRange(1), default=64, show_default=True,
               help="Saves one tenant may have in flight at once (entries without a tenant "
                    "count as one tenant).")
+@click.option("--max-reserved-bytes-per-tenant", type=SIZE, default=None,
+              help="Bytes one tenant's saves in flight may have reserved at once "
+                   "(default: 4 x --max-entry-bytes).")
+@click.option("--tenant-disk-quota", "tenant_disk_quota", multiple=True, metavar="TENANT=SIZE",
+              help="Most bytes TENANT's entries may hold on the disk tier; '*=SIZE' for "
+                   "every tenant not named (entries without a tenant count as one). A "
+                   "tenant at its quota evicts its own entries first; a larger entry is "
+                   "refused. Repeatable.")
+@click.option("--tenant-ram-quota", "tenant_ram_quota", multiple=True, metavar="TENANT=SIZE",
+              help="Most bytes of TENANT's entries the RAM tier may hold; '*=SIZE' for "
+                   "every tenant not named. A tenant at its quota drops its own RAM copies "
+                   "first; a larger entry stays on disk only. Repeatable.")
 @click.option("--lease-seconds", type=PERIOD, default=30.0, show_default=True,
               help="A reservation with no traffic for this long is aborted.")
 @click.option("--pin-seconds", type=PERIOD, default=60.0,
@@ -462,7 +475,8 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
           ram_dir: Path | None,
           ram_bytes: int, disk_bytes: int, min_free_bytes: int, block_size: int,
           max_entry_bytes: int, max_saves_per_tenant: int,
-          lease_seconds: float, pin_seconds: float, metrics_port: int | None,
+          max_reserved_bytes_per_tenant: int | None, tenant_disk_quota: tuple[str, ...],
+          tenant_ram_quota: tuple[str, ...], lease_seconds: float, pin_seconds: float, metrics_port: int | None,
           remote_url: str | None, remote_password_file: Path | None,
           remote_password_env: str | None, remote_signing_key_file: Path | None,
           remote_unsigned: bool, remote_encrypt: bool, tenant_secret_file: Path | None,
@@ -513,14 +527,37 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
                          min_free_bytes=min_free_bytes, block_size=block_size,
                          lease_seconds=lease_seconds, pin_seconds=pin_seconds,
                          max_blob_bytes=max_entry_bytes,
-                         max_saves_per_tenant=max_saves_per_tenant)
+                         max_saves_per_tenant=max_saves_per_tenant,
+                         max_reserved_bytes_per_tenant=max_reserved_bytes_per_tenant or 0)
+    quotas = {TIER_DISK: tenant_quotas("--tenant-disk-quota", tenant_disk_quota),
+              TIER_RAM: tenant_quotas("--tenant-ram-quota", tenant_ram_quota)}
     try:
         daemon = Daemon(config, socket_path=socket_path, listen=listen,
                         metrics_port=metrics_port, auth=auth, insecure_tcp=insecure_tcp,
-                        tcp_admin=tcp_admin, remote=remote, tenant_secret=tenant_secret)
+                        tcp_admin=tcp_admin, remote=remote, tenant_secret=tenant_secret,
+                        tenant_quotas=quotas)
     except (ValueError, OSError, RuntimeError, StoreError) as exc:
         raise click.ClickException(str(exc)) from None
     daemon.serve_forever()
+
+
+def tenant_quotas(option: str, given: Sequence[str]) -> dict[str, int]:
+    """``TENANT=SIZE`` options -> tenant name (``*``: every tenant) -> bytes; a tenant given
+    twice is refused (which one was meant?)."""
+    from .store.quotas import parse_quota
+
+    out: dict[str, int] = {}
+    for text in given:
+        try:
+            name, size = parse_quota(text, parse_bytes)
+        except (ValueError, click.BadParameter) as exc:
+            message = exc.message if isinstance(exc, click.BadParameter) else str(exc)
+            raise click.BadParameter(message, param_hint=f"'{option}'") from None
+        if name in out:
+            raise click.BadParameter(f"tenant {name!r} is given twice",
+                                     param_hint=f"'{option}'")
+        out[name] = size
+    return out
 
 
 # -- stats -----------------------------------------------------------------------------------
@@ -544,6 +581,15 @@ def stats_data(s: pb.StatsResponse) -> dict[str, Any]:
                     "queue_depth": s.remote.queue_depth, "queue_max": s.remote.queue_max,
                     "last_error": s.remote.last_error}
                    if s.HasField("remote") else None),
+        "tenants": [{"tenant": t.tenant, "tenant_id": t.tenant_id,
+                     "disk_bytes": t.disk_bytes, "disk_entries": t.disk_entries,
+                     "disk_quota_bytes": t.disk_quota_bytes
+                     if t.HasField("disk_quota_bytes") else None,
+                     "ram_bytes": t.ram_bytes, "ram_entries": t.ram_entries,
+                     "ram_quota_bytes": t.ram_quota_bytes
+                     if t.HasField("ram_quota_bytes") else None,
+                     "open_saves": t.open_saves, "reserved_bytes": t.reserved_bytes}
+                    for t in s.tenants],
         "counters": dict(sorted(s.counters.items())),
         "latencies": {name: {"count": v.count, "window": v.window, "p50_ms": v.p50_ms,
                              "p90_ms": v.p90_ms, "p99_ms": v.p99_ms}
@@ -599,9 +645,37 @@ def hit_ratio_text(counters: dict[str, int]) -> str:
             f"{human_count(counters.get('lookup_hits_partial', 0))} partial)")
 
 
+def quota_text(used: int, quota: int | None) -> str:
+    """A quota and how much of it is used ("-": none)."""
+    if quota is None:
+        return "-"
+    return f"{human_bytes(quota)} ({100 * used / quota:.0f}%)" if quota else "0 B"
+
+
+def print_tenants(tenants: list[dict[str, Any]]) -> None:
+    """One row per tenant: its entries on each tier against its quotas, its saves in
+    flight."""
+    table = plain_table("TENANT", "ENTRIES", "DISK", "DISK QUOTA", "RAM", "RAM QUOTA",
+                        "SAVING", right=("ENTRIES", "DISK", "DISK QUOTA", "RAM",
+                                         "RAM QUOTA", "SAVING"))
+    for t in tenants:
+        name = t["tenant"] or (f"({t['tenant_id']})" if t["tenant_id"] else "(none)")
+        saving = f"{t['open_saves']} ({human_bytes(t['reserved_bytes'])})" \
+            if t["open_saves"] else "-"
+        text_row(table, name, human_count(t["disk_entries"]), human_bytes(t["disk_bytes"]),
+                 quota_text(t["disk_bytes"], t["disk_quota_bytes"]),
+                 human_bytes(t["ram_bytes"]), quota_text(t["ram_bytes"], t["ram_quota_bytes"]),
+                 saving)
+    print_plain(table)
+
+
 def print_stats_summary(d: dict[str, Any]) -> None:
     click.echo(f"kvcache {d['version']}, up {human_age(d['uptime_seconds'])}, "
                f"block size {d['block_size']} tokens")
+    if not d["tiers"]:  # a token bound to tenants: its own tenants' usage only
+        click.echo()
+        print_tenants(d["tenants"])
+        return
     tiers = plain_table("TIER", "ENTRIES", "USED", "BUDGET", "USE",
                         right=("ENTRIES", "USED", "BUDGET", "USE"))
     for name, t in d["tiers"].items():
@@ -629,6 +703,9 @@ def print_stats_summary(d: dict[str, Any]) -> None:
                                     f"{d['read_pins']} read pins"))
     click.echo()
     echo_fields(rows, align="left")
+    if d["tenants"]:
+        click.echo()
+        print_tenants(d["tenants"])
 
 
 def remote_text(remote: dict[str, Any], counters: dict[str, int]) -> str:

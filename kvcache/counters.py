@@ -52,6 +52,10 @@ SECTIONS: dict[str, dict[str, str]] = {
                               "watermark",
         "saves_refused_tenant_limit": "Reservations refused: the tenant had "
                                       "--max-saves-per-tenant saves in flight",
+        "saves_refused_reserved_bytes": "Reservations refused: the tenant's saves in flight "
+                                        "had reserved --max-reserved-bytes-per-tenant bytes",
+        "saves_refused_quota": "Saves refused: the entry could not fit its tenant's disk "
+                               "quota (--tenant-disk-quota)",
     },
     "reads": {
         "reads": "Entries opened for reading (streamed or same-host)",
@@ -69,6 +73,10 @@ SECTIONS: dict[str, dict[str, str]] = {
         "ram_placements": "Entries copied into the RAM tier",
         "evictions_ram": "RAM copies dropped to make room in the RAM tier",
         "evictions_disk": "Entries evicted to make room in the disk tier",
+        "evictions_quota_disk": "Entries evicted to make room within their tenant's disk "
+                                "quota (--tenant-disk-quota)",
+        "evictions_quota_ram": "RAM copies dropped to make room within their tenant's RAM "
+                               "quota (--tenant-ram-quota)",
     },
     "integrity": {
         "corrupt_blobs": "Indexed entries found corrupt and quarantined",

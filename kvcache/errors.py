@@ -25,8 +25,12 @@ class StoreFull(StoreError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class QuotaExceeded(StoreFull):
+    """A tenant's entry cannot fit its quota of a tier (kvcache.store.quotas)."""
+
+
 class TooManySaves(StoreError):
-    """One tenant holds as many open leases as it may."""
+    """One tenant holds as many open leases, or reserved bytes, as it may."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 

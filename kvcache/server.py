@@ -36,7 +36,9 @@ from .metrics import LatencyWindows, Metrics
 from .ownership import check_data_dir
 from .remote import RemoteConfig, RemoteSync, RemoteTier
 from .store import Found, Store, StoreConfig
+from .store.quotas import TenantQuotas
 from .tenancy import TenantSalts, data_dir_secret, secret_from_signing_key
+from .tenant_usage import TenantNames, usage_messages
 from .unix_socket import OwnedSocket
 from .v1 import kvcache_pb2 as pb
 from .v1 import kvcache_pb2_grpc as pb_grpc
@@ -218,6 +220,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         self.remote = remote
         self.salts = salts or TenantSalts(data_dir_secret(store.root))
         self.tokens = tokens or {}
+        self.tenant_names = TenantNames(self.salts, (
+            name for scope in self.tokens.values() for name in scope.tenants or ()))
         self.metrics = metrics or Metrics("kvcache")
         self.metrics.describe_counters({**COUNTERS, **REMOTE_SECTION})
         # Recent samples per series, for the percentiles of `kvcache stats`.
@@ -350,6 +354,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 # Worded as for a parent that is gone: not "another tenant's".
                 raise NotFound(f"parent entry {request.parent.hex()} is gone (evicted or "
                                "deleted); save the whole state or look again")
+            self.tenant_names.learn(request.identity.tenant)
             result = self.store.reserve(ns, raw, request.size, request.reason,
                                         request.identity.model_fingerprint,
                                         tenant_id=self.salts.tenant_id(request.identity.tenant),
@@ -475,11 +480,15 @@ class KVCacheService(pb_grpc.KVCacheServicer):
 
     def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
         cfg = self.store.config
-        if not self.scope(context).admin:
-            # A runtime token learns what a client needs (the block size) and nothing that
-            # moves with other tenants' traffic: counters, sizes and latencies would tell
-            # it when another tenant's prompt hit the cache.
-            return pb.StatsResponse(block_size=cfg.block_size, version=__version__)
+        scope = self.scope(context)
+        if scope.tenants is not None:
+            # A runtime token learns what a client needs (the block size) and its own
+            # tenants' usage, nothing that moves with other tenants' traffic: counters,
+            # sizes and latencies would tell it when another tenant's prompt hit the cache.
+            return pb.StatsResponse(block_size=cfg.block_size, version=__version__,
+                                    tenants=usage_messages(
+                                        self.store, self.tenant_names,
+                                        {self.salts.tenant_id(t) for t in scope.tenants}))
         s = self.store.stats()
         tiers = [
             pb.TierStats(tier=pb.TIER_RAM, entries=s["ram_entries"], bytes=s["ram_used"],
@@ -507,6 +516,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                                 version=__version__, uptime_seconds=s["uptime"],
                                 in_flight=s["in_flight"], read_pins=s["read_pins"],
                                 waiting_lookups=s["waiting_lookups"],
+                                tenants=usage_messages(self.store, self.tenant_names),
                                 latencies={name: pb.LatencySummary(**vars(summary))
                                            for name, summary in
                                            self.latencies.summaries().items()})
@@ -624,7 +634,9 @@ class Daemon:
                  metrics_port: int | None = None, auth: ServerAuth | None = None,
                  insecure_tcp: bool = False, tcp_admin: bool = False,
                  remote: RemoteConfig | None = None,
-                 tenant_secret: bytes | None = None) -> None:
+                 tenant_secret: bytes | None = None,
+                 tenant_quotas: Mapping[str, Mapping[str, int]] | None = None) -> None:
+        """``tenant_quotas``: tier -> tenant name (``*``: every tenant) -> bytes."""
         self.auth = auth or ServerAuth()
         if listen:
             parse_listen(listen)  # ValueError for a bad HOST:PORT
@@ -642,6 +654,10 @@ class Daemon:
             if tenant_secret is None and remote is not None and remote.signing_key:
                 tenant_secret = secret_from_signing_key(remote.signing_key)
             self.salts = TenantSalts(tenant_secret or data_dir_secret(config.root))
+            quotas = tenant_quotas or {}
+            self.store.set_tenant_quotas(TenantQuotas.by_name(
+                quotas.get(TIER_DISK, {}), quotas.get(TIER_RAM, {}), self.salts.tenant_id))
+            self._quota_names = {n for q in quotas.values() for n in q if n != "*"}
             if remote is not None:
                 # Connecting is tried once here and then in the background: a remote that
                 # is down does not keep the daemon from serving its local tiers.
@@ -671,6 +687,8 @@ class Daemon:
         self.metrics_port = metrics_port
         self.service = KVCacheService(self.store, self.metrics, sync, self.salts,
                                       self.auth.tokens)
+        for name in self._quota_names:
+            self.service.tenant_names.learn(name)
         self.health = health.HealthServicer()
         self.servers = [self._server(workers, [])]
         self.socket.bind(self.servers[0])

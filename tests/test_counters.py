@@ -218,6 +218,9 @@ def assert_all_moved(values: dict[str, float], declared: dict[str, str],
 
 BLOCK = 16
 IDENT = Identity("fp-counters", {"type_k": "f16"}, model_name="counters.gguf")
+# A tenant with quotas (see the daemon's arguments): room for two small entries on disk,
+# for one in RAM.
+QUOTA_IDENT = replace(IDENT, tenant="quota")
 
 
 def in_ram(c: CacheClient, key: bytes) -> bool:
@@ -233,7 +236,9 @@ def test_every_daemon_counter_moves(tmp_path: Path) -> None:
     # 4 KB-payload one; leases and read pins expire within the test.
     d = DaemonProcess(tmp_path / "data", "--block-size", str(BLOCK), "--lease-seconds", "3",
                       "--pin-seconds", "1", "--ram-bytes", "2000", "--disk-bytes", "30000",
-                      "--metrics-port", "0", "--max-saves-per-tenant", "8")
+                      "--metrics-port", "0", "--max-saves-per-tenant", "8",
+                      "--max-reserved-bytes-per-tenant", "200000",
+                      "--tenant-disk-quota", "quota=1500", "--tenant-ram-quota", "quota=1000")
     try:
         _daemon_traffic(d)
     finally:
@@ -387,6 +392,23 @@ def _daemon_traffic(d: DaemonProcess) -> None:
         removed: list[int] = []
         wait_for(lambda: delete_unless_read(c, saved_root.key, removed), "the root's delete")
         assert removed == [1]
+
+        # The tenant with quotas: a third entry evicts its first from disk and its second
+        # copy from RAM (evictions_quota_disk, evictions_quota_ram); an entry larger than
+        # its disk quota is refused (saves_refused_quota). Reserving past the bound of
+        # bytes in flight: saves_refused_reserved_bytes.
+        quota_keys: list[bytes] = []
+        for i in range(3):
+            t = toks(70 + i, 20)
+            quota_keys.append(c.save(QUOTA_IDENT, t, payload_for(t, 300), "cold").key)
+            wait_for(lambda: in_ram(c, quota_keys[-1]), "the tenant's entry to be in RAM")
+        with pytest.raises(CacheError) as over_quota:
+            big = toks(73, 20)
+            c.save(QUOTA_IDENT, big, payload_for(big, 4000), "cold")
+        assert over_quota.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(grpc.RpcError) as bound:
+            reserve(c, toks(74, 20), 300_000)
+        assert "--max-reserved-bytes-per-tenant" in str(bound.value.details())
 
         # Fill the disk budget until older entries are evicted.
         for i in range(60):

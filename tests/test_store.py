@@ -885,6 +885,11 @@ def test_tier_counts_follow_every_change(make_store: Callable[..., Store]) -> No
                                                        sum(r.size for r in records))
         in_ram = [r for r in records if r.in_ram]
         assert (s["ram_entries"], s["ram_used"]) == (len(in_ram), sum(r.size for r in in_ram))
+        # And per tenant (what quotas hold tenants to): entries without a tenant here.
+        expected = {"": (len(records), sum(r.size for r in records), len(in_ram),
+                         sum(r.size for r in in_ram))} if records else {}
+        assert {t: (u["disk_entries"], u["disk_bytes"], u["ram_entries"], u["ram_bytes"])
+                for t, u in store.tenant_usage().items()} == expected
 
     lists = [[i] * 20 + list(range(100 + i, 110 + i)) for i in range(1, 8)]
     for tokens in lists[:5]:  # the fifth evicts the first from disk, RAM copies churn

@@ -37,7 +37,9 @@ Modules, one concern each (read ``facade`` first, then the part you need):
 * ``tiers``        Layout (file names), Tally (the one owner of the byte accounting),
                    RamCopies (dropping copies) and RamPlacer (the RAM worker).
 * ``eviction``     Evictor: what goes when a tier is full (kvcache.policy's orders, kept
-                   in the index by kvcache.ordering), a batch at a time.
+                   in the index by kvcache.ordering), a batch at a time, and what a
+                   tenant at its quota gives up of its own.
+* ``quotas``       TenantQuotas: the optional per-tenant byte quotas of each tier.
 * ``prune``        Pruner: the operator's removals.
 * ``listing``      Operators' listings, page by page.
 * ``integrity``    Integrity: checks, quarantine, Inspect.
@@ -75,6 +77,8 @@ Invariants, and the tests that hold them:
   file (tests/test_store.py::
   test_a_clean_restart_reads_no_entry_and_trusts_the_recorded_tally); any change since
   means the full reconcile (test_a_change_after_a_clean_shutdown_means_the_full_reconcile).
+* A tenant's saves evict its own entries while it is at its disk quota, never another
+  tenant's for it; an entry larger than its quota is refused (tests/test_quotas.py).
 * Room that cannot be made is refused before anything is evicted or dropped
   (tests/test_store.py::test_a_save_that_cannot_fit_evicts_nothing,
   test_a_copy_that_cannot_fit_in_ram_drops_no_other_copy).
@@ -95,6 +99,7 @@ from ..common import TIER_DISK, TIER_RAM
 from .facade import Found, Store
 from .integrity import NO_SUCH_ENTRY
 from .prune import PruneResult
+from .quotas import TenantQuotas
 from .reads import ReadPin
 from .reservations import Reservation, ReserveResult
 from .settings import GiB, StoreConfig
@@ -114,4 +119,5 @@ __all__ = [
     "ReserveResult",
     "Store",
     "StoreConfig",
+    "TenantQuotas",
 ]

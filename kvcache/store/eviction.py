@@ -12,8 +12,10 @@ import threading
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from ..errors import StoreFull
+from ..common import TIER_DISK, TIER_RAM
+from ..errors import QuotaExceeded, StoreFull
 from ..index import Index, Record
+from .quotas import QUOTA_OPTIONS, TenantQuotas
 
 if TYPE_CHECKING:
     from .entries import Entries
@@ -48,7 +50,15 @@ class Evictor:
     orders merge them in (kvcache.ordering), as the policy's full sorts do
     (tests/test_ordering.py).
 
-    make_room_on_disk and make_room_in_ram are called with Store._cond held."""
+    A tenant with a quota (kvcache.store.quotas) makes room among its own entries first
+    (plan_tenant_room_on_disk, make_tenant_room_in_ram), in the same order filtered to
+    them: a tenant's pieces are built only on its own entries (a parent must share the
+    namespace), so the filtered order is its own tree's leaf-first order. Finding them
+    walks the shared order past other tenants' entries, O(the entries before the last
+    one taken), only while the tenant is at its quota.
+
+    make_room_on_disk, make_room_in_ram and the tenant variants are called with
+    Store._cond held."""
 
     def __init__(self, config: StoreConfig, layout: Layout, index: Index, entries: Entries,
                  tally: Tally, pins: ReadPins, ram: RamCopies, counters: Counter[str],
@@ -62,6 +72,94 @@ class Evictor:
         self._ram = ram
         self.counters = counters
         self._cond = cond
+        self.quotas = TenantQuotas()  # the daemon sets them once the tenant labels are known
+
+    # -- a tenant's quota -------------------------------------------------------------------
+
+    def refuse_over_quota(self, tenant_id: str, size: int) -> None:
+        """QuotaExceeded when one entry of ``size`` bytes is more than ``tenant_id``'s disk
+        quota (no eviction could make room for it)."""
+        quota = self.quotas.of(TIER_DISK, tenant_id)
+        if quota is not None and size > quota:
+            self.counters["saves_refused_quota"] += 1
+            raise QuotaExceeded(f"an entry of {size} bytes exceeds this tenant's disk quota "
+                                f"of {quota} bytes ({QUOTA_OPTIONS[TIER_DISK]})")
+
+    def plan_tenant_room_on_disk(self, tenant_id: str, size: int) -> list[Record]:
+        """The tenant's own entries that must go for ``size`` more of its bytes to fit its
+        disk quota (a batch, as make_room_on_disk takes); nothing without a quota or when
+        they fit. QuotaExceeded, choosing nothing, when all of its entries that may go
+        would not make room. Removes nothing: the caller removes the plan once the shared
+        budget is known to have room too. Store._cond held."""
+        quota = self.quotas.of(TIER_DISK, tenant_id)
+        if quota is None:
+            return []
+        usage = self._tally.tenant(tenant_id)
+
+        def fits(freed: int = 0, spare: int = 0) -> bool:
+            return usage.disk_bytes - freed + usage.room_bytes + size + spare <= quota
+
+        if fits():
+            return []
+        self.refuse_over_quota(tenant_id, size)
+        slack = room_slack(size, quota)
+        chosen: list[Record] = []
+        freed = 0
+        with contextlib.closing(self._index.order.disk_victims(
+                self._pins.busy(), self._pins.last_used())) as go:
+            for key in go:
+                if fits(freed, slack) or (fits(freed) and len(chosen) >= BATCH_MAX):
+                    break
+                record = self._index.get(key)
+                if record is not None and record.tenant_id == tenant_id:
+                    chosen.append(record)
+                    freed += record.size
+        if not fits(freed):
+            self.counters["saves_refused_quota"] += 1
+            raise QuotaExceeded(
+                f"no room for {size} bytes within this tenant's disk quota of {quota} bytes "
+                f"({QUOTA_OPTIONS[TIER_DISK]}): its entries hold {usage.disk_bytes} bytes "
+                f"and its saves in flight {usage.room_bytes}; those not pinned or being "
+                f"read hold only {freed}")
+        return chosen
+
+    def remove_for_tenant(self, chosen: list[Record]) -> None:
+        """Remove what plan_tenant_room_on_disk chose. Store._cond held."""
+        self._entries.remove_entries(chosen, "evictions_quota_disk")
+
+    def make_tenant_room_in_ram(self, record: Record) -> bool:
+        """Drop the tenant's own RAM copies (in the RAM order) until ``record``'s copy fits
+        its RAM quota; False, dropping none, when it cannot (larger than the quota, or the
+        rest is pinned or being read). Store._cond held."""
+        tenant_id, size = record.tenant_id, record.size
+        quota = self.quotas.of(TIER_RAM, tenant_id)
+        if quota is None:
+            return True
+        usage = self._tally.tenant(tenant_id)
+        if usage.ram_bytes + size <= quota:
+            return True
+        if size > quota:
+            return False
+        slack = room_slack(size, quota)
+        chosen: list[Record] = []
+        freed = 0
+        held = self._pins.busy() | {record.key}
+        with contextlib.closing(self._index.order.ram_victims(held,
+                                                              self._pins.last_used())) as go:
+            for key in go:
+                after = usage.ram_bytes - freed + size
+                if after + slack <= quota or (after <= quota and len(chosen) >= BATCH_MAX):
+                    break
+                victim = self._index.get(key)
+                if victim is not None and victim.in_ram and victim.tenant_id == tenant_id:
+                    chosen.append(victim)
+                    freed += victim.size
+        if usage.ram_bytes - freed + size > quota:
+            return False
+        self._ram.drop_ram_copies(chosen, "evictions_quota_ram")
+        return True
+
+    # -- the shared budgets -----------------------------------------------------------------
 
     def make_room_on_disk(self, size: int, *, evict: bool = True, on_disk: int = 0) -> None:
         """Evict until a blob of ``size`` fits the disk budget and the free-space watermark.

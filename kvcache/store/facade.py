@@ -10,7 +10,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +20,7 @@ import lmdb
 
 from .. import blob as blobfmt
 from .. import keys, ramtier
+from ..common import TIER_DISK, TIER_RAM
 from ..counters import COUNTERS
 from ..errors import DirectoryInUse
 from ..index import Index, Record
@@ -29,6 +30,7 @@ from .entries import Entries, check_tokens
 from .eviction import Evictor
 from .integrity import Integrity
 from .prune import Pruner, PruneResult
+from .quotas import TenantQuotas
 from .reads import ReadPin, ReadPins, Reads
 from .reconcile import Reconcile, seal_clean_shutdown
 from .reservations import LeaseTable, Publisher, ReserveResult
@@ -413,6 +415,41 @@ class Store:
                 "read_pins": len(self._pins.pins),
                 "uptime": time.time() - self.started,
             }
+
+    # -- tenants (quotas.TenantQuotas; usage in the Tally) -----------------------------------
+
+    def set_tenant_quotas(self, quotas: TenantQuotas) -> None:
+        """Hold each tenant to ``quotas`` from now on (entries over a new quota stay until
+        the tenant's next save makes room)."""
+        with self._cond:
+            self._evictor.quotas = quotas
+
+    @property
+    def tenant_quotas(self) -> TenantQuotas:
+        return self._evictor.quotas
+
+    def tenant_usage(self, tenant_ids: Iterable[str] | None = None
+                     ) -> dict[str, dict[str, int | None]]:
+        """Per tenant label: what its entries hold in each tier, its saves in flight and
+        the bytes they reserved, and its quotas (None: none). ``tenant_ids``: these
+        tenants (holding nothing or not); else every tenant holding or saving anything."""
+        quotas = self._evictor.quotas
+        with self._cond:
+            if tenant_ids is None:
+                tenant_ids = {*self._tally.tenants,
+                              *((r.tenant_id or "") for r in self._leases.reservations.values())}
+            out: dict[str, dict[str, int | None]] = {}
+            for tenant_id in sorted(set(tenant_ids)):
+                usage = self._tally.tenant(tenant_id)
+                saves = self._leases.of_tenant(tenant_id)
+                out[tenant_id] = {
+                    "disk_bytes": usage.disk_bytes, "disk_entries": usage.disk_entries,
+                    "ram_bytes": usage.ram_bytes, "ram_entries": usage.ram_entries,
+                    "open_saves": len(saves), "reserved_bytes": sum(r.size for r in saves),
+                    "disk_quota_bytes": quotas.of(TIER_DISK, tenant_id),
+                    "ram_quota_bytes": quotas.of(TIER_RAM, tenant_id),
+                }
+            return out
 
     # -- background -------------------------------------------------------------------------
 

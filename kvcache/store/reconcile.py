@@ -162,13 +162,13 @@ class Reconcile:
             if path is None or path.stat().st_size != record.size:
                 if path is not None:
                     path.unlink(missing_ok=True)
-                self._tally.ram_copy_dropped(record.size)
+                self._tally.ram_copy_dropped(record)
                 fixes.append(replace(record, in_ram=False))
         for key, path in in_ram.items():
             record = self._index.get(key)
             if record is not None and not record.in_ram \
                     and path.stat().st_size == record.size:
-                self._tally.ram_copy_found(record.size)
+                self._tally.ram_copy_found(record)
                 fixes.append(replace(record, in_ram=True))
             else:
                 path.unlink(missing_ok=True)
@@ -277,7 +277,7 @@ class Reconcile:
             ram_path = in_ram.pop(record.key, None)
             has_ram = ram_path is not None and ram_path.stat().st_size == record.size
             if has_ram:
-                self._tally.ram_copy_found(record.size)
+                self._tally.ram_copy_found(record)
             elif ram_path is not None:
                 ram_path.unlink(missing_ok=True)
             if has_ram != record.in_ram:

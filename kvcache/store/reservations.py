@@ -105,6 +105,10 @@ class LeaseTable:
                     for res in self.reservations.values() if res.namespace == ns),
                    default=0)
 
+    def of_tenant(self, tenant_id: str) -> list[Reservation]:
+        """The open leases of ``tenant_id`` (those reserved without one: "")."""
+        return [r for r in self.reservations.values() if (r.tenant_id or "") == tenant_id]
+
     def lease_ids(self) -> list[str]:
         return list(self.reservations)
 
@@ -182,12 +186,23 @@ class Publisher:
                 raise NotFound(f"parent entry {parent.hex()} is gone (evicted or deleted); "
                                "save the whole state or look again")
             tenant = tenant_id or ""
-            if sum((r.tenant_id or "") == tenant for r in self._leases.reservations.values()) \
-                    >= cfg.max_saves_per_tenant:
+            open_saves = self._leases.of_tenant(tenant)
+            if len(open_saves) >= cfg.max_saves_per_tenant:
                 self.counters["saves_refused_tenant_limit"] += 1
                 raise TooManySaves(f"this tenant has {cfg.max_saves_per_tenant} saves in "
                                    "flight already (--max-saves-per-tenant): commit or abort "
                                    "one first")
+            # What a tenant's open saves may yet write is bounded as their number is: a
+            # few large reservations are the most its writers can push out at once.
+            reserved = sum(r.size for r in open_saves)
+            bound = cfg.reserved_bytes_bound
+            if reserved + size > bound:
+                self.counters["saves_refused_reserved_bytes"] += 1
+                raise TooManySaves(f"this tenant's saves in flight have reserved {reserved} "
+                                   f"bytes; {size} more would pass its limit of {bound} "
+                                   "(--max-reserved-bytes-per-tenant): commit or abort one "
+                                   "first")
+            self._evictor.refuse_over_quota(tenant, size)
             # No room is made here (a save that could never fit is refused): a client
             # could reserve the whole budget, evict every tenant's entries and abort. Room
             # is made as the bytes arrive (_claim_room;
@@ -292,10 +307,19 @@ class Publisher:
         if upto <= res.room:
             return
         target = min(res.size, max(upto, res.room + ROOM_STEP))
+        need = target - res.room
+        on_disk = need if written_locally else 0
+        tenant = res.tenant_id or ""
         with self._cond:
-            self._evictor.make_room_on_disk(
-                target - res.room, on_disk=target - res.room if written_locally else 0)
-            self._tally.reserve(target - res.room)
+            # The tenant's quota first, from its own entries; nothing goes unless the
+            # shared budget has room too once they have gone (they are among what it may
+            # evict), so a refused save evicts nothing.
+            plan = self._evictor.plan_tenant_room_on_disk(tenant, need)
+            if plan:
+                self._evictor.make_room_on_disk(need, evict=False, on_disk=on_disk)
+                self._evictor.remove_for_tenant(plan)
+            self._evictor.make_room_on_disk(need, on_disk=on_disk)
+            self._tally.reserve(need, tenant)
             res.room = target
 
     # -- commit -----------------------------------------------------------------------------
@@ -361,7 +385,7 @@ class Publisher:
             with self._cond:
                 res.done = True
                 self._leases.close(res)
-                self._tally.unreserve(res.room)
+                self._tally.unreserve(res.room, res.tenant_id or "")
                 if res.parent:
                     self._pins.release(res.parent)
                     self.counters["pieces_committed"] += 1
@@ -437,7 +461,7 @@ class Publisher:
             return
         res.done = True
         self._leases.close(res)
-        self._tally.unreserve(res.room)
+        self._tally.unreserve(res.room, res.tenant_id or "")
         if res.parent:
             self._pins.release(res.parent)
         if res.file is not None:

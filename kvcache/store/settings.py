@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 GiB = 1 << 30
+# The default bound of a tenant's reserved bytes, in largest entries: a few saves of the
+# largest entry in flight at once.
+RESERVED_ENTRIES = 4
 
 
 @dataclass(frozen=True)
@@ -30,4 +33,12 @@ class StoreConfig:
     # each holds a temp file and a lease, and a client opening leases without end must
     # run out of its own, not of everyone's.
     max_saves_per_tenant: int = 64
+    # Bytes one tenant's open saves may have reserved at once (0: RESERVED_ENTRIES times
+    # max_blob_bytes): what its writers may yet write, and push others' entries out for.
+    max_reserved_bytes_per_tenant: int = 0
     usage_flush_seconds: float = 1.0
+
+    @property
+    def reserved_bytes_bound(self) -> int:
+        """The most bytes one tenant's open saves may have reserved at once."""
+        return self.max_reserved_bytes_per_tenant or RESERVED_ENTRIES * self.max_blob_bytes

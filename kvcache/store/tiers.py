@@ -15,6 +15,7 @@ import threading
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -66,10 +67,29 @@ class Layout:
         return st.f_bavail * st.f_frsize
 
 
+@dataclass
+class TenantUsage:
+    """What one tenant's entries hold (entries without a tenant count as one, "")."""
+
+    disk_bytes: int = 0
+    disk_entries: int = 0
+    ram_bytes: int = 0  # RAM copies made, and room claimed for one being made
+    ram_entries: int = 0
+    room_bytes: int = 0  # disk room its open saves hold (part of Tally.reserved_bytes)
+
+    def idle(self) -> bool:
+        return not (self.disk_bytes or self.disk_entries or self.ram_bytes
+                    or self.ram_entries or self.room_bytes)
+
+    def state(self) -> list[int]:
+        return [self.disk_bytes, self.disk_entries, self.ram_bytes, self.ram_entries]
+
+
 class Tally:
     """The byte accounting, and the only code that changes it: bytes each tier holds, RAM
     copies, bytes reserved by open leases, and logical bytes (the sum of
-    Record.logical_size: what the entries' whole states would take).
+    Record.logical_size: what the entries' whole states would take), in all and per
+    tenant (what tenant quotas are held to: kvcache.store.quotas).
 
     Kept as entries come and go rather than counted from the index: Stats and every
     metrics scrape read them, and counting index rows costs ~20 ms at 10,000 entries. The
@@ -86,16 +106,30 @@ class Tally:
         self.ram_claimed = 0  # room taken for copies being made (part of ram_used)
         self.reserved_bytes = 0
         self.logical_bytes = 0
+        # Tenant label -> its usage; a tenant holding nothing has no row.
+        self.tenants: dict[str, TenantUsage] = {}
 
     @property
     def ram_copies_bytes(self) -> int:
         """Bytes of the RAM copies made (ram_used without the room claimed for copies)."""
         return self.ram_used - self.ram_claimed
 
-    def state(self) -> dict[str, int]:
+    def tenant(self, tenant_id: str) -> TenantUsage:
+        """``tenant_id``'s usage (a zero one, not kept, for a tenant holding nothing)."""
+        return self.tenants.get(tenant_id) or TenantUsage()
+
+    def _change(self, tenant_id: str, **deltas: int) -> None:
+        usage = self.tenants.setdefault(tenant_id, TenantUsage())
+        for name, delta in deltas.items():
+            setattr(usage, name, getattr(usage, name) + delta)
+        if usage.idle():
+            del self.tenants[tenant_id]
+
+    def state(self) -> dict[str, object]:
         """What a clean shutdown records (see restore)."""
         return {"disk_used": self.disk_used, "logical_bytes": self.logical_bytes,
-                "ram_used": self.ram_used, "ram_entries": self.ram_entries}
+                "ram_used": self.ram_used, "ram_entries": self.ram_entries,
+                "tenants": {t: u.state() for t, u in self.tenants.items()}}
 
     def restore(self, state: dict[str, object]) -> None:
         """Counts recorded by the last clean shutdown, instead of counting every entry."""
@@ -104,50 +138,68 @@ class Tally:
             if type(value) is not int:
                 raise ValueError(f"clean-shutdown record without {name}")
             setattr(self, name, value)
+        tenants = state.get("tenants")
+        # A record written before per-tenant usage was kept: ValueError means the full
+        # reconcile, which counts every entry.
+        if not isinstance(tenants, dict) or not all(
+                isinstance(t, str) and isinstance(u, list) and len(u) == 4
+                and all(type(v) is int for v in u) for t, u in tenants.items()):
+            raise ValueError("clean-shutdown record without per-tenant usage")
+        self.tenants = {t: TenantUsage(*u) for t, u in tenants.items()}
 
     def entry_added(self, record: Record) -> None:
         """A published entry (its blob is on disk)."""
         self.disk_used += record.size
         self.logical_bytes += record.logical_size
+        self._change(record.tenant_id, disk_bytes=record.size, disk_entries=1)
 
     def entry_removed(self, record: Record) -> None:
         """An unpublished entry, with its RAM copy if ``record`` (as removed) had one."""
         self.disk_used -= record.size
         self.logical_bytes -= record.logical_size
+        self._change(record.tenant_id, disk_bytes=-record.size, disk_entries=-1)
         if record.in_ram:
             self.ram_used -= record.size
             self.ram_entries -= 1
+            self._change(record.tenant_id, ram_bytes=-record.size, ram_entries=-1)
 
-    def ram_copy_found(self, size: int) -> None:
+    def ram_copy_found(self, record: Record) -> None:
         """A RAM copy found whole at start-up."""
-        self.ram_used += size
+        self.ram_used += record.size
         self.ram_entries += 1
+        self._change(record.tenant_id, ram_bytes=record.size, ram_entries=1)
 
-    def claim_ram(self, size: int) -> None:
+    def claim_ram(self, record: Record) -> None:
         """Room taken for a copy about to be made: counted before the copy exists, so no
         other placement takes the same room."""
-        self.ram_used += size
-        self.ram_claimed += size
+        self.ram_used += record.size
+        self.ram_claimed += record.size
+        self._change(record.tenant_id, ram_bytes=record.size)
 
-    def unclaim_ram(self, size: int) -> None:
+    def unclaim_ram(self, record: Record) -> None:
         """The copy claimed with claim_ram was not made."""
-        self.ram_used -= size
-        self.ram_claimed -= size
+        self.ram_used -= record.size
+        self.ram_claimed -= record.size
+        self._change(record.tenant_id, ram_bytes=-record.size)
 
-    def ram_copy_placed(self, size: int) -> None:
+    def ram_copy_placed(self, record: Record) -> None:
         """The copy claimed with claim_ram is made and indexed."""
         self.ram_entries += 1
-        self.ram_claimed -= size
+        self.ram_claimed -= record.size
+        self._change(record.tenant_id, ram_entries=1)
 
-    def ram_copy_dropped(self, size: int) -> None:
-        self.ram_used -= size
+    def ram_copy_dropped(self, record: Record) -> None:
+        self.ram_used -= record.size
         self.ram_entries -= 1
+        self._change(record.tenant_id, ram_bytes=-record.size, ram_entries=-1)
 
-    def reserve(self, size: int) -> None:
+    def reserve(self, size: int, tenant_id: str) -> None:
         self.reserved_bytes += size
+        self._change(tenant_id, room_bytes=size)
 
-    def unreserve(self, size: int) -> None:
+    def unreserve(self, size: int, tenant_id: str) -> None:
         self.reserved_bytes -= size
+        self._change(tenant_id, room_bytes=-size)
 
 
 class RamCopies:
@@ -187,7 +239,7 @@ class RamCopies:
                 self._layout.ram_path(key).unlink(missing_ok=True)
             dropped = self._index.update_many(present, in_ram=False)
             for r in dropped:
-                self._tally.ram_copy_dropped(r.size)
+                self._tally.ram_copy_dropped(r)
                 self.counters[counter] += 1
         return len(dropped)
 
@@ -237,9 +289,12 @@ class RamPlacer:
             with self._cond:
                 self._pins.hold(key)  # keep it from being evicted from disk while copying
                 held = True
-                if not self._evictor.make_room_in_ram(record.size, exclude=key):
+                # The tenant's quota first: its own copies go before the shared budget's
+                # order reaches anyone else's.
+                if not self._evictor.make_tenant_room_in_ram(record) \
+                        or not self._evictor.make_room_in_ram(record.size, exclude=key):
                     return
-                self._tally.claim_ram(record.size)
+                self._tally.claim_ram(record)
             ok = False
             try:
                 tmp = self._layout.ram_tmp_path(key)
@@ -251,10 +306,10 @@ class RamPlacer:
             finally:
                 with self._cond:
                     if ok:
-                        self._tally.ram_copy_placed(record.size)
+                        self._tally.ram_copy_placed(record)
                         self.counters["ram_placements"] += 1
                     else:
-                        self._tally.unclaim_ram(record.size)
+                        self._tally.unclaim_ram(record)
                 if not ok:
                     self._layout.ram_path(key).unlink(missing_ok=True)
         finally:
