@@ -346,6 +346,9 @@ async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
         async with one_at_a_time(request, large):
             prompt = await render(req, worker)
         proto = req.to_proto(prompt)
+        # The key's tenant, on every call (workers serve every tenant; the caller cannot
+        # name one: a "tenant" field of the body is refused as unknown).
+        proto.tenant = request["tenant"]
         check_message_size(proto)
         choices = [Choice(i, prompt.parser() if prompt is not None else None)
                    for i in range(req.n)]
@@ -371,7 +374,7 @@ async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
                     outcome = "ok"
                     return web.json_response(response_body(
                         req, choices, finished, kvcache_details(done, worker.name,
-                                                                worker.tenant), generated))
+                                                                request["tenant"]), generated))
                 choice.feed(event.text)
                 if event.HasField("logprob"):
                     choice.logprobs.append(event.logprob)
@@ -455,7 +458,7 @@ async def stream(request: web.Request, req: GenRequest, worker: Worker, events: 
                 generated = sum(len(d.tokens) for d in finished)
                 # kvcache's details ride on the last chunk: the usage chunk when asked for
                 # (where clients read usage), else the last finish_reason chunk.
-                extra = kvcache_details(done, worker.name, worker.tenant)
+                extra = kvcache_details(done, worker.name, request["tenant"])
                 await response.write(sse(chunk(
                     req, finish=finish_reason(event.done, choice.has_tool_calls),
                     index=choice.index, extra=extra if last and not req.include_usage
