@@ -11,9 +11,11 @@ until max_tokens: the tests that need a tenant's slots busy hold bob's one slot.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -82,7 +84,9 @@ def raw(gw: GatewayProcess, path: str, body: bytes, headers: dict[str, Any] | No
                 pass  # refused mid-body: the answer is already there
         else:
             conn.putheader("Content-Length", str(len(body)))
-            conn.endheaders(body)
+            # Refused unread, the connection closed mid-body: the answer is there.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                conn.endheaders(body)
         resp = conn.getresponse()
         return resp.status, json.loads(resp.read() or b"{}")
     finally:
@@ -165,6 +169,45 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_read(gw: GatewayProcess) ->
     # The gateway still serves.
     assert post(gw, {"model": "tiny", "prompt": "Alpha", "max_tokens": 1},
                 "/v1/completions")[0] == 200
+
+
+def test_a_large_refused_body_is_not_read_the_connection_is_closed(gw: GatewayProcess
+                                                                     ) -> None:
+    """A body declared over the limit, of which a client sends 1 KiB only: the 413 comes
+    at once with ``Connection: close`` and the gateway closes the connection rather than
+    wait for (and read) the rest."""
+    url = urlsplit(gw.url)
+    with socket.create_connection((url.hostname, url.port), timeout=10) as conn:
+        conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                     f"{ALICE}\r\nContent-Type: application/json\r\nContent-Length: "
+                     f"{MAX_BODY * 4}\r\n\r\n".encode() + b"a" * 1024)
+        started = time.monotonic()
+        answer = b""
+        while chunk := conn.recv(65536):  # until the gateway closes
+            answer += chunk
+        assert time.monotonic() - started < 3  # (it used to read for up to 10 s)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413") and b"Connection: close" in head, head
+    assert json.loads(body)["error"]["code"] == "request_too_large"
+
+
+def test_a_small_refused_body_keeps_the_connection(gw: GatewayProcess) -> None:
+    """A refusal whose small body was not read (a wrong key) drops the body and keeps
+    the connection for the next request."""
+    url = urlsplit(gw.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    try:
+        body = json.dumps({"model": "tiny", "prompt": "x" * 1000}).encode()
+        conn.request("POST", "/v1/completions", body, {"Authorization": "Bearer wrong"})
+        refused = conn.getresponse()
+        assert refused.status == 401 and refused.getheader("Connection") != "close"
+        refused.read()
+        sock = conn.sock
+        conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {ALICE}"})
+        assert conn.getresponse().status == 200
+        assert sock is not None and conn.sock is sock  # the same connection
+    finally:
+        conn.close()
 
 
 def test_a_prompt_larger_than_a_worker_accepts_is_a_413_not_a_worker_error(

@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..chat.grammars import SchemaError
@@ -59,6 +60,10 @@ CALLER = "caller"  # the request's Caller, set by the api_keys middleware
 # Python's GIL, and several at once would starve the event loop (every other request).
 LARGE_BODY = 256 << 10
 LARGE_WORK = web.AppKey("large_work", asyncio.Semaphore)
+# A refused request's unread body up to this size is read and dropped (the connection is
+# kept); a larger one closes the connection unread.
+DRAIN_BYTES = 64 << 10
+DRAIN_WAIT_S = 1.0
 OPEN_PATHS = frozenset({"/health"})  # probed by load balancers without credentials
 
 # What a handler leaves on its request for the count: the model label, and the outcome
@@ -116,19 +121,42 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
     try:
         return await handler(request)
     except ApiError as err:
-        return error_response(err)
+        return await unread_body_or_close(request, error_response(err))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         code = {404: "not_found", 405: "method_not_allowed",
                 413: "request_too_large"}.get(exc.status)
-        return error_response(ApiError(exc.status, exc.reason if exc.status != 404 else
-                                       f"No route for {request.method} {request.path}.",
-                                       code=code))
+        return await unread_body_or_close(request, error_response(ApiError(
+            exc.status, exc.reason if exc.status != 404 else
+            f"No route for {request.method} {request.path}.", code=code)))
     except Exception:  # a bug: logged with its traceback, answered in the same format
         log.exception("error serving %s %s", request.method, request.path)
         return error_response(ApiError(500, "Internal error in the gateway (logged).",
                                        type="server_error", code="internal_error"))
+
+
+async def unread_body_or_close(request: web.Request,
+                               response: web.Response) -> web.Response:
+    """A refusal before its body was read (or all of it): a small rest is read and
+    dropped, so that the connection stays open for the client's next request; a large
+    or unknown one is not read at all: the answer says ``Connection: close`` and the
+    connection is closed once it is written (the server lingers for no body, see
+    :func:`serve`). Reading refused bodies of megabytes only to drop them took the event
+    loop from every other request (tools/bench_gateway_abuse.py)."""
+    if request.content.is_eof():
+        return response
+    length = request.content_length
+    if length is not None and length <= DRAIN_BYTES:
+        try:
+            async with asyncio.timeout(DRAIN_WAIT_S):
+                while await request.content.readany():
+                    pass
+            return response
+        except (TimeoutError, ConnectionError, HttpProcessingError):
+            pass  # slow, gone or malformed: not worth keeping
+    response.force_close()
+    return response
 
 
 @web.middleware
