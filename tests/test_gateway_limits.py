@@ -221,6 +221,22 @@ def test_a_prompt_larger_than_a_worker_accepts_is_a_413_not_a_worker_error(
     assert all(w["restarts"] == 0 for w in gw.status()["workers"])
 
 
+def test_a_large_body_is_parsed_and_rendered_as_a_small_one(gw: GatewayProcess) -> None:
+    """A body over 256 KiB goes to the helper process (parsed and rendered there): the
+    same chat, padded with JSON whitespace, gets the small body's answer."""
+    payload = {"model": "tiny", "messages": chat("Echo test. " * 8, "Hello"),
+               "max_tokens": 3, "temperature": 0}
+    small = post(gw, payload)
+    body = json.dumps(payload).encode()
+    large = raw(gw, "/v1/chat/completions", body[:-1] + b" " * (300 << 10) + b"}")
+    assert small[0] == large[0] == 200, (small, large)
+    assert large[1]["choices"][0]["message"] == small[1]["choices"][0]["message"]
+    assert large[1]["usage"]["prompt_tokens"] == small[1]["usage"]["prompt_tokens"]
+    refused = raw(gw, "/v1/chat/completions",
+                  b'{"model": "tiny", "messages": 3' + b" " * (300 << 10) + b"}")
+    assert_refused(refused, 400, "invalid_value", "messages")
+
+
 def test_the_work_a_request_asks_for_is_bounded(gw: GatewayProcess) -> None:
     many = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"}
             for i in range(MAX_MESSAGES + 1)]

@@ -37,6 +37,7 @@ from ..chat.formats import ChatFormat, detect_format
 from ..chat.templates import ChatTemplate, TemplateError
 from ..v1 import runtime_pb2 as pb
 from ..v1 import runtime_pb2_grpc as pb_grpc
+from .offload import TemplateSpec
 from .ring import LogRing
 from .router import PrefixTracker, tenant_text
 from .settings import ModelSpec, Supervision
@@ -119,6 +120,7 @@ class Worker:
         # The model's chat template, from the runtime (the gateway renders chats itself).
         self.template: ChatTemplate | None = None
         self.chat_format: ChatFormat | None = None
+        self.template_spec: TemplateSpec | None = None  # to rebuild it elsewhere
         self.flights: dict[int, Flight] = {}
         self.served = 0
         self.restarts = 0
@@ -347,12 +349,14 @@ class Worker:
             raise StartError(f"Stats failed: {exc.code().name}") from None
         self.slots, self.n_ctx = stats.n_seq_max, stats.n_ctx
         self.fingerprint = stats.model_fingerprint
-        self.template = self.chat_format = None
+        self.template = self.chat_format = self.template_spec = None
         if stats.chat_template:
             try:
                 self.template = ChatTemplate(stats.chat_template, bos_token=stats.bos_text,
                                              eos_token=stats.eos_text, add_bos=stats.add_bos)
                 self.chat_format = detect_format(stats.chat_template)
+                self.template_spec = TemplateSpec(stats.chat_template, stats.bos_text,
+                                                  stats.eos_text, stats.add_bos)
             except TemplateError as exc:
                 log.warning("worker %s: %s; chats are refused", self.name, exc)
 
