@@ -1,6 +1,7 @@
 """The gateway's helper process for large requests (model_runtime/gateway/offload.py), a
 real spawned process: it parses and renders as the gateway's own process does, answers
-refusals as the same errors, and stops rendering for a caller gone.
+refusals as the same errors, stops rendering for a caller gone, and is started again when
+it died.
 
 The scenario runs in a Python process of its own, as the gateway does: multiprocessing's
 resource tracker, which a spawned pool starts, then ends with it (not with the test run).
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -73,6 +76,14 @@ async def scenario() -> None:
         cancelled_at = time.monotonic()
         await offload.start()  # a job queued behind the cancelled one
         assert time.monotonic() - cancelled_at < whole / 2, whole
+
+        # The helper killed (out of memory, say): the next job starts another and is done.
+        (helper,) = multiprocessing.active_children()
+        os.kill(helper.pid, signal.SIGKILL)
+        helper.join(10)
+        assert (await offload.render(SPEC, req)).text == in_process(req).text
+        (again,) = multiprocessing.active_children()
+        assert again.pid != helper.pid
     finally:
         offload.close()
 

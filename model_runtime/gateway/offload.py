@@ -19,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import itertools
+import logging
 import multiprocessing
 import signal
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ..chat.formats import ChatFormat, detect_format
 from ..chat.grammars import SchemaError
@@ -41,8 +43,12 @@ from .openai_api import (
     parse_json,
 )
 
+log = logging.getLogger("model_runtime.gateway")
 PR_SET_PDEATHSIG = 1
 CANCEL_FLAGS = 64  # jobs in flight at once, at most (one runs, the others queue)
+T = TypeVar("T")
+
+
 
 
 @dataclass(frozen=True)
@@ -127,31 +133,51 @@ def _render_job(spec: TemplateSpec, req: GenRequest, job: int) -> PromptPlan | N
 
 
 class Offload:
+    """The helper, restarted when it died (killed, out of memory): the job it was doing
+    runs once more on the new one (parsing and rendering change nothing); if that one
+    dies too, the request is a 503 ``helper_failed``."""
+
     def __init__(self) -> None:
-        context = multiprocessing.get_context("spawn")
-        self._flags = context.Array("b", CANCEL_FLAGS, lock=False)
-        self._pool = ProcessPoolExecutor(max_workers=1, mp_context=context,
-                                         initializer=_start_helper,
-                                         initargs=(self._flags,))
+        self._context = multiprocessing.get_context("spawn")
+        self._flags = self._context.Array("b", CANCEL_FLAGS, lock=False)
+        self._pool = self._new_pool()
         self._jobs = itertools.count()
+
+    def _new_pool(self) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(max_workers=1, mp_context=self._context,
+                                   initializer=_start_helper, initargs=(self._flags,))
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        for attempt in range(2):
+            pool = self._pool
+            try:
+                return await loop.run_in_executor(pool, fn, *args)
+            except BrokenProcessPool:
+                if self._pool is pool:  # (another job may have replaced it already)
+                    log.warning("the gateway's helper process died; starting another")
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    self._pool = self._new_pool()
+                if attempt == 1:
+                    raise ApiError(503, "The gateway's helper process died twice on this "
+                                        "request (it was not retried again).",
+                                   type="server_error", code="helper_failed") from None
+        raise AssertionError("unreachable")
 
     async def start(self) -> None:
         """Start the helper now rather than at the first large request."""
-        await asyncio.get_running_loop().run_in_executor(self._pool, _ping)
+        await self._run(_ping)
 
     async def parse(self, body: bytes, limits: Limits, endpoint: str,
                     session_header: str | None) -> Parsed:
-        return await asyncio.get_running_loop().run_in_executor(
-            self._pool, parse_request, body, limits, endpoint, session_header)
+        return await self._run(parse_request, body, limits, endpoint, session_header)
 
     async def render(self, spec: TemplateSpec, req: GenRequest) -> PromptPlan | None:
         job = next(self._jobs)
         slot = job % CANCEL_FLAGS
         self._flags[slot] = 0
-        future = asyncio.get_running_loop().run_in_executor(self._pool, _render_job, spec,
-                                                            req, job)
         try:
-            return await future
+            return await self._run(_render_job, spec, req, job)
         except asyncio.CancelledError:  # the caller went away: the helper stops rendering
             self._flags[slot] = 1
             raise
