@@ -303,8 +303,8 @@ def test_models_health_metrics_and_status(gw: GatewayProcess) -> None:
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
     assert 'kvcache_gateway_requests_total{endpoint="chat",model="tiny",outcome="ok",' \
         'status="200",tenant=""}' in text
-    assert 'kvcache_gateway_slots{model="tiny",state="free",tenant=""}' in text
-    assert 'kvcache_gateway_workers{model="long",state="ready",tenant=""} 1.0' in text
+    assert 'kvcache_gateway_slots{model="tiny",state="free"}' in text
+    assert 'kvcache_gateway_workers{model="long",state="ready"} 1.0' in text
     assert 'model="gpt-9"' not in text  # callers' made-up names are not labels
 
     workers = gw.status()["workers"]

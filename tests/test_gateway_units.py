@@ -36,15 +36,17 @@ from model_runtime.gateway.router import (
     SessionMap,
     choose,
     common_prefix_len,
+    tenant_text,
 )
 from model_runtime.gateway.settings import (
+    GatewaySettings,
     ModelSpec,
     SettingsError,
     Supervision,
     load_config,
     split_listen,
 )
-from model_runtime.gateway.worker import Flight, Worker, process_cpu_seconds
+from model_runtime.gateway.worker import READY, Flight, Worker, process_cpu_seconds
 from model_runtime.v1 import runtime_pb2 as pb
 
 # --------------------------------------------------------------------------- openai_api
@@ -197,6 +199,17 @@ def test_routing_session_owner_first_and_refusals() -> None:
         choose([a, b], "t")
 
 
+def test_routing_compares_a_tenant_s_texts_with_its_own_only() -> None:
+    """Alice's conversation draws her next turn to its worker; bob's identical text is
+    routed as new (the runtime would not reuse alice's KV for him anyway)."""
+    a, b = FakeWorker("a", served=5), FakeWorker("b")
+    history = "conversation " * 10
+    a.tracker.add(tenant_text("alice", history))
+    assert choose([a, b], tenant_text("alice", history + "more")) is a
+    assert choose([a, b], tenant_text("bob", history + "more")) is b  # fewest served
+    assert choose([a, b], tenant_text("", history + "more")) is b
+
+
 def test_trackers_and_session_maps_are_bounded() -> None:
     tracker = PrefixTracker(max_entries=2, max_chars=5)
     for text in ("aaaaaaaa", "bbbbbbbb", "cccccccc"):
@@ -292,6 +305,39 @@ def test_settings_are_checked(tmp_path: Path) -> None:
     config.write_text(json.dumps({"modles": []}))
     with pytest.raises(SettingsError, match="unknown keys"):
         load_config(config)
+    for bad_bound in (0, -1, True, 1.5):
+        with pytest.raises(SettingsError, match="max_slots_per_tenant"):
+            GatewaySettings(models=(ModelSpec("m", model),), max_slots_per_tenant=bad_bound)
+
+
+@pytest.mark.parametrize("key_file, setting, slots, bound", [
+    (None, None, 4, None),  # no key file: one tenant, nobody to leave room for
+    ("k" * 16 + " alice\n", None, 4, None),  # one tenant
+    ("k" * 16 + " alice\n" + "b" * 16 + " bob\n", None, 4, 2),  # half of the pool's
+    ("k" * 16 + " alice\n" + "b" * 16 + " bob\n", None, 3, 2),  # rounded up
+    ("k" * 16 + " alice\n" + "b" * 16 + " bob\n", None, 1, 1),
+    ("k" * 16 + " alice\n" + "b" * 16 + " bob\n", 3, 4, 3),  # the setting's
+    (None, 1, 4, 1),
+])
+def test_a_tenant_s_share_of_a_pool(tmp_path: Path, key_file: str | None,
+                                    setting: int | None, slots: int, bound: int | None
+                                    ) -> None:
+    from model_runtime.gateway.fleet import Fleet
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    keys = ApiKeys.load(write_keys(tmp_path, key_file)) if key_file else None
+    fleet = Fleet(GatewaySettings(models=(ModelSpec("m", model, workers=2),),
+                                  run_dir=tmp_path / "run", max_slots_per_tenant=setting),
+                  keys)
+    pool = fleet.pools["m"]
+    assert len(pool) == 2 and fleet.workers == pool  # one pool, whatever the tenants
+    # Workers that serve: slots split between the two (one with none left over).
+    pool[0].state = pool[1].state = READY
+    pool[0].slots, pool[1].slots = slots - slots // 2, slots // 2
+    assert fleet.tenant_bound(pool) == bound
+    pool[0].acquire("alice")
+    assert fleet.tenant_busy(pool, "alice") == 1 and fleet.tenant_busy(pool, "bob") == 0
 
 
 # --------------------------------------------------------------------------- ring, stall
@@ -306,11 +352,11 @@ def test_log_ring_keeps_the_last_lines() -> None:
 
 
 def test_stall_rule_counts_events_and_cpu_as_progress(tmp_path: Path) -> None:
-    worker = Worker("w0", ModelSpec("m", tmp_path), "", tmp_path / "s.sock", None,
+    worker = Worker("w0", ModelSpec("m", tmp_path), tmp_path / "s.sock", None,
                     Supervision(stall_window_s=1.0))
     now = time.monotonic()
-    waiting = Flight(1, now - 5, wait_since=now - 2)
-    writing = Flight(2, now - 5, wait_since=None)  # the gateway is writing to its client
+    waiting = Flight(1, now - 5, "", wait_since=now - 2)
+    writing = Flight(2, now - 5, "", wait_since=None)  # the gateway is writing to its client
     worker.flights = {2: writing}
     assert worker._stalled_for(now) is None
     worker.flights[1] = waiting

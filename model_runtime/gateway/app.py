@@ -19,25 +19,20 @@ from typing import Any
 
 import grpc
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..chat.grammars import SchemaError
-from ..chat.messages import ChatInputError
-from ..chat.prompt import PromptPlan, plan_chat
-from ..chat.templates import TemplateError
+from ..chat.prompt import PromptPlan
 from ..config import MAX_REQUEST_MESSAGE_BYTES
 from .fleet import Fleet
 from .keys import Caller, is_loopback
 from .metrics import NO_TENANT, TenantView
+from .offload import Offload, parse_request, render_plan
 from .openai_api import (
     PROTO_FIELDS,
     SESSION_HEADER,
     ApiError,
     GenRequest,
-    bad_param,
-    parse_chat,
-    parse_completion,
-    parse_json,
     too_large,
 )
 from .openai_output import (
@@ -55,10 +50,15 @@ from .worker import RuntimeRefused, Worker, WorkerFailure
 log = logging.getLogger("model_runtime.gateway")
 FLEET = web.AppKey("fleet", Fleet)
 CALLER = "caller"  # the request's Caller, set by the api_keys middleware
-# Bodies larger than this are parsed and their chats rendered one at a time: the work holds
-# Python's GIL, and several at once would starve the event loop (every other request).
+# Bodies larger than this are parsed and their chats rendered in a helper process, one at a
+# time (on the event loop's process, even on threads, the work holds its GIL).
 LARGE_BODY = 256 << 10
 LARGE_WORK = web.AppKey("large_work", asyncio.Semaphore)
+OFFLOAD = web.AppKey("offload", Offload)
+# A refused request's unread body up to this size is read and dropped (the connection is
+# kept); a larger one closes the connection unread.
+DRAIN_BYTES = 64 << 10
+DRAIN_WAIT_S = 1.0
 OPEN_PATHS = frozenset({"/health"})  # probed by load balancers without credentials
 
 # What a handler leaves on its request for the count: the model label, and the outcome
@@ -116,19 +116,42 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
     try:
         return await handler(request)
     except ApiError as err:
-        return error_response(err)
+        return await unread_body_or_close(request, error_response(err))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         code = {404: "not_found", 405: "method_not_allowed",
                 413: "request_too_large"}.get(exc.status)
-        return error_response(ApiError(exc.status, exc.reason if exc.status != 404 else
-                                       f"No route for {request.method} {request.path}.",
-                                       code=code))
+        return await unread_body_or_close(request, error_response(ApiError(
+            exc.status, exc.reason if exc.status != 404 else
+            f"No route for {request.method} {request.path}.", code=code)))
     except Exception:  # a bug: logged with its traceback, answered in the same format
         log.exception("error serving %s %s", request.method, request.path)
         return error_response(ApiError(500, "Internal error in the gateway (logged).",
                                        type="server_error", code="internal_error"))
+
+
+async def unread_body_or_close(request: web.Request,
+                               response: web.Response) -> web.Response:
+    """A refusal before its body was read (or all of it): a small rest is read and
+    dropped, so that the connection stays open for the client's next request; a large
+    or unknown one is not read at all: the answer says ``Connection: close`` and the
+    connection is closed once it is written (the server lingers for no body, see
+    :func:`serve`). Reading refused bodies of megabytes only to drop them took the event
+    loop from every other request (tools/bench_gateway_abuse.py)."""
+    if request.content.is_eof():
+        return response
+    length = request.content_length
+    if length is not None and length <= DRAIN_BYTES:
+        try:
+            async with asyncio.timeout(DRAIN_WAIT_S):
+                while await request.content.readany():
+                    pass
+            return response
+        except (TimeoutError, ConnectionError, HttpProcessingError):
+            pass  # slow, gone or malformed: not worth keeping
+    response.force_close()
+    return response
 
 
 @web.middleware
@@ -168,6 +191,9 @@ def build_app(fleet: Fleet) -> web.Application:
                           client_max_size=fleet.settings.limits.body_bytes)
     app[FLEET] = fleet
     app[LARGE_WORK] = asyncio.Semaphore(1)
+    app[OFFLOAD] = Offload()
+    app.on_startup.append(start_offload)
+    app.on_cleanup.append(close_offload)
     # Route names are the endpoint label of the request count.
     app.router.add_post("/v1/chat/completions", chat_completions, name="chat")
     app.router.add_post("/v1/completions", completions, name="text")
@@ -177,6 +203,14 @@ def build_app(fleet: Fleet) -> web.Application:
     app.router.add_get("/metrics", metrics, name="metrics")
     app.router.add_get("/status", status, name="status")
     return app
+
+
+async def start_offload(app: web.Application) -> None:
+    await app[OFFLOAD].start()
+
+
+async def close_offload(app: web.Application) -> None:
+    await asyncio.to_thread(app[OFFLOAD].close)
 
 
 # --------------------------------------------------------------------------- small routes
@@ -258,26 +292,6 @@ def failure_error(exc: WorkerFailure) -> ApiError:
                          "retried).", type="server_error", code=exc.reason)
 
 
-def plan(req: GenRequest, worker: Worker,
-         cancelled: Callable[[], bool] | None = None) -> PromptPlan | None:
-    """A chat rendered with the worker's template: the prompt, its save boundary, the
-    grammar and how to read the output. Refusals are 400s naming their place."""
-    if req.chat is None:
-        return None
-    if worker.template is None or worker.chat_format is None:
-        raise bad_param("messages", f"The model '{req.model}' has no chat template: use "
-                                    "/v1/completions with a prompt.")
-    try:
-        return plan_chat(worker.template, worker.chat_format, req.chat, cancelled)
-    except ChatInputError as exc:
-        raise bad_param(exc.param, exc.message) from None
-    except SchemaError as exc:
-        raise bad_param(exc.param, str(exc)) from None
-    except TemplateError as exc:
-        raise bad_param("messages", f"The model's chat template refused these messages: "
-                                    f"{exc}") from None
-
-
 async def read_body(request: web.Request) -> bytes:
     """The body, at most the body limit: refused by its Content-Length before a byte is
     read, or as soon as a body sent without one (chunked) passes the limit."""
@@ -308,15 +322,20 @@ def one_at_a_time(request: web.Request, large: bool
     return request.app[LARGE_WORK] if large else contextlib.nullcontext()
 
 
-async def render(req: GenRequest, worker: Worker) -> PromptPlan | None:
-    """:func:`plan` on a thread, so that a long chat does not hold up every other request
-    on the event loop; a caller that goes away (the handler is cancelled) stops it within
-    a few hundred pieces of output."""
+async def render(request: web.Request, req: GenRequest, worker: Worker,
+                 large: bool) -> PromptPlan | None:
+    """A chat rendered with the worker's template (:func:`render_plan`), off the event
+    loop: a large one in the helper process (:mod:`.offload`), a small one on a thread.
+    A caller that goes away (the handler is cancelled) stops it within a few hundred
+    pieces of output."""
     if req.chat is None:
         return None
+    if large and worker.template_spec is not None:
+        return await request.app[OFFLOAD].render(worker.template_spec, req)
     gone = threading.Event()
     try:
-        return await asyncio.to_thread(plan, req, worker, gone.is_set)
+        return await asyncio.to_thread(render_plan, req, worker.template, worker.chat_format,
+                                       gone.is_set)
     finally:
         gone.set()
 
@@ -328,24 +347,31 @@ async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
     body = await read_body(request)
     large = len(body) > LARGE_BODY
     # Parsed on a thread (bounded by the body limit): the event loop keeps serving.
+    # Parsed off the event loop (bounded by the body limit): a large body in the helper
+    # process, whose GIL is not the event loop's; a small one on a thread.
     async with one_at_a_time(request, large):
-        data = await asyncio.to_thread(parse_json, body, fleet.settings.limits)
-        del body
-        # Labels only of served models: a caller must not grow the metrics with made-up
-        # names.
-        model = data.get("model")
+        session = request.headers.get(SESSION_HEADER)
+        is_json, model, req = await (request.app[OFFLOAD].parse(body, fleet.settings.limits,
+                                                       endpoint, session) if large else
+                            asyncio.to_thread(parse_request, body, fleet.settings.limits,
+                                              endpoint, session))
+    del body
+    if is_json:  # labels only of served models: a caller must not grow the metrics
         request[MODEL_LABEL] = model if isinstance(model, str) and \
             model in fleet.model_names() else "unknown"
-        parse = parse_chat if endpoint == "chat" else parse_completion
-        req = await asyncio.to_thread(parse, data, request.headers.get(SESSION_HEADER))
+    if isinstance(req, ApiError):
+        raise req
     worker, flight = await fleet.admit(req.model, request["tenant"], req.routing_text(),
                                        req.session_id, req.route_key, req.n)
     served_text: str | None = None
     outcome = "disconnected"  # unless it ends otherwise: a cancelled handler says nothing
     try:
         async with one_at_a_time(request, large):
-            prompt = await render(req, worker)
+            prompt = await render(request, req, worker, large)
         proto = req.to_proto(prompt)
+        # The key's tenant, on every call (workers serve every tenant; the caller cannot
+        # name one: a "tenant" field of the body is refused as unknown).
+        proto.tenant = request["tenant"]
         check_message_size(proto)
         choices = [Choice(i, prompt.parser() if prompt is not None else None)
                    for i in range(req.n)]
@@ -371,7 +397,7 @@ async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
                     outcome = "ok"
                     return web.json_response(response_body(
                         req, choices, finished, kvcache_details(done, worker.name,
-                                                                worker.tenant), generated))
+                                                                request["tenant"]), generated))
                 choice.feed(event.text)
                 if event.HasField("logprob"):
                     choice.logprobs.append(event.logprob)
@@ -455,7 +481,7 @@ async def stream(request: web.Request, req: GenRequest, worker: Worker, events: 
                 generated = sum(len(d.tokens) for d in finished)
                 # kvcache's details ride on the last chunk: the usage chunk when asked for
                 # (where clients read usage), else the last finish_reason chunk.
-                extra = kvcache_details(done, worker.name, worker.tenant)
+                extra = kvcache_details(done, worker.name, request["tenant"])
                 await response.write(sse(chunk(
                     req, finish=finish_reason(event.done, choice.has_tool_calls),
                     index=choice.index, extra=extra if last and not req.include_usage

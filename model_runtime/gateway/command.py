@@ -30,7 +30,7 @@ FilePath = click.Path(dir_okay=False, path_type=Path)
                                                          path_type=Path), default=None,
               help="JSON config: models (name, path, workers, args) and supervision.")
 @click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
-              help="Worker processes per --model (and per tenant).")
+              help="Worker processes per --model, shared by every tenant.")
 @click.option("--cache", "cache_address", default=None,
               help="kvcache daemon address for the workers (default: the default daemon); "
                    "'none' to run without a cache.")
@@ -53,6 +53,10 @@ FilePath = click.Path(dir_okay=False, path_type=Path)
 @click.option("--max-chars", type=click.IntRange(1), default=_LIMITS.chars,
               show_default=True, help="Most characters of text in one request, every "
                                       "string of its body together (more: 413).")
+@click.option("--max-slots-per-tenant", type=click.IntRange(1), default=None,
+              help="Most slots of a model's workers one tenant may hold at once (more: "
+                   "429 tenant_slots_busy). Default: half the model's slots, rounded up, "
+                   "when the key file has two tenants or more; no bound with one.")
 @click.option("--tls-cert", type=FilePath, default=None, help="Serve HTTPS with this "
                                                                "certificate (PEM).")
 @click.option("--tls-key", type=FilePath, default=None, help="The certificate's key (PEM).")
@@ -86,7 +90,7 @@ def gateway(listen: str, models: tuple[str, ...], config_path: Path | None, work
             n_seq_max: int | None, worker_args: str, api_keys_file: Path | None,
             tls_cert: Path | None, tls_key: Path | None, tls_client_ca: Path | None,
             insecure_tcp: bool, max_body_bytes: int, max_messages: int, max_chars: int,
-            run_dir: Path | None, **supervision: Any) -> None:
+            max_slots_per_tenant: int | None, run_dir: Path | None, **supervision: Any) -> None:
     """Serve the OpenAI API (chat and text completions) over supervised model workers."""
     from kvcache.config import default_address
 
@@ -134,7 +138,8 @@ def gateway(listen: str, models: tuple[str, ...], config_path: Path | None, work
             else cache_address or default_address(),
             supervision=sup, run_dir=run_dir, api_keys_file=api_keys_file,
             tls_cert=tls_cert, tls_key=tls_key, insecure_tcp=insecure_tcp,
-            limits=Limits(body_bytes=max_body_bytes, messages=max_messages, chars=max_chars))
+            limits=Limits(body_bytes=max_body_bytes, messages=max_messages, chars=max_chars),
+            max_slots_per_tenant=max_slots_per_tenant)
         keys = ApiKeys.load(api_keys_file) if api_keys_file else None
         tls = tls_context(tls_cert, tls_key, tls_client_ca)
         check_listener(split_listen(listen)[0], keys, tls, insecure_tcp)

@@ -1,11 +1,19 @@
-"""Every worker of every model and tenant, and admission: a slot on the right worker now,
-or a clear refusal.
+"""Every worker of every model, and admission: a slot on the right worker now, or a clear
+refusal.
 
-Tenants: each tenant named in the API key file gets its own workers (per model,
-``workers`` of them), started with ``--tenant``; a request runs on a worker of its key's
-tenant, never of one the caller names. With no key file, every request has the default
-tenant. (The runtime also takes a tenant per request, which would let one worker serve
-every tenant; the fleet does not use it yet.)
+Tenants share workers: each model has one pool (``workers`` processes) serving every
+tenant of the API key file. A request carries its key's tenant to the runtime (the
+``tenant`` field of each Complete call), never one the caller names; the runtime salts
+that request's lookups, saves and keys with it and reuses a live sequence only for the
+tenant whose request filled it, so a shared worker isolates tenants as separate ones did.
+Routing keeps them apart too: prefix tracking and sticky/affinity keys are per tenant.
+With no key file, every request has the default tenant.
+
+Fairness: on a shared pool one tenant could hold every slot. A tenant may hold at most
+:meth:`Fleet.tenant_bound` slots of a model's pool at once (``--max-slots-per-tenant``;
+by default half the pool's slots, rounded up, once the key file names two tenants or
+more, and no bound for a single tenant); beyond it that tenant gets a 429 while the
+others still find slots.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -23,7 +32,7 @@ from typing import Any
 from .keys import ApiKeys
 from .metrics import GatewayMetrics
 from .openai_api import ApiError
-from .router import NoFreeSlot, NoReadyWorker, SessionMap, choose
+from .router import NoFreeSlot, NoReadyWorker, SessionMap, choose, tenant_text
 from .settings import GatewaySettings
 from .worker import FAILED, Flight, Worker
 
@@ -75,17 +84,16 @@ class Fleet:
             self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.metrics = GatewayMetrics(lambda: self.workers)
         self.workers: list[Worker] = []
-        self.pools: dict[tuple[str, str], list[Worker]] = {}
+        self.pools: dict[str, list[Worker]] = {}  # by model: every tenant's
         for spec in settings.models:
-            for tenant in self.tenants:
-                pool = self.pools.setdefault((spec.name, tenant), [])
-                for _ in range(spec.workers):
-                    name = f"w{len(self.workers)}"
-                    worker = Worker(name, spec, tenant, self.run_dir / f"{name}.sock",
-                                    settings.cache_address, settings.supervision,
-                                    on_restart=self.metrics.on_restart)
-                    pool.append(worker)
-                    self.workers.append(worker)
+            pool = self.pools.setdefault(spec.name, [])
+            for _ in range(spec.workers):
+                name = f"w{len(self.workers)}"
+                worker = Worker(name, spec, self.run_dir / f"{name}.sock",
+                                settings.cache_address, settings.supervision,
+                                on_restart=self.metrics.on_restart)
+                pool.append(worker)
+                self.workers.append(worker)
         self.sessions = SessionMap()
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -127,18 +135,51 @@ class Fleet:
         return {"gateway": {"pid": os.getpid(), "uptime_s": round(time.monotonic() -
                                                                   self.started, 3),
                             "ready": self.ready, "tenants": len(self.tenants)},
-                "models": self.models(),
+                "models": [{**model, "max_slots_per_tenant":
+                            self.tenant_bound(self.pools[model["id"]])}
+                           for model in self.models()],
                 "workers": [w.status() for w in self.workers]}
 
     # -- admission --------------------------------------------------------------------------
 
+    def tenant_bound(self, pool: list[Worker]) -> int | None:
+        """The most slots of ``pool`` one tenant may hold at once (None: no bound):
+        ``--max-slots-per-tenant`` if set, else half the pool's slots rounded up when
+        there are two tenants or more (one tenant has no one to leave room for)."""
+        if self.settings.max_slots_per_tenant is not None:
+            return self.settings.max_slots_per_tenant
+        total = sum(w.slots for w in pool if w.ready)
+        if len(self.tenants) < 2 or total == 0:
+            return None
+        return math.ceil(total / 2)
+
+    @staticmethod
+    def tenant_busy(pool: list[Worker], tenant: str) -> int:
+        """Slots of ``pool`` that ``tenant``'s requests hold now."""
+        return sum(w.tenant_slots(tenant) for w in pool)
+
+    def _tenant_full(self, pool: list[Worker], tenant: str, slots: int = 1) -> bool:
+        bound = self.tenant_bound(pool)
+        return bound is not None and self.tenant_busy(pool, tenant) + slots > bound
+
     def refuse_if_full(self, tenant: str) -> None:
         """The 429 of :meth:`admit`, before the request's body is read or parsed, when no
-        model of ``tenant`` has a free slot on a ready worker (a model whose workers are
-        all starting is left to :meth:`admit`, which waits for them)."""
-        pools = [pool for (_, owner), pool in self.pools.items() if owner == tenant]
-        if pools and all(any(w.ready for w in pool) and not any(w.free_slots for w in pool)
-                         for pool in pools):
+        model has a slot for ``tenant`` on a ready worker: every slot busy, or the
+        tenant's share of them (a model whose workers are all starting is left to
+        :meth:`admit`, which waits for them)."""
+        blocked = []
+        for pool in self.pools.values():
+            if not any(w.ready for w in pool):
+                return
+            if self._tenant_full(pool, tenant):
+                blocked.append("tenant")
+            elif not any(w.free_slots for w in pool):
+                blocked.append("full")
+            else:
+                return
+        if blocked and all(b == "tenant" for b in blocked):
+            raise tenant_busy_error(None)
+        if blocked:
             raise ApiError(429, "Every slot of this server's models is busy; retry later.",
                            type="rate_limit_error", code="no_slot_available",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -150,8 +191,10 @@ class Fleet:
         finds no worker serving (all starting or restarting) waits for one, up to
         ``ready_wait_s``. ``session`` (the runtime's sticky session) or else ``affinity``
         (OpenAI's prompt_cache_key or user) prefers the worker that key last ran on.
-        ``slots``: a request with n choices runs on n sequences of one worker."""
-        pool = self.pools.get((model, tenant))
+        ``slots``: a request with n choices runs on n sequences of one worker. The
+        tenant's share (:meth:`tenant_bound`) is checked first: a tenant at its bound gets
+        its 429 while other tenants' requests are admitted."""
+        pool = self.pools.get(model)
         if pool is None:
             raise ApiError(404, f"The model '{model}' does not exist; this server has: "
                                 f"{', '.join(self.model_names())}.", param="model",
@@ -167,7 +210,16 @@ class Fleet:
                     raise ApiError(400, f"n={slots} needs {slots} sequences of one worker; "
                                         f"the workers of model '{model}' have {most}.",
                                    param="n", code="invalid_value")
-                worker = choose(pool, text, owner, slots)
+                bound = self.tenant_bound(pool)
+                if bound is not None and slots > bound:
+                    raise ApiError(400, f"n={slots} needs {slots} slots at once; a tenant "
+                                        f"may hold at most {bound} of model '{model}'.",
+                                   param="n", code="invalid_value")
+                if self._tenant_full(pool, tenant, slots):
+                    raise tenant_busy_error(model, bound)
+                # Per tenant: another tenant's prompt says nothing of where this one's
+                # KV lives (the runtime would not reuse it anyway).
+                worker = choose(pool, tenant_text(tenant, text), owner, slots)
                 break
             except NoFreeSlot:
                 raise ApiError(429, f"All {sum(w.slots for w in pool if w.ready)} slots of "
@@ -187,4 +239,14 @@ class Fleet:
                 await asyncio.sleep(0.05)
         if key:
             self.sessions.set(session_key, worker.name)
-        return worker, worker.acquire(slots)
+        return worker, worker.acquire(tenant, slots)
+
+
+def tenant_busy_error(model: str | None, bound: int | None = None) -> ApiError:
+    """A 429 for a tenant holding its share of a model's slots (other tenants are still
+    served)."""
+    where = f"its {bound} slots of model '{model}'" if model is not None else \
+        "its share of every model's slots"
+    return ApiError(429, f"This key's tenant already holds {where} (the per-tenant bound); "
+                         "retry when one of its requests ends.", type="rate_limit_error",
+                    code="tenant_slots_busy", headers={"Retry-After": str(RETRY_AFTER_S)})

@@ -8,8 +8,9 @@ certificate with ``--tls-client-ca``) and the traffic is encrypted (TLS), or
 
 The key file holds one key per line, optionally followed by the tenant its requests run
 as and ``role=admin`` (``KEY [TENANT] [role=admin]``; ``#`` starts a comment). It must be
-owner-only, like the daemon's token file. The tenant salts the workers' cache keys, so it
-comes from this file, never from the request.
+owner-only, like the daemon's token file. The tenant salts the cache keys of the key's
+requests (the workers serve every tenant; each request carries its tenant), so it comes
+from this file, never from the request.
 
 Operator views (``/status``, and ``/metrics`` unfiltered) need an operator: a key marked
 ``role=admin``, or, on a gateway without a key file, a caller on loopback. A tenant's key

@@ -1,7 +1,9 @@
 """The gateway's Prometheus metrics: requests by outcome and status, worker restarts by
 reason, slots and workers by state, time to first token and token counts as clients saw
-them; each by tenant, so that a tenant's key reads its own numbers only
-(:class:`TenantView`)."""
+them. Every tenant's own numbers carry its label, so that a tenant's key reads its own
+numbers only (:class:`TenantView`); the shared workers' (slots of the whole pool, worker
+states, restarts) carry none: they are the operator's, since a pool's busy slots move
+with every tenant's requests."""
 
 from __future__ import annotations
 
@@ -28,24 +30,32 @@ class WorkerCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         slots = GaugeMetricFamily(f"{PREFIX}_slots", "Request slots of ready workers "
-                                  "(the runtime's n_seq_max)",
-                                  labels=["model", "tenant", "state"])
+                                  "(the runtime's n_seq_max), every tenant's",
+                                  labels=["model", "state"])
+        mine = GaugeMetricFamily(f"{PREFIX}_tenant_slots", "Slots a tenant's requests "
+                                 "hold now", labels=["model", "tenant"])
         states = GaugeMetricFamily(f"{PREFIX}_workers", "Workers by state",
-                                   labels=["model", "tenant", "state"])
-        busy: dict[tuple[str, str], int] = {}
-        total: dict[tuple[str, str], int] = {}
-        by_state: dict[tuple[str, str, str], int] = {}
+                                   labels=["model", "state"])
+        busy: dict[str, int] = {}
+        total: dict[str, int] = {}
+        by_tenant: dict[tuple[str, str], int] = {}
+        by_state: dict[tuple[str, str], int] = {}
         for w in self.workers():
-            pool = (w.spec.name, w.tenant)
-            busy[pool] = busy.get(pool, 0) + len(w.flights)
-            total[pool] = total.get(pool, 0) + (w.slots if w.ready else 0)
-            by_state[(*pool, w.state)] = by_state.get((*pool, w.state), 0) + 1
-        for pool in total:
-            slots.add_metric([*pool, "busy"], busy[pool])
-            slots.add_metric([*pool, "free"], max(0, total[pool] - busy[pool]))
-        for labels, n in sorted(by_state.items()):
-            states.add_metric(list(labels), n)
+            model = w.spec.name
+            for tenant, n in w.busy_by_tenant().items():
+                busy[model] = busy.get(model, 0) + n
+                by_tenant[(model, tenant)] = by_tenant.get((model, tenant), 0) + n
+            total[model] = total.get(model, 0) + (w.slots if w.ready else 0)
+            by_state[(model, w.state)] = by_state.get((model, w.state), 0) + 1
+        for model in total:
+            slots.add_metric([model, "busy"], busy.get(model, 0))
+            slots.add_metric([model, "free"], max(0, total[model] - busy.get(model, 0)))
+        for labels, n in sorted(by_tenant.items()):
+            mine.add_metric(list(labels), n)
+        for state_labels, n in sorted(by_state.items()):
+            states.add_metric(list(state_labels), n)
         yield slots
+        yield mine
         yield states
 
 
@@ -64,7 +74,7 @@ class GatewayMetrics:
         self.failures = Counter(f"{PREFIX}_request_failures", "Requests failed by their "
                                 "worker, by reason", ["tenant", "reason"], registry=r)
         self.restarts = Counter(f"{PREFIX}_worker_restarts", "Worker restarts by reason",
-                                ["model", "tenant", "reason"], registry=r)
+                                ["model", "reason"], registry=r)
         self.ttft = Histogram(f"{PREFIX}_ttft_seconds", "From the request's arrival to its "
                               "first token", ["model", "tenant"], buckets=LATENCY_BUCKETS,
                               registry=r)
@@ -74,7 +84,7 @@ class GatewayMetrics:
         r.register(WorkerCollector(workers))
 
     def on_restart(self, worker: Worker, reason: str) -> None:
-        self.restarts.labels(worker.spec.name, worker.tenant, reason).inc()
+        self.restarts.labels(worker.spec.name, reason).inc()
 
 
 class TenantView:

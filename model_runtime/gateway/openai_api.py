@@ -124,6 +124,15 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled whole (it comes from the helper)
+        return (_api_error, (self.status, self.message, self.type, self.param, self.code,
+                             self.headers))
+
+
+def _api_error(status: int, message: str, type: str, param: str | None, code: str | None,
+               headers: dict[str, str]) -> ApiError:
+    return ApiError(status, message, type=type, param=param, code=code, headers=headers)
+
 
 def bad_param(param: str, message: str, code: str = "invalid_value") -> ApiError:
     return ApiError(400, message, param=param, code=code)

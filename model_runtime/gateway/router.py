@@ -1,4 +1,4 @@
-"""Slots and cache-aware routing among the workers of one model (and tenant).
+"""Slots and cache-aware routing among the workers of one model.
 
 Each worker's runtime keeps the KV of its recent sequences live and reuses it in place for
 a prompt that extends one of them. The gateway cannot see those sequences, but it saw
@@ -6,6 +6,10 @@ every prompt and reply it sent there: it keeps, per worker, the recent ones (bou
 sends a request to the worker whose texts share the longest prefix with it, then to the
 least loaded. A conversation thus stays where its state is. Elsewhere it would still be
 warm from the shared daemon, so this is a preference, never a reason to wait.
+
+Workers serve every tenant, and a runtime reuses a live sequence only for the tenant
+whose request filled it: the texts tracked are each tenant's own (:func:`tenant_text`), so
+one tenant's prompt never draws another's identical prompt to its worker.
 """
 
 from __future__ import annotations
@@ -18,6 +22,12 @@ from typing import Protocol, TypeVar
 # about where a conversation lives: it counts as none.
 MIN_ROUTE_CHARS = 32
 MAX_SESSIONS = 10_000
+
+
+def tenant_text(tenant: str, text: str) -> str:
+    """What routing tracks and compares of a request: its text, under its tenant (a
+    tenant's name holds no NUL, so two tenants' texts share no prefix)."""
+    return f"{tenant}\x00{text}"
 
 
 def common_prefix_len(a: str, b: str) -> int:

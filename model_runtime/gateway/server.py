@@ -28,8 +28,10 @@ async def serve(settings: GatewaySettings, keys: ApiKeys | None,
     fleet = Fleet(settings, keys)
     # handler_cancellation: a client that disconnects cancels its handler, which cancels
     # the worker's gRPC call, which frees the runtime's sequence and the gateway's slot.
+    # lingering_time=0: a refused request's large body is not read and dropped after the
+    # answer, the connection is closed (app.unread_body_or_close drains small ones).
     runner = web.AppRunner(build_app(fleet), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=5.0)
+                           shutdown_timeout=5.0, lingering_time=0)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port, ssl_context=tls)

@@ -40,8 +40,9 @@ class ModelSpec:
             raise SettingsError(f"model {self.name}: workers must be an integer from 1 to 64")
         for option in ("--socket", "--listen", "--cache", "--tenant", "--model"):
             if option in self.args:
-                raise SettingsError(f"model {self.name}: {option} is set by the gateway for "
-                                    "each worker; remove it from the worker arguments")
+                raise SettingsError(f"model {self.name}: {option} is set by the gateway (the "
+                                    "tenant per request); remove it from the worker "
+                                    "arguments")
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,9 @@ class GatewaySettings:
     insecure_tcp: bool = False
     default_tenant: str = ""  # the tenant of requests when no API keys are configured
     limits: Limits = field(default_factory=Limits)  # the work one request may ask for
+    # The most slots of a model's pool one tenant may hold at once (None: half the pool's
+    # slots rounded up with two tenants or more, no bound with one; see Fleet.tenant_bound)
+    max_slots_per_tenant: int | None = None
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -102,6 +106,11 @@ class GatewaySettings:
         if dupes:
             raise SettingsError(f"model names must differ: {', '.join(dupes)} given twice")
         split_listen(self.listen)
+        bound = self.max_slots_per_tenant
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)
+                                  or bound < 1):
+            raise SettingsError(f"max_slots_per_tenant must be an integer >= 1, got "
+                                f"{bound!r}")
 
 
 def split_listen(listen: str) -> tuple[str, int]:

@@ -37,8 +37,9 @@ from ..chat.formats import ChatFormat, detect_format
 from ..chat.templates import ChatTemplate, TemplateError
 from ..v1 import runtime_pb2 as pb
 from ..v1 import runtime_pb2_grpc as pb_grpc
+from .offload import TemplateSpec
 from .ring import LogRing
-from .router import PrefixTracker
+from .router import PrefixTracker, tenant_text
 from .settings import ModelSpec, Supervision
 
 log = logging.getLogger("model_runtime.gateway")
@@ -78,10 +79,11 @@ class StartError(Exception):
 
 @dataclass(eq=False)
 class Flight:
-    """A request in flight on a worker: it holds one slot until released."""
+    """A request in flight on a worker: it holds its slots until released."""
 
     id: int
     started: float
+    tenant: str  # whose request: a tenant's share of slots is bounded
     slots: int = 1  # a request with n choices runs on n sequences
     wait_since: float | None = None  # set while waiting for the worker's next event
     call: Any = None  # the gRPC call, cancelled when the worker fails
@@ -99,12 +101,11 @@ def process_cpu_seconds(pid: int) -> float | None:
 
 
 class Worker:
-    def __init__(self, name: str, spec: ModelSpec, tenant: str, socket_path: Path,
+    def __init__(self, name: str, spec: ModelSpec, socket_path: Path,
                  cache_address: str | None, supervision: Supervision,
                  on_restart: Callable[[Worker, str], None] | None = None) -> None:
         self.name = name
         self.spec = spec
-        self.tenant = tenant
         self.socket_path = socket_path
         self.cache_address = cache_address
         self.sup = supervision
@@ -119,6 +120,7 @@ class Worker:
         # The model's chat template, from the runtime (the gateway renders chats itself).
         self.template: ChatTemplate | None = None
         self.chat_format: ChatFormat | None = None
+        self.template_spec: TemplateSpec | None = None  # to rebuild it elsewhere
         self.flights: dict[int, Flight] = {}
         self.served = 0
         self.restarts = 0
@@ -151,23 +153,30 @@ class Worker:
         busy = sum(f.slots for f in self.flights.values())
         return max(0, self.slots - busy) if self.ready else 0
 
+    def tenant_slots(self, tenant: str) -> int:
+        """Slots ``tenant``'s requests hold here."""
+        return sum(f.slots for f in self.flights.values() if f.tenant == tenant)
+
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None and self.proc.returncode is None \
             else None
 
     def command(self) -> list[str]:
+        """No ``--tenant``: every request names its tenant (the runtime's default tenant,
+        "", is never used by the gateway's requests)."""
         py = sys.executable
         return [py, "-m", "model_runtime.gateway.spawn", str(os.getpid()), "--",
                 py, "-m", "model_runtime.cli", "serve", "--model", str(self.spec.path),
                 "--socket", str(self.socket_path), "--cache", self.cache_address or "none",
-                "--tenant", self.tenant, *self.spec.args]
+                *self.spec.args]
 
     # -- requests ---------------------------------------------------------------------------
 
-    def acquire(self, slots: int = 1) -> Flight:
-        """Take ``slots`` slots (the router checked that they are free)."""
-        flight = Flight(next(_flight_ids), time.monotonic(), slots)
+    def acquire(self, tenant: str, slots: int = 1) -> Flight:
+        """Take ``slots`` slots for a request of ``tenant`` (the router checked that they
+        are free)."""
+        flight = Flight(next(_flight_ids), time.monotonic(), tenant, slots)
         self.flights[flight.id] = flight
         return flight
 
@@ -175,7 +184,7 @@ class Worker:
         self.flights.pop(flight.id, None)
         if served_text is not None and flight.failure is None:
             self.served += 1
-            self.tracker.add(served_text)
+            self.tracker.add(tenant_text(flight.tenant, served_text))
 
     async def events(self, flight: Flight,
                      request: pb.CompleteRequest) -> AsyncIterator[pb.CompleteEvent]:
@@ -340,12 +349,14 @@ class Worker:
             raise StartError(f"Stats failed: {exc.code().name}") from None
         self.slots, self.n_ctx = stats.n_seq_max, stats.n_ctx
         self.fingerprint = stats.model_fingerprint
-        self.template = self.chat_format = None
+        self.template = self.chat_format = self.template_spec = None
         if stats.chat_template:
             try:
                 self.template = ChatTemplate(stats.chat_template, bos_token=stats.bos_text,
                                              eos_token=stats.eos_text, add_bos=stats.add_bos)
                 self.chat_format = detect_format(stats.chat_template)
+                self.template_spec = TemplateSpec(stats.chat_template, stats.bos_text,
+                                                  stats.eos_text, stats.add_bos)
             except TemplateError as exc:
                 log.warning("worker %s: %s; chats are refused", self.name, exc)
 
@@ -439,11 +450,19 @@ class Worker:
             await self.channel.close()
         self.channel = self.stub = None
 
+    def busy_by_tenant(self) -> dict[str, int]:
+        busy: dict[str, int] = {}
+        for flight in self.flights.values():
+            busy[flight.tenant] = busy.get(flight.tenant, 0) + flight.slots
+        return busy
+
     def status(self) -> dict[str, Any]:
         return {
-            "name": self.name, "model": self.spec.name, "tenant": self.tenant,
+            "name": self.name, "model": self.spec.name,
             "state": self.state, "pid": self.pid, "socket": str(self.socket_path),
-            "slots_total": self.slots, "slots_busy": len(self.flights),
+            "slots_total": self.slots,
+            "slots_busy": sum(f.slots for f in self.flights.values()),
+            "slots_busy_by_tenant": self.busy_by_tenant(),
             "served": self.served, "restarts": self.restarts, "n_ctx": self.n_ctx,
             "last_start_s": self.last_start_s,
             "uptime_s": round(time.monotonic() - self.ready_at, 3) if self.ready else None,
