@@ -227,6 +227,35 @@ def test_cache_control_reports_creation_then_reads(gw: Gateway) -> None:
     assert u2.input_tokens + u2.cache_read_input_tokens == counted.input_tokens
 
 
+def test_top_level_cache_control_caches_the_conversation_so_far(gw: Gateway) -> None:
+    """Automatic caching: the breakpoint is the end of the last message, so the next turn
+    reads everything before its new messages."""
+    client = gw.client()
+    system = "You keep the logbook of a fishing boat off Lofoten. " * 6
+    turn = user("Log the morning catch.")
+    first = client.messages.create(model="hermes", max_tokens=3, system=system,
+                                   messages=turn, cache_control={"type": "ephemeral"},
+                                   extra_body=GREEDY)
+    held = first.usage.cache_creation_input_tokens + first.usage.cache_read_input_tokens
+    assert first.usage.cache_creation_input_tokens > 0
+    assert held > first.usage.input_tokens  # all but the assistant turn's opening
+    second = client.messages.create(
+        model="hermes", max_tokens=3, system=system, cache_control={"type": "ephemeral"},
+        messages=[*turn, {"role": "assistant", "content": first.content[0].text or "ok"},
+                  *user("And the evening's?")], extra_body=GREEDY)
+    assert second.usage.cache_read_input_tokens >= held
+
+
+def test_output_config_holds_the_reply_to_a_schema(gw: Gateway) -> None:
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False}
+    reply = gw.client().messages.create(
+        model="hermes", max_tokens=60, messages=user("Is it raining?"), extra_body=GREEDY,
+        output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert reply.stop_reason == "end_turn"
+    assert json.loads(reply.content[0].text)["answer"] in ("yes", "no")
+
+
 def pinned_entries(cache: CacheClient) -> list[Any]:
     return [e for e in cache.list_entries() if e.pinned]
 
@@ -330,6 +359,14 @@ def test_errors_in_anthropic_shape(gw: Gateway) -> None:
     refused(400, "invalid_request_error", model="hermes", max_tokens=4, messages=[
         *ask, {"role": "assistant", "content": "Well,"}])
     refused(400, "invalid_request_error", model="hermes", max_tokens=4000, messages=ask)
+    refused(400, "invalid_request_error", model="hermes", max_tokens=4, messages=ask,
+            output_config={"effort": "high"})
+    refused(400, "invalid_request_error", model="hermes", max_tokens=4, messages=ask,
+            output_config={"format": {"type": "json_schema", "schema": {"type": "nope"}}})
+    marks = [{"type": "text", "text": f"{i}", "cache_control": {"type": "ephemeral"}}
+             for i in range(5)]
+    assert "4 blocks" in refused(400, "invalid_request_error", model="hermes", max_tokens=4,
+                                 messages=ask, system=marks)
     status, _, body = gw.process.http("GET", "/v1/messages/nothing", None,
                                       {"x-api-key": KEY})
     assert status == 404 and json.loads(body)["error"]["type"] == "not_found_error"
