@@ -25,8 +25,9 @@ from model_runtime.chat.formats import detect_format
 from model_runtime.chat.parsing import OutputParser
 from model_runtime.chat.prompt import plan_chat
 from model_runtime.chat.templates import ChatTemplate
-from model_runtime.gateway.anthropic_api import parse_messages_request
+from model_runtime.gateway.anthropic_api import error_body, parse_messages_request
 from model_runtime.gateway.anthropic_output import BlockStream
+from model_runtime.gateway.openai_api import ApiError
 
 KEY = "k" * 40  # the key file's one key (an operator's: the fixture reads /status)
 SYSTEM = ("You are the dispatcher of a delivery company. Answer briefly; look things up with "
@@ -370,8 +371,25 @@ def test_errors_in_anthropic_shape(gw: Gateway) -> None:
     status, _, body = gw.process.http("GET", "/v1/messages/nothing", None,
                                       {"x-api-key": KEY})
     assert status == 404 and json.loads(body)["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.count_tokens(model="nope", messages=ask)
+    status, _, body = gw.process.http("POST", "/v1/messages", b" " * (5 << 20),
+                                      {"x-api-key": KEY})  # over --max-body-bytes
+    assert status == 413 and json.loads(body)["error"]["type"] == "request_too_large"
     # Still serving.
     assert client.messages.create(model="hermes", max_tokens=2, messages=ask).content
+
+
+def test_error_types_follow_anthropic_statuses() -> None:
+    """The gateway's refusals as Anthropic answers them: a busy server's 429, a worker not
+    ready (or failed) as 529 overloaded, a busy session's 409 as a 400."""
+    cases = {429: (429, "rate_limit_error"), 503: (529, "overloaded_error"),
+             409: (400, "invalid_request_error"), 500: (500, "api_error"),
+             403: (403, "permission_error")}
+    for given, (status, kind) in cases.items():
+        answer, body = error_body(ApiError(given, "why", param="model"))
+        assert answer == status and body == {"type": "error", "error": {
+            "type": kind, "message": "model: why"}}
 
 
 def test_x_api_key_and_bearer_auth(gw: Gateway) -> None:
