@@ -17,6 +17,7 @@ import anthropic
 import pytest
 from daemon_proc import DaemonProcess, wait_for
 from make_tiny_gguf import HERMES_TEMPLATE, THINK_TEMPLATE
+from system_prompt import build_system_prompt
 from test_daemon import IDENT, payload_for, toks
 from test_gateway_support import GatewayProcess, kill_leftovers, wait_gone
 
@@ -462,3 +463,37 @@ def test_breakpoints_are_the_ends_of_their_messages() -> None:
     assert proto.prefix_chars == 0
     assert list(proto.boundary_chars) == [system_end, user_end]
     assert list(proto.boundary_ttl_seconds) == [300, 3600]
+
+
+@pytest.mark.slow
+def test_smollm2_through_the_messages_api(tmp_path: Path) -> None:
+    """The real default model: a cached system prompt read back on the next question, the
+    streamed reply equal to the whole one, the key in x-api-key."""
+    daemon = DaemonProcess(tmp_path / "data").start()
+    gateway = GatewayProcess(tmp_path / "gateway.log", "--n-ctx", "2048", "--n-seq-max", "2",
+                             cache=daemon.address)
+    pids: list[int] = []
+    try:
+        gateway.start(timeout=300)
+        pids = [w["pid"] for w in gateway.status()["workers"]]
+        client = anthropic.Anthropic(base_url=gateway.url, api_key="unused-on-loopback",
+                                     max_retries=0, timeout=300.0)
+        model = gateway.client().models.list().data[0].id
+        system = cached_system(build_system_prompt(300))
+        first = client.messages.create(model=model, max_tokens=24, system=system,
+                                       messages=user("What is the warranty of the Atlas "
+                                                     "Notebook?"), extra_body=GREEDY)
+        assert first.content[0].text.strip()
+        assert first.usage.cache_creation_input_tokens > 300
+        question = user("How do I get a refund?")
+        second = client.messages.create(model=model, max_tokens=24, system=system,
+                                        messages=question, extra_body=GREEDY)
+        assert second.usage.cache_read_input_tokens >= first.usage.cache_creation_input_tokens
+        with client.messages.stream(model=model, max_tokens=24, system=system,
+                                    messages=question, extra_body=GREEDY) as stream:
+            streamed = "".join(stream.text_stream)
+        assert streamed == second.content[0].text
+    finally:
+        gateway.close()
+        kill_leftovers(pids)
+        daemon.close()
