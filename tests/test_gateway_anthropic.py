@@ -345,6 +345,14 @@ def test_errors_in_anthropic_shape(gw: Gateway) -> None:
     bad_schema = {**WEATHER, "input_schema": {"type": "string"}}
     assert "input_schema" in refused(400, "invalid_request_error", model="hermes",
                                      max_tokens=4, messages=ask, tools=[bad_schema])
+    # One the grammar cannot hold the input to, and two tools of one name: named as
+    # Anthropic names the place.
+    unusable = {**WEATHER, "input_schema": {"type": "object", "properties": {
+        "city": {"$ref": "#/$defs/nowhere"}}}}
+    assert refused(400, "invalid_request_error", model="hermes", max_tokens=4,
+                   messages=ask, tools=[unusable]).startswith("tools.0.input_schema")
+    assert refused(400, "invalid_request_error", model="hermes", max_tokens=4,
+                   messages=ask, tools=[WEATHER, WEATHER]).startswith("tools.1.name")
     assert "role" in refused(400, "invalid_request_error", model="hermes", max_tokens=4,
                              messages=[{"role": "system", "content": "x"}])
     assert "nope" in refused(404, "not_found_error", model="nope", max_tokens=4,

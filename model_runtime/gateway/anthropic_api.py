@@ -10,6 +10,7 @@ how), in Anthropic's error shape (:func:`error_body`). Pure: the routes are in
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -79,9 +80,18 @@ def error_body(err: ApiError) -> tuple[int, dict[str, Any]]:
     status = _STATUS.get(err.status, err.status)
     kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else
                             "invalid_request_error")
-    message = f"{err.param}: {err.message}" if err.param and \
-        not err.message.startswith(err.param) else err.message
+    param = anthropic_param(err.param) if err.param else ""
+    message = f"{param}: {err.message}" if param and not err.message.startswith(param) \
+        else err.message
     return status, {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def anthropic_param(param: str) -> str:
+    """A place named as the chat front end names it (``tools[0].function.parameters``)
+    as Anthropic names it (``tools.0.input_schema``); a duplicate tool is refused by its
+    ``tools[i].function.name``."""
+    param = param.replace(".function.parameters", ".input_schema").replace(".function.", ".")
+    return re.sub(r"\[(\d+)\]", r".\1", param)
 
 
 def invalid(param: str, message: str) -> ApiError:
