@@ -310,7 +310,9 @@ def entry_line(e: pb.Entry) -> str:
     return (f"{e.key.hex()}  {e.n_tokens} tokens  {human_bytes(e.size)}  {e.reason}  "
             f"{e.model_name or e.model_fingerprint}"
             + (f"  tenant {e.tenant_id}" if e.tenant_id else "")
-            + ("  pinned" if e.pinned else "")
+            + (("  pinned until " + time.strftime("%Y-%m-%d %H:%M:%S",
+                                                  time.localtime(e.pin_expires))
+                if e.pin_expires else "  pinned") if e.pinned else "")
             + (f"  {e.children} built on it" if e.children else ""))
 
 
@@ -321,6 +323,7 @@ def entry_dict(e: pb.Entry, now: float) -> dict[str, Any]:
         "tiers": [TIER_NAMES[t] for t in e.tiers], "reason": e.reason, "codec": e.codec,
         "created": e.created, "age_seconds": round(now - e.created, 3),
         "last_used": e.last_used, "hits": e.hits, "pinned": e.pinned,
+        "pin_expires": e.pin_expires or None,  # an expiring pin's end (unix time)
         # A piece: its first `base` tokens are the chain of `parent`; `bytes` are its own,
         # `shared_bytes` (estimated) what it uses of that chain.
         "parent": e.parent.hex(), "base": e.base,
@@ -805,7 +808,10 @@ def ls_row(r: dict[str, Any], now: float) -> dict[str, str]:
         "SHARED": human_bytes(r["shared_bytes"]) if r["shared_bytes"] else "-",
         "REASON": r["reason"], "AGE": human_age(r["age_seconds"]),
         "USED": f"{human_age(max(0.0, now - r['last_used']))} ago" if r["last_used"] else "never",
-        "HITS": human_count(r["hits"]), "PINNED": "yes" if r["pinned"] else "",
+        "HITS": human_count(r["hits"]),
+        "PINNED": ("" if not r["pinned"] else
+                   f"{human_age(max(0.0, r['pin_expires'] - now))} left"
+                   if r.get("pin_expires") else "yes"),
     }
 
 
@@ -946,7 +952,9 @@ def inspect_lines(data: dict[str, Any], now: float, every_token: list[int] | Non
         ("created", local_time(data["created"], now)),
         ("last used", local_time(data["last_used"], now)),
         ("hits", human_count(data["hits"])),
-        ("pinned", "yes" if data["pinned"] else "no"),
+        ("pinned", ("no" if not data["pinned"] else
+                    f"until {local_time(data['pin_expires'], now)}"
+                    if data.get("pin_expires") else "yes")),
         ("kv layout", kv_layout or "-"),
         ("format version", str(data["format_version"])),
         ("producer", data["producer"] or "-"),

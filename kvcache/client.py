@@ -612,8 +612,10 @@ class CacheClient:
         the byte targets say how much (see the message's comment)."""
         return self._rpc("Prune", pb.PruneRequest(**criteria), 300.0)
 
-    def pin(self, key: bytes) -> None:
-        self._rpc("Pin", pb.KeyRequest(key=key))
+    def pin(self, key: bytes, ttl_seconds: float = 0.0) -> None:
+        """Pin an entry against eviction: until :meth:`unpin`, or with ``ttl_seconds``
+        until then (a later pin extends an expiring pin, never shortens one)."""
+        self._rpc("Pin", pb.KeyRequest(key=key, ttl_seconds=ttl_seconds))
 
     def unpin(self, key: bytes) -> None:
         self._rpc("Unpin", pb.KeyRequest(key=key))

@@ -87,6 +87,7 @@ SECTIONS: dict[str, dict[str, str]] = {
     },
     "administration": {
         "pins": "Entries pinned by an operator",
+        "pins_expired": "Expiring pins (a ttl given to Pin) released by time",
         "unpins": "Entries unpinned by an operator",
         "deletes": "Entries removed by an operator (evict)",
         "prune_removed": "Entries removed by prune",

@@ -71,6 +71,10 @@ class Record:
     # holds only the cells after them. b"" and 0 for a whole state.
     parent: bytes = b""
     base: int = 0
+    # An expiring pin's end (time.time(); 0.0: none): the pin is released by time, and
+    # kept in the row so that it outlives a restart. Written only when set, so rows stay
+    # as the previous version wrote them.
+    pin_expires: float = 0.0
 
     def pack(self) -> bytes:
         # Not dataclasses.asdict: it deep-copies every field (4x slower on rebuilds).
@@ -79,7 +83,8 @@ class Record:
 
     def _fields(self) -> tuple[str, ...]:
         # A whole state's row is written as the previous version wrote it (no piece fields).
-        return _RECORD_FIELDS if self.parent else _WHOLE_FIELDS
+        names = _RECORD_FIELDS if self.parent else _WHOLE_FIELDS
+        return names if self.pin_expires else tuple(n for n in names if n != "pin_expires")
 
     @property
     def own_tokens(self) -> int:
@@ -108,6 +113,7 @@ class Record:
     @property
     def usage_ok(self) -> bool:
         return (type(self.in_ram) is bool and type(self.pinned) is bool
+                and type(self.pin_expires) is float
                 and type(self.hits) is int and type(self.last_used) is float)
 
     @classmethod
@@ -125,7 +131,8 @@ _PIECE_FIELDS = ("parent", "base")
 _WHOLE_FIELDS = tuple(name for name in _RECORD_FIELDS if name not in _PIECE_FIELDS)
 # What a blob's header and metadata determine; the rest (tier, usage, pin) changes in place.
 _SEALED_FIELDS = tuple(name for name in _RECORD_FIELDS
-                       if name not in ("in_ram", "hits", "last_used", "pinned"))
+                       if name not in ("in_ram", "hits", "last_used", "pinned",
+                                       "pin_expires"))
 _SEALED_WHOLE_FIELDS = tuple(name for name in _SEALED_FIELDS if name not in _PIECE_FIELDS)
 
 
@@ -413,7 +420,7 @@ class Index:
                     good.append(record)
                     continue
                 usage = {"hits": record.hits, "last_used": record.last_used,
-                         "pinned": record.pinned}
+                         "pinned": record.pinned, "pin_expires": record.pin_expires}
                 bad[key] = {k: v for k, v in usage.items()
                             if type(v) is type(getattr(Record, k))}
         return good, bad

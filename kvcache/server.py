@@ -107,7 +107,7 @@ def entry_message(record: Record, children: int = 0) -> pb.Entry:
         reason=record.reason, created=record.created, last_used=record.last_used,
         hits=record.hits, pinned=record.pinned, codec=record.codec, namespace=record.namespace,
         parent=record.parent, base=record.base, logical_size=record.logical_size,
-        children=children,
+        children=children, pin_expires=record.pin_expires,
     )
 
 
@@ -464,8 +464,11 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         return pb.ReleaseReadResponse(quarantined=quarantined)
 
     def Pin(self, request: pb.KeyRequest, context: Any) -> pb.PinResponse:
+        if not math.isfinite(request.ttl_seconds) or request.ttl_seconds < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "invalid_argument: ttl_seconds must be a finite number >= 0")
         self._call(context, lambda: self.store.set_pinned(
-            self.check_key_scope(request.key, context), True))
+            self.check_key_scope(request.key, context), True, request.ttl_seconds))
         return pb.PinResponse(pinned=True)
 
     def Unpin(self, request: pb.KeyRequest, context: Any) -> pb.PinResponse:

@@ -80,6 +80,9 @@ COUNTERS: dict[str, str] = {
                                       "longer shared prefix was still being written after "
                                       "the wait (in_flight_wait_ms)",
     "saves_failed": "Saves the daemon refused (e.g. no room in its disk budget)",
+    "pins_sent": "Expiring pins of cache_control breakpoints the daemon took",
+    "pins_failed": "Expiring pins the daemon refused (entry gone, or no right to pin)",
+    "pins_dropped": "Expiring pins dropped because max_pending_saves were already queued",
     "shutdown_saves_skipped": "Live sequences not saved at shutdown: the deadline had passed",
     # bugs
     "internal_errors": "Exceptions that escaped a model-thread step (a bug: requests in "

@@ -136,7 +136,8 @@ class Engine:
             self.counters[name] += n
 
     def submit(self, tokens: list[int], sampling: SamplingParams, *, session_id: str = "",
-               parent_key: bytes = b"", boundary: int = 0, n: int = 1,
+               parent_key: bytes = b"", boundary: int = 0,
+               boundaries: tuple[tuple[int, int], ...] = (), n: int = 1,
                tenant: str | None = None) -> Request:
         """Queue a request of ``n`` choices under ``tenant`` (None: the runtime's)."""
         if not tokens:
@@ -157,7 +158,9 @@ class Engine:
         if not isinstance(tenant, str):
             raise SettingError("tenant", f"must be a string, got {tenant!r}")
         req = Request(next(self._ids), list(tokens), sampling, session_id, parent_key,
-                      boundary if 0 < boundary < len(tokens) else 0, n=n, tenant=tenant)
+                      boundary if 0 < boundary < len(tokens) else 0,
+                      boundaries=tuple((at, ttl) for at, ttl in boundaries
+                                       if 0 < at < len(tokens)), n=n, tenant=tenant)
         # Checked and queued under the lock close() takes to set _stopping: a request is
         # either refused here or queued before the shutdown message (which answers it).
         # Queued after it, nothing would ever answer it and its caller would hang.

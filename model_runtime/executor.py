@@ -228,6 +228,15 @@ class Executor:
             req.cache.saves.append({"reason": reason, "tokens": n, "key": key.hex()})
         return key
 
+    def pin(self, tokens: Sequence[int], tenant: str, ttl_seconds: int) -> None:
+        """Queue an expiring pin of the tenant's entry of ``tokens`` (behind the saves
+        queued so far, so one saved just now is published first)."""
+        if self.cache is None:
+            return
+        key = self.key_of(tokens, tenant)
+        if key:
+            self.saver.pin(key, ttl_seconds)
+
     @staticmethod
     def _prompt_waypoint(seq: Seq, req: Request | None) -> tuple[Waypoint, ...]:
         """The request's prompt as an entry of its own on the way to a longer state (its

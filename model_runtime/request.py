@@ -81,6 +81,7 @@ class Completion:
     saves: list[dict[str, Any]] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, when asked
     choice: int = 0  # which of the request's n choices (0 when n is 1)
+    stop_sequence: str = ""  # the stop string that ended the text ("": none)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -148,6 +149,9 @@ class Request:
     session_id: str = ""
     parent_key: bytes = b""
     boundary: int = 0  # explicit cold save boundary (end of the system message); 0: none
+    # More explicit boundaries (cache_control breakpoints), each with the seconds its
+    # entry stays pinned in the daemon (0: not pinned).
+    boundaries: tuple[tuple[int, int], ...] = ()
     n: int = 1  # choices asked for
     tenant: str = ""  # the salt of its cache namespace: tenants share nothing
     choice: int = 0  # which of the n choices this is (see fork_choice)
@@ -198,7 +202,8 @@ class Request:
                          tokens_read=self.cache.tokens_read,
                          tokens_saved=self.cache.tokens_saved, saves=list(self.cache.saves))
         return Request(self.id, self.tokens, self.sampling, parent_key=self.parent_key,
-                       boundary=self.boundary, n=self.n, tenant=self.tenant, choice=choice,
+                       boundary=self.boundary, boundaries=self.boundaries, n=self.n,
+                       tenant=self.tenant, choice=choice,
                        first=self, phase=Phase.DECODE, seq=seq, n_past=self.n_past,
                        cache=cache, timings=dataclasses.replace(self.timings),
                        events=self.events)
@@ -216,7 +221,8 @@ class Request:
                          "tokens_saved": self.cache.tokens_saved},
             timings=self.timings.to_ms(now), prompt_tokens=len(self.tokens),
             session_id=self.session_id, cache_tier=self.cache.tier, saves=self.cache.saves,
-            logprobs=list(self.logprobs), choice=self.choice)
+            logprobs=list(self.logprobs), choice=self.choice,
+            stop_sequence=self.stream.stop_sequence)
 
 
 @dataclass(eq=False)

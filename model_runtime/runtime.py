@@ -259,6 +259,26 @@ class Runtime:
         tokens = self.tokenize(text, cancelled)
         return tokens, common_prefix(head_tokens, tokens)
 
+    def _boundaries(self, prompt: str | None, tokens: list[int], boundary_chars: Sequence[int],
+                    ttls: Sequence[int]) -> tuple[tuple[int, int], ...]:
+        """The token positions of the prompt's extra save boundaries (the ends of its
+        first ``boundary_chars[i]`` characters), each with its pin's seconds."""
+        if not boundary_chars:
+            return ()
+        if prompt is None:
+            raise RequestError("invalid_argument", "boundary_chars needs a prompt")
+        if len(ttls) not in (0, len(boundary_chars)):
+            raise SettingError("boundary_ttl_seconds", "must be empty or as long as "
+                                                       "boundary_chars")
+        out: dict[int, int] = {}
+        for i, chars in enumerate(boundary_chars):
+            check_int("boundary_chars", chars, 1, len(prompt))
+            head_tokens = self._head_tokens(prompt[:chars])
+            at = common_prefix(head_tokens, tokens)
+            if 0 < at < len(tokens):  # the prompt's end is saved anyway (finish)
+                out[at] = max(out.get(at, 0), int(ttls[i]) if ttls else 0)
+        return tuple(sorted(out.items()))
+
     def _prepare(self, prompt: str | None, tokens: Sequence[int] | None,
                  messages: Sequence[Message] | None, system: str | None,
                  prefix_tokens: int, prefix_chars: int = 0,
@@ -286,12 +306,19 @@ class Runtime:
             raise RequestError("invalid_argument", f"token ids out of range: {bad[:5]}")
         return toks, prefix_tokens
 
+    def count_tokens(self, *, prompt: str | None = None, tokens: Sequence[int] | None = None,
+                     messages: Sequence[Message] | None = None, system: str | None = None,
+                     cancelled: Callable[[], bool] | None = None) -> int:
+        """The prompt's length in tokens, as :meth:`submit` would make it."""
+        return len(self._prepare(prompt, tokens, messages, system, 0, 0, cancelled)[0])
+
     # -- completion -------------------------------------------------------------------------
 
     def submit(self, *, prompt: str | None = None, tokens: Sequence[int] | None = None,
                messages: Sequence[Message] | None = None, system: str | None = None,
-               prefix_tokens: int = 0, prefix_chars: int = 0, session_id: str = "",
-               parent_key: str | bytes = b"",
+               prefix_tokens: int = 0, prefix_chars: int = 0,
+               boundary_chars: Sequence[int] = (), boundary_ttl_seconds: Sequence[int] = (),
+               session_id: str = "", parent_key: str | bytes = b"",
                max_tokens: int | None = None, until_context_full: bool = False,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                min_p: float = 0.0, seed: int | None = None, repeat_penalty: float = 1.0,
@@ -381,14 +408,27 @@ class Runtime:
 
         ``prefix_chars``: with a ``prompt`` rendered by the caller (the gateway renders
         chats itself), the save boundary at the end of its first ``prefix_chars``
-        characters (its system message and tools).
+        characters (its system message and tools). ``boundary_chars``: more boundaries
+        of such a prompt (cache_control breakpoints), each saved on its way (a ``cold``
+        save), and its entry pinned in the daemon for ``boundary_ttl_seconds[i]`` seconds
+        (0: not pinned) when the request ends, whether it saved or restored it.
 
         ``cancelled``: asked while the prompt is tokenized (true: the caller went away;
         refused with ``cancelled``). Once queued, :meth:`cancel` ends the request at
         once, between two prefill chunks at the latest.
         """
+        head_chars = prefix_chars
+        if prompt is not None and boundary_chars and not prefix_chars:
+            for chars in boundary_chars:
+                check_int("boundary_chars", chars, 1, len(prompt))
+            # The longest breakpoint as the head: its tokens are kept, and a next request
+            # that shares it has only the rest tokenized.
+            head_chars = max(boundary_chars)
         toks, boundary = self._prepare(prompt, tokens, messages, system, prefix_tokens,
-                                       prefix_chars, cancelled)
+                                       head_chars, cancelled)
+        if head_chars != prefix_chars:
+            boundary = 0  # the breakpoints are the boundaries
+        boundaries = self._boundaries(prompt, toks, boundary_chars, boundary_ttl_seconds)
         limit = generation_limit(len(toks), self.ctx.n_ctx, max_tokens, until_context_full)
         constraint = grammar_of(grammar, json_schema, json_object)
         sampling = SamplingParams(
@@ -401,7 +441,7 @@ class Runtime:
         self._check_vocab(sampling)
         parent = parse_parent_key(parent_key)
         return self.engine.submit(toks, sampling, session_id=session_id, parent_key=parent,
-                                  boundary=boundary, n=n,
+                                  boundary=boundary, boundaries=boundaries, n=n,
                                   tenant=self.config.tenant if tenant is None else tenant)
 
     def _check_vocab(self, sampling: SamplingParams) -> None:

@@ -200,6 +200,8 @@ class TextStream:
         self.text = ""
         self.emitted = 0  # characters of text handed out so far
         self.stopped = False  # a stop string ended the text
+        self.stop_sequence = ""  # which one (Anthropic's stop_reason names it)
+        self._stop_strings = tuple(stops)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stops = StopScanner(stops)
 
@@ -209,6 +211,8 @@ class TextStream:
         self.text += self._decoder.decode(piece)
         at = self._stops.find(self.text)
         if at >= 0:
+            self.stop_sequence = next((s for s in self._stop_strings
+                                       if self.text.startswith(s, at)), "")
             self.text, self.stopped = self.text[:at], True
             return self._take(self.text), True
         return self._take(self.text[: max(self.emitted, len(self.text) - self._stops.hold)]), False

@@ -58,7 +58,10 @@ class SavePoints:
         ``checkpoint_interval`` tokens before it and after it."""
         cfg = self.config
         past = max(req.n_past, req.cache.tokens_read)
-        stops = [req.boundary or (len(req.tokens) - cfg.trim) // cfg.save_block * cfg.save_block]
+        # Explicit boundaries (the system message's end, cache_control breakpoints) replace
+        # the aligned one: a caller that says where its prefixes end is taken at its word.
+        stops = [at for at in (req.boundary, *(at for at, _ in req.boundaries)) if at] or \
+            [(len(req.tokens) - cfg.trim) // cfg.save_block * cfg.save_block]
         if cfg.checkpoint_interval and not self.executor.ctx.can_truncate_restored():
             step = cfg.checkpoint_interval
             following = (past // step + 1) * step
@@ -98,9 +101,20 @@ class SavePoints:
             enabled, save_reason = self.config.save_finish, "finish"
         if enabled:
             key = self.executor.save(seq, save_reason, req)
+        if req.first is None:  # the choices of a request share its prompt: pinned once
+            self._pin_boundaries(req)
         if req.session_key is not None and key:
             self._remember(req.session_key, key, len(seq.tokens))
         return key
+
+    def _pin_boundaries(self, req: Request) -> None:
+        """Pin the entries at the request's boundaries that carry a ttl (cache_control's),
+        whether this request saved them or restored them: each request naming one extends
+        its pin. Queued behind the request's saves, so a boundary saved just now is
+        published before its pin."""
+        for at, ttl in req.boundaries:
+            if ttl and at >= self.config.min_save_tokens:
+                self.executor.pin(req.tokens[:at], req.tenant, ttl)
 
     def evict(self, seq: Seq) -> None:
         """An idle session's sequence is taken: its ``evict`` save, which the session's

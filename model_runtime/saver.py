@@ -59,6 +59,14 @@ class SaveJob:
     waypoints: tuple[Waypoint, ...] = ()  # shorter entries first, shortest first
 
 
+@dataclass(frozen=True)
+class PinJob:
+    """An expiring pin of an entry (a cache_control breakpoint's), sent in queue order."""
+
+    key: bytes
+    ttl_seconds: float
+
+
 class Saver:
     def __init__(self, client: CacheClient | None, counters: Counter[str],
                  counters_lock: threading.Lock, max_pending: int = 8,
@@ -73,7 +81,7 @@ class Saver:
         self.min_shared_tokens = max(1, min_shared_tokens)
         self.counters = counters
         self._lock = counters_lock
-        self._queue: queue.Queue[SaveJob | None] = queue.Queue(maxsize=max_pending)
+        self._queue: queue.Queue[SaveJob | PinJob | None] = queue.Queue(maxsize=max_pending)
         # Saves queued or being sent: key -> (namespace, tokens, set when done).
         self._in_flight: dict[bytes, tuple[bytes, tuple[int, ...], threading.Event]] = {}
         self.buffers = StateBuffers()  # what the model thread copies states into
@@ -102,6 +110,25 @@ class Saver:
             self._count(f"saves_queued_{point.reason}")
         self._count(f"saves_queued_{job.reason}")
         return True
+
+    def pin(self, key: bytes, ttl_seconds: float) -> None:
+        """Queue an expiring pin of ``key``; dropped (counted) when the backlog is full."""
+        try:
+            self._queue.put_nowait(PinJob(key, ttl_seconds))
+        except queue.Full:
+            self._count("pins_dropped")
+
+    def _send_pin(self, job: PinJob) -> None:
+        """Pin: a daemon that refuses it (the entry is gone, or this connection may not pin)
+        costs the pin, never the saves."""
+        assert self.client is not None
+        try:
+            self.client.pin(job.key, ttl_seconds=job.ttl_seconds)
+            self._count("pins_sent")
+        except Exception as exc:  # this thread must outlive any one pin, as any one save
+            self._count("pins_failed")
+            log.info("pin of %s for %g s refused: %s", job.key.hex(), job.ttl_seconds, exc,
+                     exc_info=not isinstance(exc, CacheError))
 
     def pending(self) -> int:
         return self._queue.qsize()
@@ -137,6 +164,9 @@ class Saver:
             job = self._queue.get()
             if job is None:
                 return
+            if isinstance(job, PinJob):
+                self._send_pin(job)
+                continue
             try:
                 assert self.client is not None
                 t0 = time.perf_counter()

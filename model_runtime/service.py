@@ -60,7 +60,8 @@ def completion_message(c: Completion) -> pb.Completion:
         timings=pb.Timings(**c.timings), prompt_tokens=c.prompt_tokens,
         session_id=c.session_id, cache_tier=c.cache_tier,
         saves=[pb.SaveRecord(**save) for save in c.saves],
-        logprobs=[logprob_message(lp) for lp in c.logprobs], choice=c.choice)
+        logprobs=[logprob_message(lp) for lp in c.logprobs], choice=c.choice,
+        stop_sequence=c.stop_sequence)
 
 
 def completion_from_message(m: pb.Completion) -> Completion:
@@ -73,7 +74,8 @@ def completion_from_message(m: pb.Completion) -> Completion:
         timings={f.name: getattr(m.timings, f.name) for f in pb.Timings.DESCRIPTOR.fields},
         prompt_tokens=m.prompt_tokens, session_id=m.session_id, cache_tier=m.cache_tier,
         saves=[{"reason": s.reason, "tokens": s.tokens, "key": s.key} for s in m.saves],
-        logprobs=[logprob_from_message(lp) for lp in m.logprobs], choice=m.choice)
+        logprobs=[logprob_from_message(lp) for lp in m.logprobs], choice=m.choice,
+        stop_sequence=m.stop_sequence)
 
 
 def request_kwargs(request: pb.CompleteRequest) -> dict[str, Any]:
@@ -93,6 +95,8 @@ def request_kwargs(request: pb.CompleteRequest) -> dict[str, Any]:
         "stop": list(request.stop), "n": request.n or 1,
         "session_id": request.session_id, "parent_key": request.parent_key,
         "prefix_tokens": request.prefix_tokens, "prefix_chars": request.prefix_chars,
+        "boundary_chars": list(request.boundary_chars),
+        "boundary_ttl_seconds": list(request.boundary_ttl_seconds),
         "seed": request.seed if request.HasField("seed") else None,
         "logprobs": request.logprobs, "top_logprobs": request.top_logprobs,
     }
@@ -147,6 +151,17 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           details(ValueError(f"invalid_argument: {exc}")))
+
+    def CountTokens(self, request: pb.CompleteRequest, context: Any) -> pb.TokenCount:
+        kwargs = request_kwargs(request)
+        try:
+            return pb.TokenCount(tokens=self.runtime.count_tokens(
+                **{k: kwargs[k] for k in ("prompt", "tokens", "messages", "system")
+                   if k in kwargs}, cancelled=lambda: not context.is_active()))
+        except RequestError as exc:
+            context.abort(ERROR_CODES.get(exc.code, grpc.StatusCode.UNKNOWN),
+                          details(RuntimeError(f"{exc.code}: {exc}")))
+        raise AssertionError("unreachable")  # context.abort raises
 
     def Stats(self, request: pb.RuntimeStatsRequest, context: Any) -> pb.RuntimeStatsResponse:
         rt = self.runtime

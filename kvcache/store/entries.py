@@ -73,6 +73,8 @@ class Entries:
         self.counters = counters
         self._cond = cond
         self._children: dict[bytes, set[bytes]] = {}  # pieces being committed, by parent
+        # Expiring pins' ends by key (None until the first sweep reads them from the index).
+        self._pin_ends: dict[bytes, float] | None = None
 
     # -- pieces being committed (Store._cond held) -------------------------------------------
 
@@ -127,16 +129,49 @@ class Entries:
 
     # -- changes ----------------------------------------------------------------------------
 
-    def set_pinned(self, key: bytes, pinned: bool) -> Record:
+    def set_pinned(self, key: bytes, pinned: bool, ttl_seconds: float = 0.0) -> Record:
+        """Pin (until unpinned; with ``ttl_seconds``, until then) or unpin. An expiring pin
+        is extended by a later one, never shortened, and never turns a pin without end
+        into one that ends."""
         # Under the lock evictions, prunes and deletes decide under: a pin answered OK is
         # never undone by a removal that chose the entry before it (tests/test_load.py::
         # test_a_pin_is_never_lost_to_a_concurrent_eviction_prune_or_delete).
         with self._cond:
-            record = self._index.update(key, pinned=pinned)
+            old = self._index.get(key)
+            if old is None:
+                raise NotFound(f"no entry {key.hex()}")
+            expires = 0.0
+            if pinned and ttl_seconds > 0 and not (old.pinned and not old.pin_expires):
+                expires = max(old.pin_expires, time.time() + ttl_seconds)
+            record = self._index.update(key, pinned=pinned, pin_expires=expires)
             if record is None:
                 raise NotFound(f"no entry {key.hex()}")
+            if self._pin_ends is not None:
+                self._pin_ends.pop(key, None)
+                if expires:
+                    self._pin_ends[key] = expires
             self.counters["pins" if pinned else "unpins"] += 1
             return record
+
+    def release_expired_pins(self, now: float) -> int:
+        """Unpin every entry whose expiring pin ended by ``now`` (time.time()); how many.
+        The ends are read from the index once (they outlive restarts there), then kept
+        here: a tick looks at them, not at every row."""
+        with self._cond:
+            if self._pin_ends is None:
+                self._pin_ends = {r.key: r.pin_expires for r in self._index.records()
+                                  if r.pin_expires}
+            due = [key for key, end in self._pin_ends.items() if end <= now]
+            if not due:
+                return 0
+            for key in due:
+                del self._pin_ends[key]
+            # An entry pinned again since is not due: its row holds the later end.
+            still_due = [key for key in due if (r := self._index.get(key)) is not None
+                         and r.pin_expires and r.pin_expires <= now]
+            released = self._index.update_many(still_due, pinned=False, pin_expires=0.0)
+            self.counters["pins_expired"] += len(released)
+            return len(released)
 
     def delete(self, key: bytes) -> list[Record]:
         """Remove an entry and the entries built on it (they cannot be restored without

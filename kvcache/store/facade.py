@@ -363,8 +363,8 @@ class Store:
         """Every entry built on ``key`` (its pieces, theirs, ...), nearest first."""
         return self._entries.dependents(key)
 
-    def set_pinned(self, key: bytes, pinned: bool) -> Record:
-        return self._entries.set_pinned(key, pinned)
+    def set_pinned(self, key: bytes, pinned: bool, ttl_seconds: float = 0.0) -> Record:
+        return self._entries.set_pinned(key, pinned, ttl_seconds)
 
     def delete(self, key: bytes) -> list[Record]:
         """Remove an entry and the entries built on it (they cannot be restored without
@@ -469,6 +469,7 @@ class Store:
             if pins_expired:
                 self.counters["read_pins_expired"] += pins_expired
         self._publisher.expire(expired)
+        self._entries.release_expired_pins(time.time())
 
     def _flush_usage(self) -> None:
         with self._cond:

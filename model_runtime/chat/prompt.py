@@ -22,6 +22,7 @@ from .messages import (
     ChatInputError,
     ChatMessage,
     Tool,
+    ToolCall,
     ToolChoice,
     check_tool_results,
     check_tools,
@@ -47,6 +48,9 @@ class ChatRequest:
     schema_param: str = "response_format"  # where the schema came from, for errors
     grammar: str | None = None  # llama.cpp's `grammar` (GBNF), as given
     variables: Mapping[str, Any] = field(default_factory=dict)  # chat_template_kwargs
+    # Save boundaries the caller asks for (Anthropic's cache_control): the ends of these
+    # messages (indices into ``messages``), as the template renders them.
+    breakpoints: Sequence[int] = ()
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,9 @@ class PromptPlan:
     tools: bool  # tool calls may come
     envelope: bool  # the output is the generic family's JSON envelope
     inside_reasoning: bool  # the prompt opened a reasoning block
+    # (breakpoint, the end of its message in characters of text), ascending; a message
+    # the template cannot end a prompt with, or one at the text's end, has none.
+    boundaries: tuple[tuple[int, int], ...] = ()
 
     def parser(self) -> OutputParser:
         return OutputParser(self.fmt, tools=self.tools, envelope=self.envelope,
@@ -131,10 +138,36 @@ def plan_chat(template: ChatTemplate, fmt: ChatFormat, req: ChatRequest,
             head_chars = len(os.path.commonprefix([head, text]))
         except TemplateError:  # a template that needs a user turn: no boundary
             head_chars = 0
+    boundaries = _message_ends(template, fmt, req, calls, text, envelope, tools, variables,
+                               cancelled) if req.breakpoints else ()
     inside = fmt.reasoning is not None and text.rstrip().endswith(fmt.reasoning[0])
     # A prompt that closed the reasoning block itself (``enable_thinking`` false) asks for
     # no reasoning: the grammar then starts at the answer.
     closed = fmt.reasoning is not None and text.rstrip().endswith(fmt.reasoning[1])
     return PromptPlan(fmt, text, head_chars, _constraint(req, fmt, envelope, inside, closed),
                       tools=bool(req.tools) and req.tool_choice.mode != "none",
-                      envelope=envelope, inside_reasoning=inside)
+                      envelope=envelope, inside_reasoning=inside, boundaries=boundaries)
+
+
+def _message_ends(template: ChatTemplate, fmt: ChatFormat, req: ChatRequest,
+                  calls: Mapping[str, ToolCall], text: str, envelope: bool,
+                  tools: list[dict[str, Any]] | None, variables: Mapping[str, Any],
+                  cancelled: Callable[[], bool] | None) -> tuple[tuple[int, int], ...]:
+    """Where ``text`` stops holding the breakpoints' messages: the chat up to each
+    breakpoint rendered alone, and the part of it ``text`` shares."""
+    ends: list[tuple[int, int]] = []
+    generic = fmt.family is Family.GENERIC
+    for index in sorted(set(req.breakpoints)):
+        # The template's messages are not one per chat message (the generic family joins
+        # tool results and adds a system message): the prefix is converted the same way.
+        prefix = template_messages(fmt, req.messages[:index + 1], calls,
+                                   tools=req.tools if generic else (), envelope=envelope)
+        try:
+            head = template.render(prefix, add_generation_prompt=False, tools=tools,
+                                   variables=variables, cancelled=cancelled)
+        except TemplateError:  # a template that cannot end there (it needs a user turn)
+            continue
+        at = len(os.path.commonprefix([head, text]))
+        if 0 < at < len(text):
+            ends.append((index, at))
+    return tuple(ends)

@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..chat.prompt import PromptPlan
 from ..config import MAX_REQUEST_MESSAGE_BYTES
+from .anthropic_api import error_body as anthropic_error_body
 from .fleet import Fleet
 from .keys import Caller, is_loopback
 from .metrics import NO_TENANT, TenantView
@@ -60,6 +61,8 @@ OFFLOAD = web.AppKey("offload", Offload)
 DRAIN_BYTES = 64 << 10
 DRAIN_WAIT_S = 1.0
 OPEN_PATHS = frozenset({"/health"})  # probed by load balancers without credentials
+API_KEY_HEADER = "x-api-key"  # Anthropic's clients send their key so
+ANTHROPIC_PATHS = "/v1/messages"  # answered in Anthropic's error shape
 
 # What a handler leaves on its request for the count: the model label, and the outcome
 # when the status alone does not tell it (a stream that failed after its 200).
@@ -74,7 +77,7 @@ def outcome_of(status: int) -> str:
     if status < 400:
         return "ok"
     return {401: "unauthorized", 403: "forbidden", 404: "not_found", 413: "too_large",
-            429: "no_slot", 503: "not_ready",
+            429: "no_slot", 503: "not_ready", 529: "not_ready",
             CLIENT_GONE: "disconnected"}.get(status, "bad_request" if status < 500 else "error")
 
 
@@ -106,17 +109,22 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
             endpoint_of(request), outcome, str(status)).inc()
 
 
-def error_response(err: ApiError) -> web.Response:
+def error_response(err: ApiError, path: str = "") -> web.Response:
+    """OpenAI's error body, or Anthropic's on the Anthropic Messages API's paths."""
+    if path.startswith(ANTHROPIC_PATHS):
+        status, body = anthropic_error_body(err)
+        return web.json_response(body, status=status, headers=err.headers)
     return web.json_response(err.body(), status=err.status, headers=err.headers)
 
 
 @web.middleware
 async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Errors in OpenAI's format, aiohttp's own (unknown path, body too large) included."""
+    """Errors in OpenAI's format (Anthropic's on its paths), aiohttp's own (unknown path,
+    body too large) included."""
     try:
         return await handler(request)
     except ApiError as err:
-        return await unread_body_or_close(request, error_response(err))
+        return await unread_body_or_close(request, error_response(err, request.path))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -124,11 +132,12 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
                 413: "request_too_large"}.get(exc.status)
         return await unread_body_or_close(request, error_response(ApiError(
             exc.status, exc.reason if exc.status != 404 else
-            f"No route for {request.method} {request.path}.", code=code)))
+            f"No route for {request.method} {request.path}.", code=code), request.path))
     except Exception:  # a bug: logged with its traceback, answered in the same format
         log.exception("error serving %s %s", request.method, request.path)
         return error_response(ApiError(500, "Internal error in the gateway (logged).",
-                                       type="server_error", code="internal_error"))
+                                       type="server_error", code="internal_error"),
+                              request.path)
 
 
 async def unread_body_or_close(request: web.Request,
@@ -163,15 +172,24 @@ async def api_keys(request: web.Request, handler: Handler) -> web.StreamResponse
         caller: Caller | None = Caller(fleet.settings.default_tenant,
                                        admin=fleet.keys is None and peer_on_loopback(request))
     else:
-        caller = fleet.keys.caller_of(request.headers.get("Authorization"))
+        caller = fleet.keys.caller_of(authorization(request))
     if caller is None:
-        given = "Authorization" in request.headers
+        given = "Authorization" in request.headers or API_KEY_HEADER in request.headers
         raise ApiError(401, "Incorrect API key provided." if given else
-                       "You didn't provide an API key (Authorization: Bearer KEY).",
-                       code="invalid_api_key")
+                       "You didn't provide an API key (Authorization: Bearer KEY, or "
+                       "x-api-key: KEY).", code="invalid_api_key")
     request[CALLER] = caller
     request["tenant"] = caller.tenant
     return await handler(request)
+
+
+def authorization(request: web.Request) -> str | None:
+    """The caller's key as a bearer credential: ``Authorization``, else Anthropic's
+    ``x-api-key`` header."""
+    header = request.headers.get("Authorization")
+    if header is None and API_KEY_HEADER in request.headers:
+        return f"Bearer {request.headers[API_KEY_HEADER]}"
+    return header
 
 
 def peer_on_loopback(request: web.Request) -> bool:
@@ -199,6 +217,9 @@ def build_app(fleet: Fleet) -> web.Application:
     app.router.add_post("/v1/completions", completions, name="text")
     app.router.add_get("/v1/models", list_models, name="models")
     app.router.add_get("/v1/models/{model:.+}", get_model, name="model")
+    from .anthropic_routes import add_routes  # it builds on this module's handlers
+
+    add_routes(app)
     app.router.add_get("/health", health, name="health")
     app.router.add_get("/metrics", metrics, name="metrics")
     app.router.add_get("/status", status, name="status")

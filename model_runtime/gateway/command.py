@@ -57,6 +57,9 @@ FilePath = click.Path(dir_okay=False, path_type=Path)
               help="Most slots of a model's workers one tenant may hold at once (more: "
                    "429 tenant_slots_busy). Default: half the model's slots, rounded up, "
                    "when the key file has two tenants or more; no bound with one.")
+@click.option("--cache-ttl", "cache_ttls", multiple=True, metavar="NAME=SECONDS",
+              help="How long an Anthropic cache_control ttl pins its entry (default: 5m=300, "
+                   "1h=3600); repeatable. Shorter values serve tests and trials.")
 @click.option("--tls-cert", type=FilePath, default=None, help="Serve HTTPS with this "
                                                                "certificate (PEM).")
 @click.option("--tls-key", type=FilePath, default=None, help="The certificate's key (PEM).")
@@ -90,13 +93,15 @@ def gateway(listen: str, models: tuple[str, ...], config_path: Path | None, work
             n_seq_max: int | None, worker_args: str, api_keys_file: Path | None,
             tls_cert: Path | None, tls_key: Path | None, tls_client_ca: Path | None,
             insecure_tcp: bool, max_body_bytes: int, max_messages: int, max_chars: int,
-            max_slots_per_tenant: int | None, run_dir: Path | None, **supervision: Any) -> None:
+            max_slots_per_tenant: int | None, run_dir: Path | None,
+            cache_ttls: tuple[str, ...], **supervision: Any) -> None:
     """Serve the OpenAI API (chat and text completions) over supervised model workers."""
     from kvcache.config import default_address
 
     from .keys import ApiKeys, KeyConfigError, check_listener, tls_context
     from .settings import (
         GatewaySettings,
+        cache_ttl_seconds,
         load_config,
         model_spec,
         split_listen,
@@ -139,7 +144,8 @@ def gateway(listen: str, models: tuple[str, ...], config_path: Path | None, work
             supervision=sup, run_dir=run_dir, api_keys_file=api_keys_file,
             tls_cert=tls_cert, tls_key=tls_key, insecure_tcp=insecure_tcp,
             limits=Limits(body_bytes=max_body_bytes, messages=max_messages, chars=max_chars),
-            max_slots_per_tenant=max_slots_per_tenant)
+            max_slots_per_tenant=max_slots_per_tenant,
+            cache_ttls=cache_ttl_seconds(cache_ttls))
         keys = ApiKeys.load(api_keys_file) if api_keys_file else None
         tls = tls_context(tls_cert, tls_key, tls_client_ca)
         check_listener(split_listen(listen)[0], keys, tls, insecure_tcp)

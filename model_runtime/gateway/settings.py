@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from typing import Any
 from .openai_api import Limits
 
 DEFAULT_LISTEN = "127.0.0.1:8000"
+# Anthropic's cache_control ttls and the seconds each pins its entry in the daemon.
+CACHE_TTLS: Mapping[str, int] = {"5m": 300, "1h": 3600}
 # A model's name is what clients put in "model": letters, digits and . _ - : /
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
@@ -97,6 +100,7 @@ class GatewaySettings:
     # The most slots of a model's pool one tenant may hold at once (None: half the pool's
     # slots rounded up with two tenants or more, no bound with one; see Fleet.tenant_bound)
     max_slots_per_tenant: int | None = None
+    cache_ttls: Mapping[str, int] = field(default_factory=lambda: dict(CACHE_TTLS))
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -111,6 +115,18 @@ class GatewaySettings:
                                   or bound < 1):
             raise SettingsError(f"max_slots_per_tenant must be an integer >= 1, got "
                                 f"{bound!r}")
+
+
+def cache_ttl_seconds(values: tuple[str, ...]) -> dict[str, int]:
+    """``--cache-ttl NAME=SECONDS`` over the defaults; only Anthropic's names (5m, 1h)."""
+    ttls = dict(CACHE_TTLS)
+    for value in values:
+        name, _, seconds = value.partition("=")
+        if name not in CACHE_TTLS or not seconds.isdigit() or int(seconds) < 1:
+            raise SettingsError(f"--cache-ttl {value!r}: expected NAME=SECONDS with NAME one "
+                                f"of {', '.join(CACHE_TTLS)} and SECONDS >= 1")
+        ttls[name] = int(seconds)
+    return ttls
 
 
 def split_listen(listen: str) -> tuple[str, int]:

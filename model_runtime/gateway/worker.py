@@ -215,6 +215,16 @@ class Worker:
         finally:
             call.cancel()
 
+    async def count_tokens(self, flight: Flight, request: pb.CompleteRequest) -> int:
+        """The request's prompt length in tokens, as the runtime tokenizes it."""
+        if self.stub is None or not self.ready:
+            raise WorkerFailure("worker_restarted", f"worker {self.name} is not serving")
+        try:
+            answer = await self.stub.CountTokens(request, timeout=self.sup.stall_window_s)
+        except grpc.aio.AioRpcError as exc:
+            raise await self._classify(flight, exc) from None
+        return int(answer.tokens)
+
     async def _classify(self, flight: Flight, exc: grpc.aio.AioRpcError) -> Exception:
         if flight.failure is not None:
             return flight.failure

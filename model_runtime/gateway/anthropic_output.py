@@ -1,0 +1,147 @@
+"""Anthropic's Messages API answers: the message body, usage with its cache fields,
+``stop_reason``, and the streamed events (:class:`BlockStream` turns the chat front end's
+parsed deltas into content blocks). Pure: the routes (``anthropic_routes``) write what
+these make.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..chat.parsing import ContentDelta, Delta, ParsedOutput, ReasoningDelta, ToolCallDelta
+from ..v1 import runtime_pb2 as pb
+from .anthropic_api import MessagesRequest
+
+__all__ = ["BlockStream", "event", "message_body", "message_start", "stop_reason", "usage"]
+
+
+def usage(done: pb.Completion, mreq: MessagesRequest) -> dict[str, Any]:
+    """Anthropic's usage. ``cache_read_input_tokens``: prompt tokens served from a saved
+    state or a live sequence; ``cache_creation_input_tokens``: with cache_control, the
+    tokens up to the farthest breakpoint this request computed and saved (its ``cold``
+    saves, which with breakpoints are taken at them only); ``input_tokens``: the rest.
+    The three add up to the prompt."""
+    read = min(done.cache_delta.tokens_read, done.prompt_tokens)
+    created = 0
+    if mreq.boundaries_sent:
+        saved = max((s.tokens for s in done.saves if s.reason == "cold"), default=0)
+        created = max(0, min(saved, done.prompt_tokens) - read)
+    return {"input_tokens": done.prompt_tokens - read - created,
+            "cache_creation_input_tokens": created, "cache_read_input_tokens": read,
+            "output_tokens": len(done.tokens), "service_tier": "standard"}
+
+
+def stop_reason(done: pb.Completion, tool_calls: bool) -> tuple[str, str | None]:
+    """``stop_reason`` and ``stop_sequence`` (the string that ended the text, if one did)."""
+    if done.finish_reason == "length":
+        return "max_tokens", None
+    if tool_calls:
+        return "tool_use", None
+    if done.stop_sequence:
+        return "stop_sequence", done.stop_sequence
+    return "end_turn", None
+
+
+def _tool_input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as the object Anthropic's ``input`` is (grammar-constrained
+    calls are JSON objects; anything else is kept under ``arguments``)."""
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        return {"arguments": arguments}
+    return value if isinstance(value, dict) else {"arguments": value}
+
+
+def content_blocks(out: ParsedOutput) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    if out.reasoning:
+        blocks.append({"type": "thinking", "thinking": out.reasoning, "signature": ""})
+    if out.content or not (out.tool_calls or out.reasoning):
+        blocks.append({"type": "text", "text": out.content})
+    for call in out.tool_calls:
+        blocks.append({"type": "tool_use", "id": call.id, "name": call.name,
+                       "input": _tool_input(call.arguments)})
+    return blocks
+
+
+def message_body(mreq: MessagesRequest, out: ParsedOutput, done: pb.Completion,
+                 extra: dict[str, Any]) -> dict[str, Any]:
+    reason, sequence = stop_reason(done, bool(out.tool_calls))
+    return {"id": mreq.gen.id, "type": "message", "role": "assistant",
+            "model": mreq.gen.model, "content": content_blocks(out), "stop_reason": reason,
+            "stop_sequence": sequence, "usage": usage(done, mreq), "kvcache": extra}
+
+
+def message_start(mreq: MessagesRequest) -> dict[str, Any]:
+    """The first event's message: no content yet; usage comes whole with message_delta
+    (the prompt's cache use is known only when the runtime's final record arrives)."""
+    return {"type": "message_start", "message": {
+        "id": mreq.gen.id, "type": "message", "role": "assistant", "model": mreq.gen.model,
+        "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": 0, "output_tokens": 0}}}
+
+
+def event(name: str, data: dict[str, Any]) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+class BlockStream:
+    """Parsed deltas in, Anthropic's content block events out: a block starts when the
+    kind of output changes (thinking, text, a new tool call) and stops before the next."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.kind = ""  # the open block's type ("": none)
+        self.tool_calls = 0
+
+    def _start(self, block: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        events = self.stop()
+        self.index += 1
+        self.kind = block["type"]
+        return events + [("content_block_start", {"type": "content_block_start",
+                                                  "index": self.index,
+                                                  "content_block": block})]
+
+    def _delta(self, delta: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        return ("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                        "delta": delta})
+
+    def feed(self, delta: Delta) -> list[tuple[str, dict[str, Any]]]:
+        events: list[tuple[str, dict[str, Any]]] = []
+        if isinstance(delta, ContentDelta):
+            if not delta.text:
+                return []
+            if self.kind != "text":
+                events += self._start({"type": "text", "text": ""})
+            events.append(self._delta({"type": "text_delta", "text": delta.text}))
+        elif isinstance(delta, ReasoningDelta):
+            if not delta.text:
+                return []
+            if self.kind != "thinking":
+                events += self._start({"type": "thinking", "thinking": "", "signature": ""})
+            events.append(self._delta({"type": "thinking_delta", "thinking": delta.text}))
+        else:
+            assert isinstance(delta, ToolCallDelta)
+            if delta.id:  # a call's first delta names it
+                self.tool_calls += 1
+                events += self._start({"type": "tool_use", "id": delta.id,
+                                       "name": delta.name, "input": {}})
+            if delta.arguments:
+                events.append(self._delta({"type": "input_json_delta",
+                                           "partial_json": delta.arguments}))
+        return events
+
+    def stop(self) -> list[tuple[str, dict[str, Any]]]:
+        """The open block's end, if one is open."""
+        if not self.kind:
+            return []
+        self.kind = ""
+        return [("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+    def finish(self) -> list[tuple[str, dict[str, Any]]]:
+        """The last block's end; a reply with no output at all still gets its (empty)
+        text block, as Anthropic's do."""
+        if self.index < 0:
+            return self._start({"type": "text", "text": ""}) + self.stop()
+        return self.stop()
