@@ -228,3 +228,25 @@ def test_health_says_nothing_of_tenants(gw: GatewayProcess) -> None:
     status = gw.status()
     assert status["models"][0]["max_slots_per_tenant"] == 1
     assert "tenant" not in status["workers"][0]
+
+
+def test_anthropic_messages_carry_the_key_s_tenant_too(gw: GatewayProcess) -> None:
+    """The tenant reaches the worker on every route, not only OpenAI's: bob's Anthropic
+    request with alice's system prompt reads nothing of hers; her repeat does."""
+    import anthropic
+
+    system = "Anthropic route, shared worker. " * 40
+
+    def send(key: str) -> Any:
+        client = anthropic.Anthropic(base_url=gw.url, api_key=key, max_retries=0,
+                                     timeout=60.0)
+        return client.messages.create(model="tiny", max_tokens=2, system=system,
+                                      messages=[{"role": "user", "content": "Hello"}])
+
+    send(ALICE)
+    wait_saves_settled(gw)
+    again = send(ALICE)
+    assert again.usage.cache_read_input_tokens > 100, again.usage
+    bob = send(BOB)
+    # (bob's own earlier chats on this worker share the template's first tokens at most)
+    assert bob.usage.cache_read_input_tokens < 16, bob.usage

@@ -75,7 +75,7 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     outcome = "disconnected"
     try:
         async with one_at_a_time(request, large):
-            plan = await render(req, worker)
+            plan = await render(request, req, worker, large)
         assert plan is not None  # a chat, always
         proto = req.to_proto(plan)
         check_message_size(proto)
@@ -107,7 +107,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     outcome = "disconnected"  # unless it ends otherwise: a cancelled handler says nothing
     try:
         async with one_at_a_time(request, large):
-            plan = await render(req, worker)
+            plan = await render(request, req, worker, large)
         assert plan is not None
         proto = mreq.to_proto(plan)
         check_message_size(proto)
@@ -128,7 +128,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
                     outcome = "ok"
                     return web.json_response(message_body(
                         mreq, parser.output, done,
-                        kvcache_details(done, worker.name, worker.tenant)))
+                        kvcache_details(done, worker.name, request["tenant"])))
                 parser.feed(item.text)
             raise WorkerFailure("worker_error", "the stream ended without a final record")
     except ApiError:
@@ -182,7 +182,7 @@ async def _stream(request: web.Request, mreq: MessagesRequest, worker: Worker, e
                     "type": "message_delta",
                     "delta": {"stop_reason": reason, "stop_sequence": sequence},
                     "usage": usage(done, mreq),
-                    "kvcache": kvcache_details(done, worker.name, worker.tenant)}))
+                    "kvcache": kvcache_details(done, worker.name, request["tenant"])}))
                 await response.write(event("message_stop", {"type": "message_stop"}))
                 await response.write_eof()
                 account(fleet, req, request["tenant"], done, arrived, len(done.tokens))

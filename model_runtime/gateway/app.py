@@ -390,9 +390,6 @@ async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
         async with one_at_a_time(request, large):
             prompt = await render(request, req, worker, large)
         proto = req.to_proto(prompt)
-        # The key's tenant, on every call (workers serve every tenant; the caller cannot
-        # name one: a "tenant" field of the body is refused as unknown).
-        proto.tenant = request["tenant"]
         check_message_size(proto)
         choices = [Choice(i, prompt.parser() if prompt is not None else None)
                    for i in range(req.n)]

@@ -194,6 +194,10 @@ class Worker:
         runtime's sequence."""
         if self.stub is None or not self.ready:
             raise WorkerFailure("worker_restarted", f"worker {self.name} is not serving")
+        # Every call carries the tenant of the flight's API key, set here, on the one way
+        # to a worker, so no route can forget it: workers serve every tenant, and a
+        # caller cannot name one (a "tenant" field of a body is refused as unknown).
+        request.tenant = flight.tenant
         call = self.stub.Complete(request)
         flight.call = call
         try:
@@ -219,6 +223,7 @@ class Worker:
         """The request's prompt length in tokens, as the runtime tokenizes it."""
         if self.stub is None or not self.ready:
             raise WorkerFailure("worker_restarted", f"worker {self.name} is not serving")
+        request.tenant = flight.tenant  # as in events()
         try:
             answer = await self.stub.CountTokens(request, timeout=self.sup.stall_window_s)
         except grpc.aio.AioRpcError as exc:
