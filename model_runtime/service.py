@@ -93,6 +93,7 @@ def request_kwargs(request: pb.CompleteRequest) -> dict[str, Any]:
         "stop": list(request.stop), "n": request.n or 1,
         "session_id": request.session_id, "parent_key": request.parent_key,
         "prefix_tokens": request.prefix_tokens, "prefix_chars": request.prefix_chars,
+        "continue_parent": request.continue_parent,
         "seed": request.seed if request.HasField("seed") else None,
         "logprobs": request.logprobs, "top_logprobs": request.top_logprobs,
     }

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .openai_api import Limits
+from .responses_store import ResponsesSettings
 
 DEFAULT_LISTEN = "127.0.0.1:8000"
 # A model's name is what clients put in "model": letters, digits and . _ - : /
@@ -93,6 +94,7 @@ class GatewaySettings:
     insecure_tcp: bool = False
     default_tenant: str = ""  # the tenant of requests when no API keys are configured
     limits: Limits = field(default_factory=Limits)  # the work one request may ask for
+    responses: ResponsesSettings = field(default_factory=ResponsesSettings)  # stored ones
 
     def __post_init__(self) -> None:
         if not self.models:
