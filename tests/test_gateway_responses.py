@@ -412,6 +412,9 @@ def test_a_chain_goes_on_after_a_gateway_restart_and_bounds_drop_the_oldest(
         first = create(client, instructions=INSTRUCTIONS, input="Where is parcel 12?")
         second = create(client, instructions=INSTRUCTIONS, input="And parcel 13?",
                         previous_response_id=first.id)
+        # The third turn on the live state (not stored), to compare with after the restart.
+        live = create(client, instructions=INSTRUCTIONS, input="Is it late?",
+                      previous_response_id=second.id, store=False)
         assert gateway.stop() == 0
         assert wait_gone(pids)
         gateway.close()
@@ -425,6 +428,9 @@ def test_a_chain_goes_on_after_a_gateway_restart_and_bounds_drop_the_oldest(
         assert third.usage.input_tokens_details.cached_tokens == \
             second.model_extra["kvcache"]["state_tokens"]
         assert third.model_extra["kvcache"]["tier"] in ("ram", "disk")
+        # The same tokens restored as reused live: the same reply.
+        assert third.output_text == live.output_text
+        assert third.usage.input_tokens == live.usage.input_tokens
         # Bound of 3: the fourth stored response drops the oldest (the first).
         create(client, input="Fourth.")
         with pytest.raises(openai.NotFoundError):
