@@ -518,3 +518,47 @@ def test_prompt_cache_key_and_user_keep_a_conversation_on_one_worker(
     finally:
         gateway.close()
         kill_leftovers(pids)
+
+
+@pytest.mark.slow
+def test_smollm2_a_chain_by_previous_response(tmp_path: Path) -> None:
+    """SmolLM2 end to end: a chain of three continued from each reply's state (the whole
+    state cached each time), streamed and not, and the same turns sent whole through
+    chat completions answer the same (SmolLM2's greedy output is its tokenizer's own
+    split, so rendering it again gives the same tokens)."""
+    daemon = DaemonProcess(tmp_path / "data").start()
+    gateway = GatewayProcess(tmp_path / "gateway.log", "--n-ctx", "2048", "--n-seq-max", "2",
+                             "--responses-dir", str(tmp_path / "responses"),
+                             cache=daemon.address)
+    pids: list[int] = []
+    try:
+        gateway.start(timeout=300)
+        pids = worker_pids(gateway)
+        client = gateway.client(timeout=300)
+        (model,) = [m.id for m in client.models.list()]
+        history: list[dict[str, Any]] = [{"role": "system", "content": INSTRUCTIONS}]
+        previous = None
+        for i, text in enumerate(["Where is parcel 12?", "And parcel 13?", "Which is first?"]):
+            kwargs = {"model": model, "instructions": INSTRUCTIONS, "input": text,
+                      "max_output_tokens": 24, "temperature": 0,
+                      "previous_response_id": previous.id if previous else None}
+            if i == 1:
+                events = list(client.responses.create(stream=True, **kwargs))
+                answer = events[-1].response
+            else:
+                answer = client.responses.create(**kwargs)
+            history.append({"role": "user", "content": text})
+            if previous is not None:
+                assert answer.usage.input_tokens_details.cached_tokens == \
+                    previous.model_extra["kvcache"]["state_tokens"]
+            whole = client.chat.completions.create(model=model, messages=history,
+                                                   max_tokens=24, temperature=0)
+            assert whole.choices[0].message.content == answer.output_text
+            history.append({"role": "assistant", "content": answer.output_text})
+            previous = answer
+        assert gateway.stop() == 0
+        assert wait_gone(pids)
+    finally:
+        gateway.close()
+        kill_leftovers(pids)
+        daemon.close()
