@@ -9,7 +9,10 @@ gateway, and optionally against llama.cpp's ``llama-server --jinja`` sending it 
 Prints ONE JSON document on stdout (progress on stderr).
 
 Each arm has its own conversation (its own system prompt's first line, so that no arm is
-warmed by another's saved states): the same user turns, greedy replies, streamed. Per
+warmed by another's saved states) on its own worker of two (``prompt_cache_key``: a
+runtime reuses an idle sequence that shares a few tokens with a new prompt, so two
+conversations on one worker would take each other's live KV): the same user turns,
+greedy replies, streamed. Per
 turn: prompt tokens, prompt tokens prefilled (prompt minus ``cached_tokens``;
 llama-server's ``timings.prompt_n``) and TTFT (request sent to the first delta). After
 ``--restart-after`` turns the gateway and its workers are stopped and started again (the
@@ -38,19 +41,21 @@ TURNS = ["Parcel 101 goes to Paris. Where is it now?", "And parcel 102, going to
          "What does the change cost?", "Summarize both parcels in one sentence."]
 
 
-def chat_turn(client: Any, model: str, messages: list[dict[str, Any]], max_tokens: int
-              ) -> dict[str, Any]:
+def chat_turn(client: Any, model: str, messages: list[dict[str, Any]], max_tokens: int,
+              **extra: Any) -> dict[str, Any]:
     start = time.perf_counter()
     first = 0.0
     text = ""
     usage: Any = None
     timings: dict[str, Any] = {}
+    tier = None
     for chunk in client.chat.completions.create(
             model=model, messages=messages, max_tokens=max_tokens, temperature=0,
-            stream=True, stream_options={"include_usage": True}):
+            stream=True, stream_options={"include_usage": True}, **extra):
         if chunk.usage is not None:
             usage = chunk.usage
         timings = (chunk.model_extra or {}).get("timings") or timings
+        tier = ((chunk.model_extra or {}).get("kvcache") or {}).get("tier", tier)
         if chunk.choices and chunk.choices[0].delta.content:
             first = first or time.perf_counter()
             text += chunk.choices[0].delta.content
@@ -58,7 +63,7 @@ def chat_turn(client: Any, model: str, messages: list[dict[str, Any]], max_token
     prefilled = timings.get("prompt_n", usage.prompt_tokens - cached)
     return {"ttft_ms": round(((first or time.perf_counter()) - start) * 1e3, 2),
             "prompt_tokens": usage.prompt_tokens, "cached_tokens": cached,
-            "prefilled": prefilled, "reply": text}
+            "prefilled": prefilled, "tier": tier, "reply": text}
 
 
 def responses_turn(client: Any, model: str, instructions: str, text: str,
@@ -68,7 +73,8 @@ def responses_turn(client: Any, model: str, instructions: str, text: str,
     final: Any = None
     for event in client.responses.create(model=model, instructions=instructions, input=text,
                                          previous_response_id=previous, temperature=0,
-                                         max_output_tokens=max_tokens, stream=True):
+                                         max_output_tokens=max_tokens, stream=True,
+                                         prompt_cache_key="responses"):
         if event.type.endswith(".delta"):
             first = first or time.perf_counter()
         if event.type in ("response.completed", "response.incomplete"):
@@ -123,7 +129,7 @@ def main() -> None:
 
     def gateway() -> Gateway:
         return Gateway(workdir / "gateway.log", "--model", f"bench={args.model}",
-                       "--n-seq-max", "2", "--n-ctx", "4096", "--responses-dir",
+                       "--workers", "2", "--n-seq-max", "2", "--n-ctx", "4096", "--responses-dir",
                        str(workdir / "responses"), cache=daemon.address,
                        threads=args.threads)
 
@@ -164,7 +170,8 @@ def main() -> None:
                 log(f"turn {i + 1}: {name}")
                 messages.append({"role": "user", "content": text})
                 client = ours if name == "chat" else theirs
-                row = chat_turn(client, "bench", messages, args.max_tokens)
+                key = {"prompt_cache_key": "chat"} if name == "chat" else {}
+                row = chat_turn(client, "bench", messages, args.max_tokens, **key)
                 messages.append({"role": "assistant", "content": row["reply"]})
                 rows[name].append({"turn": i + 1, **row})
         result = {name: summary(r, args.restart_after) for name, r in rows.items()}
