@@ -8,6 +8,8 @@ documented field applied or refused."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -357,6 +359,7 @@ def test_continuing_with_another_model_is_refused(gw: GatewayProcess) -> None:
     ({"metadata": {"k": 1}}, "metadata"),
     ({"previous_response_id": 7}, "previous_response_id"),
     ({"input": None}, "input"),
+    ({"input": [{"role": "user", "content": "x"}] * 4097}, "input"),
 ])
 def test_bad_input_is_one_clear_400(gw: GatewayProcess, body: dict[str, Any],
                                     param: str) -> None:
@@ -562,3 +565,47 @@ def test_smollm2_a_chain_by_previous_response(tmp_path: Path) -> None:
         gateway.close()
         kill_leftovers(pids)
         daemon.close()
+
+
+def test_failures_are_told_in_openais_shape_and_the_gateway_keeps_serving(
+        small: tuple[Path, DaemonProcess], tiny_model_no_eog: Path) -> None:
+    """A store that cannot be written (a folder where its file goes): a 500 ``store_failed``, or
+    an error event when streamed, never a response said to be stored that is not; a
+    worker killed in the middle of a stream: an error event. Then the gateway serves on
+    (store false, and a new worker after the restart)."""
+    tmp, daemon = small
+    (tmp / "responses" / "responses.sqlite3").mkdir(parents=True)
+    models = [{"name": "tiny", "path": str(tiny_model_no_eog),
+               "args": ["--n-ctx", "4096", "--n-seq-max", "1"]}]
+    gateway = start_gateway(tmp, daemon, models)
+    pids = worker_pids(gateway)
+    try:
+        client = gateway.client()
+        with pytest.raises(openai.InternalServerError) as failed:
+            create(client, model="tiny", input="Store me.")
+        assert failed.value.body["code"] == "store_failed"
+        with pytest.raises(openai.APIError) as failed_stream:
+            list(create(client, model="tiny", input="Store me.", stream=True))
+        assert failed_stream.value.body["code"] == "store_failed"
+        assert create(client, model="tiny", input="Do not.", store=False).output_text
+        # The model never ends by itself: a stream that is still going when its worker
+        # is killed.
+        stream = create(client, model="tiny", input="Go on.", store=False, stream=True,
+                        max_output_tokens=3000)
+        seen = []
+        with pytest.raises(openai.APIError) as broken:
+            for event in stream:
+                seen.append(event.type)
+                if len(seen) == 8:
+                    os.kill(pids[0], signal.SIGKILL)
+        assert "response.output_text.delta" in seen
+        assert broken.value.body["type"] == "server_error"
+        assert broken.value.body["code"] == "worker_died"
+        after = create(client, model="tiny", input="Still there?", store=False)
+        assert after.status == "incomplete" and after.output_text
+        pids = worker_pids(gateway)
+        assert gateway.stop() == 0
+        assert wait_gone(pids)
+    finally:
+        gateway.close()
+        kill_leftovers(pids)

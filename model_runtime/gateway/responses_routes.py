@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import sqlite3
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -48,6 +51,8 @@ from .worker import RuntimeRefused, WorkerFailure
 
 __all__ = ["add_responses_routes"]
 
+log = logging.getLogger("model_runtime.gateway")
+
 
 class ResponsesService:
     """The store and the counters of the Responses API."""
@@ -61,8 +66,9 @@ class ResponsesService:
             "restored), prefix (the earlier prompt and part of its reply), rendered (the "
             "state was gone: prefilled again from the stored conversation)", ["model", "tenant", "how"],
             registry=registry)
-        self.stored = Counter(f"{PREFIX}_responses_stored", "Responses stored, and dropped "
-                              "to keep the store within its bounds (by event)",
+        self.stored = Counter(f"{PREFIX}_responses_stored", "Responses stored (stored), dropped to "
+                              "keep the store within its bounds (evicted), or that could not be "
+                              "stored (failed)",
                               ["event"], registry=registry)
 
 
@@ -169,26 +175,39 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         check_message_size(proto)
         choice = Choice(0, prompt.parser())
         builder = ResponseBuilder(rreq)
+
+        async def finished(done: Any, body: dict[str, Any]) -> None:
+            """Count a continuation and store the response, before the client is told
+            it is complete (a response that could not be stored is an error)."""
+            if previous is not None:
+                restored = done.cache_delta.tokens_read
+                how = "state" if restored >= previous.state_tokens else \
+                    "prefix" if restored >= previous.prompt_tokens else "rendered"
+                service.continued.labels(req.model, tenant, how).inc()
+            if rreq.store:
+                try:
+                    await asyncio.to_thread(keep, service, rreq, req, tenant, history, done,
+                                            body)
+                except (OSError, sqlite3.Error) as exc:
+                    log.error("cannot store response %s: %s", rreq.id, exc)
+                    service.stored.labels("failed").inc()
+                    raise ApiError(500, f"The response was generated but could not be "
+                                        f"stored ({exc}); send it with store false, or ask "
+                                        "the operator about --responses-dir.",
+                                   type="server_error", code="store_failed") from None
+
         events = worker.events(flight, proto)
         async with contextlib.aclosing(events):
-            result = await run(request, rreq, req, worker, events, choice, builder, arrived)
+            result = await run(request, rreq, req, worker, events, choice, builder, arrived,
+                               finished)
         if result is None:  # streamed, and failed after its start: told in the stream
             outcome = request.get(OUTCOME) or "worker_failure"
             return request["responses_stream"]
-        done, response_body, response = result
         served = req.routing_text(choice.served())
         outcome = "ok"
-        if previous is not None:
-            restored = done.cache_delta.tokens_read
-            how = "state" if restored >= previous.state_tokens else \
-                "prefix" if restored >= previous.prompt_tokens else "rendered"
-            service.continued.labels(req.model, tenant, how).inc()
-        if rreq.store:
-            await asyncio.to_thread(keep, service, rreq, req, tenant, history, done,
-                                    response_body)
-        return response
-    except ApiError:
-        outcome = "bad_request"
+        return result
+    except ApiError as err:
+        outcome = "bad_request" if err.status < 500 else "error"
         raise
     except RuntimeRefused as exc:
         outcome = "bad_request"
@@ -237,12 +256,13 @@ def state_tokens(done: Any) -> int:
 
 
 async def run(request: web.Request, rreq: ResponsesRequest, req: GenRequest, worker: Any,
-              events: Any, choice: Choice, builder: ResponseBuilder, arrived: float
-              ) -> tuple[Any, dict[str, Any], web.StreamResponse] | None:
-    """Read the runtime's events into ``builder``; stream its events when asked. Returns
-    the final record, the response body and the HTTP response; None for a stream that
-    failed after it started (the failure was its last event). Raises before the first
-    event, so errors keep their status."""
+              events: Any, choice: Choice, builder: ResponseBuilder, arrived: float,
+              finished: Callable[[Any, dict[str, Any]], Awaitable[None]]
+              ) -> web.StreamResponse | None:
+    """Read the runtime's events into ``builder``; stream its events when asked. At the
+    final record, ``finished(done, body)`` runs before the client is answered. Returns
+    the HTTP response; None for a stream that failed after it started (the failure was
+    its last event). Raises before the first event, so errors keep their status."""
     fleet = request.app[FLEET]
     tenant = request["tenant"]
     response: web.StreamResponse | None = None
@@ -267,12 +287,13 @@ async def run(request: web.Request, rreq: ResponsesRequest, req: GenRequest, wor
                 extra = kvcache_details(done, worker.name, worker.tenant)
                 extra["state_tokens"] = state_tokens(done)  # what a continuation reuses
                 body, closing = builder.finish(done, len(done.tokens), extra)
+                await finished(done, body)
                 if response is None:
-                    return done, body, web.json_response(body)
+                    return web.json_response(body)
                 for e in out + closing:
                     await response.write(sse_event(e))
                 await response.write_eof()
-                return done, body, response
+                return response
             choice.text += event.text
             deltas = choice.parser.feed(event.text)
             builder.count_token(deltas)
@@ -281,13 +302,16 @@ async def run(request: web.Request, rreq: ResponsesRequest, req: GenRequest, wor
                 for e in out:
                     await response.write(sse_event(e))
         raise WorkerFailure("worker_error", "the stream ended without a final record")
-    except (RuntimeRefused, WorkerFailure) as exc:
+    except (RuntimeRefused, WorkerFailure, ApiError) as exc:
         if response is None:
             raise
         if isinstance(exc, WorkerFailure):
             fleet.metrics.failures.labels(tenant, exc.reason).inc()
             err = failure_error(exc)
             request[OUTCOME] = "worker_failure"
+        elif isinstance(exc, ApiError):
+            err = exc
+            request[OUTCOME] = "error"
         else:
             err = refused(exc, req)
             request[OUTCOME] = "bad_request"
