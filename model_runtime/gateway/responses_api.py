@@ -122,6 +122,8 @@ def _renamed(err: ApiError, n_system: int, n_history: int) -> ApiError:
     for chat_name, ours in names.items():
         if param.startswith(chat_name):
             param = ours + param[len(chat_name):]
+    if param.startswith("tools["):  # chat's tools nest the function; flat ones do not
+        param = param.replace("].function.", "].", 1)
     if param.startswith("messages"):
         # Which message: the new input's items are numbered after the instructions and
         # the previous response's conversation.
