@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import codecs
 import functools
 import logging
 import os
@@ -20,7 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvcache import keys
-from kvcache.client import CacheClient
+from kvcache.client import CacheClient, CacheError
 from kvcache.common import TIER_LIVE
 from kvcache.metrics import LatencySummary, LatencyWindows, Metrics
 
@@ -319,6 +320,7 @@ class Runtime:
                prefix_tokens: int = 0, prefix_chars: int = 0,
                boundary_chars: Sequence[int] = (), boundary_ttl_seconds: Sequence[int] = (),
                session_id: str = "", parent_key: str | bytes = b"",
+               continue_parent: bool = False,
                max_tokens: int | None = None, until_context_full: bool = False,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                min_p: float = 0.0, seed: int | None = None, repeat_penalty: float = 1.0,
@@ -413,6 +415,11 @@ class Runtime:
         save), and its entry pinned in the daemon for ``boundary_ttl_seconds[i]`` seconds
         (0: not pinned) when the request ends, whether it saved or restored it.
 
+        ``continue_parent``: with ``parent_key`` and a ``prompt`` whose text begins with
+        the text of the parent's state (a conversation rendered again after the reply that
+        state ends with): that part is the state's tokens as the model generated them,
+        never tokenized again, so a reuse covers all of it; see :meth:`_continue`.
+
         ``cancelled``: asked while the prompt is tokenized (true: the caller went away;
         refused with ``cancelled``). Once queued, :meth:`cancel` ends the request at
         once, between two prefill chunks at the latest.
@@ -424,8 +431,13 @@ class Runtime:
             # The longest breakpoint as the head: its tokens are kept, and a next request
             # that shares it has only the rest tokenized.
             head_chars = max(boundary_chars)
-        toks, boundary = self._prepare(prompt, tokens, messages, system, prefix_tokens,
-                                       head_chars, cancelled)
+        parent = parse_parent_key(parent_key)
+        if continue_parent:
+            toks, boundary = self._continue(parent, prompt, tokens, messages, system,
+                                            prefix_tokens, head_chars, tenant, cancelled)
+        else:
+            toks, boundary = self._prepare(prompt, tokens, messages, system, prefix_tokens,
+                                           head_chars, cancelled)
         if head_chars != prefix_chars:
             boundary = 0  # the breakpoints are the boundaries
         boundaries = self._boundaries(prompt, toks, boundary_chars, boundary_ttl_seconds)
@@ -439,10 +451,70 @@ class Runtime:
             grammar_triggers=as_triggers(grammar_triggers), max_tokens=limit,
             stop=tuple(stop), logprobs=logprobs, top_logprobs=top_logprobs)
         self._check_vocab(sampling)
-        parent = parse_parent_key(parent_key)
         return self.engine.submit(toks, sampling, session_id=session_id, parent_key=parent,
                                   boundary=boundary, boundaries=boundaries, n=n,
                                   tenant=self.config.tenant if tenant is None else tenant)
+
+    def _continue(self, parent: bytes, prompt: str | None, tokens: Sequence[int] | None,
+                  messages: Sequence[Message] | None, system: str | None,
+                  prefix_tokens: int, prefix_chars: int, tenant: str | None,
+                  cancelled: Callable[[], bool] | None) -> tuple[list[int], int]:
+        """The tokens of a prompt that continues the state at ``parent``: where the
+        prompt's text begins with the text of the state's tokens, those tokens as they
+        are (the model's own output is never tokenized again, so it matches the state
+        whatever split the model chose), then the rest's; otherwise, or when the state
+        cannot be read, the prompt tokenized as usual (the resolver still tries
+        ``parent``, and the longest common prefix applies)."""
+        if not parent or prompt is None or tokens is not None or messages is not None:
+            raise RequestError("invalid_argument", "continue_parent needs a parent_key and "
+                                                   "a prompt")
+        state = self._state_tokens(parent, tenant)
+        kept, chars = self._state_in_text(state, prompt)
+        if kept:
+            try:
+                tail = self.model.tokenize_in_pieces(prompt[chars:], add_special=False,
+                                                     cancelled=cancelled)
+            except TokenizeCancelled as exc:
+                raise RequestError("cancelled", str(exc)) from None
+            return state[:kept] + tail, 0  # the state is saved already
+        return self._prepare(prompt, None, None, system, prefix_tokens, prefix_chars,
+                             cancelled)
+
+    def _state_in_text(self, state: Sequence[int], prompt: str) -> tuple[int, int]:
+        """How many of ``state``'s tokens ``prompt`` begins with the text of, and that
+        text's length: the text is decoded as generated text is (invalid bytes become
+        U+FFFD), and counted only at whole characters (a state may end inside one: its
+        last token then is left for the tail). (0, 0): none, or only BOS."""
+        model = self.model
+        start = 1 if state and model.add_bos and state[0] == model.bos_token else 0
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        kept, chars = 0, 0
+        at = 0
+        for i in range(start, len(state)):
+            piece = decoder.decode(model.token_to_piece(state[i], render_special=True))
+            if not prompt.startswith(piece, at):
+                break
+            at += len(piece)
+            if not decoder.getstate()[0]:  # no bytes of a character pending
+                kept, chars = i + 1, at
+        return (kept, chars) if kept > start else (0, 0)
+
+    def _state_tokens(self, key: bytes, tenant: str | None) -> list[int]:
+        """The tokens of the saved state ``key`` of ``tenant`` (a save of it still queued
+        here is waited for, as the resolver does), or [] when the cache has none."""
+        if self.cache is None:
+            return []
+        event = self.engine.saver.in_flight(key)
+        if event is not None:  # finished moments ago: its save is still being sent
+            event.wait(self.config.session_resume_wait_ms / 1000)
+        try:
+            detail = self.cache.inspect(key, tenant=self.config.tenant if tenant is None
+                                        else tenant)
+        except CacheError as exc:
+            log.info("parent state %s unreadable: %s", key.hex()[:16], exc)
+            return []
+        state = [int(t) for t in detail.tokens]
+        return state if all(0 <= t < self.model.n_vocab for t in state) else []
 
     def _check_vocab(self, sampling: SamplingParams) -> None:
         n_vocab = self.model.n_vocab

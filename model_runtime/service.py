@@ -97,6 +97,7 @@ def request_kwargs(request: pb.CompleteRequest) -> dict[str, Any]:
         "prefix_tokens": request.prefix_tokens, "prefix_chars": request.prefix_chars,
         "boundary_chars": list(request.boundary_chars),
         "boundary_ttl_seconds": list(request.boundary_ttl_seconds),
+        "continue_parent": request.continue_parent,
         "seed": request.seed if request.HasField("seed") else None,
         "logprobs": request.logprobs, "top_logprobs": request.top_logprobs,
     }

@@ -223,6 +223,9 @@ def build_app(fleet: Fleet) -> web.Application:
     app.router.add_get("/health", health, name="health")
     app.router.add_get("/metrics", metrics, name="metrics")
     app.router.add_get("/status", status, name="status")
+    from .responses_routes import add_responses_routes  # its handlers use this module's
+
+    add_responses_routes(app)
     return app
 
 

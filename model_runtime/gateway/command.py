@@ -11,10 +11,12 @@ from typing import Any
 import click
 
 from .openai_api import Limits
+from .responses_store import ResponsesSettings, default_responses_dir
 from .settings import DEFAULT_LISTEN, ModelSpec, SettingsError, Supervision, model_name
 
 _SUP = Supervision()
 _LIMITS = Limits()
+_RESPONSES = ResponsesSettings()
 FilePath = click.Path(dir_okay=False, path_type=Path)
 
 
@@ -70,6 +72,18 @@ FilePath = click.Path(dir_okay=False, path_type=Path)
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder for the workers' unix sockets (default: a private temporary "
                    "one, removed at exit).")
+@click.option("--responses-dir", type=click.Path(file_okay=False, path_type=Path),
+              default=None, help="Folder (owner-only) of the Responses API's stored "
+                                 f"responses [default: {default_responses_dir()}].")
+@click.option("--responses-max-count", type=click.IntRange(1),
+              default=_RESPONSES.max_count, show_default=True,
+              help="Stored responses kept at most (the oldest dropped first).")
+@click.option("--responses-max-bytes", type=click.IntRange(1),
+              default=_RESPONSES.max_bytes, show_default=True,
+              help="Bytes of stored responses kept at most (the oldest dropped first).")
+@click.option("--responses-ttl", type=click.FloatRange(min=0, min_open=True),
+              default=_RESPONSES.ttl_s, show_default=True,
+              help="Seconds a stored response is kept.")
 @click.option("--stall-window", type=float, default=_SUP.stall_window_s, show_default=True,
               help="Seconds without progress (no token, no CPU) on a request in flight "
                    "before its worker is restarted.")
@@ -94,8 +108,10 @@ def gateway(listen: str, models: tuple[str, ...], config_path: Path | None, work
             tls_cert: Path | None, tls_key: Path | None, tls_client_ca: Path | None,
             insecure_tcp: bool, max_body_bytes: int, max_messages: int, max_chars: int,
             max_slots_per_tenant: int | None, run_dir: Path | None,
-            cache_ttls: tuple[str, ...], **supervision: Any) -> None:
-    """Serve the OpenAI API (chat and text completions) over supervised model workers."""
+            cache_ttls: tuple[str, ...], responses_dir: Path | None, responses_max_count: int,
+            responses_max_bytes: int, responses_ttl: float, **supervision: Any) -> None:
+    """Serve the OpenAI API (chat and text completions, responses) and Anthropic's Messages
+    API over supervised model workers."""
     from kvcache.config import default_address
 
     from .keys import ApiKeys, KeyConfigError, check_listener, tls_context
@@ -145,7 +161,9 @@ def gateway(listen: str, models: tuple[str, ...], config_path: Path | None, work
             tls_cert=tls_cert, tls_key=tls_key, insecure_tcp=insecure_tcp,
             limits=Limits(body_bytes=max_body_bytes, messages=max_messages, chars=max_chars),
             max_slots_per_tenant=max_slots_per_tenant,
-            cache_ttls=cache_ttl_seconds(cache_ttls))
+            cache_ttls=cache_ttl_seconds(cache_ttls),
+            responses=ResponsesSettings(responses_dir, responses_max_count,
+                                        responses_max_bytes, responses_ttl))
         keys = ApiKeys.load(api_keys_file) if api_keys_file else None
         tls = tls_context(tls_cert, tls_key, tls_client_ca)
         check_listener(split_listen(listen)[0], keys, tls, insecure_tcp)

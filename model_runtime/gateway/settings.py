@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .openai_api import Limits
+from .responses_store import ResponsesSettings
 
 DEFAULT_LISTEN = "127.0.0.1:8000"
 # Anthropic's cache_control ttls and the seconds each pins its entry in the daemon.
@@ -101,6 +102,7 @@ class GatewaySettings:
     # slots rounded up with two tenants or more, no bound with one; see Fleet.tenant_bound)
     max_slots_per_tenant: int | None = None
     cache_ttls: Mapping[str, int] = field(default_factory=lambda: dict(CACHE_TTLS))
+    responses: ResponsesSettings = field(default_factory=ResponsesSettings)  # stored ones
 
     def __post_init__(self) -> None:
         if not self.models:
