@@ -5,6 +5,7 @@ cache_control's usage fields and expiring pins, count_tokens, errors and x-api-k
 
 from __future__ import annotations
 
+import http.client
 import json
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import anthropic
 import pytest
@@ -382,9 +384,21 @@ def test_errors_in_anthropic_shape(gw: Gateway) -> None:
     assert status == 404 and json.loads(body)["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.NotFoundError):
         client.messages.count_tokens(model="nope", messages=ask)
-    status, _, body = gw.process.http("POST", "/v1/messages", b" " * (5 << 20),
-                                      {"x-api-key": KEY})  # over --max-body-bytes
-    assert status == 413 and json.loads(body)["error"]["type"] == "request_too_large"
+    # Over --max-body-bytes: refused by its length before a byte is read (the connection
+    # is then closed, so the client sends a little and reads the answer).
+    url = urlsplit(gw.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    try:
+        conn.putrequest("POST", "/v1/messages")
+        for name, value in (("x-api-key", KEY), ("Content-Type", "application/json"),
+                            ("Content-Length", str(5 << 20))):
+            conn.putheader(name, value)
+        conn.endheaders(b" " * 1024)
+        answer = conn.getresponse()
+        assert answer.status == 413
+        assert json.loads(answer.read())["error"]["type"] == "request_too_large"
+    finally:
+        conn.close()
     # Still serving.
     assert client.messages.create(model="hermes", max_tokens=2, messages=ask).content
 
