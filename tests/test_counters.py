@@ -275,6 +275,8 @@ def _daemon_traffic(d: DaemonProcess) -> None:
         # Lookups: exact (also when max_tokens cuts the request), partial, miss.
         a = toks(10, 40)
         saved_a = c.save(IDENT, a, payload_for(a, 300), "cold")
+        brief = toks(12, 40)  # pinned for half a second, released by time: pins_expired
+        c.pin(c.save(IDENT, brief, payload_for(brief, 300), "cold").key, ttl_seconds=0.5)
         assert c.lookup(IDENT, a).matched_tokens == 40  # type: ignore[union-attr]
         assert c.lookup(IDENT, a + [5, 6], max_tokens=40).matched_tokens == 40  # type: ignore[union-attr]
         assert c.lookup(IDENT, a + [5, 6]).matched_tokens == 40  # type: ignore[union-attr]
@@ -505,6 +507,15 @@ def _runtime_traffic(d: DaemonProcess, model: Path) -> tuple[dict[str, float], d
         assert again.tokens == partial.tokens
         flush(rt)
         assert rt.stats()["saves_skipped_already_present"] >= 1
+        # A cache_control breakpoint with a ttl: its entry saved, then pinned (pins_sent);
+        # a pin of an entry the daemon does not have is refused (pins_failed).
+        marked = rt.complete(prompt="A breakpoint with a ttl. " * 12, boundary_chars=[200],
+                             boundary_ttl_seconds=[60], max_tokens=2)
+        assert marked.cache_hit_kind == "cold"
+        flush(rt)
+        assert rt.stats()["pins_sent"] >= 1
+        rt.engine.saver.pin(bytes(16), 60)
+        wait_for(lambda: rt.stats()["pins_failed"] >= 1, "the daemon to refuse the pin")
         # sticky, then parent keys: one that resumes, one that is unknown.
         p2 = tokens(4, 50)
         s1 = rt.complete(tokens=p2, max_tokens=4, session_id="s1")
@@ -753,6 +764,8 @@ def _runtime_outage_traffic(d: DaemonProcess,
             # the next one waits in its queue, the rest are dropped (backlog).
             rt.complete(tokens=tokens(31, 60), max_tokens=8)
             assert rt.stats()["saves_dropped_backlog"] >= 1
+            rt.engine.saver.pin(bytes(16), 60)  # the queue is full
+            assert rt.stats()["pins_dropped"] == 1
         finally:
             d.proc.send_signal(signal.SIGCONT)
         flush(rt)
