@@ -9,7 +9,8 @@ token computed again), partial hits whose suffix is 1, 2, 7 or 40 tokens, a stat
 from three pieces, a live sequence (partial and exact), a sticky session whose next turn
 holds the generated reply, a request of two choices restored once and copied (choice i
 is what seed + i gives), greedy and seeded sampling; a subset also after a daemon
-restart and from the shared tier on another host.
+restart and from the shared tier on another host. What a sequence held before (long
+generations cut short, a session, a copy, another tenant's requests) changes none of it.
 
 That holds because llama.cpp, as tools/setup.sh builds it, computes a token decoded
 alone exactly as inside a batch (checked first; see llama_backend.BATCH_VARIANT_OPTIONS).
@@ -215,6 +216,45 @@ def test_requests_running_together_give_what_each_gives_alone(
             together = list(pool.map(lambda p: run(rt, p), pair))
             for p, done in zip(pair, together, strict=True):
                 assert outcome(done) == outcome(run(cold, p))
+
+
+def test_what_a_sequence_held_before_leaves_no_trace_in_a_later_request(
+        tiny_model_no_eog: Path, runtimes: Callable[..., Runtime]) -> None:
+    # A worker's sequences carry their past: long generations cut short, a sticky session,
+    # a prompt copied for n=2, both tenants' requests. A prompt of more than 1024 tokens
+    # (several chunks, past where those filled the stream) served then (partially from
+    # a live sequence sharing only BOS, exactly from it, and cold for another tenant, who
+    # reuses nothing of the first's) gives what a fresh runtime gives, to the last bit.
+    # (The reuse paths of one request are exercised above; here the sequences' history.)
+    sizes = {"n_ctx": 2048, "n_batch": 512, "prefill_chunk": 256}
+    used = runtimes(tiny_model_no_eog, None, n_seq_max=2, reuse_live=True, **sizes)
+    fresh = runtimes(tiny_model_no_eog, None, n_seq_max=1, **sizes)
+    history = prompts(used, 4, seed=7)
+
+    def cut(tenant: str, tokens: list[int], after: int) -> None:
+        # A streamed reply of up to 1900 tokens whose caller leaves after ``after``.
+        events = used.complete(tokens=tokens, max_tokens=1900, stream=True, tenant=tenant)
+        for n, _ in enumerate(events):  # type: ignore[arg-type]
+            if n == after:
+                break
+        events.close()  # type: ignore[union-attr]
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # both sequences at once
+        list(pool.map(lambda a: cut(*a), [("alice", history[0], 1500),
+                                          ("bob", history[1], 700)]))
+    ask(used, history[2], tenant="bob", n=2)
+    ask(used, history[3], tenant="alice", session_id="held")  # pinned: one sequence left
+    cut("alice", history[0], 1200)
+
+    long = [used.tokenize(TEXT)[0]] + words(used, 1029, seed=11)
+    cold = outcome(ask(fresh, long))
+    first = ask(used, long, tenant="alice")
+    again = ask(used, long, tenant="alice")
+    other = ask(used, long, tenant="bob")
+    assert (first.cache_tier, first.cache_hit_kind) == ("live", "partial")
+    assert (again.cache_tier, kind(again)) == ("live", ("exact", len(long)))
+    assert kind(other) == ("cold", 0)
+    assert outcome(first) == outcome(again) == outcome(other) == cold
 
 
 def test_restores_after_a_daemon_restart_give_what_a_cold_prefill_gives(

@@ -232,7 +232,8 @@ def test_health_says_nothing_of_tenants(gw: GatewayProcess) -> None:
 
 def test_anthropic_messages_carry_the_key_s_tenant_too(gw: GatewayProcess) -> None:
     """The tenant reaches the worker on every route, not only OpenAI's: bob's Anthropic
-    request with alice's system prompt reads nothing of hers; her repeat does."""
+    request with alice's system prompt reads nothing of hers; her repeat does; all three
+    replies alike."""
     import anthropic
 
     system = "Anthropic route, shared worker. " * 40
@@ -241,12 +242,16 @@ def test_anthropic_messages_carry_the_key_s_tenant_too(gw: GatewayProcess) -> No
         client = anthropic.Anthropic(base_url=gw.url, api_key=key, max_retries=0,
                                      timeout=60.0)
         return client.messages.create(model="tiny", max_tokens=2, system=system,
+                                      extra_body={"temperature": 0},
                                       messages=[{"role": "user", "content": "Hello"}])
 
-    send(ALICE)
+    first = send(ALICE)
     wait_saves_settled(gw)
     again = send(ALICE)
     assert again.usage.cache_read_input_tokens > 100, again.usage
     bob = send(BOB)
     # (bob's own earlier chats on this worker share the template's first tokens at most)
     assert bob.usage.cache_read_input_tokens < 16, bob.usage
+    # Greedy (the Messages API samples at temperature 1 unless told): bob's cold prefill
+    # and alice's live reuse of her own give the same reply.
+    assert first.content[0].text == again.content[0].text == bob.content[0].text
