@@ -10,8 +10,12 @@ Prints ONE JSON document on stdout (progress on stderr).
 
 * ``agent``: a tool-calling agent loop of ``--steps`` steps on each arm: the request (tools,
   ``tool_choice`` ``required`` on kvcache; llama-server cannot force a call on a template
-  without tools, so it gets ``auto``), the reply appended as returned, a tool result for
-  each call (a reply without calls is followed by "Go on with the next lookup."). Per step:
+  without tools, so it gets ``auto``, unless ``--template hermes`` gives both arms a copy
+  of the model with a template that has tools), the reply appended as returned, a tool result for
+  each call (a reply without calls is followed by "Go on with the next lookup."). Then
+  kvcache's loop is replayed on llama-server (``llama-server_replay``: the same requests,
+  step by step, whatever it answers), so the tokens each prefills compare on the same
+  prompts. Per step:
   prompt tokens, prompt tokens prefilled (prompt minus ``cached_tokens``; llama-server also
   reports ``timings.prompt_n``), TTFT (request sent to the first chunk with a delta).
 * ``concurrent``: 4 concurrent streaming clients over a shared ~1,000-token system prompt,
@@ -23,7 +27,8 @@ Prints ONE JSON document on stdout (progress on stderr).
   nested object, array, enum, integer) against the same requests unconstrained, on each
   arm, one client, ``--requests`` x ``--rounds`` requests each, alternating. Tokens per
   second of decoding (completion tokens after the first / time from first to last chunk);
-  ratios constrained / unconstrained per arm, and kvcache / llama-server constrained.
+  ratios constrained / unconstrained per arm, and kvcache / llama-server constrained;
+  also each request's whole time (median), blind to how a server groups tokens in chunks.
 
 llama-server comes from ``tools/build_llama_server.sh`` (the llama.cpp vendored in the
 llama-cpp-python sdist); without it the benchmark says so and stops, unless
@@ -36,6 +41,8 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -43,6 +50,7 @@ from typing import Any
 
 from benchlib import Daemon, emit_json, log, machine_info, summarize
 from llama_server_arm import DEFAULT_BINARY, LlamaServer
+from make_tiny_gguf import HERMES_TEMPLATE
 from procs import Gateway, short_workdir
 from system_prompt import build_system_prompt
 
@@ -128,6 +136,7 @@ class Arm:
             message["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
                 "name": c["name"], "arguments": c["arguments"]}} for c in calls.values()]
         return {"ttft_s": (first or time.perf_counter()) - start,
+                "total_s": time.perf_counter() - start,
                 "gaps_s": [b - a for a, b in zip(stamps, stamps[1:], strict=False)],
                 "prompt_tokens": usage.prompt_tokens if usage else None,
                 "completion_tokens": usage.completion_tokens if usage else 0,
@@ -135,11 +144,15 @@ class Arm:
                 "message": message}
 
 
-def agent_loop(arm: Arm, steps: int, force: bool) -> list[dict[str, Any]]:
+def agent_loop(arm: Arm, steps: int, force: bool,
+               transcript: list[list[dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
+    """The loop; each step's messages are appended to ``transcript`` when given."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": AGENT_SYSTEM},
                                       {"role": "user", "content": TASK}]
     rows = []
     for step in range(steps):
+        if transcript is not None:
+            transcript.append(list(messages))
         got = arm.stream(messages, 48, tools=TOOLS,
                          tool_choice="required" if force else "auto")
         reply = got.pop("message")
@@ -157,6 +170,41 @@ def agent_loop(arm: Arm, steps: int, force: bool) -> list[dict[str, Any]]:
         if not calls:
             messages.append({"role": "user", "content": "Go on with the next lookup."})
     return rows
+
+
+def agent_replay(arm: Arm, transcript: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Another loop's requests sent as they were (its tool calls and results, whatever
+    this arm answers): the same prompts step by step, so what each arm prefills compares
+    directly."""
+    rows = []
+    for step, messages in enumerate(transcript):
+        got = arm.stream(messages, 48, tools=TOOLS, tool_choice="auto")
+        got.pop("message")
+        got.pop("gaps_s")
+        got.update(step=step + 1, tool_calls=0,
+                   prefilled=(got["prompt_tokens"] or 0) - got["cached_tokens"])
+        rows.append(got)
+    return rows
+
+
+def loop_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"steps": rows,
+            "prompt_tokens_total": sum(r["prompt_tokens"] or 0 for r in rows),
+            "prefilled_total": sum(r["prefilled"] for r in rows),
+            "ttft_median_ms": round(statistics.median(r["ttft_s"] for r in rows) * 1e3, 1),
+            "ttft_after_first_median_ms": round(statistics.median(
+                r["ttft_s"] for r in rows[1:]) * 1e3, 1) if len(rows) > 1 else None,
+            "steps_with_tool_calls": sum(1 for r in rows if r["tool_calls"])}
+
+
+def loop_ratios(ours: dict[str, Any], theirs: dict[str, Any] | None) -> dict[str, Any] | None:
+    return None if theirs is None else {
+        "prefilled_total": round(ours["prefilled_total"] / max(1, theirs["prefilled_total"]),
+                                 3),
+        "ttft_median": round(ours["ttft_median_ms"] / theirs["ttft_median_ms"], 3),
+        "ttft_after_first_median": round(
+            ours["ttft_after_first_median_ms"] / theirs["ttft_after_first_median_ms"], 3)
+        if ours["ttft_after_first_median_ms"] else None}
 
 
 def concurrent_round(arm: Arm, system: str, requests: int, round_no: int) -> dict[str, Any]:
@@ -208,6 +256,8 @@ def json_runs(arms: list[Arm], requests: int, rounds: int) -> dict[str, Any]:
         arm.name: {"free": [], "schema": []} for arm in arms}
     tokens: dict[str, dict[str, list[int]]] = {
         arm.name: {"free": [], "schema": []} for arm in arms}
+    totals: dict[str, dict[str, list[float]]] = {
+        arm.name: {"free": [], "schema": []} for arm in arms}
     for round_no in range(rounds):
         for arm in (arms if round_no % 2 == 0 else arms[::-1]):
             log(f"json: round {round_no + 1}, {arm.name}")
@@ -222,6 +272,7 @@ def json_runs(arms: list[Arm], requests: int, rounds: int) -> dict[str, Any]:
                     if rate is not None:
                         rates[arm.name][kind].append(rate)
                     tokens[arm.name][kind].append(got["completion_tokens"])
+                    totals[arm.name][kind].append(got["total_s"])
     doc: dict[str, Any] = {}
     for name, by_kind in rates.items():
         free = statistics.median(by_kind["free"]) if by_kind["free"] else None
@@ -231,12 +282,20 @@ def json_runs(arms: list[Arm], requests: int, rounds: int) -> dict[str, Any]:
                      "completion_tokens_free": tokens[name]["free"],
                      "completion_tokens_schema": tokens[name]["schema"],
                      "schema_over_free": round(constrained / free, 3)
-                     if free and constrained else None}
+                     if free and constrained else None,
+                     "request_ms_median_free": round(statistics.median(
+                         totals[name]["free"]) * 1e3, 1),
+                     "request_ms_median_schema": round(statistics.median(
+                         totals[name]["schema"]) * 1e3, 1)}
     ours, theirs = doc.get("kvcache"), doc.get("llama-server")
     doc["ratios"] = None if not theirs or not ours or not theirs["tokens_per_s_schema"] \
         or not ours["tokens_per_s_schema"] else {
         "schema_tokens_per_s": round(ours["tokens_per_s_schema"] /
-                                     theirs["tokens_per_s_schema"], 3)}
+                                     theirs["tokens_per_s_schema"], 3),
+        # The whole request (prompt, 96 tokens, answer): blind to how a server groups
+        # tokens into chunks, which a rate between first and last chunk is not.
+        "schema_request_time": round(ours["request_ms_median_schema"] /
+                                     theirs["request_ms_median_schema"], 3)}
     return doc
 
 
@@ -267,6 +326,11 @@ def main() -> None:
     parser.add_argument("--llama-server", type=Path, default=DEFAULT_BINARY)
     parser.add_argument("--without-llama-server", action="store_true",
                         help="the gateway alone: its figures, no side-by-side ratios")
+    parser.add_argument("--template", choices=["model", "hermes"], default="model",
+                        help="the chat template of both arms: the model's own, or a "
+                             "Hermes-style one with tools (Qwen 2.5's shape) written into a "
+                             "copy of the model, so that llama-server can make tool calls "
+                             "too and both loops force them")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     workloads = set(args.workloads.split(","))
@@ -280,6 +344,18 @@ def main() -> None:
         args.model = default_model_path()
 
     workdir = short_workdir("kvba")
+    if args.template == "hermes":
+        copy = workdir / "model-hermes.gguf"
+        log(f"writing {copy.name}: the model with a Hermes-style tool template")
+        try:
+            subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata",
+                            str(args.model), str(copy), "--chat-template", HERMES_TEMPLATE],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        except subprocess.CalledProcessError as exc:
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise SystemExit(f"could not write the model's copy: "
+                             f"{exc.stderr.decode()[-500:]}") from None
+        args.model = copy
     daemon = Daemon(workdir / "data", workdir / "ram", log_dir=workdir)
     gateway = Gateway(workdir / "gateway.log", "--model", f"bench={args.model}",
                       "--workers", "1", "--n-seq-max", str(N_CONCURRENT), "--n-ctx",
@@ -302,26 +378,20 @@ def main() -> None:
             arms.append(Arm("llama-server", f"http://127.0.0.1:{server.port}/v1", "bench"))
         if "agent" in workloads:
             doc["agent"] = {}
+            transcript: list[list[dict[str, Any]]] = []
             for arm in arms:
                 log(f"agent loop: {arm.name}, {args.steps} steps")
-                rows = agent_loop(arm, args.steps, force=arm.name == "kvcache")
-                doc["agent"][arm.name] = {
-                    "steps": rows,
-                    "prefilled_total": sum(r["prefilled"] for r in rows),
-                    "ttft_median_ms": round(statistics.median(r["ttft_s"] for r in rows) * 1e3,
-                                            1),
-                    "ttft_after_first_median_ms": round(statistics.median(
-                        r["ttft_s"] for r in rows[1:]) * 1e3, 1) if len(rows) > 1 else None,
-                    "steps_with_tool_calls": sum(1 for r in rows if r["tool_calls"])}
-            ours, theirs = doc["agent"]["kvcache"], doc["agent"].get("llama-server")
-            doc["agent"]["ratios"] = None if theirs is None else {
-                "prefilled_total": round(ours["prefilled_total"] /
-                                         max(1, theirs["prefilled_total"]), 3),
-                "ttft_median": round(ours["ttft_median_ms"] / theirs["ttft_median_ms"], 3),
-                "ttft_after_first_median": round(
-                    ours["ttft_after_first_median_ms"] /
-                    theirs["ttft_after_first_median_ms"], 3)
-                if ours["ttft_after_first_median_ms"] else None}
+                force = arm.name == "kvcache" or args.template == "hermes"
+                rows = agent_loop(arm, args.steps, force=force,
+                                  transcript=transcript if arm.name == "kvcache" else None)
+                doc["agent"][arm.name] = loop_summary(rows)
+            doc["agent"]["ratios"] = loop_ratios(doc["agent"]["kvcache"],
+                                                 doc["agent"].get("llama-server"))
+            if server is not None:  # the same prompts on both: kvcache's loop, replayed
+                log("agent loop replayed on llama-server")
+                replay = loop_summary(agent_replay(arms[1], transcript))
+                doc["agent"]["llama-server_replay"] = replay
+                doc["agent"]["ratios_replay"] = loop_ratios(doc["agent"]["kvcache"], replay)
         if "concurrent" in workloads:
             system = build_system_prompt(720)
             for arm in arms:  # both start with the system prompt computed once
