@@ -370,7 +370,6 @@ async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
     fleet.refuse_if_full(request["tenant"])  # before reading: a full server reads nothing
     body = await read_body(request)
     large = len(body) > LARGE_BODY
-    # Parsed on a thread (bounded by the body limit): the event loop keeps serving.
     # Parsed off the event loop (bounded by the body limit): a large body in the helper
     # process, whose GIL is not the event loop's; a small one on a thread.
     async with one_at_a_time(request, large):
