@@ -11,6 +11,9 @@
 # Environment:
 #   LLAMA_SERVER_DIR  work folder (default ~/.cache/kvcache-bench/llama-server)
 #   JOBS              parallel compile jobs (default 2)
+#   EXTRA_CMAKE_ARGS  more cmake options, e.g. "-DGGML_LLAMAFILE=OFF -DGGML_CPU_REPACK=OFF"
+#                     for the kernels model_runtime is built with (tools/setup.sh); give
+#                     such a build its own LLAMA_SERVER_DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -48,7 +51,7 @@ cmake -S "$SRC" -B "$SRC/build" \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
   -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-  -DGGML_NATIVE=ON >&2
+  -DGGML_NATIVE=ON ${EXTRA_CMAKE_ARGS:-} >&2
 cmake --build "$SRC/build" --target llama-server -j "$JOBS" >&2
 
 if [ ! -x "$BINARY" ]; then
