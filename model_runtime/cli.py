@@ -20,19 +20,9 @@ import grpc
 from click.core import ParameterSource
 
 from kvcache.auth import AuthConfigError, ClientAuth
-from kvcache.cli import (
-    address_option,
-    connect,
-    entry_details,
-    human_bytes,
-    human_count,
-    inspect_options,
-    print_entry,
-    run,
-    server_auth,
-    spinner,
-    tcp_listen_options,
-)
+from kvcache.cli.entries import entry_details, inspect_options, print_entry
+from kvcache.cli.options import address_option, connect, run, server_auth, tcp_listen_options
+from kvcache.cli.render import human_bytes, human_count, spinner
 from kvcache.client import CacheClient
 from kvcache.config import default_address, default_dir
 from kvcache.unix_socket import OwnedSocket

@@ -36,8 +36,8 @@ from test_daemon import (
 )
 
 from kvcache import blob as blobfmt
-from kvcache import cli as kvcache_cli
 from kvcache.cli import main as kvcache_main
+from kvcache.cli import moved as moved_commands
 from kvcache.client import CacheError, Identity
 from kvcache.counters import COUNTERS
 from kvcache.v1 import kvcache_pb2 as pb
@@ -407,7 +407,7 @@ def test_an_old_spelling_names_its_new_command_when_model_runtime_is_missing(
         (tmp_path / name).write_text("x")
     monkeypatch.chdir(tmp_path)
     # In-process, and with a name found nowhere: the command cannot run in its place.
-    monkeypatch.setattr(kvcache_cli, "RUNTIME_SCRIPT", "model-runtime-missing")
+    monkeypatch.setattr(moved_commands, "RUNTIME_SCRIPT", "model-runtime-missing")
     result = CliRunner().invoke(kvcache_main, list(args))
     assert result.exit_code == 1, result.output
     assert result.output.startswith(

@@ -33,7 +33,7 @@ from daemon_proc import DaemonProcess, wait_for
 from test_daemon import BLOCK, IDENT, DaemonFactory, blob_file, flip_payload, payload_for, toks
 
 from kvcache import keys
-from kvcache.cli import human_bytes
+from kvcache.cli.render import human_bytes
 from kvcache.client import CacheClient, Identity
 from model_runtime.chat.templates import ChatTemplate
 from model_runtime.identity import hash_file

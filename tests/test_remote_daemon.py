@@ -32,7 +32,7 @@ from test_remote import entry_keys
 from test_runtime import CONFIG, TEXT_A, TEXT_B, TEXT_C, flush, prompt
 
 from kvcache import keys
-from kvcache.cli import human_bytes
+from kvcache.cli.render import human_bytes
 from kvcache.client import Identity, LookupResult
 from kvcache.remote.layout import Names, open_value, seal
 from model_runtime.runtime import Runtime
