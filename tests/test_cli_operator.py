@@ -8,11 +8,13 @@ never cut and any unique prefix names an entry; stats is a short summary with de
 request; inspect speaks in dates, words and (model-runtime inspect) the entry's own model;
 verify can check without moving anything; messages are plain sentences without gRPC's
 own log lines; numbers are checked before they reach the wire; model-runtime warm refuses
-bad input in one line; long commands show progress only on a terminal.
+bad input in one line; long commands show progress only on a terminal; serve's
+defaults are the configs' own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -34,7 +36,10 @@ from test_daemon import BLOCK, IDENT, DaemonFactory, blob_file, flip_payload, pa
 
 from kvcache import keys
 from kvcache.cli.render import human_bytes
+from kvcache.cli.serve import serve
 from kvcache.client import CacheClient, Identity
+from kvcache.remote.config import RemoteConfig
+from kvcache.store import StoreConfig
 from model_runtime.chat.templates import ChatTemplate
 from model_runtime.identity import hash_file
 
@@ -648,6 +653,24 @@ def test_numbers_are_checked_before_they_reach_the_wire(daemon: DaemonProcess,
 def listed_keys(d: DaemonProcess) -> set[bytes]:
     with d.client() as c:
         return listed(c)
+
+
+def test_serve_defaults_are_the_configs_own() -> None:
+    """``kvcache serve`` spells its defaults as operators type them (``2G``), for its
+    help; they must stay the values the store and the shared tier default to."""
+    store = {f.name: f.default for f in dataclasses.fields(StoreConfig)}
+    remote = {f.name: f.default for f in dataclasses.fields(RemoteConfig)}
+    given = serve.make_context("serve", []).params
+    pairs = {"ram_bytes": store["ram_bytes"], "disk_bytes": store["disk_bytes"],
+             "min_free_bytes": store["min_free_bytes"], "block_size": store["block_size"],
+             "max_entry_bytes": store["max_blob_bytes"],
+             "max_saves_per_tenant": store["max_saves_per_tenant"],
+             "lease_seconds": store["lease_seconds"], "pin_seconds": store["pin_seconds"],
+             "remote_timeout": remote["op_timeout_s"]}
+    assert {name: given[name] for name in pairs} == pairs
+    # Unset, the per-tenant reservation bound is the store's own rule (0: derived).
+    assert given["max_reserved_bytes_per_tenant"] is None
+    assert store["max_reserved_bytes_per_tenant"] == 0
 
 
 # --------------------------------------------------------------------------- warm
