@@ -20,17 +20,17 @@ from .app import (
     FLEET,
     LARGE_BODY,
     MODEL_LABEL,
-    OUTCOME,
     account,
     check_finished,
     check_message_size,
     failure_error,
+    on_worker,
     one_at_a_time,
     read_body,
     refusal_error,
     render,
 )
-from .openai_api import ApiError, parse_json, served_text
+from .openai_api import parse_json, served_text
 from .openai_output import kvcache_details
 from .worker import RuntimeRefused, Worker, WorkerFailure
 
@@ -72,28 +72,15 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     req = mreq.gen
     worker, flight = await fleet.admit(req.model, request["tenant"], req.routing_text(), "",
                                        req.route_key)
-    outcome = "disconnected"
-    try:
+    async with on_worker(request, req, worker, flight, computes=False) as served:
         async with one_at_a_time(request, large):
             plan = await render(request, req, worker, large)
         assert plan is not None  # a chat, always
         proto = req.to_proto(plan)
         check_message_size(proto)
         tokens = await worker.count_tokens(flight, proto)
-        outcome = "ok"
+        served.outcome = "ok"
         return web.json_response({"input_tokens": tokens})
-    except ApiError:
-        outcome = "bad_request"
-        raise
-    except RuntimeRefused as exc:
-        outcome = "bad_request"
-        raise refusal_error(exc, req) from None
-    except WorkerFailure as exc:
-        outcome = "worker_failure"
-        raise failure_error(exc) from None
-    finally:
-        worker.release(flight)
-        request[OUTCOME] = outcome
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
@@ -103,9 +90,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     req = mreq.gen
     worker, flight = await fleet.admit(req.model, request["tenant"], req.routing_text(), "",
                                        req.route_key)
-    served: str | None = None
-    outcome = "disconnected"  # unless it ends otherwise: a cancelled handler says nothing
-    try:
+    async with on_worker(request, req, worker, flight) as served:
         async with one_at_a_time(request, large):
             plan = await render(request, req, worker, large)
         assert plan is not None
@@ -115,8 +100,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
         events = worker.events(flight, proto)
         async with contextlib.aclosing(events):
             if req.stream:
-                response, served, outcome = await _stream(request, mreq, worker, events,
-                                                          parser, arrived)
+                response, served.text, served.outcome = await _stream(
+                    request, mreq, worker, events, parser, arrived)
                 return response
             async for item in events:
                 if item.HasField("done"):
@@ -124,28 +109,13 @@ async def messages(request: web.Request) -> web.StreamResponse:
                     parser.close()
                     done = item.done
                     account(fleet, req, request["tenant"], done, arrived, len(done.tokens))
-                    served = req.routing_text(_served(parser))
-                    outcome = "ok"
+                    served.text = req.routing_text(_served(parser))
+                    served.outcome = "ok"
                     return web.json_response(message_body(
                         mreq, parser.output, done,
                         kvcache_details(done, worker.name, request["tenant"])))
                 parser.feed(item.text)
             raise WorkerFailure("worker_error", "the stream ended without a final record")
-    except ApiError:
-        outcome = "bad_request"
-        raise
-    except RuntimeRefused as exc:
-        outcome = "bad_request"
-        raise refusal_error(exc, req) from None
-    except WorkerFailure as exc:
-        outcome = "worker_failure"
-        fleet.metrics.failures.labels(request["tenant"], exc.reason).inc()
-        raise failure_error(exc) from None
-    finally:
-        if outcome == "disconnected":  # cancelled: the prompt's KV stays live there anyway
-            served = req.routing_text()
-        worker.release(flight, served)
-        request[OUTCOME] = outcome
 
 
 async def _stream(request: web.Request, mreq: MessagesRequest, worker: Worker, events: Any,

@@ -14,7 +14,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -364,6 +365,44 @@ async def render(request: web.Request, req: GenRequest, worker: Worker,
         gone.set()
 
 
+@dataclass
+class Served:
+    """How a request on a worker ended: its outcome (``disconnected`` unless it ends
+    otherwise: a cancelled handler says nothing) and the text it served (the worker's
+    routing memory; None: nothing to remember)."""
+
+    outcome: str = "disconnected"
+    text: str | None = None
+
+
+@contextlib.asynccontextmanager
+async def on_worker(request: web.Request, req: GenRequest, worker: Worker, flight: Any, *,
+                    computes: bool = True) -> AsyncIterator[Served]:
+    """A request's time on its worker, for every route: the runtime's refusals and the
+    worker's failures become API errors (failures counted), and however it ends its
+    outcome is recorded and its slot released with the text it served. ``computes``: the
+    request computes its prompt's KV, which stays on the worker even when the caller
+    left (so its text is remembered for routing)."""
+    served = Served()
+    try:
+        yield served
+    except ApiError:
+        served.outcome = "bad_request"
+        raise
+    except RuntimeRefused as exc:
+        served.outcome = "bad_request"
+        raise refusal_error(exc, req) from None
+    except WorkerFailure as exc:
+        served.outcome = "worker_failure"
+        request.app[FLEET].metrics.failures.labels(request["tenant"], exc.reason).inc()
+        raise failure_error(exc) from None
+    finally:
+        if served.outcome == "disconnected" and computes:
+            served.text = req.routing_text()
+        worker.release(flight, served.text)
+        request[OUTCOME] = served.outcome
+
+
 async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
     fleet = request.app[FLEET]
     arrived = time.monotonic()
@@ -386,9 +425,7 @@ async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
         raise req
     worker, flight = await fleet.admit(req.model, request["tenant"], req.routing_text(),
                                        req.session_id, req.route_key, req.n)
-    served_text: str | None = None
-    outcome = "disconnected"  # unless it ends otherwise: a cancelled handler says nothing
-    try:
+    async with on_worker(request, req, worker, flight) as served:
         async with one_at_a_time(request, large):
             prompt = await render(request, req, worker, large)
         proto = req.to_proto(prompt)
@@ -398,8 +435,8 @@ async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
         events = worker.events(flight, proto)
         async with contextlib.aclosing(events):
             if req.stream:
-                response, served_text, outcome = await stream(request, req, worker, events,
-                                                              choices, arrived)
+                response, served.text, served.outcome = await stream(
+                    request, req, worker, events, choices, arrived)
                 return response
             finished: list[Any] = []
             async for event in events:  # text pieces, then a final record per choice
@@ -413,8 +450,8 @@ async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
                     done = finished[0]
                     generated = sum(len(d.tokens) for d in finished)
                     account(fleet, req, request["tenant"], done, arrived, generated)
-                    served_text = req.routing_text(choices[0].served())
-                    outcome = "ok"
+                    served.text = req.routing_text(choices[0].served())
+                    served.outcome = "ok"
                     return web.json_response(response_body(
                         req, choices, finished, kvcache_details(done, worker.name,
                                                                 request["tenant"]), generated))
@@ -422,21 +459,6 @@ async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
                 if event.HasField("logprob"):
                     choice.logprobs.append(event.logprob)
             raise WorkerFailure("worker_error", "the stream ended without a final record")
-    except ApiError:
-        outcome = "bad_request"
-        raise
-    except RuntimeRefused as exc:
-        outcome = "bad_request"
-        raise refusal_error(exc, req) from None
-    except WorkerFailure as exc:
-        outcome = "worker_failure"
-        fleet.metrics.failures.labels(request["tenant"], exc.reason).inc()
-        raise failure_error(exc) from None
-    finally:
-        if outcome == "disconnected":  # cancelled: the prompt's KV stays live there anyway
-            served_text = req.routing_text()
-        worker.release(flight, served_text)
-        request[OUTCOME] = outcome
 
 
 def choice_of(event: Any, n: int) -> int:
