@@ -34,6 +34,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import msgpack
@@ -191,7 +192,7 @@ class Index:
         with self.env.begin(write=True) as txn:
             self._put_rows(txn, record, passes)
 
-    def _put_rows(self, txn: lmdb.Transaction, record: Record,
+    def _put_rows(self, txn: lmdb.Transaction[bytes], record: Record,
                   passes: Sequence[tuple[bytes, bytes]]) -> None:
         # In the publishing transaction: a piece is never visible without its parent.
         if record.parent and txn.get(record.parent, db=self._entries) is None:
@@ -200,7 +201,7 @@ class Index:
         if passes:
             self._put_passes(txn, record.key, passes)
 
-    def _write_record(self, txn: lmdb.Transaction, record: Record) -> None:
+    def _write_record(self, txn: lmdb.Transaction[bytes], record: Record) -> None:
         """An entry's own rows, and the ordering tables following them."""
         old = txn.get(record.key, db=self._entries)
         txn.put(record.key, record.pack(), db=self._entries)
@@ -211,13 +212,13 @@ class Index:
         else:
             self.order.changed(txn, Record.unpack(old), record)
 
-    def _put_passes(self, txn: lmdb.Transaction, key: bytes,
+    def _put_passes(self, txn: lmdb.Transaction[bytes], key: bytes,
                     passes: Sequence[tuple[bytes, bytes]]) -> None:
         for block_hash, block in passes:
             txn.put(block_hash + key, block, db=self._passes)
         txn.put(key, b"".join(h for h, _ in passes), db=self._entry_passes)
 
-    def _delete_passes(self, txn: lmdb.Transaction, key: bytes) -> None:
+    def _delete_passes(self, txn: lmdb.Transaction[bytes], key: bytes) -> None:
         hashes = txn.pop(key, db=self._entry_passes) or b""
         for i in range(0, len(hashes), KEY_BYTES):
             txn.delete(hashes[i : i + KEY_BYTES] + key, db=self._passes)
@@ -268,7 +269,7 @@ class Index:
                 if txn.get(key, db=self._entries) is not None:
                     self._put_passes(txn, key, passes)
 
-    def update(self, key: bytes, **changes: object) -> Record | None:
+    def update(self, key: bytes, **changes: Any) -> Record | None:
         with self.env.begin(write=True, db=self._entries) as txn:
             data = txn.get(key)
             if data is None:
@@ -279,7 +280,7 @@ class Index:
             self.order.changed(txn, old, record)
             return record
 
-    def update_many(self, keys_: Iterable[bytes], **changes: object) -> list[Record]:
+    def update_many(self, keys_: Iterable[bytes], **changes: Any) -> list[Record]:
         """:meth:`update` for many entries in one transaction; the records changed (those
         still published)."""
         changed = []
@@ -394,14 +395,14 @@ class Index:
         with self.env.begin(write=True, db=self._meta) as txn:
             txn.delete(_CLEAN)
 
-    def audit(self) -> tuple[list[Record], dict[bytes, dict[str, object]]]:
+    def audit(self) -> tuple[list[Record], dict[bytes, dict[str, Any]]]:
         """Check every row without reading a blob (start-up): the records that hold
         together, and the keys of those that do not (undecodable, not matching their seal,
         filed under another key, with a missing or different anchor row), each with its
         well-typed usage fields, so that re-indexing its blob from the header keeps hits
         and pin."""
         good: list[Record] = []
-        bad: dict[bytes, dict[str, object]] = {}
+        bad: dict[bytes, dict[str, Any]] = {}  # field -> a value of its type
         with self.env.begin() as txn:
             for key, data in txn.cursor(db=self._entries):
                 try:
@@ -516,7 +517,7 @@ class Index:
                         return Record.unpack(data), probes
         return None, probes
 
-    def _probe_tails(self, txn: lmdb.Transaction, anchor: bytes, raw_tokens: bytes,
+    def _probe_tails(self, txn: lmdb.Transaction[bytes], anchor: bytes, raw_tokens: bytes,
                      base: int, max_tail: int) -> bytes | None:
         start = base * 4
         for t in range(max_tail, -1, -1):
@@ -551,7 +552,7 @@ class Index:
             anchors = txn.cursor(db=self._anchors)
             passes = txn.cursor(db=self._passes)
 
-            def rows(cursor: lmdb.Cursor, k: int) -> Iterator[tuple[bytes, bytes]]:
+            def rows(cursor: lmdb.Cursor[bytes], k: int) -> Iterator[tuple[bytes, bytes]]:
                 if cursor.set_range(hashes[k]):
                     for composite, tokens in cursor:
                         if composite[:KEY_BYTES] != hashes[k]:
@@ -594,7 +595,8 @@ class Index:
                     exact = self._probe_tails(txn, hashes[k], raw_tokens, base,
                                               min(block_size - 1, limit - base))
                     data = None if exact is None else txn.get(exact, db=self._entries)
-                    if data is not None and Record.unpack(data).n_tokens > best_n:
+                    if exact is not None and data is not None \
+                            and Record.unpack(data).n_tokens > best_n:
                         best_keys, best_n = [exact], Record.unpack(data).n_tokens
                 # Of those sharing as much, the smallest: the fewest bytes to load.
                 records = [Record.unpack(data) for data in

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import heapq
 import struct
-from collections.abc import Callable, Iterable, Iterator, Mapping, Set
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Set
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -118,7 +118,7 @@ class OrderTables:
     change inside the write transaction of the entry rows it follows. Not thread-safe
     beyond what LMDB gives (one writer at a time, readers on snapshots)."""
 
-    def __init__(self, env: lmdb.Environment, entries: object, meta: object,
+    def __init__(self, env: lmdb.Environment, entries: lmdb._Database, meta: lmdb._Database,
                  unpack: Callable[[bytes], Record]) -> None:
         self._env = env
         self._entries = entries
@@ -133,14 +133,14 @@ class OrderTables:
 
     # -- reading ----------------------------------------------------------------------------
 
-    def _record(self, txn: lmdb.Transaction, key: bytes) -> Record | None:
+    def _record(self, txn: lmdb.Transaction[bytes], key: bytes) -> Record | None:
         data = txn.get(key, db=self._entries)
         return None if data is None else self._unpack(data)
 
-    def _count_kids(self, txn: lmdb.Transaction, key: bytes) -> int:
+    def _count_kids(self, txn: lmdb.Transaction[bytes], key: bytes) -> int:
         return len(self.children(txn, key))
 
-    def _max_kid(self, txn: lmdb.Transaction, key: bytes) -> bytes:
+    def _max_kid(self, txn: lmdb.Transaction[bytes], key: bytes) -> bytes:
         """The largest subtree key among ``key``'s children (b"" without children): the
         last row with its prefix, the one before the first row past it."""
         cursor = txn.cursor(db=self._db["kids"])
@@ -149,7 +149,7 @@ class OrderTables:
         row = cursor.key() if found else b""
         return row[KEY_BYTES : KEY_BYTES + USE_BYTES] if row[:KEY_BYTES] == key else b""
 
-    def _node(self, txn: lmdb.Transaction, record: Record) -> _Node:
+    def _node(self, txn: lmdb.Transaction[bytes], record: Record) -> _Node:
         """``record`` as filed: its tree row, its use key as the row it was filed with
         (``record``) says; defaults for one not filed yet."""
         row = txn.get(record.key, db=self._db["tree"])
@@ -161,7 +161,7 @@ class OrderTables:
         return _Node(record.key, record.parent, record.size, record.pinned, record.in_ram,
                      use, subtree, depth, below, kids)
 
-    def children(self, txn: lmdb.Transaction, key: bytes) -> list[bytes]:
+    def children(self, txn: lmdb.Transaction[bytes], key: bytes) -> list[bytes]:
         cursor = txn.cursor(db=self._db["children"])
         out = []
         if cursor.set_range(key):
@@ -171,11 +171,11 @@ class OrderTables:
                 out.append(row[KEY_BYTES:])
         return out
 
-    def _sum(self, txn: lmdb.Transaction, name: bytes) -> int:
+    def _sum(self, txn: lmdb.Transaction[bytes], name: bytes) -> int:
         value = txn.get(name, db=self._meta)
         return _U64.unpack(value)[0] if value else 0
 
-    def _add(self, txn: lmdb.Transaction, name: bytes, delta: int) -> None:
+    def _add(self, txn: lmdb.Transaction[bytes], name: bytes, delta: int) -> None:
         if not delta:
             return
         # Never below 0: an entry left out of a rebuild was never counted.
@@ -187,7 +187,7 @@ class OrderTables:
 
     # -- filing -----------------------------------------------------------------------------
 
-    def _file(self, txn: lmdb.Transaction, n: _Node) -> None:
+    def _file(self, txn: lmdb.Transaction[bytes], n: _Node) -> None:
         db = self._db
         txn.put(n.key, _TREE.pack(n.subtree, n.depth, n.pinned_below, n.kids), db=db["tree"])
         txn.put(n.use, b"", db=db["by_use"])
@@ -205,7 +205,7 @@ class OrderTables:
         self._add(txn, _PROTECTED, n.size if n.protected else 0)
         self._add(txn, _PINNED_RAM, n.size if n.pinned and n.in_ram else 0)
 
-    def _unfile(self, txn: lmdb.Transaction, n: _Node) -> None:
+    def _unfile(self, txn: lmdb.Transaction[bytes], n: _Node) -> None:
         db = self._db
         txn.delete(n.key, db=db["tree"])
         txn.delete(n.use, db=db["by_use"])
@@ -218,12 +218,12 @@ class OrderTables:
         self._add(txn, _PROTECTED, -n.size if n.protected else 0)
         self._add(txn, _PINNED_RAM, -n.size if n.pinned and n.in_ram else 0)
 
-    def _refile(self, txn: lmdb.Transaction, old: _Node, new: _Node) -> None:
+    def _refile(self, txn: lmdb.Transaction[bytes], old: _Node, new: _Node) -> None:
         if old != new:
             self._unfile(txn, old)
             self._file(txn, new)
 
-    def _up(self, txn: lmdb.Transaction, key: bytes, pinned_delta: int,
+    def _up(self, txn: lmdb.Transaction[bytes], key: bytes, pinned_delta: int,
             kids_delta: int = 0) -> None:
         """Bring ``key`` and the entries it is built on up to date after a change among
         its children (``kids_delta`` added or gone, or one with a new subtree key or pin
@@ -246,7 +246,7 @@ class OrderTables:
 
     # -- changes (in the entry rows' write transaction) --------------------------------------
 
-    def added(self, txn: lmdb.Transaction, record: Record) -> None:
+    def added(self, txn: lmdb.Transaction[bytes], record: Record) -> None:
         """A published entry (nothing is built on it yet)."""
         if not self.in_sync:
             return
@@ -262,7 +262,7 @@ class OrderTables:
         if record.parent:
             self._up(txn, record.parent, int(record.pinned), 1)
 
-    def removed(self, txn: lmdb.Transaction, records: Iterable[Record]) -> None:
+    def removed(self, txn: lmdb.Transaction[bytes], records: Iterable[Record]) -> None:
         """Unpublished entries, together with everything built on them."""
         if not self.in_sync:
             return
@@ -282,7 +282,7 @@ class OrderTables:
         for parent, (pinned, kids) in boundary.items():
             self._up(txn, parent, -pinned, -kids)
 
-    def changed(self, txn: lmdb.Transaction, old: Record, new: Record) -> None:
+    def changed(self, txn: lmdb.Transaction[bytes], old: Record, new: Record) -> None:
         """An entry's usage, pin or RAM copy changed (its row rewritten)."""
         if not self.in_sync:
             return
@@ -302,19 +302,19 @@ class OrderTables:
 
     # -- whole tables -----------------------------------------------------------------------
 
-    def _clear(self, txn: lmdb.Transaction) -> None:
+    def _clear(self, txn: lmdb.Transaction[bytes]) -> None:
         for db in self._db.values():
             txn.drop(db, delete=False)
         for name in (_PROTECTED, _PINNED_RAM):
             txn.delete(name, db=self._meta)
         txn.put(_IN_SYNC, b"1", db=self._meta)
 
-    def cleared(self, txn: lmdb.Transaction) -> None:
+    def cleared(self, txn: lmdb.Transaction[bytes]) -> None:
         """Every entry row was dropped: the tables are emptied too."""
         self._clear(txn)
         self.in_sync = True
 
-    def invalidate(self, txn: lmdb.Transaction) -> None:
+    def invalidate(self, txn: lmdb.Transaction[bytes]) -> None:
         """Entry rows changed without the tables (rows that could not be decoded): they
         are rebuilt by :meth:`rebuild` before anything reads them (start-up does)."""
         txn.delete(_IN_SYNC, db=self._meta)
@@ -368,7 +368,7 @@ class OrderTables:
     # -- what goes first --------------------------------------------------------------------
 
     def disk_victims(self, held: Set[bytes], pending: Mapping[bytes, float]
-                     ) -> Iterator[bytes]:
+                     ) -> Generator[bytes, None, None]:
         """The entries in the order the disk tier gives them up, each as if the ones
         before it were gone (policy.leaf_first_order's order): least recently used first
         among the leaves neither pinned nor ``held``, a parent joining once every entry
@@ -380,7 +380,7 @@ class OrderTables:
             leaves = self._leaves(txn, held, pending, joined)
             upcoming = next(leaves, None)
             while upcoming is not None or joined:
-                if joined and (upcoming is None or joined[0] < upcoming):
+                if upcoming is None or (joined and joined[0] < upcoming):
                     use = heapq.heappop(joined)
                 else:
                     use, upcoming = upcoming, next(leaves, None)
@@ -399,7 +399,7 @@ class OrderTables:
                         and parent not in held:
                     heapq.heappush(joined, record_use_key(above, pending.get(parent, 0.0)))
 
-    def _leaves(self, txn: lmdb.Transaction, held: Set[bytes], pending: Mapping[bytes, float],
+    def _leaves(self, txn: lmdb.Transaction[bytes], held: Set[bytes], pending: Mapping[bytes, float],
                 moved: list[bytes]) -> Iterator[bytes]:
         """The ``leaves`` table's use keys in order, without the held entries; one read
         since its row was written goes onto the heap ``moved`` at its new place."""
@@ -418,7 +418,7 @@ class OrderTables:
         return next(self.disk_victims(held, pending), None)
 
     def ram_victims(self, held: Set[bytes], pending: Mapping[bytes, float]
-                    ) -> Iterator[bytes]:
+                    ) -> Generator[bytes, None, None]:
         """The RAM copies in the order the RAM tier gives them up (Evictor's RAM order:
         policy.leaf_first_order's, then the entries a pinned or ``held`` entry is built on
         by their own last use), without the pinned and ``held`` ones. Dropping a copy
@@ -459,12 +459,12 @@ class OrderTables:
             while tail:
                 yield heapq.heappop(tail)[-KEY_BYTES:]
 
-    def _own_use(self, txn: lmdb.Transaction, key: bytes, pending: Mapping[bytes, float]
+    def _own_use(self, txn: lmdb.Transaction[bytes], key: bytes, pending: Mapping[bytes, float]
                  ) -> bytes:
         record = self._record(txn, key)
         return b"" if record is None else record_use_key(record, pending.get(key, 0.0))
 
-    def _ancestors(self, txn: lmdb.Transaction, keys_: Iterable[bytes]) -> set[bytes]:
+    def _ancestors(self, txn: lmdb.Transaction[bytes], keys_: Iterable[bytes]) -> set[bytes]:
         """Every entry the given ones are built on (not themselves, unless built on each
         other)."""
         found: set[bytes] = set()
@@ -477,7 +477,7 @@ class OrderTables:
                 parent = record.parent if record is not None else b""
         return found
 
-    def _subtree_reads(self, txn: lmdb.Transaction, pending: Mapping[bytes, float]
+    def _subtree_reads(self, txn: lmdb.Transaction[bytes], pending: Mapping[bytes, float]
                        ) -> dict[bytes, bytes]:
         """Subtree keys raised by reads not yet in the index: key -> its new subtree key,
         for each entry read and each entry it is built on (latest reads first, so each
@@ -531,7 +531,7 @@ class OrderTables:
         with self._env.begin(db=self._db["ram_keys"]) as txn:
             return list(txn.cursor().iternext(values=False))
 
-    def by_use(self, txn: lmdb.Transaction, *, after: bytes | None = None
+    def by_use(self, txn: lmdb.Transaction[bytes], *, after: bytes | None = None
                ) -> Iterator[bytes]:
         """Use keys, most recently used first, from just before ``after`` when given."""
         cursor = txn.cursor(db=self._db["by_use"])

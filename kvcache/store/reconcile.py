@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -244,7 +244,7 @@ class Reconcile:
         return own
 
     def _audit(self, on_disk: dict[bytes, Path], in_ram: dict[bytes, Path]
-               ) -> tuple[dict[bytes, dict[str, object]], list[tuple[bytes, Path]]]:
+               ) -> tuple[dict[bytes, dict[str, Any]], list[tuple[bytes, Path]]]:
         """Keep the index rows their blobs bear out and count them; drop the rest. Takes
         the kept entries' blobs out of ``on_disk`` and their copies out of ``in_ram``
         (removing the copies left over). Returns the damaged rows' usage and pin (see
@@ -293,7 +293,7 @@ class Reconcile:
             path.unlink(missing_ok=True)
         return bad, without_passes
 
-    def _reindex(self, on_disk: dict[bytes, Path], bad: dict[bytes, dict[str, object]]
+    def _reindex(self, on_disk: dict[bytes, Path], bad: dict[bytes, dict[str, Any]]
                  ) -> None:
         """Index the blob files the index does not know (a crash between rename and index
         commit, or a lost index) from their headers."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import secrets
 import threading
@@ -54,7 +55,7 @@ class Reservation:
     tmp_path: Path
     expires: float
     verifier: blobfmt.StreamVerifier
-    file: object | None = None  # raw file object while streaming
+    file: io.FileIO | None = None  # the temp file, open until the lease ends
     written: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     done: bool = False
@@ -279,6 +280,7 @@ class Publisher:
             except blobfmt.BlobError as exc:
                 self.abort(lease_id, _locked=res)
                 raise InvalidArgument(f"malformed blob: {exc} (save aborted)") from None
+            assert res.file is not None  # open until the lease ends, and it has not
             try:
                 view = memoryview(data)
                 while view:
@@ -287,7 +289,7 @@ class Publisher:
                     # is published shorter than what the stream verifier saw
                     # (tests/test_full_disk.py::
                     # test_disk_filling_after_the_reservation_aborts_the_write_cleanly).
-                    n = res.file.write(view)  # type: ignore[union-attr]
+                    n = res.file.write(view)
                     if not n:
                         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                     view = view[n:]
@@ -343,11 +345,12 @@ class Publisher:
                     self.counters["saves_invalid"] += 1
                 raise InvalidArgument(f"blob rejected at commit: {exc} (save aborted)") from None
             f = res.file
+            assert f is not None  # open until the lease ends, and it has not
             final = self._layout.blob_path(res.key.key)
             renamed = False
             try:
-                os.fsync(f.fileno())  # type: ignore[union-attr]
-                f.close()  # type: ignore[union-attr]
+                os.fsync(f.fileno())
+                f.close()
                 res.file = None
                 if not final.parent.is_dir():
                     final.parent.mkdir(mode=0o700, exist_ok=True)
@@ -466,7 +469,7 @@ class Publisher:
             self._pins.release(res.parent)
         if res.file is not None:
             with contextlib.suppress(OSError):
-                res.file.close()  # type: ignore[union-attr]
+                res.file.close()
         res.tmp_path.unlink(missing_ok=True)
         self.counters[counter] += 1
         self._cond.notify_all()
