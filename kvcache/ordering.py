@@ -1,5 +1,5 @@
 """The eviction order, kept in the index: which entries are built on which, the order of
-last use, and what each tier gives up first when it is full, in kvcache.policy's order,
+last use, and what each tier gives up first when it is full, in kvcache.store.policy's order,
 maintained as entries come, go and are used instead of sorted anew for every save.
 
 The tables live in the index's LMDB environment and change in the same write transaction

@@ -33,9 +33,9 @@ from .counters import COUNTERS, REMOTE_SECTION
 from .errors import InvalidArgument, NotFound, StoreError
 from .index import Record
 from .metrics import LatencyWindows, Metrics
-from .ownership import check_data_dir
 from .remote import RemoteConfig, RemoteSync, RemoteTier
 from .store import Found, Store, StoreConfig
+from .store.ownership import check_data_dir
 from .store.quotas import TenantQuotas
 from .tenancy import TenantSalts, data_dir_secret, secret_from_signing_key
 from .tenant_usage import TenantNames, usage_messages

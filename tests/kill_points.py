@@ -43,10 +43,10 @@ from typing import Any
 import payloads
 from procs import pythonpath_env
 
-from kvcache import keys, ramtier
+from kvcache import keys
 from kvcache.client import Identity
 from kvcache.index import Record
-from kvcache.store import Store, StoreConfig
+from kvcache.store import Store, StoreConfig, ramtier
 
 FP = "fp-kill-points"
 LAYOUT = {"type_k": "f16"}

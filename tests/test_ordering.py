@@ -1,5 +1,5 @@
 """The eviction order kept in the index (kvcache.ordering) against the policy's full sorts
-(kvcache.policy), on random sequences of changes to a real LMDB index.
+(kvcache.store.policy), on random sequences of changes to a real LMDB index.
 
 After every change: the disk tier gives its entries up in leaf_first_order's order, the
 RAM copies go in ram_order's order, the bytes that cannot be evicted are what the full
@@ -19,9 +19,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcache import policy
 from kvcache.index import Index, Record
 from kvcache.ordering import TABLES, record_use_key, sortable, use_key
+from kvcache.store import policy
 
 
 def record(key: bytes, parent: bytes, created: float, size: int) -> Record:

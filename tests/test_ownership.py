@@ -29,8 +29,8 @@ from test_daemon import IDENT, payload_for, toks
 
 from kvcache.cli import main as kvcache_main
 from kvcache.config import ENV_DIR, parse_listen
-from kvcache.ownership import DATA_MARKER
-from kvcache.ramtier import RAM_MARKER, RAM_MARKER_WHAT, SHM, tier_dir, tier_name
+from kvcache.store.ownership import DATA_MARKER
+from kvcache.store.ramtier import RAM_MARKER, RAM_MARKER_WHAT, SHM, tier_dir, tier_name
 from model_runtime.identity import model_fingerprint
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -192,7 +192,7 @@ def test_a_foreign_non_empty_dir_is_refused_untouched(tmp_path: Path) -> None:
 
 
 def test_a_file_named_like_the_marker_does_not_make_a_folder_ours(tmp_path: Path) -> None:
-    from kvcache.ownership import NotOwned, claim_data_dir
+    from kvcache.store.ownership import NotOwned, claim_data_dir
 
     folder = foreign_folder(tmp_path / "notes")
     (folder / DATA_MARKER).write_text("someone else's file\n")

@@ -35,9 +35,9 @@ from kvcache.errors import (
     WaitTimeout,
 )
 from kvcache.index import ORDER_TABLES, Index, Record
-from kvcache.ramtier import RAM_MARKER
 from kvcache.store import Store, StoreConfig
 from kvcache.store.eviction import room_slack
+from kvcache.store.ramtier import RAM_MARKER
 
 FP = "fp-test"
 LAYOUT = {"type_k": "f16"}

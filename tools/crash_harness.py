@@ -80,7 +80,7 @@ from kvcache.client import (
     SaveResult,
 )
 from kvcache.config import CHUNK_BYTES
-from kvcache.ramtier import RAM_MARKER
+from kvcache.store.ramtier import RAM_MARKER
 from kvcache.v1 import kvcache_pb2 as pb
 
 BLOCK = 16

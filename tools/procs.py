@@ -33,7 +33,7 @@ import grpc
 
 from kvcache.client import CacheClient
 from kvcache.config import ENV_DIR
-from kvcache.ramtier import tier_dir
+from kvcache.store.ramtier import tier_dir
 from kvcache.v1 import kvcache_pb2 as pb
 from kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from model_runtime.client import RuntimeClient

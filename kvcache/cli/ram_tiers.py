@@ -18,7 +18,7 @@ from .options import path_given, yes_option
 from .render import asks_first, confirm, human_bytes, print_plain, text_row
 
 if TYPE_CHECKING:
-    from ..ramtier import TierInfo
+    from ..store.ramtier import TierInfo
 
 
 def tier_table(tiers: Sequence[TierInfo], removed: Sequence[str]) -> None:
@@ -90,7 +90,7 @@ def ram_tiers(parents: list[Path], names: tuple[str, ...], remove_orphans: bool,
     what will go and asks first (--yes: don't ask).
 
     Exit 1 when an orphan had to be kept (the reason is printed)."""
-    from ..ramtier import SHM, find_tiers, remove_orphan
+    from ..store.ramtier import SHM, find_tiers, remove_orphan
 
     if names and remove_orphans:
         raise click.UsageError("give --remove TIER or --remove-orphans, not both")

@@ -9,8 +9,8 @@ Layout under the data directory (its subfolders owner-only)::
     quarantine/         blobs that failed a checksum, kept for post-mortems
 
 The directory carries a ``.kvcache`` marker; kvcache refuses a directory it did not make
-(see kvcache.ownership). The RAM tier is a folder of its own on a memory filesystem
-(``/dev/shm/kvcache-<uid>-<tag>`` by default; see kvcache.ramtier) holding copies of hot
+(see kvcache.store.ownership). The RAM tier is a folder of its own on a memory filesystem
+(``/dev/shm/kvcache-<uid>-<tag>`` by default; see kvcache.store.ramtier) holding copies of hot
 blobs (``<key>.kvc``; ``<key>.part`` while one is copied). Being a file system, it lets a
 same-host reader open the blob directly (the fast path) while the entry is pinned by its
 read.
@@ -36,7 +36,7 @@ Modules, one concern each (read ``facade`` first, then the part you need):
                    (open, stream, release).
 * ``tiers``        Layout (file names), Tally (the one owner of the byte accounting),
                    RamCopies (dropping copies) and RamPlacer (the RAM worker).
-* ``eviction``     Evictor: what goes when a tier is full (kvcache.policy's orders, kept
+* ``eviction``     Evictor: what goes when a tier is full (kvcache.store.policy's orders, kept
                    in the index by kvcache.ordering), a batch at a time, and what a
                    tenant at its quota gives up of its own.
 * ``quotas``       TenantQuotas: the optional per-tenant byte quotas of each tier.
@@ -70,7 +70,7 @@ Invariants, and the tests that hold them:
   anything it is built on (tests/test_store.py::test_disk_eviction_is_least_recently_used_first,
   test_eviction_never_takes_pinned_or_in_use_entries; tests/test_pieces.py::
   test_eviction_takes_leaves_first_and_keeps_the_shared_prefix), in exactly the order
-  kvcache.policy's full sorts give (tests/test_ordering.py::
+  kvcache.store.policy's full sorts give (tests/test_ordering.py::
   test_the_kept_order_is_the_full_sort_after_any_changes), reading only what it evicts
   (tests/test_store.py::test_making_room_reads_only_what_it_evicts).
 * A start-up after a clean shutdown, nothing changed since, reads no entry and no blob

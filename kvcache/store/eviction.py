@@ -1,4 +1,4 @@
-"""Making room: which entries (or RAM copies) go when a tier is full, in kvcache.policy's
+"""Making room: which entries (or RAM copies) go when a tier is full, in kvcache.store.policy's
 order, and the loops that remove them until a new blob or copy fits.
 
 The order is kept in the index as entries change (kvcache.ordering): making room reads

@@ -19,16 +19,16 @@ from typing import BinaryIO
 import lmdb
 
 from .. import blob as blobfmt
-from .. import keys, ramtier
+from .. import keys
 from ..common import TIER_DISK, TIER_RAM
 from ..counters import COUNTERS
 from ..errors import DirectoryInUse
 from ..index import Index, Record
-from ..ownership import claim_data_dir
-from . import listing
+from . import listing, ramtier
 from .entries import Entries, check_tokens
 from .eviction import Evictor
 from .integrity import Integrity
+from .ownership import claim_data_dir
 from .prune import Pruner, PruneResult
 from .quotas import TenantQuotas
 from .reads import ReadPin, ReadPins, Reads

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..index import Index, Record
-from ..policy import eviction_order, leaf_first_order
+from .policy import eviction_order, leaf_first_order
 from .reads import with_usage
 
 if TYPE_CHECKING:

@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from .. import blob as blobfmt
-from .. import keys, ramtier
+from .. import keys
 from ..index import SCHEMA_VERSION, Index, Record, dir_fsync
-from ..ownership import is_own_file_name
+from . import ramtier
 from .entries import record_from
+from .ownership import is_own_file_name
 from .tiers import BLOB_SUFFIX, TMP_SUFFIX
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ RESERVED_ENTRIES = 4
 @dataclass(frozen=True)
 class StoreConfig:
     root: Path
-    # The folder the RAM tier's own subfolder is made in (see kvcache.ramtier); None: a
+    # The folder the RAM tier's own subfolder is made in (see kvcache.store.ramtier); None: a
     # memory file system (/dev/shm) when there is one.
     ram_dir: Path | None = None
     ram_bytes: int = 2 * GiB

@@ -1,7 +1,7 @@
 """Where an entry's bytes are: the disk tier (every entry, write-through), the RAM tier
 (copies of hot entries), and the one tally of the bytes each holds.
 
-The RAM tier is a folder of its own on a memory file system (see kvcache.ramtier). Being
+The RAM tier is a folder of its own on a memory file system (see kvcache.store.ramtier). Being
 a file system, it lets a same-host reader open a blob directly (the fast path) while the
 entry is pinned by its read.
 """
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .. import ramtier
 from ..index import Index, Record
+from . import ramtier
 
 if TYPE_CHECKING:
     from .eviction import Evictor

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import keys
+from .. import keys
 from .ownership import NotOwned, is_own_file_name, read_marker, write_marker
 
 RAM_MARKER = ".kvcache-ram"
