@@ -8,6 +8,9 @@
   imports nothing else of the project.
 * The runtime reaches the daemon through its client and that leaf, never through the
   daemon's server, store, index or shared tier.
+* The store's modules are layered (the map in kvcache/store/__init__.py): each imports
+  only modules of the layers below it, never one beside or above it, not even for an
+  annotation, and the shared core at the bottom imports nothing else of the store.
 """
 
 from __future__ import annotations
@@ -22,6 +25,19 @@ REPO = Path(__file__).resolve().parent.parent
 PROJECT = ("kvcache", "model_runtime")
 LEAF = "kvcache.common"
 DAEMON_INTERNALS = ("kvcache.server", "kvcache.store", "kvcache.index", "kvcache.remote")
+STORE = "kvcache.store"
+# The store's layers, bottom first: a module may import modules of lower layers only.
+STORE_LAYERS = (
+    ("core", "policy", "quotas", "ownership"),
+    ("ramtier", "entries"),
+    ("eviction",),
+    ("placement",),
+    ("integrity",),
+    ("reads", "publish", "listing"),
+    ("prune", "reconcile"),
+    ("facade",),
+    ("__init__",),
+)
 
 
 def loaded_after(code: str) -> list[str]:
@@ -85,3 +101,29 @@ def test_the_runtime_uses_no_daemon_internals() -> None:
         if any(n == m or n.startswith(f"{m}.") for m in DAEMON_INTERNALS))
         for path in sources("model_runtime")}
     assert {path: names for path, names in found.items() if names} == {}
+
+
+def store_imports(path: Path) -> set[str]:
+    """The store's modules ``path`` imports, by their name in the package (``__init__``:
+    the package itself, e.g. ``from . import Store``)."""
+    package = REPO / Path(*STORE.split("."))
+    found = set()
+    for name in imported_names(path):
+        parts = name.split(".")
+        if parts[:2] != STORE.split(".") or len(parts) < 3:
+            continue  # outside the store, or the package named only to import a module
+        module = parts[2]
+        found.add(module if (package / f"{module}.py").exists() else "__init__")
+    return found
+
+
+def test_each_store_module_imports_only_the_layers_below_it() -> None:
+    layer_of = {m: i for i, layer in enumerate(STORE_LAYERS) for m in layer}
+    modules = {p.stem: p for p in (REPO / Path(*STORE.split("."))).glob("*.py")}
+    assert set(modules) == set(layer_of), "every store module has its layer"
+    upward = {name: sorted(m for m in store_imports(path) if layer_of[m] >= layer_of[name])
+              for name, path in modules.items()}
+    assert {name: found for name, found in upward.items() if found} == {}
+    assert store_imports(modules["core"]) == set()
+    # The scan sees imports: the facade builds on every part.
+    assert store_imports(modules["facade"]) >= {"core", "entries", "publish", "reconcile"}

@@ -9,11 +9,11 @@ Layout under the data directory (its subfolders owner-only)::
     quarantine/         blobs that failed a checksum, kept for post-mortems
 
 The directory carries a ``.kvcache`` marker; kvcache refuses a directory it did not make
-(see kvcache.store.ownership). The RAM tier is a folder of its own on a memory filesystem
-(``/dev/shm/kvcache-<uid>-<tag>`` by default; see kvcache.store.ramtier) holding copies of hot
-blobs (``<key>.kvc``; ``<key>.part`` while one is copied). Being a file system, it lets a
-same-host reader open the blob directly (the fast path) while the entry is pinned by its
-read.
+(see kvcache.store.ownership). The RAM tier is a folder of its own on a memory
+filesystem (``/dev/shm/kvcache-<uid>-<tag>`` by default; see kvcache.store.ramtier)
+holding copies of hot blobs (``<key>.kvc``; ``<key>.part`` while one is copied). Being a
+file system, it lets a same-host reader open the blob directly (the fast path) while the
+entry is pinned by its read.
 
 Publish protocol: reserve (lease) -> write chunks to tmp (verified as they arrive) ->
 commit: verify size and checksums, fsync, rename into blobs/, fsync the directory, one
@@ -23,27 +23,40 @@ A removal runs the other way round: files, then a directory fsync, then rows (se
 Entries.remove_entry), so a blob without a row is always a publish cut short, never a
 removal.
 
-Modules, one concern each (read ``facade`` first, then the part you need):
+Modules, one concern each, in layers: each imports only modules of the layers below it
+(tests/test_layering.py::test_each_store_module_imports_only_the_layers_below_it). Read
+``core`` first (what every part shares), then ``facade`` (how the parts are put
+together), then the part you need.
 
-* ``facade``       Store: the entry point; owns the store lock, the reaper thread and
-                   the parts below, and delegates to them.
-* ``settings``     StoreConfig.
-* ``entries``      Entries: published entries by key, what is built on each (the
-                   index's children table, and pieces being committed), chain and
-                   dependents, removal with everything built on an entry.
-* ``reservations`` LeaseTable and Publisher: reserve, write, commit, abort, expiry.
-* ``reads``        ReadPins (holds on entries, usage not yet in the index) and Reads
-                   (open, stream, release).
-* ``tiers``        Layout (file names), Tally (the one owner of the byte accounting),
-                   RamCopies (dropping copies) and RamPlacer (the RAM worker).
-* ``eviction``     Evictor: what goes when a tier is full (kvcache.store.policy's orders, kept
-                   in the index by kvcache.ordering), a batch at a time, and what a
-                   tenant at its quota gives up of its own.
-* ``quotas``       TenantQuotas: the optional per-tenant byte quotas of each tier.
-* ``prune``        Pruner: the operator's removals.
-* ``listing``      Operators' listings, page by page.
-* ``integrity``    Integrity: checks, quarantine, Inspect.
-* ``reconcile``    Reconcile: start-up agreement of index and files.
+1. Leaves, importing nothing of the store:
+
+   * ``core``       StoreConfig, Layout (file names), Tally (the one owner of the byte
+                    accounting), ReadPins (holds on entries, usage not yet in the
+                    index), LeaseTable (saves in flight), and StoreCore, which bundles
+                    them with the index, the counters and the store lock; every part
+                    takes it as its first argument (Part).
+   * ``policy``     The orders what goes first, as full sorts (kvcache.ordering keeps
+                    them in the index; tests/test_ordering.py holds them equal).
+   * ``quotas``     TenantQuotas: the optional per-tenant byte quotas of each tier.
+   * ``ownership``  The data directory's ``.kvcache`` marker: kvcache uses only
+                    directories it made.
+2. ``ramtier``      The RAM tier's own folder: claiming it, finding orphaned ones.
+   ``entries``      Entries: published entries by key, what is built on each (the
+                    index's children table, and pieces being committed), chain and
+                    dependents, removal with everything built on an entry; RamCopies:
+                    dropping RAM copies.
+3. ``eviction``     Evictor: what goes when a tier is full (kvcache.store.policy's
+                    orders, kept in the index by kvcache.ordering), a batch at a time,
+                    and what a tenant at its quota gives up of its own.
+4. ``placement``    RamPlacer: copying hot entries into the RAM tier (the RAM worker).
+5. ``integrity``    Integrity: checks, quarantine, Inspect.
+6. ``reads``        Reads: open, stream, release.
+   ``publish``      Publisher: reserve, write, commit, abort, expiry.
+   ``listing``      Operators' listings, page by page.
+7. ``prune``        Pruner: the operator's removals.
+   ``reconcile``    Reconcile: start-up agreement of index and files.
+8. ``facade``       Store: the entry point; owns the store lock, the reaper thread and
+                    the parts, and delegates to them.
 
 Locking (see Store): one store lock, ``Store._cond``, guards every table and tally;
 each part's docstring says whether it takes it or expects it held. A lease's own lock is
@@ -96,14 +109,12 @@ Invariants, and the tests that hold them:
 from __future__ import annotations
 
 from ..common import TIER_DISK, TIER_RAM
+from .core import BLOB_SUFFIX, TMP_SUFFIX, GiB, ReadPin, Reservation, StoreConfig
 from .facade import Found, Store
 from .integrity import NO_SUCH_ENTRY
 from .prune import PruneResult
+from .publish import ReserveResult
 from .quotas import TenantQuotas
-from .reads import ReadPin
-from .reservations import Reservation, ReserveResult
-from .settings import GiB, StoreConfig
-from .tiers import BLOB_SUFFIX, TMP_SUFFIX
 
 __all__ = [
     "BLOB_SUFFIX",

@@ -1,26 +1,20 @@
 """The entry table: published entries by key (the index's records), which entries are
-built on each one, and removing an entry together with everything built on it."""
+built on each one, removing an entry together with everything built on it, and dropping
+RAM copies (RamCopies): the two ways something leaves a tier."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .. import blob as blobfmt
 from .. import keys
 from ..errors import Busy, InvalidArgument, NotFound, StoreError
-from ..index import Index, Record, dir_fsync
-
-if TYPE_CHECKING:
-    from .reads import ReadPins
-    from .settings import StoreConfig
-    from .tiers import Layout, Tally
+from ..index import Record, dir_fsync
+from .core import Part, StoreCore
 
 log = logging.getLogger("kvcache")
 
@@ -46,7 +40,7 @@ def record_from(entry: keys.EntryKey, header: blobfmt.BlobHeader, meta: blobfmt.
     )
 
 
-class Entries:
+class Entries(Part):
     """Published entries and the pieces built on each (parent -> children): eviction takes
     only leaves, and removing an entry removes what is built on it, in one index
     transaction, so no piece is ever visible without its parent (tests/test_pieces.py::
@@ -63,15 +57,8 @@ class Entries:
     children, dependents, set_pinned, delete and remove_entries take it themselves (it is
     re-entrant); remove_entries holds it over its file removals too (see there)."""
 
-    def __init__(self, config: StoreConfig, layout: Layout, index: Index, tally: Tally,
-                 pins: ReadPins, counters: Counter[str], cond: threading.Condition) -> None:
-        self._config = config
-        self._layout = layout
-        self._index = index
-        self._tally = tally
-        self._pins = pins
-        self.counters = counters
-        self._cond = cond
+    def __init__(self, core: StoreCore) -> None:
+        super().__init__(core)
         self._children: dict[bytes, set[bytes]] = {}  # pieces being committed, by parent
         # Expiring pins' ends by key (None until the first sweep reads them from the index).
         self._pin_ends: dict[bytes, float] | None = None
@@ -276,3 +263,37 @@ def sync_dirs(dirs: Iterable[Path]) -> None:
             dir_fsync(d)
         except OSError as exc:
             log.warning("could not fsync %s after removing blobs: %s", d, exc)
+
+
+class RamCopies(Part):
+    """Drops RAM copies: for eviction, prune and quarantine.
+
+    Called with Store._cond held, by a caller that saw the entry in RAM under it (eviction,
+    prune and quarantine all decide under it), so each copy is uncounted once."""
+
+    def drop_ram_copy(self, record: Record, counter: str) -> bool:
+        """Drop ``record``'s copy; False when the entry is gone (nothing was dropped)."""
+        return bool(self.drop_ram_copies([record], counter))
+
+    def drop_ram_copies(self, records: Sequence[Record], counter: str) -> int:
+        """Drop the copies of ``records`` (each in RAM when chosen), in one index
+        transaction; how many were dropped (an entry gone meanwhile has none to drop).
+
+        The files go before the index stops saying "in RAM": the RAM tier outlives the
+        daemon, and start-up takes a whole copy it finds for the entry's copy, so a crash
+        after the flag but before the unlink would bring back a copy a prune had answered
+        for (tests/test_durable_removals.py::
+        test_a_ram_copy_dropped_by_a_prune_stays_dropped_after_a_kill). In between, the
+        store lock keeps every read from choosing the copy."""
+        if not records:
+            return 0
+        with self._cond:  # held by every caller already; re-entrant
+            present = [r.key for r in records
+                       if (now := self._index.get(r.key)) is not None and now.in_ram]
+            for key in present:
+                self._layout.ram_path(key).unlink(missing_ok=True)
+            dropped = self._index.update_many(present, in_ram=False)
+            for r in dropped:
+                self._tally.ram_copy_dropped(r)
+                self.counters[counter] += 1
+        return len(dropped)

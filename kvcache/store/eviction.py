@@ -8,21 +8,13 @@ as an empty one (tools/bench_full_cache.py)."""
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections import Counter
-from typing import TYPE_CHECKING
 
 from ..common import TIER_DISK, TIER_RAM
 from ..errors import QuotaExceeded, StoreFull
-from ..index import Index, Record
+from ..index import Record
+from .core import Part, StoreCore
+from .entries import Entries, RamCopies
 from .quotas import QUOTA_OPTIONS, TenantQuotas
-
-if TYPE_CHECKING:
-    from .entries import Entries
-    from .reads import ReadPins
-    from .settings import StoreConfig
-    from .tiers import Layout, RamCopies, Tally
-
 
 # When a tier must give something up, it gives up a batch: room for about eight more
 # entries of the size being saved (at most 1/64 of its budget left unused), so the index
@@ -37,7 +29,7 @@ def room_slack(size: int, budget: int) -> int:
     return min(SLACK_ENTRIES * size, budget // 64)
 
 
-class Evictor:
+class Evictor(Part):
     """Chooses and removes what goes to make room. Pinned entries, held ones (read,
     checked, being copied, or the parent of a piece being saved) and everything they are
     built on never go (tests/test_store.py::test_eviction_never_takes_pinned_or_in_use_entries).
@@ -60,18 +52,10 @@ class Evictor:
     make_room_on_disk, make_room_in_ram and the tenant variants are called with
     Store._cond held."""
 
-    def __init__(self, config: StoreConfig, layout: Layout, index: Index, entries: Entries,
-                 tally: Tally, pins: ReadPins, ram: RamCopies, counters: Counter[str],
-                 cond: threading.Condition) -> None:
-        self._config = config
-        self._layout = layout
-        self._index = index
+    def __init__(self, core: StoreCore, entries: Entries, ram: RamCopies) -> None:
+        super().__init__(core)
         self._entries = entries
-        self._tally = tally
-        self._pins = pins
         self._ram = ram
-        self.counters = counters
-        self._cond = cond
         self.quotas = TenantQuotas()  # the daemon sets them once the tenant labels are known
 
     # -- a tenant's quota -------------------------------------------------------------------

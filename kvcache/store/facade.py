@@ -25,17 +25,17 @@ from ..counters import COUNTERS
 from ..errors import DirectoryInUse
 from ..index import Index, Record
 from . import listing, ramtier
-from .entries import Entries, check_tokens
+from .core import Layout, ReadPin, StoreConfig, StoreCore
+from .entries import Entries, RamCopies, check_tokens
 from .eviction import Evictor
 from .integrity import Integrity
 from .ownership import claim_data_dir
+from .placement import RamPlacer
 from .prune import Pruner, PruneResult
+from .publish import Publisher, ReserveResult
 from .quotas import TenantQuotas
-from .reads import ReadPin, ReadPins, Reads
+from .reads import Reads
 from .reconcile import Reconcile, seal_clean_shutdown
-from .reservations import LeaseTable, Publisher, ReserveResult
-from .settings import StoreConfig
-from .tiers import Layout, RamCopies, RamPlacer, Tally
 
 log = logging.getLogger("kvcache")
 LOOKUP_COUNTERS = ("lookups", "lookup_hits", "lookup_misses", "lookup_hits_exact",
@@ -75,7 +75,8 @@ class Store:
 
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
-        self._layout = layout = Layout(config.root, config.ram_dir)
+        self._layout = layout = Layout(config.root,
+                                       ramtier.tier_dir(config.root, config.ram_dir))
         self.root = layout.root
         self.ram_dir = layout.ram_dir
         self.blob_dir = layout.blob_dir
@@ -101,30 +102,24 @@ class Store:
             raise
 
     def _start(self) -> None:
-        config, layout, index = self.config, self._layout, self.index
         self.counters: Counter[str] = Counter(dict.fromkeys(LOOKUP_COUNTERS, 0))
         self._lookup_lock = threading.Lock()  # count_lookup's; never held with another
         self.started = time.time()
         self.waiting_lookups = 0  # lookups waiting for a save in flight (under _cond)
-        self._cond = cond = threading.Condition(threading.RLock())
-        counters = self.counters
-        self._closed = threading.Event()
-        self._tally = tally = Tally()
-        self._pins = pins = ReadPins(on_free=cond.notify_all)
-        self._leases = leases = LeaseTable()
-        self._entries = entries = Entries(config, layout, index, tally, pins, counters, cond)
-        self._ram = ram = RamCopies(layout, index, tally, counters, cond)
-        self._evictor = evictor = Evictor(config, layout, index, entries, tally, pins, ram,
-                                          counters, cond)
-        self._placer = placer = RamPlacer(config, layout, index, tally, pins, evictor,
-                                          counters, cond, self._closed)
-        self._integrity = integrity = Integrity(config, layout, index, entries, pins, ram,
-                                                counters, cond)
-        self._publisher = Publisher(config, layout, index, entries, tally, pins, leases,
-                                    evictor, placer, counters, cond)
-        self._reads = Reads(config, layout, index, pins, leases, placer, integrity, counters,
-                            cond)
-        self._pruner = Pruner(index, entries, tally, pins, ram, cond)
+        # The shared core, then each part on it and on the parts below it (the layers in
+        # the package docstring).
+        self._core = core = StoreCore.create(self.config, self._layout, self.index,
+                                             self.counters)
+        self._cond, self._closed = core.cond, core.closed
+        self._tally, self._pins, self._leases = core.tally, core.pins, core.leases
+        self._entries = entries = Entries(core)
+        self._ram = ram = RamCopies(core)
+        self._evictor = evictor = Evictor(core, entries, ram)
+        self._placer = placer = RamPlacer(core, evictor)
+        self._integrity = integrity = Integrity(core, entries, ram)
+        self._publisher = Publisher(core, entries, evictor, placer)
+        self._reads = Reads(core, placer, integrity)
+        self._pruner = Pruner(core, entries, ram)
         self._reconcile()
         self._reaper = threading.Thread(target=self._reap_loop, name="kvcache-reaper",
                                         daemon=True)
@@ -132,8 +127,7 @@ class Store:
 
     def _reconcile(self) -> None:
         t0 = time.monotonic()
-        self.clean_start = Reconcile(self.config, self._layout, self.index, self._entries,
-                                     self._tally, self._integrity, self.counters).run()
+        self.clean_start = Reconcile(self._core, self._entries, self._integrity).run()
         log.info("%s %d entries in %.2f s", "started from a clean shutdown with"
                  if self.clean_start else "reconciled", self.index.count(),
                  time.monotonic() - t0)
@@ -277,7 +271,7 @@ class Store:
                 exact = shared == wanted
                 self.counters["lookup_hits_exact" if exact else "lookup_hits_partial"] += 1
 
-    # -- publish protocol (reservations.Publisher) ------------------------------------------
+    # -- publish protocol (publish.Publisher) -----------------------------------------------
 
     def reserve(self, ns: bytes, raw_tokens: bytes, size: int, reason: str,
                 model_fingerprint: str, *, tenant_id: str | None = None,

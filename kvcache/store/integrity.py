@@ -5,29 +5,22 @@ be the entry's own)."""
 from __future__ import annotations
 
 import os
-import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .. import blob as blobfmt
 from .. import keys
 from ..errors import Corrupt, NotFound, StoreError
-from ..index import Index, Record
-
-if TYPE_CHECKING:
-    from .entries import Entries
-    from .reads import ReadPins
-    from .settings import StoreConfig
-    from .tiers import Layout, RamCopies
+from ..index import Record
+from .core import Part, StoreCore
+from .entries import Entries, RamCopies
 
 # Verify's answer for a key with no entry (nothing was checked, nothing moved).
 NO_SUCH_ENTRY = "no such entry"
 
 
-class Integrity:
+class Integrity(Part):
     """Checks and quarantine. A bad disk copy takes its entry and everything built on it;
     a bad RAM copy (the disk copy good) only the copy.
 
@@ -36,17 +29,10 @@ class Integrity:
     test_verify_holds_the_entry_it_checks). Store._cond is taken around the hold and the
     quarantine bookkeeping, never while a file is read."""
 
-    def __init__(self, config: StoreConfig, layout: Layout, index: Index, entries: Entries,
-                 pins: ReadPins, ram: RamCopies, counters: Counter[str],
-                 cond: threading.Condition) -> None:
-        self._config = config
-        self._layout = layout
-        self._index = index
+    def __init__(self, core: StoreCore, entries: Entries, ram: RamCopies) -> None:
+        super().__init__(core)
         self._entries = entries
-        self._pins = pins
         self._ram = ram
-        self.counters = counters
-        self._cond = cond
 
     def check_entry(self, key: bytes, *, quarantine: bool = True) -> str | None:
         """Verify every copy of an entry; quarantine it if any is bad (unless not

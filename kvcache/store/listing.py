@@ -23,7 +23,7 @@ import msgpack
 from ..errors import InvalidArgument
 from ..index import Index, Record
 from ..ordering import record_use_key, sortable
-from .reads import with_usage
+from .core import with_usage
 
 # How each order ranks an entry: ascending bytes, ties broken by key.
 SORTS: dict[str, Callable[[Record], bytes]] = {

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from ..index import Index, Record
+from ..index import Record
+from .core import Part, StoreCore, with_usage
+from .entries import Entries, RamCopies
 from .policy import eviction_order, leaf_first_order
-from .reads import with_usage
-
-if TYPE_CHECKING:
-    from .entries import Entries
-    from .reads import ReadPins
-    from .tiers import RamCopies, Tally
 
 
 @dataclass(frozen=True)
@@ -51,20 +45,16 @@ class _PrunePlan:
         return True
 
 
-class Pruner:
+class Pruner(Part):
     """Decides and removes under Store._cond, held for the whole prune (taken in
     ``prune``): a pin or a read either lands before the plan sees it or after the
     removal (tests/test_load.py::
     test_a_pin_is_never_lost_to_a_concurrent_eviction_prune_or_delete)."""
 
-    def __init__(self, index: Index, entries: Entries, tally: Tally, pins: ReadPins,
-                 ram: RamCopies, cond: threading.Condition) -> None:
-        self._index = index
+    def __init__(self, core: StoreCore, entries: Entries, ram: RamCopies) -> None:
+        super().__init__(core)
         self._entries = entries
-        self._tally = tally
-        self._pins = pins
         self._ram = ram
-        self._cond = cond
 
     def prune(self, predicate: Callable[[Record], bool] | None = None, *,
               max_disk_bytes: int = 0, max_ram_bytes: int = 0, dry_run: bool = False,

@@ -13,10 +13,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import Counter
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import xxhash
 
@@ -24,15 +23,10 @@ from .. import blob as blobfmt
 from .. import keys
 from ..index import SCHEMA_VERSION, Index, Record, dir_fsync
 from . import ramtier
-from .entries import record_from
+from .core import BLOB_SUFFIX, TMP_SUFFIX, Layout, Part, StoreConfig, StoreCore, Tally
+from .entries import Entries, record_from
+from .integrity import Integrity
 from .ownership import is_own_file_name
-from .tiers import BLOB_SUFFIX, TMP_SUFFIX
-
-if TYPE_CHECKING:
-    from .entries import Entries
-    from .integrity import Integrity
-    from .settings import StoreConfig
-    from .tiers import Layout, Tally
 
 log = logging.getLogger("kvcache")
 REINDEX_BATCH = 10_000
@@ -60,7 +54,7 @@ PROGRESS_SECONDS = 5.0
 _Indexed = tuple[Record, list[tuple[bytes, bytes]]]
 
 
-class Reconcile:
+class Reconcile(Part):
     """Runs once, from Store's constructor, before the reaper starts and before anything
     is scheduled on the RAM worker: nothing else touches the store meanwhile, so it takes
     no lock of its own (the Entries and Integrity methods it calls take Store._cond as
@@ -102,15 +96,10 @@ class Reconcile:
       dropped undecoded, are rebuilt from the rows (tests/test_store.py::
       test_the_eviction_order_of_an_older_index_is_built_at_start_up)."""
 
-    def __init__(self, config: StoreConfig, layout: Layout, index: Index, entries: Entries,
-                 tally: Tally, integrity: Integrity, counters: Counter[str]) -> None:
-        self._config = config
-        self._layout = layout
-        self._index = index
+    def __init__(self, core: StoreCore, entries: Entries, integrity: Integrity) -> None:
+        super().__init__(core)
         self._entries = entries
-        self._tally = tally
         self._integrity = integrity
-        self.counters = counters
 
     def run(self) -> bool:
         """Reconcile; True when it started from a clean shutdown (no entry read)."""

@@ -6,15 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import io
 import os
 import secrets
-import threading
 import time
-from collections import Counter
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import lmdb
 
@@ -29,43 +24,15 @@ from ..errors import (
     StoreFull,
     TooManySaves,
 )
-from ..index import Index, ParentGone, Record, dir_fsync
-from .entries import check_tokens, record_from
+from ..index import ParentGone, Record, dir_fsync
+from .core import Part, Reservation, StoreCore
+from .entries import Entries, check_tokens, record_from
+from .eviction import Evictor
+from .placement import RamPlacer
 
 # Room for a streamed save is taken this much ahead of its bytes (or all of it, when
 # smaller): a chunk at a time would make each chunk a removal batch.
 ROOM_STEP = 4 << 20
-
-if TYPE_CHECKING:
-    from .entries import Entries
-    from .eviction import Evictor
-    from .reads import ReadPins
-    from .settings import StoreConfig
-    from .tiers import Layout, RamPlacer, Tally
-
-
-@dataclass
-class Reservation:
-    lease_id: str
-    key: keys.EntryKey
-    namespace: bytes
-    model_fingerprint: str
-    reason: str
-    size: int
-    tmp_path: Path
-    expires: float
-    verifier: blobfmt.StreamVerifier
-    file: io.FileIO | None = None  # the temp file, open until the lease ends
-    written: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    done: bool = False
-    tenant_id: str | None = None  # the reserving identity's; None: not checked
-    parent: bytes = b""  # a piece's parent, held (like a read) until commit or abort
-    base: int = 0
-    raw_tokens: bytes = b""  # what a lookup compares a save in flight with
-    # Bytes of the disk budget this save holds (Tally.reserved_bytes): taken as its bytes
-    # arrive, never at Reserve, so a reservation nobody writes evicts nothing.
-    room: int = 0
 
 
 @dataclass(frozen=True)
@@ -76,49 +43,7 @@ class ReserveResult:
     local_path: str = ""
 
 
-class LeaseTable:
-    """Open leases by id, and the key each is writing (one writer per key).
-
-    Not thread-safe: every method is called with Store._cond held."""
-
-    def __init__(self) -> None:
-        self.reservations: dict[str, Reservation] = {}
-        self.in_flight: dict[bytes, str] = {}  # key -> lease_id
-
-    def open(self, res: Reservation) -> None:
-        self.reservations[res.lease_id] = res
-        self.in_flight[res.key.key] = res.lease_id
-
-    def get(self, lease_id: str) -> Reservation | None:
-        return self.reservations.get(lease_id)
-
-    def close(self, res: Reservation) -> None:
-        self.reservations.pop(res.lease_id, None)
-        self.in_flight.pop(res.key.key, None)
-
-    def writing(self, key: bytes) -> bool:
-        return key in self.in_flight
-
-    def shared_in_flight(self, ns: bytes, raw_tokens: bytes) -> int:
-        """The most leading tokens of ``raw_tokens`` that a save being written in
-        namespace ``ns`` holds (a scan of the open leases: as many as writers at once)."""
-        return max((keys.common_prefix_tokens(res.raw_tokens, raw_tokens)
-                    for res in self.reservations.values() if res.namespace == ns),
-                   default=0)
-
-    def of_tenant(self, tenant_id: str) -> list[Reservation]:
-        """The open leases of ``tenant_id`` (those reserved without one: "")."""
-        return [r for r in self.reservations.values() if (r.tenant_id or "") == tenant_id]
-
-    def lease_ids(self) -> list[str]:
-        return list(self.reservations)
-
-    def expired(self, now: float) -> list[Reservation]:
-        """Leases whose time is up (monotonic ``now``)."""
-        return [r for r in self.reservations.values() if r.expires < now]
-
-
-class Publisher:
+class Publisher(Part):
     """Reserve, write, commit and abort.
 
     Thread-safe. Each Reservation.lock serialises its lease's writes, commit and abort (and
@@ -130,20 +55,12 @@ class Publisher:
     start-up) or an unindexed blob (re-indexed from its header at start-up)
     (tests/test_daemon_crash.py, tests/test_crash_harness.py)."""
 
-    def __init__(self, config: StoreConfig, layout: Layout, index: Index, entries: Entries,
-                 tally: Tally, pins: ReadPins, leases: LeaseTable, evictor: Evictor,
-                 placer: RamPlacer, counters: Counter[str], cond: threading.Condition) -> None:
-        self._config = config
-        self._layout = layout
-        self._index = index
+    def __init__(self, core: StoreCore, entries: Entries, evictor: Evictor,
+                 placer: RamPlacer) -> None:
+        super().__init__(core)
         self._entries = entries
-        self._tally = tally
-        self._pins = pins
-        self._leases = leases
         self._evictor = evictor
         self._placer = placer
-        self.counters = counters
-        self._cond = cond
 
     # -- reserve ----------------------------------------------------------------------------
 

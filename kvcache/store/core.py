@@ -1,0 +1,471 @@
+"""The store's core: the state every part of the store shares, and nothing that acts on
+it. It imports nothing else of the store; every other module of the store is built on it
+(tests/test_layering.py holds the order, see the package docstring).
+
+* StoreConfig: the settings, fixed.
+* Layout: the name of every folder and file, fixed.
+* Tally: the byte accounting, kept as entries come and go.
+* ReadPins: what holds an entry (reads, the daemon's own work) and the reads not yet
+  written to the index.
+* LeaseTable: the saves in flight (their Reservation rows).
+* StoreCore: those, the index, the counters, the store lock and the closed flag, made
+  once by Store and handed to each part; Part gives a part the names it reaches them by.
+
+Locking: the tables (Tally, ReadPins, LeaseTable) and the counters are not thread-safe
+on their own; every change to them is made with ``StoreCore.cond`` (Store._cond, the
+store lock) held. The index is thread-safe by itself (LMDB).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import secrets
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from .. import blob as blobfmt
+from .. import keys
+from ..index import Index, Record
+
+GiB = 1 << 30
+# The default bound of a tenant's reserved bytes, in largest entries: a few saves of the
+# largest entry in flight at once.
+RESERVED_ENTRIES = 4
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """The store's settings (``kvcache serve`` sets them from its flags)."""
+
+    root: Path
+    # The folder the RAM tier's own subfolder is made in (see kvcache.store.ramtier);
+    # None: a memory file system (/dev/shm) when there is one.
+    ram_dir: Path | None = None
+    ram_bytes: int = 2 * GiB
+    disk_bytes: int = 50 * GiB
+    min_free_bytes: int = 1 * GiB
+    block_size: int = 256
+    lease_seconds: float = 30.0
+    pin_seconds: float = 60.0
+    # How long a delete waits for the daemon's own work on an entry (its RAM copy being
+    # made, a check of its copies, a piece being saved on it) before refusing: an
+    # operator's delete right after a save should not fail on a copy it cannot see.
+    delete_wait_seconds: float = 5.0
+    max_tokens: int = 1 << 20
+    max_blob_bytes: int = 16 * GiB  # the largest entry a save may reserve
+    # Saves one tenant (entries without a tenant count as one) may have open at once:
+    # each holds a temp file and a lease, and a client opening leases without end must
+    # run out of its own, not of everyone's.
+    max_saves_per_tenant: int = 64
+    # Bytes one tenant's open saves may have reserved at once (0: RESERVED_ENTRIES times
+    # max_blob_bytes): what its writers may yet write, and push others' entries out for.
+    max_reserved_bytes_per_tenant: int = 0
+    usage_flush_seconds: float = 1.0
+
+    @property
+    def reserved_bytes_bound(self) -> int:
+        """The most bytes one tenant's open saves may have reserved at once."""
+        return self.max_reserved_bytes_per_tenant or RESERVED_ENTRIES * self.max_blob_bytes
+
+
+BLOB_SUFFIX = ".kvc"
+TMP_SUFFIX = ".part"
+
+
+class Layout:
+    """The data directory's folders and the name of every file in them and in the RAM
+    tier's folder (the layout is drawn in the package docstring). Fixed once made: safe
+    from any thread, no lock."""
+
+    def __init__(self, root: Path, ram_dir: Path) -> None:
+        self.root = root
+        self.ram_dir = ram_dir  # the RAM tier's own folder (Store finds it: ramtier.tier_dir)
+        self.blob_dir = root / "blobs"
+        self.tmp_dir = root / "tmp"
+        self.quarantine_dir = root / "quarantine"
+
+    def make_dirs(self) -> None:
+        # Owner-only from creation: these hold the cached prompts. The data directory
+        # itself keeps whatever mode it was given.
+        for d in (self.blob_dir, self.tmp_dir, self.quarantine_dir):
+            d.mkdir(mode=0o700, exist_ok=True)
+
+    def blob_path(self, key: bytes) -> Path:
+        hexkey = key.hex()
+        return self.blob_dir / hexkey[:2] / f"{hexkey}{BLOB_SUFFIX}"
+
+    def ram_path(self, key: bytes) -> Path:
+        return self.ram_dir / f"{key.hex()}{BLOB_SUFFIX}"
+
+    def ram_tmp_path(self, key: bytes) -> Path:
+        return self.ram_dir / f"{key.hex()}{TMP_SUFFIX}"
+
+    def tmp_path(self, lease_id: str) -> Path:
+        return self.tmp_dir / f"{lease_id}{TMP_SUFFIX}"
+
+    def disk_free(self) -> int:
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize
+
+
+@dataclass
+class TenantUsage:
+    """What one tenant's entries hold (entries without a tenant count as one, "")."""
+
+    disk_bytes: int = 0
+    disk_entries: int = 0
+    ram_bytes: int = 0  # RAM copies made, and room claimed for one being made
+    ram_entries: int = 0
+    room_bytes: int = 0  # disk room its open saves hold (part of Tally.reserved_bytes)
+
+    def idle(self) -> bool:
+        return not (self.disk_bytes or self.disk_entries or self.ram_bytes
+                    or self.ram_entries or self.room_bytes)
+
+    def state(self) -> list[int]:
+        return [self.disk_bytes, self.disk_entries, self.ram_bytes, self.ram_entries]
+
+
+class Tally:
+    """The byte accounting, and the only code that changes it: bytes each tier holds, RAM
+    copies, bytes reserved by open leases, and logical bytes (the sum of
+    Record.logical_size: what the entries' whole states would take), in all and per
+    tenant (what tenant quotas are held to: kvcache.store.quotas).
+
+    Kept as entries come and go rather than counted from the index: Stats and every
+    metrics scrape read them, and counting index rows costs ~20 ms at 10,000 entries. The
+    numbers equal what the index and the files hold after every change
+    (tests/test_store.py::test_tier_counts_follow_every_change).
+
+    Not thread-safe: every method is called with Store._cond held (or at start-up, before
+    any other thread runs). Reading an attribute without it sees a recent value."""
+
+    def __init__(self) -> None:
+        self.disk_used = 0
+        self.ram_used = 0
+        self.ram_entries = 0  # the index counts disk entries itself (every entry is on disk)
+        self.ram_claimed = 0  # room taken for copies being made (part of ram_used)
+        self.reserved_bytes = 0
+        self.logical_bytes = 0
+        # Tenant label -> its usage; a tenant holding nothing has no row.
+        self.tenants: dict[str, TenantUsage] = {}
+
+    @property
+    def ram_copies_bytes(self) -> int:
+        """Bytes of the RAM copies made (ram_used without the room claimed for copies)."""
+        return self.ram_used - self.ram_claimed
+
+    def tenant(self, tenant_id: str) -> TenantUsage:
+        """``tenant_id``'s usage (a zero one, not kept, for a tenant holding nothing)."""
+        return self.tenants.get(tenant_id) or TenantUsage()
+
+    def _change(self, tenant_id: str, **deltas: int) -> None:
+        usage = self.tenants.setdefault(tenant_id, TenantUsage())
+        for name, delta in deltas.items():
+            setattr(usage, name, getattr(usage, name) + delta)
+        if usage.idle():
+            del self.tenants[tenant_id]
+
+    def state(self) -> dict[str, object]:
+        """What a clean shutdown records (see restore)."""
+        return {"disk_used": self.disk_used, "logical_bytes": self.logical_bytes,
+                "ram_used": self.ram_used, "ram_entries": self.ram_entries,
+                "tenants": {t: u.state() for t, u in self.tenants.items()}}
+
+    def restore(self, state: dict[str, object]) -> None:
+        """Counts recorded by the last clean shutdown, instead of counting every entry."""
+        for name in ("disk_used", "logical_bytes", "ram_used", "ram_entries"):
+            value = state.get(name)
+            if type(value) is not int:
+                raise ValueError(f"clean-shutdown record without {name}")
+            setattr(self, name, value)
+        tenants = state.get("tenants")
+        # A record written before per-tenant usage was kept: ValueError means the full
+        # reconcile, which counts every entry.
+        if not isinstance(tenants, dict) or not all(
+                isinstance(t, str) and isinstance(u, list) and len(u) == 4
+                and all(type(v) is int for v in u) for t, u in tenants.items()):
+            raise ValueError("clean-shutdown record without per-tenant usage")
+        self.tenants = {t: TenantUsage(*u) for t, u in tenants.items()}
+
+    def entry_added(self, record: Record) -> None:
+        """A published entry (its blob is on disk)."""
+        self.disk_used += record.size
+        self.logical_bytes += record.logical_size
+        self._change(record.tenant_id, disk_bytes=record.size, disk_entries=1)
+
+    def entry_removed(self, record: Record) -> None:
+        """An unpublished entry, with its RAM copy if ``record`` (as removed) had one."""
+        self.disk_used -= record.size
+        self.logical_bytes -= record.logical_size
+        self._change(record.tenant_id, disk_bytes=-record.size, disk_entries=-1)
+        if record.in_ram:
+            self.ram_used -= record.size
+            self.ram_entries -= 1
+            self._change(record.tenant_id, ram_bytes=-record.size, ram_entries=-1)
+
+    def ram_copy_found(self, record: Record) -> None:
+        """A RAM copy found whole at start-up."""
+        self.ram_used += record.size
+        self.ram_entries += 1
+        self._change(record.tenant_id, ram_bytes=record.size, ram_entries=1)
+
+    def claim_ram(self, record: Record) -> None:
+        """Room taken for a copy about to be made: counted before the copy exists, so no
+        other placement takes the same room."""
+        self.ram_used += record.size
+        self.ram_claimed += record.size
+        self._change(record.tenant_id, ram_bytes=record.size)
+
+    def unclaim_ram(self, record: Record) -> None:
+        """The copy claimed with claim_ram was not made."""
+        self.ram_used -= record.size
+        self.ram_claimed -= record.size
+        self._change(record.tenant_id, ram_bytes=-record.size)
+
+    def ram_copy_placed(self, record: Record) -> None:
+        """The copy claimed with claim_ram is made and indexed."""
+        self.ram_entries += 1
+        self.ram_claimed -= record.size
+        self._change(record.tenant_id, ram_entries=1)
+
+    def ram_copy_dropped(self, record: Record) -> None:
+        self.ram_used -= record.size
+        self.ram_entries -= 1
+        self._change(record.tenant_id, ram_bytes=-record.size, ram_entries=-1)
+
+    def reserve(self, size: int, tenant_id: str) -> None:
+        self.reserved_bytes += size
+        self._change(tenant_id, room_bytes=size)
+
+    def unreserve(self, size: int, tenant_id: str) -> None:
+        self.reserved_bytes -= size
+        self._change(tenant_id, room_bytes=-size)
+
+
+@dataclass(frozen=True)
+class ReadPin:
+    pin_id: str
+    key: bytes
+    path: Path
+    size: int
+    tier: str
+
+
+class ReadPins:
+    """Holds on entries, and the reads not yet written to the index.
+
+    An entry is *held* while its in-use count is above zero: by each read pin on it (until
+    released or expired), by a piece being saved on it (until commit or abort), by its RAM
+    placement and by a check of its copies. A held entry is not evicted, pruned, deleted
+    or dropped from RAM, and neither is anything it is built on (policy.leaf_first_order
+    leaves out their ancestors): tests/test_store.py::
+    test_eviction_never_takes_pinned_or_in_use_entries and tests/test_pieces.py::
+    test_pins_and_reads_protect_what_an_entry_is_built_on.
+
+    Reads are counted here as they happen (hits and last use per key) and written to the
+    index about once a second; eviction order and prune filters take them into account.
+
+    Not thread-safe: every method is called with Store._cond held; ``on_free`` (its
+    notify_all) is called whenever an entry stops being held, for deletes waiting on it."""
+
+    def __init__(self, on_free: Callable[[], None]) -> None:
+        self.pins: dict[str, tuple[bytes, float]] = {}  # pin_id -> (key, expires)
+        self.in_use: Counter[bytes] = Counter()
+        self._pending_use: dict[bytes, list[float]] = {}  # key -> [hits, last_used]
+        self._on_free = on_free
+
+    def hold(self, key: bytes) -> None:
+        self.in_use[key] += 1
+
+    def release(self, key: bytes) -> None:
+        self.in_use[key] -= 1
+        if self.in_use[key] <= 0:
+            del self.in_use[key]
+            self._on_free()
+
+    def is_held(self, key: bytes) -> bool:
+        return bool(self.in_use.get(key))
+
+    def is_read(self, key: bytes) -> bool:
+        """Whether a client holds a read pin on ``key`` (not only the daemon's own work)."""
+        return any(k == key for k, _expires in self.pins.values())
+
+    def busy(self) -> set[bytes]:
+        """The keys held now."""
+        return set(self.in_use)
+
+    def pin(self, key: bytes, seconds: float) -> str:
+        """A read pin on ``key`` (it holds the entry) for ``seconds``; returns its id."""
+        pin_id = secrets.token_hex(16)
+        self.pins[pin_id] = (key, time.monotonic() + seconds)
+        self.in_use[key] += 1
+        return pin_id
+
+    def unpin(self, pin_id: str) -> bytes | None:
+        """Release a read pin; the key it held, None for an unknown or expired pin."""
+        pinned = self.pins.pop(pin_id, None)
+        if pinned is None:
+            return None
+        self.release(pinned[0])
+        return pinned[0]
+
+    def expire(self, now: float) -> int:
+        """Release the pins whose time is up (monotonic ``now``); how many there were."""
+        expired = 0
+        for pin_id, (key, expires) in list(self.pins.items()):
+            if expires < now:
+                del self.pins[pin_id]
+                self.release(key)
+                expired += 1
+        return expired
+
+    def note_read(self, key: bytes) -> None:
+        usage = self._pending_use.setdefault(key, [0, 0.0])
+        usage[0] += 1
+        usage[1] = time.time()
+
+    def usage(self, key: bytes) -> list[float] | None:
+        """``[hits, last_used]`` not yet written to the index, if any."""
+        return self._pending_use.get(key)
+
+    def all_usage(self) -> dict[bytes, list[float]]:
+        """Every ``[hits, last_used]`` not yet written to the index (a copy)."""
+        return {k: list(v) for k, v in self._pending_use.items()}
+
+    def last_used(self) -> dict[bytes, float]:
+        """The last read per key, for reads not yet written to the index."""
+        return {k: v[1] for k, v in self._pending_use.items()}
+
+    def forget_usage(self, key: bytes) -> None:
+        self._pending_use.pop(key, None)
+
+    def take_usage(self) -> dict[bytes, list[float]]:
+        """Everything not yet written to the index, which starts afresh."""
+        pending, self._pending_use = self._pending_use, {}
+        return pending
+
+
+def with_usage(record: Record, usage: list[float] | None) -> Record:
+    """``record`` with the reads not yet written to the index counted in."""
+    if not usage:
+        return record
+    return replace(record, hits=record.hits + int(usage[0]),
+                   last_used=max(record.last_used, usage[1]))
+
+
+@dataclass
+class Reservation:
+    lease_id: str
+    key: keys.EntryKey
+    namespace: bytes
+    model_fingerprint: str
+    reason: str
+    size: int
+    tmp_path: Path
+    expires: float
+    verifier: blobfmt.StreamVerifier
+    file: io.FileIO | None = None  # the temp file, open until the lease ends
+    written: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done: bool = False
+    tenant_id: str | None = None  # the reserving identity's; None: not checked
+    parent: bytes = b""  # a piece's parent, held (like a read) until commit or abort
+    base: int = 0
+    raw_tokens: bytes = b""  # what a lookup compares a save in flight with
+    # Bytes of the disk budget this save holds (Tally.reserved_bytes): taken as its bytes
+    # arrive, never at Reserve, so a reservation nobody writes evicts nothing.
+    room: int = 0
+
+
+class LeaseTable:
+    """Open leases by id, and the key each is writing (one writer per key).
+
+    Not thread-safe: every method is called with Store._cond held."""
+
+    def __init__(self) -> None:
+        self.reservations: dict[str, Reservation] = {}
+        self.in_flight: dict[bytes, str] = {}  # key -> lease_id
+
+    def open(self, res: Reservation) -> None:
+        self.reservations[res.lease_id] = res
+        self.in_flight[res.key.key] = res.lease_id
+
+    def get(self, lease_id: str) -> Reservation | None:
+        return self.reservations.get(lease_id)
+
+    def close(self, res: Reservation) -> None:
+        self.reservations.pop(res.lease_id, None)
+        self.in_flight.pop(res.key.key, None)
+
+    def writing(self, key: bytes) -> bool:
+        return key in self.in_flight
+
+    def shared_in_flight(self, ns: bytes, raw_tokens: bytes) -> int:
+        """The most leading tokens of ``raw_tokens`` that a save being written in
+        namespace ``ns`` holds (a scan of the open leases: as many as writers at once)."""
+        return max((keys.common_prefix_tokens(res.raw_tokens, raw_tokens)
+                    for res in self.reservations.values() if res.namespace == ns),
+                   default=0)
+
+    def of_tenant(self, tenant_id: str) -> list[Reservation]:
+        """The open leases of ``tenant_id`` (those reserved without one: "")."""
+        return [r for r in self.reservations.values() if (r.tenant_id or "") == tenant_id]
+
+    def lease_ids(self) -> list[str]:
+        return list(self.reservations)
+
+    def expired(self, now: float) -> list[Reservation]:
+        """Leases whose time is up (monotonic ``now``)."""
+        return [r for r in self.reservations.values() if r.expires < now]
+
+
+@dataclass(frozen=True)
+class StoreCore:
+    """What the parts of the store share: made once by Store, handed to each part (the
+    one argument every part takes first). The bindings never change; what they hold
+    does, under ``cond``."""
+
+    config: StoreConfig
+    layout: Layout
+    index: Index
+    # The store lock (Store._cond): a Condition over an RLock, so a part holding it may
+    # call another part that takes it. Readers waiting for an entry being written sleep
+    # on it; a commit, an abort or an entry no longer held wakes them.
+    cond: threading.Condition
+    counters: Counter[str]
+    tally: Tally
+    pins: ReadPins
+    leases: LeaseTable
+    closed: threading.Event  # set once the store closes: nothing new is scheduled
+
+    @classmethod
+    def create(cls, config: StoreConfig, layout: Layout, index: Index,
+               counters: Counter[str]) -> StoreCore:
+        """A core with empty tables, a new store lock, and the store not closed."""
+        cond = threading.Condition(threading.RLock())
+        return cls(config=config, layout=layout, index=index, cond=cond, counters=counters,
+                   tally=Tally(), pins=ReadPins(on_free=cond.notify_all),
+                   leases=LeaseTable(), closed=threading.Event())
+
+
+class Part:
+    """A part of the store (Entries, Evictor, Publisher, ...): built on the core, which it
+    reaches by these names. What a part needs beyond the core (another part) it is given
+    by name in its own constructor."""
+
+    def __init__(self, core: StoreCore) -> None:
+        self._core = core
+        self._config = core.config
+        self._layout = core.layout
+        self._index = core.index
+        self._cond = core.cond
+        self.counters = core.counters
+        self._tally = core.tally
+        self._pins = core.pins
+        self._leases = core.leases
