@@ -36,9 +36,18 @@ Three forms of a run of ``n`` cells (:func:`run_size`), all consumed by
   (what a root piece is stored as: saving it copies nothing, and restoring all of it
   hands llama.cpp the stored bytes as they are).  ``layout.state_size(n)`` bytes.
 
+A state with a *tail* (``parse(state, tail=True)``): hybrid models (attention +
+recurrent layers) write their attention cache and then the recurrent layers' state;
+sliding-window models with full-attention layers write the full-attention cache and then
+the window's (llama.cpp's ``llama_memory_hybrid`` / ``llama_kv_cache_iswa``
+``state_write``). The first part is cells like any plain state's; the tail holds the state
+at the sequence's last position only, so it cannot be cut: it is kept as opaque bytes and
+written back after the cells (``build_state(..., tail=...)``). Its layout says so
+(``Layout.tail``), so runs with a tail never join runs without.
+
 Refused (:class:`StateFormatError`), because cutting them would be wrong or the bytes
-cannot be rebuilt exactly: sliding-window and hybrid models (their state holds a second
-cache after the first), recurrent models, cells with more than one sequence id, cells
+cannot be rebuilt exactly: a second cache after the first unless a tail is asked for,
+recurrent models, cells with more than one sequence id, cells
 in more than one stream, per-cell extension data (M-RoPE / PLE models: the sizes no
 longer add up), truncated states and trailing bytes.  A model whose sliding window
 covers every layer writes one plain cache holding only the window's cells: it parses,
@@ -50,7 +59,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -80,6 +89,10 @@ FORM_CELLS, FORM_PLANES, FORM_STATE = "cells", "planes", "state"
 # knows only cell-major runs refuses planar ones instead of restoring scrambled bytes.
 _LAYOUT_VERSIONS = {FORM_CELLS: 1, FORM_PLANES: 2, FORM_STATE: 3}
 _FORMS = {v: k for k, v in _LAYOUT_VERSIONS.items()}
+# Runs followed by a tail (Layout.tail) have versions of their own: a reader that does not
+# know tails refuses them rather than taking a tail for cells.
+_TAIL_LAYOUT_VERSIONS = {FORM_PLANES: 4, FORM_STATE: 5}
+_TAIL_FORMS = {v: k for k, v in _TAIL_LAYOUT_VERSIONS.items()}
 
 BytesLike = bytes | bytearray | memoryview
 
@@ -94,6 +107,10 @@ _CACHE_LINE = 64
 _TRANSPOSE_BLOCK = 64  # cells per block when transposing V into llama.cpp's layout
 # llama.cpp allows at most LLAMA_MAX_SEQ (256) sequences, hence streams.
 _MAX_STREAMS = 256
+
+
+_NO_TAIL = np.zeros(0, dtype=np.uint8)
+_NO_TAIL.flags.writeable = False
 
 
 class StateFormatError(ValueError):
@@ -131,12 +148,15 @@ class Layout:
     model and KV configuration has the same layout, and runs of cells of equal layouts
     can be joined.  ``stream`` is the index of the stream holding the cells when the
     state has ``n_stream`` > 1 (a split KV cache); the other streams are empty.
+    ``tail``: every state of this layout has a tail after its cells (see the module
+    docstring), and every run stored with it is followed by the tail at its end.
     """
 
     v_trans: bool
     layers: tuple[LayerLayout, ...]
     n_stream: int = 1
     stream: int = 0
+    tail: bool = False
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -180,10 +200,11 @@ class Layout:
     def to_dict(self, form: str = FORM_PLANES) -> dict[str, Any]:
         """A small plain dict (ints and lists) for metadata, naming the ``form`` of the
         runs it goes with; see :meth:`from_dict` and :func:`form_of`."""
-        if form not in _LAYOUT_VERSIONS:
-            raise ValueError(f"unknown run form {form!r}")
+        versions = _TAIL_LAYOUT_VERSIONS if self.tail else _LAYOUT_VERSIONS
+        if form not in versions:
+            raise ValueError(f"unknown run form {form!r}" + (" with a tail" if self.tail else ""))
         return {
-            "version": _LAYOUT_VERSIONS[form],
+            "version": versions[form],
             "v_trans": int(self.v_trans),
             "n_stream": self.n_stream,
             "stream": self.stream,
@@ -207,6 +228,7 @@ class Layout:
                 layers=layers,
                 n_stream=_as_int(d["n_stream"]),
                 stream=_as_int(d["stream"]),
+                tail=d["version"] in _TAIL_FORMS,
             )
         except (KeyError, TypeError) as e:
             raise StateFormatError(f"malformed layout: {e!r}") from None
@@ -234,13 +256,14 @@ def form_of(d: dict[str, Any]) -> str:
     runs a layout dict goes with; :class:`StateFormatError` for a version this module
     does not know."""
     version = d.get("version") if isinstance(d, dict) else None
-    if isinstance(version, bool) or version not in _FORMS:
+    if isinstance(version, bool) or not isinstance(version, int) \
+            or version not in _FORMS | _TAIL_FORMS:
         raise StateFormatError(f"unsupported layout version {version!r}")
-    return _FORMS[version]
+    return (_FORMS | _TAIL_FORMS)[version]
 
 
 def run_size(layout: Layout, form: str, n_cells: int) -> int:
-    """Bytes of a run of ``n_cells`` cells in ``form``."""
+    """Bytes of a run of ``n_cells`` cells in ``form`` (a tail, if any, follows them)."""
     if form == FORM_STATE:
         return layout.state_size(n_cells)
     if form in (FORM_CELLS, FORM_PLANES):
@@ -264,6 +287,7 @@ class CellState:
     ``positions`` are in state (KV-buffer) order.  ``k_planes[l]`` is layer ``l``'s K
     as ``(n_cells, k_row)`` bytes.  ``v_planes[l]`` is ``(n_cells, v_row)`` bytes, or,
     with ``layout.v_trans``, ``(n_embd_v_gqa, n_cells)`` elements of ``v_size`` bytes.
+    ``tail``: the bytes after the cells of a state parsed with ``tail=True``.
     """
 
     layout: Layout
@@ -271,6 +295,7 @@ class CellState:
     positions: np.ndarray
     k_planes: tuple[np.ndarray, ...]
     v_planes: tuple[np.ndarray, ...]
+    tail: np.ndarray = field(default_factory=lambda: _NO_TAIL)
 
     @property
     def n_cells(self) -> int:
@@ -321,11 +346,13 @@ class _Reader:
             )
 
 
-def parse(state: BytesLike | np.ndarray) -> CellState:
+def parse(state: BytesLike | np.ndarray, *, tail: bool = False) -> CellState:
     """Validate ``state`` (bytes from ``llama_state_seq_get_data``) and view its cells.
 
     Raises :class:`StateFormatError` for anything but a single-sequence state of one
-    plain attention KV cache with at least one cell.
+    plain attention KV cache with at least one cell; with ``tail``, any bytes may follow
+    that cache (a hybrid or sliding-window model's tail, kept as ``CellState.tail``) and
+    the layout says the state has a tail.
     """
     buf = np.frombuffer(state, dtype=np.uint8)
     r = _Reader(buf)
@@ -342,13 +369,15 @@ def parse(state: BytesLike | np.ndarray) -> CellState:
         if found is not None:
             raise StateFormatError(f"cells in more than one stream ({found[0]} and {s})")
         found = s, _parse_stream(r, n_cells, seq_id)
-    if r.remaining():
+    if r.remaining() and not tail:
         raise StateFormatError(_trailing_message(buf, r.off, n_stream))
     if found is None:
         raise StateFormatError("state holds no cells")
     stream, st = found
-    layout = Layout(v_trans=st.v_trans, layers=st.layers, n_stream=n_stream, stream=stream)
-    return CellState(layout, seq_id, st.positions, st.k_planes, st.v_planes)
+    layout = Layout(v_trans=st.v_trans, layers=st.layers, n_stream=n_stream, stream=stream,
+                    tail=tail)
+    rest = _readonly(buf[r.off:]) if tail else _NO_TAIL
+    return CellState(layout, seq_id, st.positions, st.k_planes, st.v_planes, rest)
 
 
 def _trailing_message(buf: np.ndarray, off: int, n_stream: int) -> str:
@@ -537,6 +566,7 @@ def build_state(
     forms: str | Sequence[str],
     takes: Sequence[int] | None = None,
     scratch: Scratch | None = None,
+    tail: BytesLike | np.ndarray = b"",
 ) -> memoryview:
     """llama.cpp's state bytes for ``cells`` (one run, or runs to join in order).
 
@@ -548,14 +578,18 @@ def build_state(
     Positions are ``first_pos, first_pos + 1, ...`` unless ``positions`` gives one per
     cell.  ``seq_id`` goes into the header and every cell, as llama.cpp writes it.  The
     result is a read-only buffer (``bytes()`` it to own a copy), ready for
-    ``llama_state_seq_set_data``.
+    ``llama_state_seq_set_data``.  ``tail`` (a layout with a tail only) is written
+    after the cells: the part of the state at the last cell that is not cells.
     """
+    tail_bytes = np.frombuffer(tail, dtype=np.uint8)
+    if len(tail_bytes) and not layout.tail:
+        raise ValueError("a tail for a layout without one")
     runs = _runs(layout, cells, forms, takes)
     n_cells = sum(run.n for run in runs)
     pos = _positions(positions, first_pos, n_cells)
     if not _INT32_MIN <= seq_id <= _INT32_MAX:
         raise ValueError(f"seq_id {seq_id} does not fit in int32")
-    size = layout.state_size(n_cells)
+    size = layout.state_size(n_cells) + len(tail_bytes)
     buf = scratch.take(size) if scratch is not None else np.empty(size, dtype=np.uint8)
     out = memoryview(buf)
     _HEADER.pack_into(out, 0, STATE_MAGIC, seq_id, layout.n_stream)
@@ -566,7 +600,8 @@ def build_state(
         off += _U32.size
         if count:
             off = _write_stream(out, buf, off, layout, runs, pos, seq_id)
-    assert off == len(buf)
+    buf[off:] = tail_bytes
+    assert off + len(tail_bytes) == len(buf)
     return out.toreadonly()
 
 
@@ -613,8 +648,8 @@ def _runs(
     width = layout.cell_width
     runs = []
     for i, (item, form) in enumerate(zip(items, run_forms, strict=True)):
-        if form not in _LAYOUT_VERSIONS:
-            raise ValueError(f"unknown run form {form!r}")
+        if form not in (_TAIL_LAYOUT_VERSIONS if layout.tail else _LAYOUT_VERSIONS):
+            raise ValueError(f"unknown run form {form!r}" + (" with a tail" if layout.tail else ""))
         if form == FORM_STATE:
             runs.append(_state_run(layout, item, None if takes is None else takes[i], i))
             continue
@@ -641,8 +676,9 @@ def _cell_major_run(layout: Layout, run: np.ndarray) -> _Run:
 def parse_state_run(state: BytesLike, layout: Layout) -> CellState:
     """A run stored in the state form, parsed: its cells must be of ``layout`` (layers
     and V orientation; the stream count may differ) and hold positions 0..n-1, as
-    llama.cpp would otherwise take them as they are. :class:`StateFormatError` if not."""
-    cs = parse(state)
+    llama.cpp would otherwise take them as they are. :class:`StateFormatError` if not.
+    With a layout with a tail, the run's tail follows its cells (``CellState.tail``)."""
+    cs = parse(state, tail=layout.tail)
     if (cs.layout.v_trans, cs.layout.layers) != (layout.v_trans, layout.layers):
         raise StateFormatError("a state-form run of another layout")
     if not cs.is_prefix:

@@ -65,6 +65,7 @@ from typing import Any, TypeVar
 import llama_cpp as _lc
 import numpy as np
 
+from . import kv_cells
 from .token_seams import SpecialToken, cut_points, is_seam
 
 __all__ = [
@@ -608,6 +609,25 @@ class LlamaContext(_Owner):
         # Sequences of a copy across KV streams that llama.cpp has not made yet (see
         # seq_copy): their data must not be read or replaced until the next decode.
         self._copies_pending: set[int] = set()
+        #: Whether a sequence's state is cells followed by a tail (see state_has_tail).
+        self.state_has_tail: bool = not self._plain_kv and self._probe_state_tail()
+
+    def _probe_state_tail(self) -> bool:
+        """Whether this context's states are a plain attention cache (cells that can be
+        cut) followed by a part that cannot (kv_cells' tail): a hybrid model's recurrent
+        state, or the window cache of a sliding-window model with full-attention layers
+        (llama.cpp writes ``llama_memory_hybrid``'s and ``llama_kv_cache_iswa``'s states
+        so). Seen in a state of two tokens of sequence 0, left empty: a pure recurrent
+        model's state does not parse as cells, and one whose window covers every layer
+        writes one cache and no tail."""
+        self.decode([1, 2], [0, 1], [0, 0], [False, True])
+        try:
+            cells = kv_cells.parse(self.state_seq_get(0), tail=True)
+        except kv_cells.StateFormatError:
+            return False
+        finally:
+            self.seq_clear(0)
+        return cells.is_prefix and cells.n_cells == 2 and len(cells.tail) > 0
 
     def _alloc_batch(self, n: int) -> None:
         """A llama_batch whose arrays are numpy buffers owned by this object.
@@ -774,10 +794,11 @@ class LlamaContext(_Owner):
     # -- state
     @property
     def state_streams(self) -> int:
-        """The stream count of a plain-attention state this context restores as it is:
-        a single-stream state is widened to it (one copy) by :meth:`state_seq_set`, so
-        a caller building a state can write it so instead."""
-        return self._n_stream if self._canonical() else 1
+        """The stream count of a state this context restores as it is: a single-stream
+        plain-attention state is widened to it (one copy) by :meth:`state_seq_set`, so a
+        caller building a state can write it so instead; other states are written and
+        read with it as they are."""
+        return self._n_stream
 
     def _canonical(self) -> bool:
         """Whether states are converted to/from the single-stream form (see state_seq_get)."""
@@ -931,6 +952,9 @@ class LlamaContext(_Owner):
             "rope_scaling_type": m.meta(f"{arch}.rope.scaling.type") or "",
             "n_swa": str(m.n_swa),
             "is_recurrent": str(m.is_recurrent).lower(),
+            # States with a tail are stored as pieces since this key: none of them builds
+            # on a whole state stored before it (a whole state cannot start a chain).
+            **({"state_tail": "1"} if self.state_has_tail else {}),
             "state_streams": "1"
             if (self._plain_kv or self._n_stream == 1)
             else f"split:{self._n_stream}",
