@@ -114,11 +114,6 @@ KV_CACHE_TYPES: Mapping[str, int] = {
     "iq4_nl": _lc.GGML_TYPE_IQ4_NL,
 }
 
-# Header of a llama.cpp sequence state: magic, source seq_id, n_stream.
-_STATE_MAGIC = 0xAF143CD8
-_STATE_HEADER = struct.Struct("<IiI")
-_U32 = struct.Struct("<I")
-
 
 class LlamaError(RuntimeError):
     """A llama.cpp call failed."""
@@ -845,28 +840,10 @@ class LlamaContext(_Owner):
             raise LlamaError(f"llama_state_seq_get_data wrote {got} of {size} bytes")
         if not self._canonical():
             return memoryview(buf).toreadonly()
-        return self._to_canonical(memoryview(buf)).toreadonly()
-
-    def _to_canonical(self, raw: memoryview) -> memoryview:
-        """The single-stream form of ``raw``, made in place (no copy of the cells): the
-        header is rewritten just before the owning stream's cells, over words that are
-        no longer needed, and the result is a slice of ``raw``."""
-        magic, src_seq, n_stream = _STATE_HEADER.unpack_from(raw, 0)
-        if magic != _STATE_MAGIC or n_stream != self._n_stream:
-            raise LlamaError(f"unexpected state header {magic:#x} n_stream={n_stream}")
-        words = np.frombuffer(raw, dtype="<u4", count=n_stream, offset=_STATE_HEADER.size)
-        nonzero = np.flatnonzero(words)
-        k = int(nonzero[0]) if len(nonzero) else n_stream  # stream holding the cells
-        body_start = _STATE_HEADER.size + 4 * k
-        tail = 4 * (n_stream - 1 - k) if k < n_stream else 0
-        body_end = len(raw) - tail
-        if k < n_stream and tail and np.frombuffer(raw, dtype="<u4", offset=body_end).any():
-            raise LlamaError("state holds cells in more than one KV stream")
-        if k == n_stream:  # empty sequence
-            return memoryview(_STATE_HEADER.pack(magic, src_seq, 1) + _U32.pack(0))
-        start = body_start - _STATE_HEADER.size
-        _STATE_HEADER.pack_into(raw, start, magic, src_seq, 1)
-        return raw[start:body_end]
+        try:
+            return kv_cells.to_single_stream(memoryview(buf), self._n_stream).toreadonly()
+        except kv_cells.StateFormatError as exc:
+            raise LlamaError(str(exc)) from None
 
     def _scratch(self, size: int) -> np.ndarray:
         """A reused buffer for widening states: a fresh one per restore costs more than
@@ -893,20 +870,12 @@ class LlamaContext(_Owner):
         ctx = self._h()
         _lc.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
         src = np.frombuffer(data, dtype=np.uint8)
-        if len(src) < _STATE_HEADER.size:
+        if len(src) < kv_cells.HEADER.size:
             return 0
         extra = 0
-        if self._canonical():
-            magic, src_seq, n_stream = _STATE_HEADER.unpack_from(src, 0)
-            if magic == _STATE_MAGIC and n_stream == 1:
-                # Put the cells in stream 0 and append n_stream-1 empty streams: llama.cpp
-                # restores the cells into seq_id's own stream whatever their position.
-                extra = 4 * (self._n_stream - 1)
-                wide = self._scratch(len(src) + extra)
-                wide[: len(src)] = src
-                wide[len(src) :] = 0
-                _STATE_HEADER.pack_into(wide, 0, magic, src_seq, self._n_stream)
-                src = wide
+        if self._canonical() and kv_cells.is_single_stream(src):
+            extra = 4 * (self._n_stream - 1)
+            src = kv_cells.widen_streams(src, self._n_stream, self._scratch(len(src) + extra))
         n = int(
             _lc.llama_state_seq_set_data(
                 ctx, src.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), len(src), seq_id

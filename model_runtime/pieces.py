@@ -84,7 +84,7 @@ def cut(state: bytes | memoryview, base: int, end: int | None = None, *,
                    encode_layout(cells.layout, kv_cells.FORM_STATE), end)
     planes = kv_cells.planes_bytes(cells, base, end)
     if tail:  # one copy more of the new cells; the tail is what makes the checkpoint
-        planes = memoryview(np.concatenate([np.frombuffer(planes, np.uint8), cells.tail]))
+        planes = np.concatenate([np.frombuffer(planes, np.uint8), cells.tail]).data
     return Cut(planes.toreadonly(), encode_layout(cells.layout), end)
 
 
