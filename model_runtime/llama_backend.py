@@ -190,10 +190,22 @@ def set_llama_logging(enabled: bool) -> None:
     _lc.llama_log_set(_log, ctypes.c_void_p(0))
 
 
+#: llama.cpp's CPU backend computes K-quant (Q2_K..Q6_K, IQ*) matrix products of 8 rows or
+#: more with tiled kernels and smaller ones with vec_dot, which round otherwise: a token's
+#: scores then depend on the size of the chunk it is decoded in (on Gemma-3-270M's Q4_K
+#: weights by up to 3 in a logit, greedy output changing after a restore). The runtime
+#: turns the tiled kernels off (this variable read once, at the first product) unless the
+#: caller set it or ``GGML_CPU_TILED_MM_FORCE``: prefill of such models is slower, decode
+#: (one row) is what it was.
+TILED_MM_ENV = "GGML_CPU_TILED_MM"
+
+
 def _ensure_backend(verbose: bool) -> None:
     global _backend_ready
     with _backend_lock:
         if not _backend_ready:
+            if TILED_MM_ENV not in os.environ and f"{TILED_MM_ENV}_FORCE" not in os.environ:
+                os.environ[TILED_MM_ENV] = "0"
             env = os.environ.get(LOG_ENV, "").strip().lower()
             set_llama_logging(env not in ("", "0", "false", "no", "off"))
             _lc.llama_backend_init()
