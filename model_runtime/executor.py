@@ -210,12 +210,17 @@ class Executor:
         buffer = self.saver.buffers.take(self.ctx.state_seq_size(seq.id))
         state = self.ctx.state_seq_get(seq.id, out=buffer)
         self.on_latency("state_get", time.perf_counter() - t0)
-        as_cells = self.ctx.can_truncate_restored()
+        # Cells are stored as pieces, a state with a tail too (its cells built on a stored
+        # prefix, its tail whole); only a plain state has shorter entries on the way,
+        # whose cells it holds (a tail is the state at the end only).
+        plain = self.ctx.can_truncate_restored()
         # The tenant whose requests made this KV: saved under its namespace only.
         job = SaveJob(self.identities.of(seq.tenant), self.identities.namespace(seq.tenant),
                       tuple(seq.tokens), state, reason, key,
-                      as_cells=as_cells, buffer=buffer, logits=_scores_bytes(seq, n),
-                      waypoints=self._prompt_waypoint(seq, req) if as_cells else ())
+                      as_cells=plain or self.ctx.state_has_tail,
+                      tail=self.ctx.state_has_tail, buffer=buffer,
+                      logits=_scores_bytes(seq, n),
+                      waypoints=self._prompt_waypoint(seq, req) if plain else ())
         if not self.saver.submit(job):  # dropped (counted): no entry to name or skip
             return b""
         seq.saved_len, seq.saved_key = n, key

@@ -1,8 +1,9 @@
 """llama.cpp per-sequence KV states as runs of cells that can be cut and joined.
 
-Pure functions over bytes (numpy, no llama.cpp calls).  The one place that knows the
-byte layout of ``llama_state_seq_get_data`` for a plain attention model; the rest of the
-project sees opaque *runs of cells*: a run of ``n`` cells is ``n * layout.cell_width``
+Pure functions over bytes (numpy, no llama.cpp calls).  With kv_layout (the headers'
+structs and the :class:`Layout` describing a state besides its cells), the one place
+that knows the byte layout of ``llama_state_seq_get_data``; the rest of the project sees
+opaque *runs of cells*: a run of ``n`` cells is ``n * layout.cell_width``
 bytes, and two runs of the same layout join by plain byte concatenation.
 
 The format (llama.cpp as vendored by llama-cpp-python 0.3.36, ``llama-context.cpp``
@@ -36,9 +37,18 @@ Three forms of a run of ``n`` cells (:func:`run_size`), all consumed by
   (what a root piece is stored as: saving it copies nothing, and restoring all of it
   hands llama.cpp the stored bytes as they are).  ``layout.state_size(n)`` bytes.
 
+A state with a *tail* (``parse(state, tail=True)``): hybrid models (attention +
+recurrent layers) write their attention cache and then the recurrent layers' state;
+sliding-window models with full-attention layers write the full-attention cache and then
+the window's (llama.cpp's ``llama_memory_hybrid`` / ``llama_kv_cache_iswa``
+``state_write``). The first part is cells like any plain state's; the tail holds the state
+at the sequence's last position only, so it cannot be cut: it is kept as opaque bytes and
+written back after the cells (``build_state(..., tail=...)``). Its layout says so
+(``Layout.tail``), so runs with a tail never join runs without.
+
 Refused (:class:`StateFormatError`), because cutting them would be wrong or the bytes
-cannot be rebuilt exactly: sliding-window and hybrid models (their state holds a second
-cache after the first), recurrent models, cells with more than one sequence id, cells
+cannot be rebuilt exactly: a second cache after the first unless a tail is asked for,
+recurrent models, cells with more than one sequence id, cells
 in more than one stream, per-cell extension data (M-RoPE / PLE models: the sizes no
 longer add up), truncated states and trailing bytes.  A model whose sliding window
 covers every layer writes one plain cache holding only the window's cells: it parses,
@@ -50,10 +60,34 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
+
+from .kv_layout import (
+    DATA_HEADER,
+    FORM_CELLS,
+    FORM_PLANES,
+    FORM_STATE,
+    HEADER,
+    INT32_MAX,
+    INT32_MIN,
+    LAYOUT_VERSIONS,
+    MAX_STREAMS,
+    META_WORDS,
+    ROW_HEADER,
+    STATE_MAGIC,
+    TAIL_LAYOUT_VERSIONS,
+    TRANS_HEADER,
+    U32,
+    BytesLike,
+    LayerLayout,
+    Layout,
+    StateFormatError,
+    form_of,
+    run_size,
+)
 
 __all__ = [
     "FORM_CELLS",
@@ -67,191 +101,21 @@ __all__ = [
     "StateFormatError",
     "build_state",
     "cells_bytes",
+    "form_of",
+    "is_single_stream",
     "layout_of",
     "parse",
     "parse_state_run",
     "planes_bytes",
     "run_size",
+    "to_single_stream",
+    "widen_streams",
 ]
 
-STATE_MAGIC = 0xAF143CD8
-FORM_CELLS, FORM_PLANES, FORM_STATE = "cells", "planes", "state"
-# A layout dict's version names the form of the runs it describes, so a reader that
-# knows only cell-major runs refuses planar ones instead of restoring scrambled bytes.
-_LAYOUT_VERSIONS = {FORM_CELLS: 1, FORM_PLANES: 2, FORM_STATE: 3}
-_FORMS = {v: k for k, v in _LAYOUT_VERSIONS.items()}
-
-BytesLike = bytes | bytearray | memoryview
-
-_HEADER = struct.Struct("<IiI")  # magic, source seq_id, n_stream
-_U32 = struct.Struct("<I")
-_DATA_HEADER = struct.Struct("<II")  # v_trans, n_layer
-_ROW_HEADER = struct.Struct("<iQ")  # type, row size (K planes; V planes when not transposed)
-_TRANS_HEADER = struct.Struct("<iII")  # v_type, v_size_el, n_embd_v_gqa
-_META_WORDS = 3  # pos, n_seq_id, seq_id: one i32/u32 each per cell
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _CACHE_LINE = 64
 _TRANSPOSE_BLOCK = 64  # cells per block when transposing V into llama.cpp's layout
-# llama.cpp allows at most LLAMA_MAX_SEQ (256) sequences, hence streams.
-_MAX_STREAMS = 256
-
-
-class StateFormatError(ValueError):
-    """The bytes are not a single-sequence state of one plain attention KV cache."""
-
-
-# --------------------------------------------------------------------------- layout
-
-
-@dataclass(frozen=True)
-class LayerLayout:
-    """The state's description of one layer: K row and V geometry.
-
-    ``v_size`` is llama.cpp's ``v_size_row`` when V is not transposed and its
-    ``v_size_el`` when it is; ``n_embd_v_gqa`` is only written for a transposed V (0
-    otherwise).
-    """
-
-    k_type: int
-    k_row: int
-    v_type: int
-    v_size: int
-    n_embd_v_gqa: int = 0
-
-    def v_cell_bytes(self, v_trans: bool) -> int:
-        """Bytes of V one cell holds in this layer."""
-        return self.v_size * self.n_embd_v_gqa if v_trans else self.v_size
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Everything besides the cells needed to rebuild llama.cpp's bytes.
-
-    Independent of the number of cells and of the sequence id, so every state of one
-    model and KV configuration has the same layout, and runs of cells of equal layouts
-    can be joined.  ``stream`` is the index of the stream holding the cells when the
-    state has ``n_stream`` > 1 (a split KV cache); the other streams are empty.
-    """
-
-    v_trans: bool
-    layers: tuple[LayerLayout, ...]
-    n_stream: int = 1
-    stream: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.layers:
-            raise StateFormatError("layout has no layers")
-        if not 1 <= self.n_stream <= _MAX_STREAMS or not 0 <= self.stream < self.n_stream:
-            raise StateFormatError(f"layout stream {self.stream} of {self.n_stream} is invalid")
-        for i, layer in enumerate(self.layers):
-            # The state stores types as i32 and these sizes in at most 32 bits.
-            types_ok = all(0 <= t <= _INT32_MAX for t in (layer.k_type, layer.v_type))
-            sizes_ok = types_ok and 0 < layer.k_row < 2**32 and 0 < layer.v_size < 2**32
-            embd_ok = 0 < layer.n_embd_v_gqa < 2**32 if self.v_trans else layer.n_embd_v_gqa == 0
-            if not (sizes_ok and embd_ok):
-                raise StateFormatError(f"layout layer {i} has invalid sizes: {layer}")
-
-    @property
-    def n_layer(self) -> int:
-        return len(self.layers)
-
-    @property
-    def cell_width(self) -> int:
-        """Bytes per cell in the cell-major form: all K rows, then all V values."""
-        return sum(x.k_row for x in self.layers) + sum(
-            x.v_cell_bytes(self.v_trans) for x in self.layers
-        )
-
-    def state_size(self, n_cells: int) -> int:
-        """Length of llama.cpp's state of ``n_cells`` cells with this layout."""
-        size = _HEADER.size + _U32.size * self.n_stream
-        if n_cells == 0:
-            return size
-        v_header = _TRANS_HEADER.size if self.v_trans else _ROW_HEADER.size
-        per_layer_headers = _ROW_HEADER.size + v_header
-        return (
-            size
-            + 4 * _META_WORDS * n_cells
-            + _DATA_HEADER.size
-            + self.n_layer * per_layer_headers
-            + n_cells * self.cell_width
-        )
-
-    def to_dict(self, form: str = FORM_PLANES) -> dict[str, Any]:
-        """A small plain dict (ints and lists) for metadata, naming the ``form`` of the
-        runs it goes with; see :meth:`from_dict` and :func:`form_of`."""
-        if form not in _LAYOUT_VERSIONS:
-            raise ValueError(f"unknown run form {form!r}")
-        return {
-            "version": _LAYOUT_VERSIONS[form],
-            "v_trans": int(self.v_trans),
-            "n_stream": self.n_stream,
-            "stream": self.stream,
-            "layers": [
-                [x.k_type, x.k_row, x.v_type, x.v_size, x.n_embd_v_gqa] for x in self.layers
-            ],
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Layout:
-        """The layout :meth:`to_dict` described; :class:`StateFormatError` if malformed."""
-        try:
-            form_of(d)
-            if any(len(row) != 5 for row in d["layers"]):
-                raise StateFormatError("layout layers need 5 numbers each")
-            layers = tuple(LayerLayout(*(_as_int(v) for v in row)) for row in d["layers"])
-            if _as_int(d["v_trans"]) not in (0, 1):
-                raise StateFormatError(f"layout v_trans {d['v_trans']} is not 0 or 1")
-            return cls(
-                v_trans=bool(d["v_trans"]),
-                layers=layers,
-                n_stream=_as_int(d["n_stream"]),
-                stream=_as_int(d["stream"]),
-            )
-        except (KeyError, TypeError) as e:
-            raise StateFormatError(f"malformed layout: {e!r}") from None
-
-    def k_columns(self) -> list[tuple[int, int]]:
-        """(offset, width) of each layer's K row within a cell."""
-        return self._columns([x.k_row for x in self.layers], 0)
-
-    def v_columns(self) -> list[tuple[int, int]]:
-        """(offset, width) of each layer's V values within a cell, after all K rows."""
-        widths = [x.v_cell_bytes(self.v_trans) for x in self.layers]
-        return self._columns(widths, sum(x.k_row for x in self.layers))
-
-    @staticmethod
-    def _columns(widths: list[int], col: int) -> list[tuple[int, int]]:
-        out = []
-        for width in widths:
-            out.append((col, width))
-            col += width
-        return out
-
-
-def form_of(d: dict[str, Any]) -> str:
-    """The form (:data:`FORM_CELLS`, :data:`FORM_PLANES` or :data:`FORM_STATE`) of the
-    runs a layout dict goes with; :class:`StateFormatError` for a version this module
-    does not know."""
-    version = d.get("version") if isinstance(d, dict) else None
-    if isinstance(version, bool) or version not in _FORMS:
-        raise StateFormatError(f"unsupported layout version {version!r}")
-    return _FORMS[version]
-
-
-def run_size(layout: Layout, form: str, n_cells: int) -> int:
-    """Bytes of a run of ``n_cells`` cells in ``form``."""
-    if form == FORM_STATE:
-        return layout.state_size(n_cells)
-    if form in (FORM_CELLS, FORM_PLANES):
-        return n_cells * layout.cell_width
-    raise ValueError(f"unknown run form {form!r}")
-
-
-def _as_int(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise StateFormatError(f"layout value {v!r} is not an integer")
-    return v
+_NO_TAIL = np.zeros(0, dtype=np.uint8)
+_NO_TAIL.flags.writeable = False
 
 
 # --------------------------------------------------------------------------- parse
@@ -264,6 +128,7 @@ class CellState:
     ``positions`` are in state (KV-buffer) order.  ``k_planes[l]`` is layer ``l``'s K
     as ``(n_cells, k_row)`` bytes.  ``v_planes[l]`` is ``(n_cells, v_row)`` bytes, or,
     with ``layout.v_trans``, ``(n_embd_v_gqa, n_cells)`` elements of ``v_size`` bytes.
+    ``tail``: the bytes after the cells of a state parsed with ``tail=True``.
     """
 
     layout: Layout
@@ -271,6 +136,7 @@ class CellState:
     positions: np.ndarray
     k_planes: tuple[np.ndarray, ...]
     v_planes: tuple[np.ndarray, ...]
+    tail: np.ndarray = field(default_factory=lambda: _NO_TAIL)
 
     @property
     def n_cells(self) -> int:
@@ -303,7 +169,7 @@ class _Reader:
 
     def unpack(self, st: struct.Struct, what: str) -> tuple[int, ...]:
         self._need(st.size, what)
-        values = st.unpack_from(self.buf, self.off)
+        values = st.unpack_from(self.buf.data, self.off)
         self.off += st.size
         return values
 
@@ -321,39 +187,43 @@ class _Reader:
             )
 
 
-def parse(state: BytesLike | np.ndarray) -> CellState:
+def parse(state: BytesLike | np.ndarray, *, tail: bool = False) -> CellState:
     """Validate ``state`` (bytes from ``llama_state_seq_get_data``) and view its cells.
 
     Raises :class:`StateFormatError` for anything but a single-sequence state of one
-    plain attention KV cache with at least one cell.
+    plain attention KV cache with at least one cell; with ``tail``, any bytes may follow
+    that cache (a hybrid or sliding-window model's tail, kept as ``CellState.tail``) and
+    the layout says the state has a tail.
     """
     buf = np.frombuffer(state, dtype=np.uint8)
     r = _Reader(buf)
-    magic, seq_id, n_stream = r.unpack(_HEADER, "header")
+    magic, seq_id, n_stream = r.unpack(HEADER, "header")
     if magic != STATE_MAGIC:
         raise StateFormatError(f"not a sequence state: magic {magic:#010x}")
-    if not 1 <= n_stream <= _MAX_STREAMS:
+    if not 1 <= n_stream <= MAX_STREAMS:
         raise StateFormatError(f"implausible stream count {n_stream}")
     found: tuple[int, _Stream] | None = None
     for s in range(n_stream):
-        (n_cells,) = r.unpack(_U32, f"cell count of stream {s}")
+        (n_cells,) = r.unpack(U32, f"cell count of stream {s}")
         if n_cells == 0:
             continue
         if found is not None:
             raise StateFormatError(f"cells in more than one stream ({found[0]} and {s})")
         found = s, _parse_stream(r, n_cells, seq_id)
-    if r.remaining():
+    if r.remaining() and not tail:
         raise StateFormatError(_trailing_message(buf, r.off, n_stream))
     if found is None:
         raise StateFormatError("state holds no cells")
     stream, st = found
-    layout = Layout(v_trans=st.v_trans, layers=st.layers, n_stream=n_stream, stream=stream)
-    return CellState(layout, seq_id, st.positions, st.k_planes, st.v_planes)
+    layout = Layout(v_trans=st.v_trans, layers=st.layers, n_stream=n_stream, stream=stream,
+                    tail=tail)
+    rest = _readonly(buf[r.off:]) if tail else _NO_TAIL
+    return CellState(layout, seq_id, st.positions, st.k_planes, st.v_planes, rest)
 
 
 def _trailing_message(buf: np.ndarray, off: int, n_stream: int) -> str:
     n = len(buf) - off
-    if n >= 4 and _U32.unpack_from(buf, off)[0] == n_stream:
+    if n >= 4 and U32.unpack_from(buf.data, off)[0] == n_stream:
         return (
             f"{n} bytes follow the KV cache, starting like a second cache "
             "(sliding-window or hybrid model): such states cannot be cut"
@@ -370,31 +240,31 @@ class _Stream(NamedTuple):
 
 
 def _parse_stream(r: _Reader, n_cells: int, seq_id: int) -> _Stream:
-    meta_bytes = r.take(4 * _META_WORDS * n_cells, f"metadata of {n_cells} cells")
-    meta = _readonly(meta_bytes.view("<i4").reshape(n_cells, _META_WORDS))
+    meta_bytes = r.take(4 * META_WORDS * n_cells, f"metadata of {n_cells} cells")
+    meta = _readonly(meta_bytes.view("<i4").reshape(n_cells, META_WORDS))
     _check_seq_ids(meta, seq_id)
-    v_trans, n_layer = r.unpack(_DATA_HEADER, "v_trans and layer count")
+    v_trans, n_layer = r.unpack(DATA_HEADER, "v_trans and layer count")
     if v_trans > 1:
         raise StateFormatError(f"v_trans is {v_trans}, expected 0 or 1")
-    if n_layer == 0 or n_layer * _ROW_HEADER.size > r.remaining():
+    if n_layer == 0 or n_layer * ROW_HEADER.size > r.remaining():
         raise StateFormatError(f"implausible layer count {n_layer}")
     k_heads, k_planes = [], []
     for il in range(n_layer):
-        k_type, k_row = r.unpack(_ROW_HEADER, f"K header of layer {il}")
+        k_type, k_row = r.unpack(ROW_HEADER, f"K header of layer {il}")
         _check_size(k_row, f"K row size of layer {il}")
         k_planes.append(_rows(r, n_cells, k_row, f"K of layer {il}"))
         k_heads.append((k_type, k_row))
     v_heads, v_planes = [], []
     for il in range(n_layer):
         if v_trans:
-            v_type, v_el, n_embd = r.unpack(_TRANS_HEADER, f"V header of layer {il}")
+            v_type, v_el, n_embd = r.unpack(TRANS_HEADER, f"V header of layer {il}")
             _check_size(v_el, f"V element size of layer {il}")
             _check_size(n_embd, f"V width of layer {il}")
             data = r.take(n_embd * n_cells * v_el, f"V of layer {il}")
             v_planes.append(_readonly(_elements(data, v_el).reshape(n_embd, n_cells)))
             v_heads.append((v_type, v_el, n_embd))
         else:
-            v_type, v_row = r.unpack(_ROW_HEADER, f"V header of layer {il}")
+            v_type, v_row = r.unpack(ROW_HEADER, f"V header of layer {il}")
             _check_size(v_row, f"V row size of layer {il}")
             v_planes.append(_rows(r, n_cells, v_row, f"V of layer {il}"))
             v_heads.append((v_type, v_row, 0))
@@ -521,7 +391,7 @@ def _untranspose(dst: np.ndarray, src: np.ndarray) -> None:
 
 
 def _frozen_view(a: np.ndarray) -> memoryview:
-    return memoryview(a.reshape(-1)).toreadonly()
+    return a.reshape(-1).data.toreadonly()
 
 
 # --------------------------------------------------------------------------- build
@@ -537,6 +407,7 @@ def build_state(
     forms: str | Sequence[str],
     takes: Sequence[int] | None = None,
     scratch: Scratch | None = None,
+    tail: BytesLike | np.ndarray = b"",
 ) -> memoryview:
     """llama.cpp's state bytes for ``cells`` (one run, or runs to join in order).
 
@@ -548,25 +419,30 @@ def build_state(
     Positions are ``first_pos, first_pos + 1, ...`` unless ``positions`` gives one per
     cell.  ``seq_id`` goes into the header and every cell, as llama.cpp writes it.  The
     result is a read-only buffer (``bytes()`` it to own a copy), ready for
-    ``llama_state_seq_set_data``.
+    ``llama_state_seq_set_data``.  ``tail`` (a layout with a tail only) is written
+    after the cells: the part of the state at the last cell that is not cells.
     """
+    tail_bytes = np.frombuffer(tail, dtype=np.uint8)
+    if len(tail_bytes) and not layout.tail:
+        raise ValueError("a tail for a layout without one")
     runs = _runs(layout, cells, forms, takes)
     n_cells = sum(run.n for run in runs)
     pos = _positions(positions, first_pos, n_cells)
-    if not _INT32_MIN <= seq_id <= _INT32_MAX:
+    if not INT32_MIN <= seq_id <= INT32_MAX:
         raise ValueError(f"seq_id {seq_id} does not fit in int32")
-    size = layout.state_size(n_cells)
+    size = layout.state_size(n_cells) + len(tail_bytes)
     buf = scratch.take(size) if scratch is not None else np.empty(size, dtype=np.uint8)
-    out = memoryview(buf)
-    _HEADER.pack_into(out, 0, STATE_MAGIC, seq_id, layout.n_stream)
-    off = _HEADER.size
+    out = buf.data
+    HEADER.pack_into(out, 0, STATE_MAGIC, seq_id, layout.n_stream)
+    off = HEADER.size
     for s in range(layout.n_stream):
         count = n_cells if s == layout.stream else 0
-        _U32.pack_into(out, off, count)
-        off += _U32.size
+        U32.pack_into(out, off, count)
+        off += U32.size
         if count:
             off = _write_stream(out, buf, off, layout, runs, pos, seq_id)
-    assert off == len(buf)
+    buf[off:] = tail_bytes
+    assert off + len(tail_bytes) == len(buf)
     return out.toreadonly()
 
 
@@ -613,8 +489,8 @@ def _runs(
     width = layout.cell_width
     runs = []
     for i, (item, form) in enumerate(zip(items, run_forms, strict=True)):
-        if form not in _LAYOUT_VERSIONS:
-            raise ValueError(f"unknown run form {form!r}")
+        if form not in (TAIL_LAYOUT_VERSIONS if layout.tail else LAYOUT_VERSIONS):
+            raise ValueError(f"unknown run form {form!r}" + (" with a tail" if layout.tail else ""))
         if form == FORM_STATE:
             runs.append(_state_run(layout, item, None if takes is None else takes[i], i))
             continue
@@ -641,8 +517,9 @@ def _cell_major_run(layout: Layout, run: np.ndarray) -> _Run:
 def parse_state_run(state: BytesLike, layout: Layout) -> CellState:
     """A run stored in the state form, parsed: its cells must be of ``layout`` (layers
     and V orientation; the stream count may differ) and hold positions 0..n-1, as
-    llama.cpp would otherwise take them as they are. :class:`StateFormatError` if not."""
-    cs = parse(state)
+    llama.cpp would otherwise take them as they are. :class:`StateFormatError` if not.
+    With a layout with a tail, the run's tail follows its cells (``CellState.tail``)."""
+    cs = parse(state, tail=layout.tail)
     if (cs.layout.v_trans, cs.layout.layers) != (layout.v_trans, layout.layers):
         raise StateFormatError("a state-form run of another layout")
     if not cs.is_prefix:
@@ -686,7 +563,7 @@ def _positions(
         pos = np.asarray(positions, dtype=np.int64).reshape(-1)
         if len(pos) != n_cells:
             raise ValueError(f"{len(pos)} positions for {n_cells} cells")
-    if n_cells and (pos.min() < _INT32_MIN or pos.max() > _INT32_MAX):
+    if n_cells and (pos.min() < INT32_MIN or pos.max() > INT32_MAX):
         raise ValueError("positions do not fit in int32")
     return pos
 
@@ -701,29 +578,29 @@ def _write_stream(
     seq_id: int,
 ) -> int:
     n_cells = len(pos)
-    meta = buf[off : off + 4 * _META_WORDS * n_cells].view("<i4").reshape(n_cells, _META_WORDS)
+    meta = buf[off : off + 4 * META_WORDS * n_cells].view("<i4").reshape(n_cells, META_WORDS)
     meta[:, 0] = pos
     meta[:, 1] = 1
     meta[:, 2] = seq_id
     off += meta.nbytes
-    _DATA_HEADER.pack_into(out, off, int(layout.v_trans), layout.n_layer)
-    off += _DATA_HEADER.size
+    DATA_HEADER.pack_into(out, off, int(layout.v_trans), layout.n_layer)
+    off += DATA_HEADER.size
     for il, x in enumerate(layout.layers):
-        _ROW_HEADER.pack_into(out, off, x.k_type, x.k_row)
-        off += _ROW_HEADER.size
+        ROW_HEADER.pack_into(out, off, x.k_type, x.k_row)
+        off += ROW_HEADER.size
         dst = buf[off : off + n_cells * x.k_row].reshape(n_cells, x.k_row)
         _copy_rows(dst, [run.k[il] for run in runs])
         off += dst.nbytes
     for il, x in enumerate(layout.layers):
         width = x.v_cell_bytes(layout.v_trans)
         if layout.v_trans:
-            _TRANS_HEADER.pack_into(out, off, x.v_type, x.v_size, x.n_embd_v_gqa)
-            off += _TRANS_HEADER.size
+            TRANS_HEADER.pack_into(out, off, x.v_type, x.v_size, x.n_embd_v_gqa)
+            off += TRANS_HEADER.size
             dst = _elements(buf[off : off + n_cells * width], x.v_size)
             _copy_channels(dst.reshape(x.n_embd_v_gqa, n_cells), runs, il, x.v_size)
         else:
-            _ROW_HEADER.pack_into(out, off, x.v_type, x.v_size)
-            off += _ROW_HEADER.size
+            ROW_HEADER.pack_into(out, off, x.v_type, x.v_size)
+            off += ROW_HEADER.size
             _copy_rows(buf[off : off + n_cells * width].reshape(n_cells, width),
                        [run.v[il] for run in runs])
         off += n_cells * width
@@ -756,3 +633,50 @@ def _copy_channels(dst: np.ndarray, runs: list[_Run], il: int, el: int) -> None:
             block = src[b : b + _TRANSPOSE_BLOCK]
             dst[:, cell : cell + len(block)] = block.T
             cell += len(block)
+
+
+# --------------------------------------------------------------------------- streams
+
+
+def to_single_stream(raw: memoryview, n_stream: int) -> memoryview:
+    """The single-stream form of a plain state of a split cache (``n_stream`` streams,
+    all but the sequence's own holding a zero cell count): what a unified cache would
+    have written. Made in place, no copy of the cells: the header is rewritten just
+    before the owning stream's cells, over count words no longer needed, and the result
+    is a slice of ``raw``. :class:`StateFormatError` for another header or cells in more
+    than one stream."""
+    magic, src_seq, found = HEADER.unpack_from(raw, 0)
+    if magic != STATE_MAGIC or found != n_stream:
+        raise StateFormatError(f"unexpected state header {magic:#x} n_stream={found}")
+    words = np.frombuffer(raw, dtype="<u4", count=n_stream, offset=HEADER.size)
+    nonzero = np.flatnonzero(words)
+    k = int(nonzero[0]) if len(nonzero) else n_stream  # stream holding the cells
+    if k == n_stream:  # an empty sequence
+        return memoryview(HEADER.pack(magic, src_seq, 1) + U32.pack(0))
+    after = 4 * (n_stream - 1 - k)  # the zero counts of the streams after it
+    body_end = len(raw) - after
+    if after and np.frombuffer(raw, dtype="<u4", offset=body_end).any():
+        raise StateFormatError("state holds cells in more than one KV stream")
+    start = 4 * k
+    HEADER.pack_into(raw, start, magic, src_seq, 1)
+    return raw[start:body_end]
+
+
+def is_single_stream(state: BytesLike | np.ndarray) -> bool:
+    """Whether ``state`` is a state in the single-stream form (its header says so)."""
+    if len(state) < HEADER.size:
+        return False
+    magic, _, n_stream = HEADER.unpack_from(np.frombuffer(state, np.uint8).data, 0)
+    return bool(magic == STATE_MAGIC and n_stream == 1)
+
+
+def widen_streams(state: np.ndarray, n_stream: int, out: np.ndarray) -> np.ndarray:
+    """A single-stream state as a split cache of ``n_stream`` streams takes it, written
+    into ``out`` (``len(state) + 4 * (n_stream - 1)`` bytes): the cells in stream 0, then
+    ``n_stream - 1`` empty streams (llama.cpp restores the cells into the sequence's own
+    stream whatever their position)."""
+    magic, src_seq, _ = HEADER.unpack_from(state.data, 0)
+    out[: len(state)] = state
+    out[len(state):] = 0
+    HEADER.pack_into(out.data, 0, magic, src_seq, n_stream)
+    return out

@@ -65,6 +65,7 @@ from typing import Any, TypeVar
 import llama_cpp as _lc
 import numpy as np
 
+from . import kv_cells
 from .token_seams import SpecialToken, cut_points, is_seam
 
 __all__ = [
@@ -112,11 +113,6 @@ KV_CACHE_TYPES: Mapping[str, int] = {
     "q5_1": _lc.GGML_TYPE_Q5_1,
     "iq4_nl": _lc.GGML_TYPE_IQ4_NL,
 }
-
-# Header of a llama.cpp sequence state: magic, source seq_id, n_stream.
-_STATE_MAGIC = 0xAF143CD8
-_STATE_HEADER = struct.Struct("<IiI")
-_U32 = struct.Struct("<I")
 
 
 class LlamaError(RuntimeError):
@@ -194,10 +190,22 @@ def set_llama_logging(enabled: bool) -> None:
     _lc.llama_log_set(_log, ctypes.c_void_p(0))
 
 
+#: llama.cpp's CPU backend computes K-quant (Q2_K..Q6_K, IQ*) matrix products of 8 rows or
+#: more with tiled kernels and smaller ones with vec_dot, which round otherwise: a token's
+#: scores then depend on the size of the chunk it is decoded in (on Gemma-3-270M's Q4_K
+#: weights by up to 3 in a logit, greedy output changing after a restore). The runtime
+#: turns the tiled kernels off (this variable read once, at the first product) unless the
+#: caller set it or ``GGML_CPU_TILED_MM_FORCE``: prefill of such models is slower, decode
+#: (one row) is what it was.
+TILED_MM_ENV = "GGML_CPU_TILED_MM"
+
+
 def _ensure_backend(verbose: bool) -> None:
     global _backend_ready
     with _backend_lock:
         if not _backend_ready:
+            if TILED_MM_ENV not in os.environ and f"{TILED_MM_ENV}_FORCE" not in os.environ:
+                os.environ[TILED_MM_ENV] = "0"
             env = os.environ.get(LOG_ENV, "").strip().lower()
             set_llama_logging(env not in ("", "0", "false", "no", "off"))
             _lc.llama_backend_init()
@@ -608,6 +616,25 @@ class LlamaContext(_Owner):
         # Sequences of a copy across KV streams that llama.cpp has not made yet (see
         # seq_copy): their data must not be read or replaced until the next decode.
         self._copies_pending: set[int] = set()
+        #: Whether a sequence's state is cells followed by a tail (see state_has_tail).
+        self.state_has_tail: bool = not self._plain_kv and self._probe_state_tail()
+
+    def _probe_state_tail(self) -> bool:
+        """Whether this context's states are a plain attention cache (cells that can be
+        cut) followed by a part that cannot (kv_cells' tail): a hybrid model's recurrent
+        state, or the window cache of a sliding-window model with full-attention layers
+        (llama.cpp writes ``llama_memory_hybrid``'s and ``llama_kv_cache_iswa``'s states
+        so). Seen in a state of two tokens of sequence 0, left empty: a pure recurrent
+        model's state does not parse as cells, and one whose window covers every layer
+        writes one cache and no tail."""
+        self.decode([1, 2], [0, 1], [0, 0], [False, True])
+        try:
+            cells = kv_cells.parse(self.state_seq_get(0), tail=True)
+        except kv_cells.StateFormatError:
+            return False
+        finally:
+            self.seq_clear(0)
+        return cells.is_prefix and cells.n_cells == 2 and len(cells.tail) > 0
 
     def _alloc_batch(self, n: int) -> None:
         """A llama_batch whose arrays are numpy buffers owned by this object.
@@ -774,10 +801,11 @@ class LlamaContext(_Owner):
     # -- state
     @property
     def state_streams(self) -> int:
-        """The stream count of a plain-attention state this context restores as it is:
-        a single-stream state is widened to it (one copy) by :meth:`state_seq_set`, so
-        a caller building a state can write it so instead."""
-        return self._n_stream if self._canonical() else 1
+        """The stream count of a state this context restores as it is: a single-stream
+        plain-attention state is widened to it (one copy) by :meth:`state_seq_set`, so a
+        caller building a state can write it so instead; other states are written and
+        read with it as they are."""
+        return self._n_stream
 
     def _canonical(self) -> bool:
         """Whether states are converted to/from the single-stream form (see state_seq_get)."""
@@ -824,28 +852,10 @@ class LlamaContext(_Owner):
             raise LlamaError(f"llama_state_seq_get_data wrote {got} of {size} bytes")
         if not self._canonical():
             return memoryview(buf).toreadonly()
-        return self._to_canonical(memoryview(buf)).toreadonly()
-
-    def _to_canonical(self, raw: memoryview) -> memoryview:
-        """The single-stream form of ``raw``, made in place (no copy of the cells): the
-        header is rewritten just before the owning stream's cells, over words that are
-        no longer needed, and the result is a slice of ``raw``."""
-        magic, src_seq, n_stream = _STATE_HEADER.unpack_from(raw, 0)
-        if magic != _STATE_MAGIC or n_stream != self._n_stream:
-            raise LlamaError(f"unexpected state header {magic:#x} n_stream={n_stream}")
-        words = np.frombuffer(raw, dtype="<u4", count=n_stream, offset=_STATE_HEADER.size)
-        nonzero = np.flatnonzero(words)
-        k = int(nonzero[0]) if len(nonzero) else n_stream  # stream holding the cells
-        body_start = _STATE_HEADER.size + 4 * k
-        tail = 4 * (n_stream - 1 - k) if k < n_stream else 0
-        body_end = len(raw) - tail
-        if k < n_stream and tail and np.frombuffer(raw, dtype="<u4", offset=body_end).any():
-            raise LlamaError("state holds cells in more than one KV stream")
-        if k == n_stream:  # empty sequence
-            return memoryview(_STATE_HEADER.pack(magic, src_seq, 1) + _U32.pack(0))
-        start = body_start - _STATE_HEADER.size
-        _STATE_HEADER.pack_into(raw, start, magic, src_seq, 1)
-        return raw[start:body_end]
+        try:
+            return kv_cells.to_single_stream(memoryview(buf), self._n_stream).toreadonly()
+        except kv_cells.StateFormatError as exc:
+            raise LlamaError(str(exc)) from None
 
     def _scratch(self, size: int) -> np.ndarray:
         """A reused buffer for widening states: a fresh one per restore costs more than
@@ -872,20 +882,12 @@ class LlamaContext(_Owner):
         ctx = self._h()
         _lc.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
         src = np.frombuffer(data, dtype=np.uint8)
-        if len(src) < _STATE_HEADER.size:
+        if len(src) < kv_cells.HEADER.size:
             return 0
         extra = 0
-        if self._canonical():
-            magic, src_seq, n_stream = _STATE_HEADER.unpack_from(src, 0)
-            if magic == _STATE_MAGIC and n_stream == 1:
-                # Put the cells in stream 0 and append n_stream-1 empty streams: llama.cpp
-                # restores the cells into seq_id's own stream whatever their position.
-                extra = 4 * (self._n_stream - 1)
-                wide = self._scratch(len(src) + extra)
-                wide[: len(src)] = src
-                wide[len(src) :] = 0
-                _STATE_HEADER.pack_into(wide, 0, magic, src_seq, self._n_stream)
-                src = wide
+        if self._canonical() and kv_cells.is_single_stream(src):
+            extra = 4 * (self._n_stream - 1)
+            src = kv_cells.widen_streams(src, self._n_stream, self._scratch(len(src) + extra))
         n = int(
             _lc.llama_state_seq_set_data(
                 ctx, src.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), len(src), seq_id
@@ -931,6 +933,9 @@ class LlamaContext(_Owner):
             "rope_scaling_type": m.meta(f"{arch}.rope.scaling.type") or "",
             "n_swa": str(m.n_swa),
             "is_recurrent": str(m.is_recurrent).lower(),
+            # States with a tail are stored as pieces since this key: none of them builds
+            # on a whole state stored before it (a whole state cannot start a chain).
+            **({"state_tail": "1"} if self.state_has_tail else {}),
             "state_streams": "1"
             if (self._plain_kv or self._n_stream == 1)
             else f"split:{self._n_stream}",

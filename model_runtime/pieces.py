@@ -7,10 +7,16 @@ stored once; an entry with no parent stores the state as llama.cpp gave it (the 
 form, no copy). A restore reads the chain, root first, takes from each piece the cells
 up to where the next one starts (or the prompt stops), and joins them into the bytes
 ``llama_state_seq_set_data`` takes; a restore served by a root's cells alone hands
-llama.cpp the stored bytes as they are. States that cannot be cut (sliding-window,
-recurrent, hybrid models) and entries of the previous version are whole states: one
-blob, no cell layout. Pieces of the first piece format hold cell-major runs (their
-layout says so) and join with planar ones.
+llama.cpp the stored bytes as they are. Pieces of the first piece format hold
+cell-major runs (their layout says so) and join with planar ones.
+
+A state with a tail (hybrid and sliding-window models: cells, then a part at its last
+position that cannot be cut; see kv_cells) is stored the same way, each piece's cells
+followed by the tail of the state it ends: a checkpoint stores only its new cells and
+its own tail, and a restore joins the chain's cells with the last piece's tail. Such a
+state is served only whole (up to the end of its last piece). States that cannot be cut
+at all (recurrent models) and entries of the previous version are whole states: one
+blob, no cell layout.
 
 Pure functions over bytes; the byte layout of llama.cpp's states is kv_cells'.
 """
@@ -57,21 +63,29 @@ class Cut:
     n_cells: int
 
 
-def cut(state: bytes | memoryview, base: int, end: int | None = None) -> Cut:
+def cut(state: bytes | memoryview, base: int, end: int | None = None, *,
+        tail: bool = False) -> Cut:
     """The cells ``[base, end)`` of a captured state (``end``: all of them): the whole
     state is stored as it is (a view of ``state``, which must outlive the Cut), any other
     range as its planes. Raises StateFormatError for a state that is not one run of cells
-    holding positions 0..n-1 (those are saved whole)."""
-    cells = kv_cells.parse(state)
+    holding positions 0..n-1 (those are saved whole). With ``tail`` the state has one
+    (see kv_cells): it follows the planes, and only a range ending at the state's end has
+    it."""
+    cells = kv_cells.parse(state, tail=tail)
     if not cells.is_prefix:
         raise StateFormatError("the state's cells do not hold positions 0..n-1")
     end = cells.n_cells if end is None else end
     if not 0 <= base < end <= cells.n_cells:
         raise ValueError(f"cells [{base}, {end}) outside a state of {cells.n_cells} cells")
+    if tail and end != cells.n_cells:
+        raise ValueError(f"a state with a tail holds it at cell {cells.n_cells}, not {end}")
     if base == 0 and end == cells.n_cells:
         return Cut(memoryview(state).toreadonly(),
                    encode_layout(cells.layout, kv_cells.FORM_STATE), end)
-    return Cut(kv_cells.planes_bytes(cells, base, end), encode_layout(cells.layout), end)
+    planes = kv_cells.planes_bytes(cells, base, end)
+    if tail:  # one copy more of the new cells; the tail is what makes the checkpoint
+        planes = np.concatenate([np.frombuffer(planes, np.uint8), cells.tail]).data
+    return Cut(planes.toreadonly(), encode_layout(cells.layout), end)
 
 
 @dataclass(frozen=True)
@@ -97,7 +111,10 @@ def join(chain: Sequence[LoadedBlob], n_tokens: int, seq_id: int,
     less than building a copy). Otherwise the state is built: in ``scratch``'s
     buffer when given (valid until its next use). ``n_stream``: the KV streams of the
     context it is for (LlamaContext.state_streams): the cells go in the first, the
-    others are written empty, so llama.cpp takes the bytes as they are."""
+    others are written empty, so llama.cpp takes the bytes as they are.
+
+    A chain with a tail (its layout says so) serves only all of its tokens: the cells
+    of every piece up to the next one's start, then the last piece's tail."""
     if not chain:
         raise ValueError("an empty chain")
     if not chain[-1].meta.cell_layout:
@@ -105,27 +122,33 @@ def join(chain: Sequence[LoadedBlob], n_tokens: int, seq_id: int,
             raise StateFormatError("a whole state cannot follow other pieces")
         return JoinedState(chain[0].payload, chain[0].meta.tokens)
     layout, _ = decode_layout(chain[0].meta.cell_layout)
-    used: list[tuple[LoadedBlob, str, int]] = []  # (piece, form, cells taken)
+    if layout.tail and n_tokens != len(chain[-1].meta.tokens):
+        raise StateFormatError(f"a state with a tail serves all of its "
+                               f"{len(chain[-1].meta.tokens)} tokens, not {n_tokens}")
+    used: list[tuple[LoadedBlob, str, int, int]] = []  # (piece, form, cells taken, bytes)
     for i, blob in enumerate(chain):
         meta = blob.meta
         piece_layout, form = decode_layout(meta.cell_layout)
-        if piece_layout != layout:
+        # The stream a piece's cells came from does not matter: llama.cpp restores the
+        # cells of any stream into the sequence's own (only states of a split cache that
+        # are not made single-stream, those with a tail, say which one it was).
+        if replace(piece_layout, stream=layout.stream) != layout:
             raise StateFormatError(f"piece {i} has another cell layout than its chain")
         own = len(meta.tokens) - meta.base
         if form == kv_cells.FORM_STATE and meta.base:
             raise StateFormatError(f"piece {i} is a whole state but has a parent")
         size = kv_cells.run_size(layout, form, own)
-        if len(blob.payload) != size:
+        if len(blob.payload) != size and not (layout.tail and len(blob.payload) > size):
             raise StateFormatError(f"piece {i} holds {len(blob.payload)} bytes, not the "
-                                   f"{size} of {own} cells")
+                                   f"{size} of {own} cells" + (" and a tail" * layout.tail))
         if meta.base >= n_tokens:
             break  # this piece and the rest hold only later tokens
         end = chain[i + 1].meta.base if i + 1 < len(chain) else len(meta.tokens)
-        used.append((blob, form, min(end, n_tokens) - meta.base))
-    if sum(take for _, _, take in used) != n_tokens:
-        raise StateFormatError(f"the chain holds {sum(t for _, _, t in used)} of "
+        used.append((blob, form, min(end, n_tokens) - meta.base, size))
+    if sum(take for _, _, take, _ in used) != n_tokens:
+        raise StateFormatError(f"the chain holds {sum(u[2] for u in used)} of "
                                f"{n_tokens} tokens")
-    root, form, _ = used[0]
+    root, form, _, _ = used[0]
     if len(used) == 1 and form == kv_cells.FORM_STATE and layout.n_stream == n_stream \
             and len(root.meta.tokens) <= 2 * n_tokens:
         # Checked before llama.cpp takes it as it is (it would take any positions).
@@ -134,10 +157,23 @@ def join(chain: Sequence[LoadedBlob], n_tokens: int, seq_id: int,
         return JoinedState(root.payload, root.meta.tokens)
     if layout.n_stream == 1 and n_stream > 1:
         layout = replace(layout, n_stream=n_stream, stream=0)
-    state = kv_cells.build_state(layout, [blob.payload for blob, _, _ in used],
-                                 seq_id=seq_id, forms=[form for _, form, _ in used],
-                                 takes=[take for _, _, take in used], scratch=scratch)
+    # A state-form run is parsed by build_state (its tail, if any, is skipped there); a
+    # planar run is its cells' bytes, without the tail that follows them.
+    runs = [blob.payload if form == kv_cells.FORM_STATE else blob.payload[:size]
+            for blob, form, _, size in used]
+    state = kv_cells.build_state(layout, runs, seq_id=seq_id,
+                                 forms=[form for _, form, _, _ in used],
+                                 takes=[take for _, _, take, _ in used], scratch=scratch,
+                                 tail=_tail(layout, *used[-1]) if layout.tail else b"")
     return JoinedState(state, chain[-1].meta.tokens[:n_tokens])
+
+
+def _tail(layout: Layout, piece: LoadedBlob, form: str, _take: int,
+          size: int) -> memoryview | np.ndarray:
+    """The tail after a piece's ``size`` bytes of cells (its layout has tails)."""
+    if form == kv_cells.FORM_STATE:
+        return kv_cells.parse_state_run(piece.payload, layout).tail
+    return piece.payload[size:]
 
 
 def stored_logits(chain: Sequence[LoadedBlob], n_vocab: int) -> dict[int, np.ndarray]:

@@ -32,6 +32,7 @@ from .engine import Engine
 from .grammar import check_grammar, grammar_of
 from .identity import runtime_identity
 from .llama_backend import (
+    TILED_MM_ENV,
     ContextParams,
     LlamaContext,
     LlamaModel,
@@ -189,8 +190,9 @@ class Runtime:
             log.warning("kvcache: this llama.cpp build computes a token decoded alone "
                         "otherwise than inside a batch (%s): output after a restore or "
                         "reuse may differ from a cold run's. tools/setup.sh builds "
-                        "llama-cpp-python without those options.",
-                        ", ".join(batch_variant_options()) or "kernel choice")
+                        "llama-cpp-python without those options; %s=0 (the default) "
+                        "turns off the tiled K-quant kernels.",
+                        ", ".join(batch_variant_options()) or "kernel choice", TILED_MM_ENV)
         if cache is None and cache_address:
             cache = CacheClient(cache_address, timeout=self.config.cache_timeout_s)
         self.cache = cache

@@ -8,7 +8,8 @@ and counted, never retried into a growing backlog.
 A state that can be cut (plain attention) is stored as a piece: the daemon is asked for
 the stored state sharing the most leading tokens with it, and only the cells after
 those are sent, built on that state's chain (see pieces.py). So a ``finish`` save after
-a restore, or a conversation over a stored system prompt, stores only what is new.
+a restore, or a conversation over a stored system prompt, stores only what is new. A
+state with a tail (hybrid, sliding-window) is stored so too, its tail with its new cells.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class SaveJob:
     state: bytes | memoryview  # the sequence state as llama.cpp wrote it
     reason: str
     key: bytes  # the key the daemon will give it (computed locally for finish_key)
-    as_cells: bool = False  # a plain-attention state: stored as a run of cells
+    as_cells: bool = False  # stored as a run of cells (plain attention, or with a tail)
+    tail: bool = False  # cells followed by a part that cannot be cut (see kv_cells)
     buffer: np.ndarray | None = None  # holds ``state``: back to Saver.buffers when done
     logits: bytes = b""  # the scores of the token after the state's last ("": unknown)
     waypoints: tuple[Waypoint, ...] = ()  # shorter entries first, shortest first
@@ -257,7 +259,7 @@ class Saver:
         """Store the cells ``[base, end)`` of the job's state as the entry of its first
         ``end`` tokens."""
         assert self.client is not None
-        piece = pieces.cut(job.state, base, end)
+        piece = pieces.cut(job.state, base, end, tail=job.tail)
         if piece.n_cells != end:
             raise StateFormatError(f"{piece.n_cells} cells for {end} tokens")
         return self.client.save(job.identity, job.tokens[:end], piece.payload, reason,

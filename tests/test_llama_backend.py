@@ -6,6 +6,10 @@ and batched kernels may round differently (see DESIGN.md).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -521,3 +525,33 @@ def test_llama_logging_is_silent_by_default(
     finally:
         set_llama_logging(False)
     assert "llama_model_loader" in capfd.readouterr().err
+
+
+K_QUANT_PROBE = """
+import json, os, sys
+from model_runtime.llama_backend import ContextParams, LlamaContext, LlamaModel
+with LlamaModel(sys.argv[1]) as model, LlamaContext(
+        model, ContextParams(n_ctx=256, n_seq_max=1, n_threads=1)) as ctx:
+    print(json.dumps({"alike": ctx.computes_batches_alike(),
+                      "tiled": os.environ.get("GGML_CPU_TILED_MM")}))
+"""
+
+
+def test_k_quant_weights_give_a_token_the_same_scores_in_any_batch(tmp_path: Path) -> None:
+    """llama.cpp computes K-quant products of 8 rows or more with tiled kernels and smaller
+    ones otherwise, so a token's scores depend on its chunk's size: the backend turns the
+    tiled kernels off unless the caller chose (each case in a process of its own, as
+    llama.cpp reads the variable once)."""
+    path = write_tiny_llama_gguf(tmp_path / "q4k.gguf", n_embd=256, k_quant=True)
+
+    def probe(**env: str) -> dict[str, object]:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("GGML_CPU_TILED")}
+        done = subprocess.run([sys.executable, "-c", K_QUANT_PROBE, str(path)],
+                              env={**clean, **env}, capture_output=True, text=True,
+                              timeout=120, check=True)
+        return json.loads(done.stdout.splitlines()[-1])
+
+    assert probe() == {"alike": True, "tiled": "0"}
+    # The caller's choice is kept; with the tiled kernels a chunk's size shows.
+    assert probe(GGML_CPU_TILED_MM="1") == {"alike": False, "tiled": "1"}
+    assert probe(GGML_CPU_TILED_MM_FORCE="1") == {"alike": True, "tiled": None}

@@ -262,11 +262,15 @@ def write_tiny_llama_gguf(
     n_ctx_train: int = 4096,
     with_chat_template: bool = True,
     chat_template: str = "chatml",
+    k_quant: bool = False,
 ) -> Path:
     """Write the tiny llama model to ``path`` and return it as a Path.
 
     ``chat_template``: a key of :data:`CHAT_TEMPLATES` (``hermes`` and ``think`` add their
-    tags to the vocabulary). Deterministic: the same arguments give a byte-identical file.
+    tags to the vocabulary). ``k_quant``: the layers' matrices as random Q4_K blocks (the
+    type of most published models, which llama.cpp's CPU backend computes with kernels of
+    its own; ``n_embd`` a multiple of 256). Deterministic: the same arguments give a
+    byte-identical file.
     """
     return _write(
         path,
@@ -280,6 +284,7 @@ def write_tiny_llama_gguf(
         with_chat_template=with_chat_template,
         sliding_window=0,
         chat_template=chat_template,
+        k_quant=k_quant,
     )
 
 
@@ -370,6 +375,7 @@ def _write(
     with_chat_template: bool,
     sliding_window: int,
     chat_template: str = "chatml",
+    k_quant: bool = False,
 ) -> Path:
     import gguf  # imported lazily: only this tool needs it
 
@@ -390,6 +396,20 @@ def _write(
 
     def ones(n: int) -> np.ndarray:
         return np.ones(n, dtype=np.float32)
+
+    def matrix(name: str, rows: int, cols: int, scale: float) -> None:
+        """A layer's matrix: f32, or random Q4_K blocks (gguf-py cannot quantize to it)."""
+        if not k_quant:
+            w.add_tensor(name, rand(rows, cols, scale=scale))
+            return
+        if cols % _QK_K:
+            raise ValueError(f"Q4_K rows hold multiples of {_QK_K} values, not {cols}")
+        blocks = rng.integers(0, 256, (rows, cols // _QK_K, _Q4_K_BYTES), dtype=np.uint8)
+        # d and dmin (f16) so that d * scale * q - dmin * min stays within about +-scale.
+        blocks[..., 0:2] = np.frombuffer(np.float16(scale / 512).tobytes(), np.uint8)
+        blocks[..., 2:4] = np.frombuffer(np.float16(scale / 1024).tobytes(), np.uint8)
+        w.add_tensor(name, blocks.reshape(rows, -1),
+                     raw_dtype=gguf.GGMLQuantizationType.Q4_K)
 
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"kvcache-tiny-{arch}")
@@ -447,10 +467,10 @@ def _write(
             w.add_tensor(p + "shortconv.out_proj.weight", rand(n_embd, n_embd, scale=0.3))
         else:
             # Sharp-ish attention (q, k scale 0.5) so the output depends on the context.
-            w.add_tensor(p + "attn_q.weight", rand(n_embd, n_embd, scale=0.5))
-            w.add_tensor(p + "attn_k.weight", rand(n_embd_kv, n_embd, scale=0.5))
-            w.add_tensor(p + "attn_v.weight", rand(n_embd_kv, n_embd, scale=0.2))
-            w.add_tensor(p + "attn_output.weight", rand(n_embd, n_embd, scale=0.2))
+            matrix(p + "attn_q.weight", n_embd, n_embd, scale=0.5)
+            matrix(p + "attn_k.weight", n_embd_kv, n_embd, scale=0.5)
+            matrix(p + "attn_v.weight", n_embd_kv, n_embd, scale=0.2)
+            matrix(p + "attn_output.weight", n_embd, n_embd, scale=0.2)
             if arch == "lfm2":  # per-head q/k norms
                 w.add_tensor(p + "attn_q_norm.weight", ones(head_dim))
                 w.add_tensor(p + "attn_k_norm.weight", ones(head_dim))
@@ -460,9 +480,9 @@ def _write(
             w.add_tensor(p + "post_attention_norm.weight", ones(n_embd))
         else:
             w.add_tensor(p + "ffn_norm.weight", ones(n_embd))
-        w.add_tensor(p + "ffn_gate.weight", rand(n_ff, n_embd, scale=0.1))
-        w.add_tensor(p + "ffn_up.weight", rand(n_ff, n_embd, scale=0.1))
-        w.add_tensor(p + "ffn_down.weight", rand(n_embd, n_ff, scale=0.1))
+        matrix(p + "ffn_gate.weight", n_ff, n_embd, scale=0.1)
+        matrix(p + "ffn_up.weight", n_ff, n_embd, scale=0.1)
+        matrix(p + "ffn_down.weight", n_embd, n_ff, scale=0.1)
         if arch == "olmo2":
             w.add_tensor(p + "post_ffw_norm.weight", ones(n_embd))
     # (LFM2's final norm is named token_embd_norm in its GGUFs: llama-arch.cpp.)
@@ -477,6 +497,8 @@ def _write(
     return path
 
 
+# Q4_K: 256 values a block, 144 bytes (d and dmin f16, 12 bytes of scales, 128 of quants).
+_QK_K, _Q4_K_BYTES = 256, 144
 # LFM2's short convolution length (its real models use 3).
 _SHORTCONV_L_CACHE = 3
 # Mamba-2 sizes: inner 2 n_embd, heads of 16 channels, state 16, one group, kernel 4.
