@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchlib import machine_info
 from gemma_model import gemma_model_path
 from llama_server_arm import DEFAULT_BINARY, LlamaServer, LlamaServerError
 from make_tiny_gguf import ARCHS
@@ -211,8 +212,10 @@ def server_arm(binary: Path, model: Path, sent: Sequence[Sent], resume: Sent,
         replay = [server_request(server, s.tokens, args.max_tokens)[0] for s in sent]
         doc["argv"] = server.argv()[1:]
         doc["ctx_checkpoints_max"] = logged_checkpoint_limit(server.log())
-    except LlamaServerError as exc:  # e.g. a model it cannot load: said, not hidden
-        doc["error"] = f"{exc}; log: {server.log()[-1500:]}"
+    except (LlamaServerError, RuntimeError, OSError) as exc:
+        # e.g. a model it cannot load (the server exits: RuntimeError with its log's
+        # tail) or no binary: said in the report, not hidden
+        doc["error"] = f"{type(exc).__name__}: {exc}"[-3000:]
         return doc
     finally:
         server.stop()
@@ -314,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     args.steps_of = {"agent_loop": args.steps, "thinking_chat": args.chat_turns}
     archs = args.arch or ([] if args.model or args.gemma else ["hybrid", "recurrent"])
     models = list(args.model) + ([gemma_model_path()] if args.gemma else [])
+    machine = machine_info()
     work = short_workdir("kvbws")
     results = []
     try:
@@ -325,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     settings = {k: v for k, v in vars(args).items() if k != "steps_of"}
-    print(json.dumps({"results": results, "settings": settings | {
+    print(json.dumps({"results": results, "machine": machine, "settings": settings | {
         "model": [str(m) for m in models],
         "llama_server": str(args.llama_server) if args.llama_server else None}}, indent=2))
     return 0
