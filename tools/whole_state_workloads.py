@@ -106,11 +106,11 @@ WORKLOADS = {"agent_loop": AgentLoop, "thinking_chat": ThinkingChat}
 
 
 def step_columns(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Per-request rows (``prompt``, ``read``, ``prefilled``, optionally ``hit``) as one
-    list per field, and the prompt tokens prefilled after the first step (which is cold
-    on both arms in one process) in sum and per step."""
+    """Per-request rows (``prompt``, ``read``, ``prefilled``, optionally ``hit`` and
+    ``tier``) as one list per field, and the prompt tokens prefilled after the first step
+    (which is cold on both arms in one process) in sum and per step."""
     doc: dict[str, Any] = {key: [r.get(key) for r in rows]
-                           for key in ("prompt", "read", "prefilled", "hit")
+                           for key in ("prompt", "read", "prefilled", "hit", "tier")
                            if any(key in r for r in rows)}
     after_first = [r["prefilled"] for r in rows[1:]]
     doc["prefilled_after_first_step"] = sum(after_first)
