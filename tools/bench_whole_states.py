@@ -72,7 +72,7 @@ from whole_state_workloads import (
     AGENT_SYSTEM,
     WORKLOADS,
     Workload,
-        ratio,
+    ratio,
     repeat_to_tokens,
     step_columns,
 )
