@@ -7,7 +7,10 @@
 * ``kvcache.common``, the names and gRPC helpers both packages share, is a leaf: it
   imports nothing else of the project.
 * The runtime reaches the daemon through its client and that leaf, never through the
-  daemon's server, store, index or shared tier.
+  daemon's server, service, store, index or shared tier.
+* The gRPC service (``kvcache.service``) is layered: each of its parts imports only the
+  parts below it (SERVICE_LAYERS), and none imports the daemon that serves it
+  (``kvcache.server``).
 * The store's modules are layered (the map in kvcache/store/__init__.py): each imports
   only modules of the layers below it, never one beside or above it, not even for an
   annotation, and the shared core at the bottom imports nothing else of the store.
@@ -24,7 +27,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PROJECT = ("kvcache", "model_runtime")
 LEAF = "kvcache.common"
-DAEMON_INTERNALS = ("kvcache.server", "kvcache.store", "kvcache.index", "kvcache.remote")
+DAEMON_INTERNALS = ("kvcache.server", "kvcache.service", "kvcache.store", "kvcache.index",
+                    "kvcache.remote")
+# The parts of kvcache.service, bottom first: a part may import those of earlier layers.
+SERVICE_LAYERS = (("messages", "filters", "stats"), ("access",), ("base",),
+                  ("data_path", "admin"), ("__init__",))
 STORE = "kvcache.store"
 # The store's layers, bottom first: a module may import modules of lower layers only.
 STORE_LAYERS = (
@@ -127,3 +134,22 @@ def test_each_store_module_imports_only_the_layers_below_it() -> None:
     assert store_imports(modules["core"]) == set()
     # The scan sees imports: the facade builds on every part.
     assert store_imports(modules["facade"]) >= {"core", "entries", "publish", "reconcile"}
+
+
+def test_the_service_parts_import_only_the_parts_below_them() -> None:
+    package = REPO / "kvcache" / "service"
+    assert {p.stem for p in package.glob("*.py")} == {n for layer in SERVICE_LAYERS
+                                                     for n in layer}, "a part with no layer"
+    below: set[str] = set()
+    found = {}
+    for layer in SERVICE_LAYERS:
+        for part in layer:
+            names = imported_names(package / f"{part}.py")
+            parts = {n.split(".")[2] for n in names if n.startswith("kvcache.service.")}
+            found[part] = sorted(parts - below)
+            if "kvcache.server" in names:
+                found[part].append("kvcache.server")
+        below.update(layer)
+    # the scan saw the imports: the RPCs are built on base
+    assert "kvcache.service.base" in imported_names(package / "admin.py")
+    assert {part: names for part, names in found.items() if names} == {}

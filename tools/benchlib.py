@@ -12,6 +12,7 @@ import ctypes.util
 import importlib.metadata
 import json
 import mmap
+import operator
 import os
 import platform
 import subprocess
@@ -21,6 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import procs
 
 from kvcache.index import dir_fsync
@@ -28,9 +30,9 @@ from kvcache.index import dir_fsync
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def log(message: str) -> None:
+def log(message: str, name: str = "bench") -> None:
     """Progress goes to stderr: stdout carries only the JSON document."""
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+    print(f"[{name} {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 # -- timing and statistics -------------------------------------------------------------------
@@ -67,6 +69,23 @@ def summarize(samples_s: Sequence[float], unit: str = "ms", tails: bool = True) 
     return out
 
 
+def summary_ms(samples_ms: Sequence[float]) -> dict[str, Any]:
+    """median / p10 / p90 / min / max / n of millisecond samples, to 0.01 ms ({"n": 0}
+    for none). numpy's median and percentiles: the TTFT benchmarks' figures were always
+    computed with them (``percentile`` rounds differently in the last bit)."""
+    if not samples_ms:
+        return {"n": 0}
+    arr = np.asarray(samples_ms, dtype=float)
+    stats = {"median": np.median(arr), "p10": np.percentile(arr, 10),
+             "p90": np.percentile(arr, 90), "min": arr.min(), "max": arr.max()}
+    return {"n": len(arr), **{k: round(float(v), 2) for k, v in stats.items()}}
+
+
+def ratio_of(a: float | None, b: float | None) -> float | None:
+    """a / b to three places; None when either is missing or zero."""
+    return round(a / b, 3) if a and b else None
+
+
 def ratio(numerator: dict[str, Any], denominator: dict[str, Any], stat: str = "median") -> float:
     """Ratio of one statistic of two summaries (same unit)."""
     return round(numerator[stat] / denominator[stat], 3) if denominator[stat] else float("inf")
@@ -83,11 +102,13 @@ def throughput_mb_s(n_bytes: int, seconds: float) -> float:
     return round(n_bytes / seconds / 1e6, 1) if seconds > 0 else float("inf")
 
 
-def target(name: str, value: float, limit: float, op: str = "<=", unit: str = "",
+def target(name: str, value: float | None, limit: float, op: str = "<=", unit: str = "",
            primary: bool = True) -> dict[str, Any]:
-    """One target check. Secondary targets apply a primary target's bar to a variant the
-    brief asks to report alongside it (streaming save, start-up with a rebuilt index)."""
-    ok = {"<=": value <= limit, "<": value < limit, ">=": value >= limit}[op]
+    """One target check (a value that could not be measured, None, fails it). Secondary
+    targets apply a primary target's bar to a variant the brief asks to report alongside
+    it (streaming save, start-up with a rebuilt index)."""
+    compare = {"<=": operator.le, "<": operator.lt, ">=": operator.ge}[op]
+    ok = value is not None and compare(value, limit)
     return {"name": name, "value": value, "limit": f"{op} {limit}{unit}", "pass": bool(ok),
             "primary": primary}
 
@@ -186,14 +207,14 @@ def write_file(path: Path, data: bytes | memoryview, *, fsync: bool = True,
 # -- machine ---------------------------------------------------------------------------------
 
 
-def _version(dist: str) -> str | None:
+def package_version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -235,20 +256,25 @@ def git_revision(repo: Path = REPO_ROOT) -> dict[str, Any]:
         return {"commit": None, "kvcache_dirty": None}
 
 
+def loadavg() -> list[float]:
+    """The 1, 5 and 15-minute load averages, to two places."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def machine_info() -> dict[str, Any]:
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     return {
         "cpu_count": os.cpu_count(),
         "cpus_usable": affinity,
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "mem_total_bytes": _mem_total_bytes(),
         "python": sys.version.split()[0],
         "python_implementation": platform.python_implementation(),
         "platform": platform.platform(),
-        "versions": {name: _version(name) for name in
+        "versions": {name: package_version(name) for name in
                      ("kvcache", "grpcio", "lmdb", "protobuf", "zstandard", "xxhash",
                       "msgpack", "numpy")},
-        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+        "loadavg_at_start": loadavg(),
         "code": git_revision(),
     }
 
@@ -263,6 +289,11 @@ def emit_json(doc: dict[str, Any], out: Path | None) -> None:
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
+
+
+def fmt_ms(ms: float) -> str:
+    """A duration for a chart label or a table: seconds from 1 s on, else milliseconds."""
+    return f"{ms / 1000:.1f} s" if ms >= 1000 else f"{ms:.0f} ms"
 
 
 # -- a daemon in a child process -------------------------------------------------------------
