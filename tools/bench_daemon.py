@@ -61,8 +61,8 @@ import zstandard
 from kvcache import blob as blobfmt
 from kvcache import keys
 from kvcache.client import CacheClient, Identity
-from kvcache.server import identity_namespace
 from kvcache.store import Store, StoreConfig
+from kvcache.tenancy import TenantSalts
 from kvcache.v1 import kvcache_pb2 as pb
 
 IDENTITY = Identity(model_fingerprint="bench-fingerprint-0001",
@@ -512,6 +512,12 @@ def message_costs(query: list[int], repeats: int) -> dict[str, float]:
     serializing the request (client), parsing it and packing its tokens (server)."""
     data = pb.LookupRequest(identity=IDENTITY.message(), tokens=query).SerializeToString()
     parsed = pb.LookupRequest.FromString(data)
+    salts = TenantSalts(bytes(32))  # the daemon's own derivation, with a tenant's salt
+
+    def identity_namespace(identity: pb.Identity) -> bytes:
+        return salts.namespace(identity.model_fingerprint, dict(identity.kv_layout),
+                               identity.tenant)
+
     samples = interleaved({
         "client_build_and_serialize": lambda: pb.LookupRequest(
             identity=IDENTITY.message(), tokens=query).SerializeToString(),
