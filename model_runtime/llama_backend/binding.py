@@ -55,7 +55,8 @@ def _log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
 @contextlib.contextmanager
 def capturing_log() -> Iterator[list[str]]:
     """The log lines llama.cpp writes on this thread meanwhile (its reasons for a NULL)."""
-    _sink.lines = lines = []
+    lines: list[str] = []
+    _sink.lines = lines
     try:
         yield lines
     finally:

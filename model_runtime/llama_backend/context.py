@@ -165,12 +165,15 @@ class LlamaContext(Owner):
         self._seq_ptrs = (i32p * n)(*(ctypes.cast(base + 4 * i, i32p) for i in range(n)))
         b = _lc.llama_batch()
         b.n_tokens = 0
-        b.token = self._tok.ctypes.data_as(i32p)
-        b.embd = ctypes.POINTER(ctypes.c_float)()
-        b.pos = self._pos.ctypes.data_as(i32p)
-        b.n_seq_id = self._nseq.ctypes.data_as(i32p)
-        b.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(i32p))
-        b.logits = self._out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        # llama_cpp's type hints declare these pointer fields (its _fields_: POINTERs) as
+        # ctypes arrays, and pos as an array of arrays: they are assigned pointers.
+        b.token = self._tok.ctypes.data_as(i32p)  # type: ignore[assignment]
+        b.embd = ctypes.POINTER(ctypes.c_float)()  # type: ignore[assignment]
+        b.pos = self._pos.ctypes.data_as(i32p)  # type: ignore[assignment]
+        b.n_seq_id = self._nseq.ctypes.data_as(i32p)  # type: ignore[assignment]
+        b.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(i32p))  # type: ignore[assignment]
+        b.logits = self._out.ctypes.data_as(  # type: ignore[assignment]
+            ctypes.POINTER(ctypes.c_int8))
         self._batch = b
 
     # -- lifetime
@@ -352,8 +355,10 @@ class LlamaContext(Owner):
             raise LlamaError("llama_state_seq_get_size failed")
         if out is not None and out.dtype != np.uint8:
             raise ValueError(f"state_seq_get writes into a uint8 buffer, not {out.dtype}")
-        fits = out is not None and out.ndim == 1 and len(out) >= size
-        buf = out[:size] if fits else np.empty(size, dtype=np.uint8)
+        if out is not None and out.ndim == 1 and len(out) >= size:
+            buf = out[:size]
+        else:
+            buf = np.empty(size, dtype=np.uint8)
         got = int(
             _lc.llama_state_seq_get_data(
                 ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, seq_id
@@ -362,8 +367,8 @@ class LlamaContext(Owner):
         if got != size:
             raise LlamaError(f"llama_state_seq_get_data wrote {got} of {size} bytes")
         if not self._canonical():
-            return memoryview(buf).toreadonly()
-        return self._to_canonical(memoryview(buf)).toreadonly()
+            return buf.data.toreadonly()
+        return self._to_canonical(buf.data).toreadonly()
 
     def _to_canonical(self, raw: memoryview) -> memoryview:
         """The single-stream form of ``raw``, made in place (no copy of the cells): the
@@ -415,7 +420,7 @@ class LlamaContext(Owner):
             return 0
         extra = 0
         if self._canonical():
-            magic, src_seq, n_stream = _STATE_HEADER.unpack_from(src, 0)
+            magic, src_seq, n_stream = _STATE_HEADER.unpack_from(src.data, 0)
             if magic == _STATE_MAGIC and n_stream == 1:
                 # Put the cells in stream 0 and append n_stream-1 empty streams: llama.cpp
                 # restores the cells into seq_id's own stream whatever their position.
@@ -423,7 +428,7 @@ class LlamaContext(Owner):
                 wide = self._scratch(len(src) + extra)
                 wide[: len(src)] = src
                 wide[len(src) :] = 0
-                _STATE_HEADER.pack_into(wide, 0, magic, src_seq, self._n_stream)
+                _STATE_HEADER.pack_into(wide.data, 0, magic, src_seq, self._n_stream)
                 src = wide
         n = int(
             _lc.llama_state_seq_set_data(

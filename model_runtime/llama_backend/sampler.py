@@ -177,7 +177,9 @@ class SamplerChain(Owner):
         if banned:
             self._logit_column[np.asarray(banned, dtype=np.int64)] = -np.inf
         array = self._array
-        array.data = self._candidates.ctypes.data_as(_lc.llama_token_data_p)
+        # (llama_cpp's type hints call the field an array; its _fields_ a pointer)
+        array.data = self._candidates.ctypes.data_as(  # type: ignore[assignment]
+            _lc.llama_token_data_p)
         array.size, array.selected, array.sorted = self.n_vocab, -1, False
 
     def _apply(self, sampler: Any) -> None:
@@ -230,7 +232,8 @@ class SamplerChain(Owner):
             return True
         self._one[0] = (token, 1.0, 0.0)
         one = self._one_array
-        one.data = self._one.ctypes.data_as(_lc.llama_token_data_p)
+        # (llama_cpp's type hints call the field an array; its _fields_ a pointer)
+        one.data = self._one.ctypes.data_as(_lc.llama_token_data_p)  # type: ignore[assignment]
         one.size, one.selected, one.sorted = 1, -1, False
         _lc.llama_sampler_apply(self._grammar, ctypes.byref(one))
         return bool(np.isfinite(self._one["logit"][0]))
