@@ -339,7 +339,7 @@ class _Parser:
                     if not item_nullable(item):
                         break
 
-        firsts = {}
+        firsts: dict[str, set[str]] = {}
         for name, alternatives in self.rules.items():
             firsts[name] = set()
             leftmost(alternatives, firsts[name])

@@ -349,7 +349,10 @@ def check_message_size(proto: Any) -> None:
 def one_at_a_time(request: web.Request, large: bool
                   ) -> contextlib.AbstractAsyncContextManager[Any]:
     """A large request's turn (:data:`LARGE_BODY`); a small one goes at once."""
-    return request.app[LARGE_WORK] if large else contextlib.nullcontext()
+    if large:
+        turns: asyncio.Semaphore = request.app[LARGE_WORK]
+        return turns
+    return contextlib.nullcontext()
 
 
 async def render(request: web.Request, req: GenRequest, worker: Worker,
