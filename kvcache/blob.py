@@ -230,7 +230,7 @@ def encode_blob(meta: BlobMeta, payload: bytes | memoryview, codec: str = "none"
     return [pack_header_and_meta(meta, stored, codec, len(payload)), stored]
 
 
-def parse_header(data: bytes | memoryview) -> BlobHeader:
+def parse_header(data: bytes | bytearray | memoryview) -> BlobHeader:
     if len(data) < HEADER_SIZE:
         raise BlobError(f"truncated header: {len(data)} of {HEADER_SIZE} bytes")
     head = bytes(data[: _HEADER.size])
@@ -284,7 +284,7 @@ class Blob:
     payload: bytes | memoryview  # decoded
 
 
-def decode_blob(data: bytes | memoryview, *, verify: bool = True) -> Blob:
+def decode_blob(data: bytes | bytearray | memoryview, *, verify: bool = True) -> Blob:
     """Parse a whole blob held in memory, checking every checksum."""
     view = memoryview(data)
     header = parse_header(view)

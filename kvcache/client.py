@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import grpc
 
@@ -205,6 +205,9 @@ class _Opened:
     block_size: int
 
 
+_Reply = TypeVar("_Reply")
+
+
 class CacheClient:
     def __init__(self, address: str | None = None, *, timeout: float = 10.0,
                  fast_path: bool | None = None, auth: ClientAuth | None = None) -> None:
@@ -240,11 +243,15 @@ class CacheClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _rpc(self, method: str, request: object, timeout: float | None = None) -> object:
+    def _rpc(self, method: str, request: object, reply: type[_Reply],
+             timeout: float | None = None) -> _Reply:
+        """``method``'s answer to ``request``, a ``reply`` (the generated stub has no type
+        hints: ``reply`` names what the method answers, for the type checker)."""
         if self._releases:
             self._settle_releases()  # this client's later calls see its reads released
         try:
-            return getattr(self.stub, method)(request, timeout=timeout or self.timeout)
+            answer: _Reply = getattr(self.stub, method)(request, timeout=timeout or self.timeout)
+            return answer
         except grpc.RpcError as exc:
             raise _wrap(exc, self.address) from None
 
@@ -257,7 +264,7 @@ class CacheClient:
                 identity.tenant)
         known = self._resolved.get(name)
         if known is None:
-            resp = self._rpc("Resolve", identity.message())
+            resp = self._rpc("Resolve", identity.message(), pb.ResolveResponse)
             known = self._resolved[name] = (resp.namespace, resp.tenant_id)
         return known
 
@@ -303,7 +310,7 @@ class CacheClient:
         resp = self._rpc("Lookup", pb.LookupRequest(
             identity=identity.message(), packed_tokens=keys.tokens_to_bytes(tokens),
             max_tokens=max_tokens, common_prefix=common_prefix,
-            open_min_tokens=open_min_tokens if self.fast_path else 0), timeout)
+            open_min_tokens=open_min_tokens if self.fast_path else 0), pb.LookupResponse, timeout)
         return self._lookup_result(resp)
 
     def lookup_before_save(self, identity: Identity, tokens: Sequence[int], *,
@@ -316,7 +323,7 @@ class CacheClient:
         wait_s = wait_in_flight_ms / 1000
         resp = self._rpc("Lookup", pb.LookupRequest(
             identity=identity.message(), packed_tokens=keys.tokens_to_bytes(tokens),
-            common_prefix=True, wait_in_flight_ms=wait_in_flight_ms),
+            common_prefix=True, wait_in_flight_ms=wait_in_flight_ms), pb.LookupResponse,
             (timeout or self.timeout) + wait_s)
         return self._lookup_result(resp), resp.in_flight_tokens
 
@@ -354,7 +361,7 @@ class CacheClient:
                                                       packed_tokens=keys.tokens_to_bytes(tokens),
                                                       size=size, reason=reason,
                                                       parent=parent, base=base),
-                         self._left(deadline))
+                         pb.ReserveResponse, self._left(deadline))
         if resp.status == pb.ReserveResponse.ALREADY_PRESENT:
             return SaveResult("already_present", resp.key)
         if resp.status == pb.ReserveResponse.IN_FLIGHT:
@@ -367,10 +374,10 @@ class CacheClient:
             else:
                 self._rpc_stream_write(lease, parts, self._left(deadline))
             done = self._rpc("Commit", pb.CommitRequest(lease_id=lease, local_write=bool(local)),
-                             self._left(deadline))
+                             pb.CommitResponse, self._left(deadline))
         except BaseException:
             with contextlib.suppress(CacheError):  # else the lease expires on its own
-                self._rpc("Abort", pb.AbortRequest(lease_id=lease), 2.0)
+                self._rpc("Abort", pb.AbortRequest(lease_id=lease), pb.AbortResponse, 2.0)
             raise
         return SaveResult("saved", done.key, done.size)
 
@@ -490,7 +497,8 @@ class CacheClient:
         return blobs
 
     def _load_local(self, key: bytes, wait_ms: int, timeout: float) -> tuple[blobfmt.Blob, str]:
-        resp = self._rpc("OpenRead", pb.OpenReadRequest(key=key, wait_ms=wait_ms), timeout)
+        resp = self._rpc("OpenRead", pb.OpenReadRequest(key=key, wait_ms=wait_ms),
+                         pb.OpenReadResponse, timeout)
         return self._read_opened(key, _Opened(resp.path, resp.size, resp.pin_id,
                                               TIER_NAMES[resp.tier], resp.block_size),
                                  wait_ms, timeout)
@@ -530,7 +538,7 @@ class CacheClient:
             else:  # a bad blob is reported so the daemon verifies and quarantines it
                 with contextlib.suppress(CacheError):
                     self._rpc("ReleaseRead", pb.ReleaseReadRequest(
-                        pin_id=opened.pin_id, corrupt=not unreadable), 5.0)
+                        pin_id=opened.pin_id, corrupt=not unreadable), pb.ReleaseReadResponse, 5.0)
         if unreadable:
             return self._load_stream(key, wait_ms, timeout)
         if blob is None:
@@ -560,7 +568,7 @@ class CacheClient:
     # -- administration ---------------------------------------------------------------------
 
     def stats(self) -> pb.StatsResponse:
-        return self._rpc("Stats", pb.StatsRequest())
+        return self._rpc("Stats", pb.StatsRequest(), pb.StatsResponse)
 
     def list_entries(self, *, model: str = "", tenant: str = "", reason: str = "",
                      tier: str = "", min_tokens: int = 0, limit: int = 0,
@@ -579,7 +587,7 @@ class CacheClient:
                      ) -> Iterator[list[pb.Entry]]:
         """:meth:`list_entries`, a page of at most ``page_size`` entries at a time (0: all
         in one), up to ``limit`` in all (0: every entry)."""
-        tier_value = {"": 0, "ram": pb.TIER_RAM, "disk": pb.TIER_DISK,
+        tier_value = {"": pb.TIER_UNSPECIFIED, "ram": pb.TIER_RAM, "disk": pb.TIER_DISK,
                       "remote": pb.TIER_REMOTE}[tier]
         token, shown = b"", 0
         while True:
@@ -587,7 +595,8 @@ class CacheClient:
             resp = self._rpc("List", pb.ListRequest(
                 model=model, tenant=tenant, reason=reason, tier=tier_value,
                 min_tokens=min_tokens, limit=limit - shown if limit else 0,
-                key_prefix=key_prefix, sort=sort, page_size=size, page_token=token))
+                key_prefix=key_prefix, sort=sort, page_size=size, page_token=token),
+                pb.ListResponse)
             shown += len(resp.entries)
             yield list(resp.entries)
             token = resp.next_page_token
@@ -595,7 +604,7 @@ class CacheClient:
                 return
 
     def inspect(self, key: bytes, *, tenant: str = "") -> pb.EntryDetail:
-        return self._rpc("Inspect", pb.InspectRequest(key=key, tenant=tenant))
+        return self._rpc("Inspect", pb.InspectRequest(key=key, tenant=tenant), pb.EntryDetail)
 
     def verify(self, keys_: Sequence[bytes] = (), timeout: float = 3600.0, *,
                check_only: bool = False) -> Iterator[pb.VerifyResult]:
@@ -607,25 +616,25 @@ class CacheClient:
         except grpc.RpcError as exc:
             raise _wrap(exc, self.address) from None
 
-    def prune(self, **criteria: object) -> pb.PruneResponse:
+    def prune(self, **criteria: Any) -> pb.PruneResponse:
         """Criteria are :class:`pb.PruneRequest`'s fields: the filters choose what may go,
         the byte targets say how much (see the message's comment)."""
-        return self._rpc("Prune", pb.PruneRequest(**criteria), 300.0)
+        return self._rpc("Prune", pb.PruneRequest(**criteria), pb.PruneResponse, 300.0)
 
     def pin(self, key: bytes, ttl_seconds: float = 0.0) -> None:
         """Pin an entry against eviction: until :meth:`unpin`, or with ``ttl_seconds``
         until then (a later pin extends an expiring pin, never shortens one)."""
-        self._rpc("Pin", pb.KeyRequest(key=key, ttl_seconds=ttl_seconds))
+        self._rpc("Pin", pb.KeyRequest(key=key, ttl_seconds=ttl_seconds), pb.PinResponse)
 
     def unpin(self, key: bytes) -> None:
-        self._rpc("Unpin", pb.KeyRequest(key=key))
+        self._rpc("Unpin", pb.KeyRequest(key=key), pb.PinResponse)
 
     def delete(self, key: bytes) -> int:
         """Remove an entry and the entries built on it; returns how many of those went.
         Refused (FAILED_PRECONDITION) while one is pinned or read by a client; the daemon's
         own work on them (a RAM copy being made, a piece being saved on one) is waited for,
         up to its ``delete_wait_seconds``."""
-        return self._rpc("Delete", pb.KeyRequest(key=key)).dependents_removed
+        return self._rpc("Delete", pb.KeyRequest(key=key), pb.DeleteResponse).dependents_removed
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         """Block until the daemon answers (raises CacheUnavailable after ``timeout``)."""

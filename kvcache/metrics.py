@@ -49,11 +49,11 @@ class SnapshotCollector(Collector):
             family.add_metric([], float(value))
             yield family
         grouped: dict[str, GaugeMetricFamily] = {}
-        for (name, labels), value in sorted(self.gauges().items()):
+        for (name, labels), level in sorted(self.gauges().items()):
             full = metric_name(self.prefix, name)
             if full not in grouped:
                 grouped[full] = GaugeMetricFamily(full, name, labels=[k for k, _ in labels])
-            grouped[full].add_metric([v for _, v in labels], float(value))
+            grouped[full].add_metric([v for _, v in labels], float(level))
         yield from grouped.values()
 
 

@@ -250,7 +250,8 @@ def sampling_options(max_tokens: int | None, temperature: float, top_p: float, t
 
     try:
         SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                       stop=stop, **({} if max_tokens is None else {"max_tokens": max_tokens}))
+                       stop=stop,
+                       max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
     except ValueError as exc:
         raise setting_error(exc) from None
     options: dict[str, Any] = {"temperature": temperature, "top_p": top_p, "top_k": top_k,

@@ -31,8 +31,9 @@ class SettingError(ValueError):
 
 def check_int(setting: str, value: object, low: int, high: int | None = None) -> None:
     """``value`` must be an integer in [low, high] (no upper bound when ``high`` is None)."""
-    ok = isinstance(value, Integral) and not isinstance(value, bool) and low <= value and (
-        high is None or value <= high)
+    # (compared as an int: numbers.Integral declares no comparisons, numpy's ints are one)
+    ok = isinstance(value, Integral) and not isinstance(value, bool) and \
+        low <= int(value) and (high is None or int(value) <= high)
     if not ok:
         accepted = f">= {low}" if high is None else f"from {low} to {high}"
         raise SettingError(setting, f"must be an integer {accepted}, got {value!r}")
@@ -43,7 +44,8 @@ def check_number(setting: str, value: object, low: float, *, above: bool = False
     """``value`` must be a finite number >= low (> low when ``above``), <= high if given.
     Written so that NaN fails too."""
     ok = (isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
-          and (value > low if above else value >= low) and (high is None or value <= high))
+          and (float(value) > low if above else float(value) >= low)
+          and (high is None or float(value) <= high))
     if not ok:
         accepted = f"{'>' if above else '>='} {low:g}"
         if high is not None:

@@ -60,6 +60,7 @@ from .request import (
     RequestError,
     Resolved,
     Seq,
+    SessionKey,
     Shutdown,
     Submit,
     TokenEvent,
@@ -127,8 +128,8 @@ class Engine:
         return self.scheduler.seqs
 
     @property
-    def sessions(self) -> dict[str, Seq]:
-        """Session id -> the sequence pinned to it."""
+    def sessions(self) -> dict[SessionKey, Seq]:
+        """(tenant, session id) -> the sequence pinned to it."""
         return self.scheduler.sessions
 
     def count(self, name: str, n: int = 1) -> None:

@@ -11,8 +11,8 @@ string would end there), and left recursion (llama.cpp refuses it, naming only a
 index). What passes is then compiled by llama.cpp once
 (:func:`model_runtime.llama_backend.grammar_refusal`), which has the last word.
 
-JSON Schema goes through llama.cpp's own converter, as llama-cpp-python ports it
-(:func:`model_runtime.llama_backend.json_schema_to_gbnf`).
+JSON Schema goes through llama.cpp's own converter, as llama-cpp-python ports it (pure
+Python: :func:`json_schema_to_gbnf`).
 
 The syntax, as llama.cpp's parser reads it (src/llama-grammar.cpp)::
 
@@ -339,7 +339,7 @@ class _Parser:
                     if not item_nullable(item):
                         break
 
-        firsts = {}
+        firsts: dict[str, set[str]] = {}
         for name, alternatives in self.rules.items():
             firsts[name] = set()
             leftmost(alternatives, firsts[name])
@@ -364,13 +364,37 @@ def check_gbnf(text: str, n_vocab: int,
     _Parser(text, n_vocab, token_of).parse()
 
 
+# The port's rule for a character of a JSON string lets control characters through (raw
+# newlines, \x16: invalid JSON, seen in its output); llama.cpp's own converter excludes
+# them, as JSON does. Excluded too: what llama.cpp's UTF-8 decoder takes for a character
+# but is none (surrogates; "code points" beyond U+10FFFF, which it makes of any byte from
+# 0xF5 on: invalid UTF-8, seen in its output as one character of a maxLength that Python
+# decodes to four U+FFFD).
+_PORT_JSON_CHAR = r'char ::= [^"\\] | '
+_JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F\uD800-\uDFFF\U00110000-\UFFFFFFFF] | '
+
+
+def json_schema_to_gbnf(schema_json: str, name: str = "root") -> str:
+    """llama.cpp's JSON-Schema-to-GBNF converter (as llama-cpp-python ports it, with
+    JSON strings' characters limited to those JSON and UTF-8 allow unescaped): the
+    grammar of one JSON value valid for the schema, its rule named ``name``. Raises what
+    the converter raises on a schema it cannot convert."""
+    from llama_cpp.llama_grammar import SchemaConverter
+
+    converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False,
+                                raw_pattern=False)
+    schema = converter.resolve_refs(json.loads(schema_json), "input")
+    converter.visit(schema, "" if name == "root" else name)
+    return "\n".join(_JSON_CHAR + line[len(_PORT_JSON_CHAR):]
+                     if line.startswith(_PORT_JSON_CHAR) else line
+                     for line in converter.format_grammar().split("\n"))
+
+
 def json_schema_grammar(schema: Mapping[str, Any] | str, name: str = ROOT) -> str:
     """GBNF for one JSON value valid for ``schema`` (a dict or its JSON text), the value's
     rule named ``name`` (``root`` by default; another name lets a grammar embed it, e.g.
     ``root ::= "<tool_call>" call "</tool_call>"`` with ``name="call"``). Raises
     :class:`GrammarError` naming what could not be converted."""
-    from .llama_backend import json_schema_to_gbnf
-
     try:
         text = schema if isinstance(schema, str) else json.dumps(schema)
         parsed = json.loads(text)

@@ -7,7 +7,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, overload
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -36,6 +36,15 @@ ERROR_CODES = {
     "grammar_dead_end": grpc.StatusCode.INVALID_ARGUMENT,  # the request's grammar
     "cancelled": grpc.StatusCode.CANCELLED,  # the caller went away
 }
+
+
+@overload
+def logprob_message(lp: TokenLogprob,
+                    piece: Callable[[int], bytes] = ...) -> pb.TokenLogprob: ...
+
+
+@overload
+def logprob_message(lp: None, piece: Callable[[int], bytes] = ...) -> None: ...
 
 
 def logprob_message(lp: TokenLogprob | None,

@@ -3,6 +3,7 @@ is kept from leaving."""
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -176,7 +177,7 @@ def _pin_command(name: str, doc: str, action: Callable[[CacheClient, bytes], Non
     def command(address: str | None, key_texts: tuple[str, ...]) -> None:
         with connect(address) as client:
             for key in resolve_keys(client, key_texts):
-                run(lambda k=key: action(client, k))
+                run(functools.partial(action, client, key))
                 click.echo(f"{done} {key.hex()}")
 
 

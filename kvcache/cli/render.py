@@ -123,10 +123,13 @@ def print_plain(renderable: Any, width: int | None = None) -> None:
     """Print through rich (styles on a terminal only), without the trailing spaces it
     pads cells with. ``width``: lay out for this many columns (default: the terminal's)."""
     out = Console()
-    buffer = Console(file=io.StringIO(), width=width or out.width,
-                     force_terminal=out.is_terminal, color_system=out.color_system)
+    text = io.StringIO()
+    # (rich types its color_system property str | None; it returns one of the names
+    # Console takes: "standard", "256" or "truecolor")
+    buffer = Console(file=text, width=width or out.width, force_terminal=out.is_terminal,
+                     color_system=out.color_system)  # type: ignore[arg-type]
     buffer.print(renderable)
-    click.echo("\n".join(line.rstrip() for line in buffer.file.getvalue().splitlines()))
+    click.echo("\n".join(line.rstrip() for line in text.getvalue().splitlines()))
 
 
 def text_row(table: Table, *cells: str) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
-from redis.cluster import ClusterNode
+from redis.cluster import ClusterNode, ClusterPipeline
 from redis.cluster import RedisCluster as ClusterClient
 from redis.exceptions import (
     AuthenticationError,
@@ -35,6 +35,8 @@ from .config import RemoteConfig, RemoteConfigError
 log = logging.getLogger("kvcache.remote")
 
 Client = redis.Redis | ClusterClient
+#: What Client.pipeline() gives (a cluster's pipeline splits its commands by slot).
+Pipeline = redis.client.Pipeline | ClusterPipeline
 # The outcome kinds of a failed call (counted as remote_errors_<kind>), and "full".
 CONNECTION, TIMEOUT, RESPONSE, AUTH, FULL = "connection", "timeout", "response", "auth", "full"
 

@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 from redis.cluster import RedisCluster as ClusterClient
 from redis.exceptions import RedisClusterException, RedisError
@@ -17,7 +17,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..counters import REMOTE_SECTION
 from .config import RemoteConfig
-from .conn import TIMEOUT, Client, Connection
+from .conn import TIMEOUT, Client, Connection, Pipeline
 from .layout import Names, RemoteRecord, ValueInvalid, ValueRefused, open_value
 
 log = logging.getLogger("kvcache.remote")
@@ -137,12 +137,13 @@ class Core:
         writing to all nodes before reading any."""
         if not names:
             return []
+        # (bytes, not str: the connection does not decode responses)
         if isinstance(client, ClusterClient):
-            return client.mget_nonatomic(names)
-        return client.mget(names)
+            return cast(list[bytes | None], client.mget_nonatomic(names))
+        return cast(list[bytes | None], client.mget(names))
 
     @staticmethod
-    def pipeline(client: Client, build: Callable[[object], None]) -> list[object]:
+    def pipeline(client: Client, build: Callable[[Pipeline], None]) -> list[Any]:
         pipe = client.pipeline(transaction=False)
         build(pipe)
         return pipe.execute()

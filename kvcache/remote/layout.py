@@ -168,10 +168,14 @@ def open_value(name: bytes, value: bytes, signing_key: bytes | None,
 
 
 class _Linkable(Protocol):
-    key: bytes
-    base: int
-    n_tokens: int
-    size: int
+    @property
+    def key(self) -> bytes: ...
+    @property
+    def base(self) -> int: ...
+    @property
+    def n_tokens(self) -> int: ...
+    @property
+    def size(self) -> int: ...
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ the package docstring for the key layout.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from .. import blob as blobfmt
 from .. import keys
 from .config import RemoteConfig
+from .conn import Client
 from .core import DISCONNECTED, Core, Failed, _Job
 from .layout import MAX_CHAIN, ChainLink, RemoteRecord, ValueInvalid
 from .upload import BlobBytes, Uploader
@@ -245,9 +247,9 @@ class RemoteTier:
         core = self._core
         if not chain_keys or len(chain_keys) > MAX_CHAIN:
             return
-        values = core.call(lambda c: core.mget(c, [self.names.record(k) for k in chain_keys]))
+        found = core.call(lambda c: core.mget(c, [self.names.record(k) for k in chain_keys]))
         records: list[RemoteRecord] = []
-        for i, (key, value) in enumerate(zip(chain_keys, values, strict=True)):
+        for i, (key, value) in enumerate(zip(chain_keys, found, strict=True)):
             record = core.record(key, value)
             if record is None:
                 break  # evicted (or refused): the prefix before it is still good
@@ -278,7 +280,7 @@ class RemoteTier:
                 end += 1
             batch = plan[i:end]
             batch_names = [self.names.part(r.key, j) for r, j in batch]
-            got = core.call(lambda c, n=batch_names: core.mget(c, n))
+            got = core.call(functools.partial(core.mget, names=batch_names))
             for (record, j), name, value in zip(batch, batch_names, got, strict=True):
                 names.append(name)
                 values.append(value)
@@ -296,11 +298,12 @@ class RemoteTier:
     def _assemble(self, record: RemoteRecord, names: list[bytes],
                   values: list[bytes | None]) -> bytes | None:
         """A piece's blob from its parts, checked; None (counted) if it is not sound."""
-        if any(v is None for v in values):
+        present = [v for v in values if v is not None]
+        if len(present) < len(values):
             return None  # evicted: fetch_short says so
         try:
-            data = b"".join(self._core.open(n, v)  # type: ignore[arg-type]
-                            for n, v in zip(names, values, strict=True))
+            data = b"".join(self._core.open(n, v)
+                            for n, v in zip(names, present, strict=True))
         except ValueInvalid:
             return None
         try:
@@ -338,10 +341,9 @@ class RemoteTier:
               limit: int) -> list[RemoteRecord]:
         core = self._core
 
-        def scan(client: object) -> list[bytes]:
+        def scan(client: Client) -> list[bytes]:
             found: list[bytes] = []
-            for name in client.scan_iter(match=self.names.record_pattern,  # type: ignore[attr-defined]
-                                         count=1000):
+            for name in client.scan_iter(match=self.names.record_pattern, count=1000):
                 found.append(name)
                 if len(found) >= MAX_SCAN:
                     break
@@ -352,7 +354,7 @@ class RemoteTier:
         for start in range(0, len(names), 500):
             batch = [(n, k) for n in names[start : start + 500]
                      if (k := self.names.key_of_record_name(n)) is not None]
-            values = core.call(lambda c, batch=batch: core.mget(c, [n for n, _ in batch]))
+            values = core.call(functools.partial(core.mget, names=[n for n, _ in batch]))
             for (_, key), value in zip(batch, values, strict=True):
                 record = core.record(key, value)
                 if record is not None and (predicate is None or predicate(record)):

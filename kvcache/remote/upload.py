@@ -11,10 +11,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .. import blob as blobfmt
 from .. import keys
-from .conn import FULL
+from .conn import FULL, Client, Pipeline
 from .core import DISCONNECTED, Core, Failed
 from .layout import ChainLink, RemoteRecord, ValueInvalid, check_chain, seal
 
@@ -161,9 +162,9 @@ class Uploader:
         token = secrets.token_hex(8)
         lock_ms = int(core.config.upload_lock_s * 1000)
 
-        def claim(pipe: object) -> None:
-            pipe.set(lock_name, token, nx=True, px=lock_ms)  # type: ignore[attr-defined]
-            pipe.get(rec_name)  # type: ignore[attr-defined]
+        def claim(pipe: Pipeline) -> None:
+            pipe.set(lock_name, token, nx=True, px=lock_ms)
+            pipe.get(rec_name)
 
         try:
             acquired, existing = core.call(lambda c: core.pipeline(c, claim))
@@ -190,12 +191,12 @@ class Uploader:
             for batch in _batches(values, UPLOAD_BATCH_BYTES):
                 sealed = [(name, seal(name, body, core.signing_key, core.encrypt))
                           for name, body in batch]
-                core.call(lambda c, sealed=sealed: core.pipeline(c, lambda p: _set_all(p, sealed)))
+                core.call(_setting_all(core, sealed))
                 sent += sum(len(v) for _, v in sealed)
             pointers = [(name, seal(name, link.key, core.signing_key, core.encrypt)) for name in (
                 core.names.block(h) for h in keys.block_hashes(meta.namespace, raw_tokens,
                                                                  core.block_size))]
-            core.call(lambda c: core.pipeline(c, lambda p: _set_all(p, pointers)))
+            core.call(_setting_all(core, pointers))
             sent += sum(len(v) for _, v in pointers)
         except Failed as failed:
             # Full or gone midway: what was written is removed (DEL works on a full
@@ -211,9 +212,15 @@ class Uploader:
         return True
 
 
-def _set_all(pipe: object, values: list[tuple[bytes, bytes]]) -> None:
-    for name, value in values:
-        pipe.set(name, value)  # type: ignore[attr-defined]
+def _setting_all(core: Core, values: list[tuple[bytes, bytes]]
+                 ) -> Callable[[Client], list[Any]]:
+    """A call that sets every one of ``values`` in one pipeline."""
+
+    def set_all(pipe: Pipeline) -> None:
+        for name, value in values:
+            pipe.set(name, value)
+
+    return lambda client: core.pipeline(client, set_all)
 
 
 def _batches(values: list[tuple[bytes, memoryview]],

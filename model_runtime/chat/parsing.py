@@ -134,9 +134,9 @@ class JsonReader:
                 self._escape = True
             elif ch == '"':
                 if self._mode == "key":
-                    frame = self._stack[-1]
-                    frame.key = json.loads('"' + "".join(self._key) + '"')
-                    frame.state = "colon"
+                    owner = self._stack[-1]  # the object whose key this string is
+                    owner.key = json.loads('"' + "".join(self._key) + '"')
+                    owner.state = "colon"
                 else:
                     self._value_ends(self._scalar, events)
                     self._after_value()

@@ -91,22 +91,24 @@ def _constraint(req: ChatRequest, fmt: ChatFormat, envelope: bool, inside: bool,
     selected = [t for t in req.tools if choice.mode != "function" or t.name == choice.name]
     parallel = req.parallel_tool_calls and choice.mode != "function"
     calling = bool(req.tools) and choice.mode != "none"
-    reasoning = {"reasoning": None if closed else fmt.reasoning, "inside_reasoning": inside}
+    reasoning = None if closed else fmt.reasoning  # a block the output may open
     if req.grammar is not None:
         return Constraint(req.grammar)
     if envelope:
         return Constraint(envelope_grammar(
             selected, reply=not choice.forced, calls=calling, parallel=parallel,
-            content_schema=req.json_schema, **reasoning))
+            content_schema=req.json_schema, reasoning=reasoning, inside_reasoning=inside))
     if calling and choice.mode == "auto" and req.json_schema is None:
         return Constraint(tool_call_grammar(fmt.family, selected, parallel=parallel),
                           TRIGGERS[fmt.family])
     if calling:
         content = req.json_schema if choice.mode == "auto" else None
         return Constraint(tool_call_grammar(fmt.family, selected, parallel=parallel,
-                                            content_schema=content, **reasoning))
+                                            content_schema=content, reasoning=reasoning,
+                                            inside_reasoning=inside))
     if req.json_schema is not None:
-        return Constraint(schema_grammar(req.json_schema, req.schema_param, **reasoning))
+        return Constraint(schema_grammar(req.json_schema, req.schema_param,
+                                         reasoning=reasoning, inside_reasoning=inside))
     return None
 
 

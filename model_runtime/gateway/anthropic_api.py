@@ -63,10 +63,11 @@ COUNT_FIELDS: Mapping[str, str] = {
     name: MESSAGES_FIELDS[name]
     for name in ("model", "messages", "system", "tools", "tool_choice", "thinking",
                  "cache_control", "output_config")}
-_REFUSED = {"thinking": (None,), "service_tier": (None, "auto", "standard_only"),
-            "container": (None,), "mcp_servers": (None, []), "context_management": (None,),
-            "speed": (None, "standard"), "inference_geo": (None,), "diagnostics": (None,),
-            "user_profile_id": (None,), "workspace_id": (None,)}
+_REFUSED: Mapping[str, tuple[Any, ...]] = {
+    "thinking": (None,), "service_tier": (None, "auto", "standard_only"),
+    "container": (None,), "mcp_servers": (None, []), "context_management": (None,),
+    "speed": (None, "standard"), "inference_geo": (None,), "diagnostics": (None,),
+    "user_profile_id": (None,), "workspace_id": (None,)}
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors); statuses
 # the OpenAI routes use that Anthropic does not are answered as Anthropic's nearest.
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -323,7 +324,7 @@ def _tool_choice(value: Any, tools: list[Tool]) -> tuple[ToolChoice, bool]:
     if value is None:
         return ToolChoice("auto" if tools else "none"), True
     kind = value.get("type") if isinstance(value, Mapping) else None
-    if kind not in ("auto", "any", "tool", "none") or \
+    if not isinstance(kind, str) or kind not in ("auto", "any", "tool", "none") or \
             set(value) - {"type", "name", "disable_parallel_tool_use"}:
         raise invalid("tool_choice", "tool_choice must be {\"type\": \"auto\" | \"any\" | "
                                      "\"tool\" | \"none\"} (with \"name\" for tool).")

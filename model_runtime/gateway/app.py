@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from aiohttp import web
+from aiohttp import StreamReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -141,6 +141,12 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
                               request.path)
 
 
+async def _drop_rest(content: StreamReader) -> None:
+    """Read what is left of a request's body, keeping none of it."""
+    while await content.readany():
+        pass
+
+
 async def unread_body_or_close(request: web.Request,
                                response: web.Response) -> web.Response:
     """A refusal before its body was read (or all of it): a small rest is read and
@@ -154,11 +160,10 @@ async def unread_body_or_close(request: web.Request,
     length = request.content_length
     if length is not None and length <= DRAIN_BYTES:
         try:
-            async with asyncio.timeout(DRAIN_WAIT_S):
-                while await request.content.readany():
-                    pass
+            # (wait_for: asyncio.timeout is Python 3.11's, and 3.10 is supported)
+            await asyncio.wait_for(_drop_rest(request.content), DRAIN_WAIT_S)
             return response
-        except (TimeoutError, ConnectionError, HttpProcessingError):
+        except (asyncio.TimeoutError, ConnectionError, HttpProcessingError):
             pass  # slow, gone or malformed: not worth keeping
     response.force_close()
     return response
@@ -344,7 +349,10 @@ def check_message_size(proto: Any) -> None:
 def one_at_a_time(request: web.Request, large: bool
                   ) -> contextlib.AbstractAsyncContextManager[Any]:
     """A large request's turn (:data:`LARGE_BODY`); a small one goes at once."""
-    return request.app[LARGE_WORK] if large else contextlib.nullcontext()
+    if large:
+        turns: asyncio.Semaphore = request.app[LARGE_WORK]
+        return turns
+    return contextlib.nullcontext()
 
 
 async def render(request: web.Request, req: GenRequest, worker: Worker,

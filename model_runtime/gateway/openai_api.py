@@ -197,7 +197,8 @@ class GenRequest:
                 setattr(req, name, value)
         if self.logit_bias and "logit_bias" in PROTO_FIELDS:
             req.logit_bias.update(self.logit_bias)
-        grammar, triggers = self.grammar, ()
+        grammar = self.grammar
+        triggers: tuple[str, ...] = ()
         if plan is not None:
             req.prompt = plan.text
             req.prefix_chars = plan.head_chars
@@ -532,14 +533,16 @@ def parse_completion(data: dict[str, Any], session_header: str | None = None) ->
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     top = _int(data, "logprobs", 0, MAX_TEXT_LOGPROBS)
-    logprobs = {"logprobs": top is not None, "top_logprobs": top or 0}
+    logprobs, top_logprobs = top is not None, top or 0
     if isinstance(prompt, str):
         if not prompt:
             raise bad_param("prompt", "'prompt' must not be empty.")
-        return GenRequest(**common, **logprobs, prompt=prompt)
+        return GenRequest(**common, logprobs=logprobs, top_logprobs=top_logprobs,
+                          prompt=prompt)
     if isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt):
-        return GenRequest(**common, **logprobs, tokens=list(prompt))
+        return GenRequest(**common, logprobs=logprobs, top_logprobs=top_logprobs,
+                          tokens=list(prompt))
     raise bad_param("prompt", "'prompt' must be a non-empty string or list of token ids (a "
                               "batch of one; batches of several are not supported).",
                     code="invalid_type" if prompt is not None else "missing_required")

@@ -136,8 +136,8 @@ class ResponseBuilder:
                 item = {"type": "message", "id": new_id("msg"), "status": "in_progress",
                         "role": "assistant", "content": []}
             events += self._begin(item)
-            part = {"type": "reasoning_text" if kind == "reasoning" else "output_text",
-                    "text": ""}
+            part: dict[str, Any] = {
+                "type": "reasoning_text" if kind == "reasoning" else "output_text", "text": ""}
             if kind == "message":
                 part["annotations"] = []
                 part["logprobs"] = []
@@ -149,7 +149,7 @@ class ResponseBuilder:
         part["text"] += text
         name = "response.reasoning_text.delta" if kind == "reasoning" \
             else "response.output_text.delta"
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
         events.append(self.event(name, item_id=item["id"], output_index=self._index(item),
                                  content_index=0, delta=text, **extra))
         return events

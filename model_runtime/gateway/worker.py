@@ -24,7 +24,7 @@ import signal
 import sys
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -187,7 +187,7 @@ class Worker:
             self.tracker.add(tenant_text(flight.tenant, served_text))
 
     async def events(self, flight: Flight,
-                     request: pb.CompleteRequest) -> AsyncIterator[pb.CompleteEvent]:
+                     request: pb.CompleteRequest) -> AsyncGenerator[pb.CompleteEvent, None]:
         """The runtime's events for ``request``. Raises :class:`WorkerFailure` when the
         worker fails meanwhile, :class:`RuntimeRefused` when the runtime refuses it.
         Closing the iterator early (a client gone) cancels the call, which frees the

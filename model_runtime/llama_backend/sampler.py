@@ -1,0 +1,265 @@
+"""One request's sampler (:class:`SamplerChain`): llama.cpp's sampler chain and grammar
+over a row of scores; and :func:`grammar_refusal`, llama.cpp's last word on a grammar."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import llama_cpp as _lc
+import numpy as np
+
+from .binding import Owner, capturing_log
+from .errors import GrammarDeadEnd, LlamaError
+from .model import LlamaModel
+
+__all__ = ["TOKEN_DATA", "SamplerChain", "grammar_refusal"]
+
+#: llama.cpp's ``llama_token_data``: a candidate's id, score (logit) and probability.
+TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+assert TOKEN_DATA.itemsize == ctypes.sizeof(_lc.llama_token_data)
+
+
+@functools.lru_cache(maxsize=4)
+def _candidates_template(n_vocab: int) -> np.ndarray:
+    """Every token as a candidate, in id order, score and probability 0 (read-only)."""
+    template = np.zeros(n_vocab, dtype=TOKEN_DATA)
+    template["id"] = np.arange(n_vocab, dtype=np.int32)
+    template.flags.writeable = False
+    return template
+
+
+def grammar_refusal(model: LlamaModel, grammar: str) -> str | None:
+    """Why llama.cpp refuses to make a sampler of ``grammar`` (its log lines), or None
+    when it accepts it. The grammar is compiled and freed at once."""
+    with capturing_log() as lines:
+        sampler = _lc.llama_sampler_init_grammar(model._vocab_h(), grammar.encode(), b"root")
+    if sampler:
+        _lc.llama_sampler_free(sampler)
+        return None
+    reasons = " ".join(line.strip() for line in lines if line.strip())
+    return reasons or "it could not parse it"
+
+
+class SamplerChain(Owner):
+    """One request's sampler: llama.cpp's sampler chain, and a grammar kept beside it.
+    Owns both (``llama_sampler*``); :meth:`close` frees them. Not thread-safe: one thread
+    samples, accepts and closes.
+
+    The chain, in order: logit bias; the repeat penalty, over a window that starts with
+    the last ``penalty_last_n`` tokens of ``history`` (the prompt); presence and frequency
+    penalties over the tokens accepted since (generated only); then either the most
+    likely token (``greedy``), or top-k, top-p, min-p, temperature and a draw from
+    llama.cpp's generator seeded with ``seed`` (a uint32). Settings that do nothing are
+    left out of the chain.
+
+    :meth:`sample` works on a row of raw scores the caller holds (the runtime keeps them
+    per sequence, and an exact cache hit has them from the store): every token becomes a
+    candidate (built with numpy: a copy of an id template and one strided write of the
+    scores), the chain picks one. With a grammar, as llama.cpp's own
+    ``common_sampler_sample`` does: the grammar checks the chosen token alone (a few µs);
+    only when it refuses it are all candidates masked by the grammar (milliseconds over a
+    large vocabulary) and the chain applied again. :meth:`accept` then records the token
+    in the chain (penalties) and the grammar.
+
+    llama.cpp aborts the process when its grammar is fed a token it does not allow
+    (``llama_sampler_accept`` throws through C), so nothing reaches the grammar that it
+    has not allowed first: :meth:`accept` checks again, and raises instead.
+    """
+
+    live = 0  #: chains made and not yet closed, in this process (tests check for leaks)
+
+    def __init__(self, model: LlamaModel, *, greedy: bool, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
+                 repeat_penalty: float = 1.0, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, penalty_last_n: int = 64,
+                 logit_bias: Sequence[tuple[int, float]] = (), grammar: str = "",
+                 grammar_active: bool = True, history: Sequence[int] = ()) -> None:
+        self.model = model
+        self.n_vocab = model.n_vocab
+        self._chain: Any = None
+        self._grammar: Any = None
+        if not 0 <= seed < _lc.LLAMA_DEFAULT_SEED:
+            raise ValueError(f"seed must be a uint32 below {_lc.LLAMA_DEFAULT_SEED:#x}")
+        params = _lc.llama_sampler_chain_default_params()
+        params.no_perf = True
+        self._chain = _lc.llama_sampler_chain_init(params)
+        SamplerChain.live += 1
+        try:
+            for sampler in self._samplers(greedy, temperature, top_k, top_p, min_p, seed,
+                                          repeat_penalty, presence_penalty,
+                                          frequency_penalty, max(0, penalty_last_n),
+                                          logit_bias, history):
+                _lc.llama_sampler_chain_add(self._chain, sampler)  # the chain owns it
+            if grammar:
+                with capturing_log() as lines:
+                    self._grammar = _lc.llama_sampler_init_grammar(
+                        model._vocab_h(), grammar.encode(), b"root")
+                if not self._grammar:
+                    raise LlamaError("llama.cpp refused the grammar: " +
+                                     (" ".join(x.strip() for x in lines) or "no reason given"))
+        except BaseException:
+            self.close()
+            raise
+        #: Whether the grammar constrains the output (a lazy one starts inactive).
+        self.grammar_active = bool(self._grammar) and grammar_active
+        # A chain of llama.cpp's greedy sampler alone picks the first highest score, as
+        # numpy's argmax does: the row is then not copied into candidates (~0.5 ms a token
+        # over a 49k vocabulary, against ~0.03 ms for the argmax).
+        self._argmax_only = greedy and not logit_bias and not (
+            penalty_last_n and (repeat_penalty != 1.0 or presence_penalty or
+                                frequency_penalty))
+        self._candidates = np.empty(self.n_vocab, dtype=TOKEN_DATA)
+        self._logit_column = self._candidates.view(np.float32).reshape(self.n_vocab, 3)[:, 1]
+        self._array = _lc.llama_token_data_array(
+            self._candidates.ctypes.data_as(_lc.llama_token_data_p), self.n_vocab, -1, False)
+        self._one = np.zeros(1, dtype=TOKEN_DATA)
+        self._one_array = _lc.llama_token_data_array(
+            self._one.ctypes.data_as(_lc.llama_token_data_p), 1, -1, False)
+
+    def _samplers(self, greedy: bool, temperature: float, top_k: int, top_p: float,
+                  min_p: float, seed: int, repeat_penalty: float, presence_penalty: float,
+                  frequency_penalty: float, last_n: int, logit_bias: Sequence[tuple[int, float]],
+                  history: Sequence[int]) -> Iterator[Any]:
+        if logit_bias:
+            biases = (_lc.llama_logit_bias * len(logit_bias))(
+                *(_lc.llama_logit_bias(token, bias) for token, bias in logit_bias))
+            yield _lc.llama_sampler_init_logit_bias(self.n_vocab, len(logit_bias), biases)
+        if last_n and repeat_penalty != 1.0:
+            repeat = _lc.llama_sampler_init_penalties(self.n_vocab, last_n, repeat_penalty,
+                                                      0.0, 0.0)
+            for token in history[-last_n:]:  # (before it joins the chain: prompt only)
+                _lc.llama_sampler_accept(repeat, token)
+            yield repeat
+        if last_n and (presence_penalty or frequency_penalty):
+            yield _lc.llama_sampler_init_penalties(self.n_vocab, last_n, 1.0,
+                                                   frequency_penalty, presence_penalty)
+        if greedy:  # (top-k, top-p, min-p and temperature never drop the best token)
+            yield _lc.llama_sampler_init_greedy()
+            return
+        if top_k:
+            yield _lc.llama_sampler_init_top_k(top_k)
+        if top_p < 1.0:
+            yield _lc.llama_sampler_init_top_p(top_p, 1)
+        if min_p > 0.0:
+            yield _lc.llama_sampler_init_min_p(min_p, 1)
+        yield _lc.llama_sampler_init_temp(temperature)
+        yield _lc.llama_sampler_init_dist(seed)
+
+    @property
+    def has_grammar(self) -> bool:
+        return bool(self._grammar)
+
+    def close(self) -> None:
+        if self._grammar:
+            _lc.llama_sampler_free(self._grammar)
+        self._grammar = None
+        if self._chain:
+            _lc.llama_sampler_free(self._chain)
+            SamplerChain.live -= 1
+        self._chain = None
+
+    def _h(self) -> Any:
+        if not self._chain:
+            raise LlamaError("sampler chain is closed")
+        return self._chain
+
+    # -- sampling
+
+    def _fill(self, logits: np.ndarray, banned: Sequence[int]) -> None:
+        if logits.shape != (self.n_vocab,):
+            raise ValueError(f"a row of {self.n_vocab} scores is needed, got {logits.shape}")
+        np.copyto(self._candidates, _candidates_template(self.n_vocab))
+        self._logit_column[...] = logits
+        if banned:
+            self._logit_column[np.asarray(banned, dtype=np.int64)] = -np.inf
+        array = self._array
+        # (llama_cpp's type hints call the field an array; its _fields_ a pointer)
+        array.data = self._candidates.ctypes.data_as(  # type: ignore[assignment]
+            _lc.llama_token_data_p)
+        array.size, array.selected, array.sorted = self.n_vocab, -1, False
+
+    def _apply(self, sampler: Any) -> None:
+        _lc.llama_sampler_apply(sampler, ctypes.byref(self._array))
+
+    def _selected(self, why: str) -> int:
+        array = self._array
+        if not 0 <= array.selected < array.size:
+            raise LlamaError("the sampler chain selected no token")
+        chosen = array.data[array.selected]
+        if not math.isfinite(chosen.logit):  # every candidate was at -inf
+            raise GrammarDeadEnd(why)
+        return int(chosen.id)
+
+    def sample(self, logits: np.ndarray, banned: Sequence[int] = ()) -> int:
+        """The chain's token for ``logits`` (raw scores, one per vocabulary entry), never
+        one of ``banned``; with an active grammar, one the grammar allows. Nothing is
+        recorded: :meth:`accept` the token taken. Raises :class:`GrammarDeadEnd` when no
+        token is allowed at all (a -inf score for every one)."""
+        chain = self._h()
+        if self._argmax_only:
+            token = self._argmax(logits, banned)
+        else:
+            self._fill(logits, banned)
+            self._apply(chain)
+            token = self._selected("no token is allowed here (the logit bias and the "
+                                   "banned tokens leave none)")
+        if not self.grammar_active or self.allows(token):
+            return token
+        self._fill(logits, banned)
+        self._apply(self._grammar)
+        self._apply(chain)
+        return self._selected("the grammar allows no token here")
+
+    def _argmax(self, logits: np.ndarray, banned: Sequence[int]) -> int:
+        """What the greedy sampler alone would pick: the first highest score."""
+        if logits.shape != (self.n_vocab,):
+            raise ValueError(f"a row of {self.n_vocab} scores is needed, got {logits.shape}")
+        if banned:
+            logits = logits.copy()
+            logits[np.asarray(banned, dtype=np.int64)] = -np.inf
+        token = int(np.argmax(logits))
+        if not math.isfinite(float(logits[token])):
+            raise GrammarDeadEnd("no token is allowed here (the banned tokens leave none)")
+        return token
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar (active or not) allows ``token`` next; True without one."""
+        if not self._grammar:
+            return True
+        self._one[0] = (token, 1.0, 0.0)
+        one = self._one_array
+        # (llama_cpp's type hints call the field an array; its _fields_ a pointer)
+        one.data = self._one.ctypes.data_as(_lc.llama_token_data_p)  # type: ignore[assignment]
+        one.size, one.selected, one.sorted = 1, -1, False
+        _lc.llama_sampler_apply(self._grammar, ctypes.byref(one))
+        return bool(np.isfinite(self._one["logit"][0]))
+
+    def accept(self, token: int, *, feed_grammar: bool = True) -> None:
+        """Record the token taken: in the chain, and in the active grammar (which must
+        allow it: checked, as llama.cpp would abort the process otherwise), unless not
+        ``feed_grammar`` (:meth:`start_grammar` fed it). An end-of-generation token
+        ends the output and is not fed to the grammar."""
+        if feed_grammar and self.grammar_active and not self.model.is_eog(token):
+            if not self.allows(token):
+                raise LlamaError(f"the grammar does not allow token {token} here")
+            _lc.llama_sampler_accept(self._grammar, token)
+        _lc.llama_sampler_accept(self._h(), token)
+
+    def start_grammar(self, tokens: Sequence[int]) -> bool:
+        """Activate the grammar from its start with ``tokens`` as its first output (a lazy
+        grammar's trigger and what followed it). False, the grammar left inactive and
+        at its start, when they do not follow it."""
+        if not self._grammar:
+            return False
+        _lc.llama_sampler_reset(self._grammar)
+        for token in tokens:
+            if self.model.is_eog(token) or not self.allows(token):
+                _lc.llama_sampler_reset(self._grammar)
+                return False
+            _lc.llama_sampler_accept(self._grammar, token)
+        self.grammar_active = True
+        return True
