@@ -218,7 +218,8 @@ class Executor:
         job = SaveJob(self.identities.of(seq.tenant), self.identities.namespace(seq.tenant),
                       tuple(seq.tokens), state, reason, key,
                       as_cells=plain or self.ctx.state_has_tail,
-                      tail=self.ctx.state_has_tail, buffer=buffer,
+                      tail=self.ctx.state_has_tail, window=self.ctx.state_window,
+                      buffer=buffer,
                       logits=_scores_bytes(seq, n),
                       waypoints=self._prompt_waypoint(seq, req) if plain else ())
         if not self.saver.submit(job):  # dropped (counted): no entry to name or skip

@@ -73,12 +73,10 @@ from .kv_layout import (
     HEADER,
     INT32_MAX,
     INT32_MIN,
-    LAYOUT_VERSIONS,
     MAX_STREAMS,
     META_WORDS,
     ROW_HEADER,
     STATE_MAGIC,
-    TAIL_LAYOUT_VERSIONS,
     TRANS_HEADER,
     U32,
     BytesLike,
@@ -109,6 +107,7 @@ __all__ = [
     "planes_bytes",
     "run_size",
     "to_single_stream",
+    "window_of",
     "widen_streams",
 ]
 
@@ -305,6 +304,24 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return a
 
 
+def window_of(cells: CellState, window: int) -> CellState:
+    """The tail of a state parsed with ``tail=True`` read as a sliding window's cache (a
+    second cache like the first: llama.cpp's ``llama_kv_cache_iswa`` writes its
+    full-attention cache, then its window's): the cells of the last ``window``
+    positions, in the cache's order. :class:`StateFormatError` when the tail is not such a
+    cache or holds other positions (a window of another kind)."""
+    section = np.empty(HEADER.size - U32.size + len(cells.tail), dtype=np.uint8)
+    HEADER.pack_into(section.data, 0, STATE_MAGIC, cells.seq_id, 0)  # its n_stream follows
+    section[HEADER.size - U32.size:] = cells.tail
+    found = parse(section)
+    n = cells.n_cells
+    if found.layout.v_trans != cells.layout.v_trans or found.layout.n_stream != \
+            cells.layout.n_stream or not np.array_equal(
+                np.sort(found.positions), np.arange(max(0, n - window), n)):
+        raise StateFormatError(f"the tail is not the cache of the last {window} positions")
+    return found
+
+
 def layout_of(state: BytesLike | np.ndarray | CellState) -> Layout:
     """The :class:`Layout` of a state (parsed first unless already a CellState)."""
     return (state if isinstance(state, CellState) else parse(state)).layout
@@ -408,6 +425,7 @@ def build_state(
     takes: Sequence[int] | None = None,
     scratch: Scratch | None = None,
     tail: BytesLike | np.ndarray = b"",
+    skips: Sequence[int] | None = None,
 ) -> memoryview:
     """llama.cpp's state bytes for ``cells`` (one run, or runs to join in order).
 
@@ -421,11 +439,12 @@ def build_state(
     result is a read-only buffer (``bytes()`` it to own a copy), ready for
     ``llama_state_seq_set_data``.  ``tail`` (a layout with a tail only) is written
     after the cells: the part of the state at the last cell that is not cells.
+    ``skips``: how many leading cells of each planar run to pass over before its takes.
     """
     tail_bytes = np.frombuffer(tail, dtype=np.uint8)
     if len(tail_bytes) and not layout.tail:
         raise ValueError("a tail for a layout without one")
-    runs = _runs(layout, cells, forms, takes)
+    runs = _runs(layout, cells, forms, takes, skips)
     n_cells = sum(run.n for run in runs)
     pos = _positions(positions, first_pos, n_cells)
     if not INT32_MIN <= seq_id <= INT32_MAX:
@@ -481,6 +500,7 @@ def _runs(
     cells: BytesLike | Sequence[BytesLike],
     forms: str | Sequence[str],
     takes: Sequence[int] | None,
+    skips: Sequence[int] | None = None,
 ) -> list[_Run]:
     items = [cells] if isinstance(cells, (bytes, bytearray, memoryview)) else list(cells)
     run_forms = [forms] * len(items) if isinstance(forms, str) else list(forms)
@@ -489,7 +509,7 @@ def _runs(
     width = layout.cell_width
     runs = []
     for i, (item, form) in enumerate(zip(items, run_forms, strict=True)):
-        if form not in (TAIL_LAYOUT_VERSIONS if layout.tail else LAYOUT_VERSIONS):
+        if form not in layout.versions():
             raise ValueError(f"unknown run form {form!r}" + (" with a tail" if layout.tail else ""))
         if form == FORM_STATE:
             runs.append(_state_run(layout, item, None if takes is None else takes[i], i))
@@ -498,13 +518,14 @@ def _runs(
         if len(flat) % width:
             raise ValueError(f"run {i} has {len(flat)} bytes, not a multiple of {width}")
         n = len(flat) // width
-        take = n if takes is None else takes[i]
-        if not 0 <= take <= n:
-            raise ValueError(f"run {i} holds {n} cells, {take} asked for")
+        skip = 0 if skips is None else skips[i]
+        take = n - skip if takes is None else takes[i]
+        if not 0 <= take <= n - skip or (skip and form != FORM_PLANES):
+            raise ValueError(f"run {i} holds {n} cells, {take} asked for after {skip}")
         if form == FORM_CELLS:
             runs.append(_cell_major_run(layout, flat.reshape(n, width)[:take]))
         else:
-            runs.append(_planar_run(layout, flat, n, take))
+            runs.append(_planar_run(layout, flat, n, take, skip))
     return runs
 
 
@@ -538,18 +559,19 @@ def _state_run(layout: Layout, state: BytesLike, take: int | None, i: int) -> _R
     return _Run(take, k, v, v_in_channels=layout.v_trans)
 
 
-def _planar_run(layout: Layout, flat: np.ndarray, n: int, take: int) -> _Run:
+def _planar_run(layout: Layout, flat: np.ndarray, n: int, take: int, skip: int = 0) -> _Run:
     k, v, off = [], [], 0
+    cells = slice(skip, skip + take)
     for x in layout.layers:
-        k.append(flat[off : off + n * x.k_row].reshape(n, x.k_row)[:take])
+        k.append(flat[off : off + n * x.k_row].reshape(n, x.k_row)[cells])
         off += n * x.k_row
     for x in layout.layers:
         size = n * x.v_cell_bytes(layout.v_trans)
         plane = flat[off : off + size]
         if layout.v_trans:
-            v.append(_elements(plane, x.v_size).reshape(x.n_embd_v_gqa, n)[:, :take])
+            v.append(_elements(plane, x.v_size).reshape(x.n_embd_v_gqa, n)[:, cells])
         else:
-            v.append(plane.reshape(n, x.v_size)[:take])
+            v.append(plane.reshape(n, x.v_size)[cells])
         off += size
     return _Run(take, k, v, v_in_channels=layout.v_trans)
 

@@ -24,6 +24,7 @@ __all__ = [
     "ROW_HEADER",
     "STATE_MAGIC",
     "TAIL_LAYOUT_VERSIONS",
+    "WINDOW_LAYOUT_VERSIONS",
     "TRANS_HEADER",
     "U32",
     "BytesLike",
@@ -44,6 +45,9 @@ _FORMS = {v: k for k, v in LAYOUT_VERSIONS.items()}
 # know tails refuses them rather than taking a tail for cells.
 TAIL_LAYOUT_VERSIONS = {FORM_PLANES: 4, FORM_STATE: 5}
 _TAIL_FORMS = {v: k for k, v in TAIL_LAYOUT_VERSIONS.items()}
+# A tail that is a sliding window's cells (Layout.window), stored as planes.
+WINDOW_LAYOUT_VERSIONS = {FORM_PLANES: 6}
+_WINDOW_FORMS = {v: k for k, v in WINDOW_LAYOUT_VERSIONS.items()}
 
 BytesLike = bytes | bytearray | memoryview
 
@@ -95,6 +99,10 @@ class Layout:
     state has ``n_stream`` > 1 (a split KV cache); the other streams are empty.
     ``tail``: every state of this layout has a tail after its cells (see the module
     docstring), and every run stored with it is followed by the tail at its end.
+    ``window``: the tail is a sliding window's cache, the cells of the last ``window``
+    positions in ``window_layers`` (one more cache like the first), and a run of cells
+    ``[base, end)`` is followed by the planes of the window's cells it holds,
+    ``[max(base, end - window), end)`` (see :meth:`window_cells`).
     """
 
     v_trans: bool
@@ -102,6 +110,8 @@ class Layout:
     n_stream: int = 1
     stream: int = 0
     tail: bool = False
+    window: int = 0
+    window_layers: tuple[LayerLayout, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -115,10 +125,22 @@ class Layout:
             embd_ok = 0 < layer.n_embd_v_gqa < 2**32 if self.v_trans else layer.n_embd_v_gqa == 0
             if not (sizes_ok and embd_ok):
                 raise StateFormatError(f"layout layer {i} has invalid sizes: {layer}")
+        if self.window or self.window_layers:
+            if self.window < 1 or not self.tail:
+                raise StateFormatError(f"layout window {self.window} without a tail")
+            self.window_layout()  # its layers are checked as a layout's
 
     @property
     def n_layer(self) -> int:
         return len(self.layers)
+
+    def window_cells(self, base: int, end: int) -> int:
+        """How many of the window's cells a run of cells ``[base, end)`` holds."""
+        return end - max(base, end - self.window) if self.window else 0
+
+    def window_layout(self) -> Layout:
+        """The layout of the window's cache, as a state of its own."""
+        return Layout(self.v_trans, self.window_layers, self.n_stream, self.stream)
 
     @property
     def cell_width(self) -> int:
@@ -145,36 +167,46 @@ class Layout:
     def to_dict(self, form: str = FORM_PLANES) -> dict[str, Any]:
         """A small plain dict (ints and lists) for metadata, naming the ``form`` of the
         runs it goes with; see :meth:`from_dict` and :func:`form_of`."""
-        versions = TAIL_LAYOUT_VERSIONS if self.tail else LAYOUT_VERSIONS
+        versions = self.versions()
         if form not in versions:
             raise ValueError(f"unknown run form {form!r}" + (" with a tail" if self.tail else ""))
-        return {
+        d = {
             "version": versions[form],
             "v_trans": int(self.v_trans),
             "n_stream": self.n_stream,
             "stream": self.stream,
-            "layers": [
-                [x.k_type, x.k_row, x.v_type, x.v_size, x.n_embd_v_gqa] for x in self.layers
-            ],
+            "layers": _layer_rows(self.layers),
         }
+        if self.window:
+            d |= {"window": self.window, "window_layers": _layer_rows(self.window_layers)}
+        return d
+
+    def versions(self) -> dict[str, int]:
+        """The layout versions of the run forms states of this layout are stored in."""
+        if self.window:
+            return WINDOW_LAYOUT_VERSIONS
+        return TAIL_LAYOUT_VERSIONS if self.tail else LAYOUT_VERSIONS
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Layout:
         """The layout :meth:`to_dict` described; :class:`StateFormatError` if malformed."""
         try:
             form_of(d)
-            if any(len(row) != 5 for row in d["layers"]):
-                raise StateFormatError("layout layers need 5 numbers each")
-            layers = tuple(LayerLayout(*(_as_int(v) for v in row)) for row in d["layers"])
             if _as_int(d["v_trans"]) not in (0, 1):
                 raise StateFormatError(f"layout v_trans {d['v_trans']} is not 0 or 1")
-            return cls(
+            windowed = d["version"] in _WINDOW_FORMS
+            layout = cls(
                 v_trans=bool(d["v_trans"]),
-                layers=layers,
+                layers=_layers_of(d["layers"]),
                 n_stream=_as_int(d["n_stream"]),
                 stream=_as_int(d["stream"]),
-                tail=d["version"] in _TAIL_FORMS,
+                tail=d["version"] in _TAIL_FORMS or windowed,
+                window=_as_int(d["window"]) if windowed else 0,
+                window_layers=_layers_of(d["window_layers"]) if windowed else (),
             )
+            if windowed and layout.window < 1:
+                raise StateFormatError(f"layout window {layout.window} is not positive")
+            return layout
         except (KeyError, TypeError) as e:
             raise StateFormatError(f"malformed layout: {e!r}") from None
 
@@ -201,10 +233,10 @@ def form_of(d: dict[str, Any]) -> str:
     runs a layout dict goes with; :class:`StateFormatError` for a version this module
     does not know."""
     version = d.get("version") if isinstance(d, dict) else None
-    if isinstance(version, bool) or not isinstance(version, int) \
-            or version not in _FORMS | _TAIL_FORMS:
+    forms = _FORMS | _TAIL_FORMS | _WINDOW_FORMS
+    if isinstance(version, bool) or not isinstance(version, int) or version not in forms:
         raise StateFormatError(f"unsupported layout version {version!r}")
-    return (_FORMS | _TAIL_FORMS)[version]
+    return forms[version]
 
 
 def run_size(layout: Layout, form: str, n_cells: int) -> int:
@@ -214,6 +246,16 @@ def run_size(layout: Layout, form: str, n_cells: int) -> int:
     if form in (FORM_CELLS, FORM_PLANES):
         return n_cells * layout.cell_width
     raise ValueError(f"unknown run form {form!r}")
+
+
+def _layer_rows(layers: tuple[LayerLayout, ...]) -> list[list[int]]:
+    return [[x.k_type, x.k_row, x.v_type, x.v_size, x.n_embd_v_gqa] for x in layers]
+
+
+def _layers_of(rows: Any) -> tuple[LayerLayout, ...]:
+    if any(len(row) != 5 for row in rows):
+        raise StateFormatError("layout layers need 5 numbers each")
+    return tuple(LayerLayout(*(_as_int(v) for v in row)) for row in rows)
 
 
 def _as_int(v: Any) -> int:

@@ -64,13 +64,17 @@ class Cut:
 
 
 def cut(state: bytes | memoryview, base: int, end: int | None = None, *,
-        tail: bool = False) -> Cut:
+        tail: bool = False, window: int = 0) -> Cut:
     """The cells ``[base, end)`` of a captured state (``end``: all of them): the whole
     state is stored as it is (a view of ``state``, which must outlive the Cut), any other
     range as its planes. Raises StateFormatError for a state that is not one run of cells
     holding positions 0..n-1 (those are saved whole). With ``tail`` the state has one
     (see kv_cells): it follows the planes, and only a range ending at the state's end has
-    it."""
+    it. With ``window`` the tail is a sliding window of that many positions, stored as
+    the planes of its cells the range holds (Layout.window): a piece built on a parent
+    that ends where it starts finds the rest of its window in its chain."""
+    if window:
+        return _cut_windowed(state, base, end, window)
     cells = kv_cells.parse(state, tail=tail)
     if not cells.is_prefix:
         raise StateFormatError("the state's cells do not hold positions 0..n-1")
@@ -86,6 +90,22 @@ def cut(state: bytes | memoryview, base: int, end: int | None = None, *,
     if tail:  # one copy more of the new cells; the tail is what makes the checkpoint
         planes = np.concatenate([np.frombuffer(planes, np.uint8), cells.tail]).data
     return Cut(planes.toreadonly(), encode_layout(cells.layout), end)
+
+
+def _cut_windowed(state: bytes | memoryview, base: int, end: int | None, window: int) -> Cut:
+    cells = kv_cells.parse(state, tail=True)
+    n = cells.n_cells
+    if not cells.is_prefix:
+        raise StateFormatError("the state's cells do not hold positions 0..n-1")
+    if end not in (None, n) or not 0 <= base < n:
+        raise ValueError(f"a state with a tail holds it at cell {n}: [{base}, {end}) asked")
+    held = kv_cells.window_of(cells, window)
+    layout = replace(cells.layout, window=window, window_layers=held.layout.layers)
+    first = n - len(held.positions)  # the window's cells hold positions first..n-1
+    own = kv_cells.planes_bytes(held, max(base, n - window) - first, n - first)
+    payload = np.concatenate([np.frombuffer(kv_cells.planes_bytes(cells, base, n), np.uint8),
+                              np.frombuffer(own, np.uint8)])
+    return Cut(payload.data.toreadonly(), encode_layout(layout), n)
 
 
 @dataclass(frozen=True)
@@ -138,7 +158,9 @@ def join(chain: Sequence[LoadedBlob], n_tokens: int, seq_id: int,
         if form == kv_cells.FORM_STATE and meta.base:
             raise StateFormatError(f"piece {i} is a whole state but has a parent")
         size = kv_cells.run_size(layout, form, own)
-        if len(blob.payload) != size and not (layout.tail and len(blob.payload) > size):
+        expected = size + _window_bytes(layout, meta.base, len(meta.tokens))
+        if len(blob.payload) != expected and not (layout.tail and not layout.window
+                                                   and len(blob.payload) > size):
             raise StateFormatError(f"piece {i} holds {len(blob.payload)} bytes, not the "
                                    f"{size} of {own} cells" + (" and a tail" * layout.tail))
         if meta.base >= n_tokens:
@@ -161,11 +183,48 @@ def join(chain: Sequence[LoadedBlob], n_tokens: int, seq_id: int,
     # planar run is its cells' bytes, without the tail that follows them.
     runs = [blob.payload if form == kv_cells.FORM_STATE else blob.payload[:size]
             for blob, form, _, size in used]
+    if layout.window:
+        tail: memoryview | np.ndarray | bytes = _window_tail(layout, used, n_tokens, seq_id)
+    else:
+        tail = _tail(layout, *used[-1]) if layout.tail else b""
     state = kv_cells.build_state(layout, runs, seq_id=seq_id,
                                  forms=[form for _, form, _, _ in used],
                                  takes=[take for _, _, take, _ in used], scratch=scratch,
-                                 tail=_tail(layout, *used[-1]) if layout.tail else b"")
+                                 tail=tail)
     return JoinedState(state, chain[-1].meta.tokens[:n_tokens])
+
+
+def _window_bytes(layout: Layout, base: int, end: int) -> int:
+    """Bytes of the window's cells a piece of cells ``[base, end)`` holds after them."""
+    width = layout.window_layout().cell_width if layout.window else 0
+    return layout.window_cells(base, end) * width
+
+
+def _window_tail(layout: Layout, used: list[tuple[LoadedBlob, str, int, int]], n: int,
+                 seq_id: int) -> memoryview:
+    """The window's cache of a state of ``n`` tokens (the cells of positions
+    ``max(0, n - window) .. n-1``), from the window cells each piece of the chain holds:
+    those of positions it also gives the cells of, from where the window starts."""
+    start = max(0, n - layout.window)
+    runs, skips, takes = [], [], []
+    for blob, _, take, size in used:
+        base, end = blob.meta.base, len(blob.meta.tokens)
+        held_from = end - layout.window_cells(base, end)
+        lo, hi = max(start, base), base + take
+        if hi <= lo:
+            continue  # all of its cells are before the window
+        if lo < held_from:
+            raise StateFormatError(f"the window's cells from {lo} are not in the piece of "
+                                   f"[{base}, {end}), which holds them from {held_from}")
+        runs.append(blob.payload[size:size + _window_bytes(layout, base, end)])
+        skips.append(lo - held_from)
+        takes.append(hi - lo)
+    section = kv_cells.build_state(layout.window_layout(), runs, seq_id=seq_id,
+                                   forms=kv_cells.FORM_PLANES, takes=takes, skips=skips,
+                                   first_pos=start)
+    # llama.cpp's window cache follows the first as a state's body does its header: its
+    # stream count first (the magic and the sequence id are the state's, written once).
+    return section[kv_cells.HEADER.size - kv_cells.U32.size:]
 
 
 def _tail(layout: Layout, piece: LoadedBlob, form: str, _take: int,

@@ -56,6 +56,7 @@ class SaveJob:
     key: bytes  # the key the daemon will give it (computed locally for finish_key)
     as_cells: bool = False  # stored as a run of cells (plain attention, or with a tail)
     tail: bool = False  # cells followed by a part that cannot be cut (see kv_cells)
+    window: int = 0  # that part is a sliding window's cells, of this many positions
     buffer: np.ndarray | None = None  # holds ``state``: back to Saver.buffers when done
     logits: bytes = b""  # the scores of the token after the state's last ("": unknown)
     waypoints: tuple[Waypoint, ...] = ()  # shorter entries first, shortest first
@@ -224,6 +225,12 @@ class Saver:
         # reported and resumed from), also where a longer entry holds all of it.
         shared = min(hit.matched_tokens, n - 1) if hit is not None else 0
         parent = hit.parent_for(shared) if hit is not None else None
+        if job.window and parent is not None and parent.n_tokens > shared:
+            # A window's cells are kept only at the end of each piece: build on a piece
+            # that ends where this one starts (its window holds what this one's needs).
+            ends = [p for p in hit.chain if p.n_tokens <= shared] if hit is not None else []
+            parent = ends[-1] if ends else None
+            shared = parent.n_tokens if parent is not None else 0
         try:
             if parent is not None and shared >= self.min_shared_tokens:
                 try:
@@ -259,7 +266,7 @@ class Saver:
         """Store the cells ``[base, end)`` of the job's state as the entry of its first
         ``end`` tokens."""
         assert self.client is not None
-        piece = pieces.cut(job.state, base, end, tail=job.tail)
+        piece = pieces.cut(job.state, base, end, tail=job.tail, window=job.window)
         if piece.n_cells != end:
             raise StateFormatError(f"{piece.n_cells} cells for {end} tokens")
         return self.client.save(job.identity, job.tokens[:end], piece.payload, reason,

@@ -1,7 +1,8 @@
 """States with a tail: a hybrid model's (lfm2: attention, then the convolution layers'
 state) and a sliding-window model's with full-attention layers (olmo2, window 32: the
 full-attention cache, then the window's). The cells before the tail are cut and joined
-like a plain state's; the tail is the state at the last position and is kept whole.
+like a plain state's; a hybrid model's tail is the state at the last position and is
+kept whole, a window's cells are stored with the piece that holds their positions.
 
 The proof is llama.cpp's own bytes: a checkpoint stored as the cells after its parent's
 and its own tail, joined with its parent, must equal byte for byte the state llama.cpp
@@ -32,6 +33,7 @@ from model_runtime.kv_cells import (
     form_of,
     parse,
     planes_bytes,
+    window_of,
 )
 from model_runtime.llama_backend import ContextParams, LlamaContext, LlamaModel
 from model_runtime.runtime import Runtime
@@ -73,7 +75,9 @@ def tokens_of(ctx: LlamaContext, n: int) -> list[int]:
 def test_a_state_with_a_tail_is_cells_then_a_tail_rebuilt_byte_for_byte(
         ctx: LlamaContext) -> None:
     assert ctx.state_has_tail and not ctx.can_truncate_restored()
-    assert ctx.kv_layout()["state_tail"] == "1"  # its own namespace (see kv_layout)
+    # Its own namespace (see kv_layout): whole states stored before are not built on.
+    assert ctx.kv_layout()["state_tail"] == ("window" if ctx.state_window else "1")
+    assert ctx.state_window == (ctx.model.n_swa if ctx.model.n_swa else 0)
     state = state_after(ctx, 0, tokens_of(ctx, N))
     with pytest.raises(StateFormatError, match="after the KV cache|follow the KV cache"):
         parse(state)  # read as a plain state, the tail is refused, not taken for cells
@@ -100,12 +104,16 @@ def test_a_checkpoint_stores_its_new_cells_and_tail_and_joins_into_llama_cpp_s_b
     tokens = tokens_of(ctx, N + 8)
     shallow = state_after(ctx, 0, tokens[:BASE])
     deep = state_after(ctx, 0, tokens[:N])
-    root = pieces.cut(shallow, 0, tail=True)
-    piece = pieces.cut(deep, BASE, tail=True)
+    window = ctx.state_window
+    root = pieces.cut(shallow, 0, tail=True, window=window)
+    piece = pieces.cut(deep, BASE, tail=True, window=window)
     chain = [blob(tokens[:BASE], root), blob(tokens[:N], piece, base=BASE)]
     cells = parse(deep, tail=True)
-    # What a checkpoint stores: its own cells and its tail, not the parent's cells again.
-    assert len(piece.payload) == (N - BASE) * cells.layout.cell_width + len(cells.tail)
+    # What a checkpoint stores: its own cells and its tail (a window's: the cells of its
+    # last `window` positions), not the parent's cells again.
+    tail = len(cells.tail) if not window else \
+        window * window_of(cells, window).layout.cell_width
+    assert len(piece.payload) == (N - BASE) * cells.layout.cell_width + tail
     assert len(piece.payload) < len(deep)
     joined = pieces.join(chain, N, seq_id=0, n_stream=ctx.state_streams)
     assert joined.state == deep and list(joined.tokens) == tokens[:N]
@@ -125,21 +133,22 @@ def test_a_state_with_a_tail_is_served_only_whole_and_never_joined_with_other_ru
     tokens = tokens_of(ctx, N)
     shallow = state_after(ctx, 0, tokens[:BASE])
     deep = state_after(ctx, 0, tokens)
-    chain = [blob(tokens[:BASE], pieces.cut(shallow, 0, tail=True)),
-             blob(tokens, pieces.cut(deep, BASE, tail=True), base=BASE)]
+    window = ctx.state_window
+    chain = [blob(tokens[:BASE], pieces.cut(shallow, 0, tail=True, window=window)),
+             blob(tokens, pieces.cut(deep, BASE, tail=True, window=window), base=BASE)]
     with pytest.raises(StateFormatError, match="serves all of its 100 tokens, not 70"):
         pieces.join(chain, 70, seq_id=0)
-    with pytest.raises(ValueError, match="holds it at cell 100, not 70"):
-        pieces.cut(deep, BASE, 70, tail=True)
+    with pytest.raises(ValueError, match="holds it at cell 100"):
+        pieces.cut(deep, BASE, 70, tail=True, window=window)
     # Cells without a tail do not carry a chain of states with tails on.
     cells = parse(deep, tail=True)
-    plain = pieces.Cut(planes_bytes(cells, BASE, N),
-                       pieces.encode_layout(replace(cells.layout, tail=False)), N)
+    plain = pieces.Cut(planes_bytes(cells, BASE, N), pieces.encode_layout(replace(
+        cells.layout, tail=False, window=0, window_layers=())), N)
     with pytest.raises(StateFormatError, match="another cell layout"):
         pieces.join([chain[0], blob(tokens, plain, base=BASE)], N, seq_id=0)
     # A piece that lost its tail is refused, not restored with cells read as a tail.
     short = pieces.Cut(memoryview(bytes(chain[1].payload)[:(N - BASE) * 3]),
-                       pieces.encode_layout(parse(deep, tail=True).layout), N)
+                       chain[1].meta.cell_layout, N)
     with pytest.raises(StateFormatError, match="and a tail"):
         pieces.join([chain[0], blob(tokens, short, base=BASE)], N, seq_id=0)
 
@@ -182,3 +191,29 @@ def test_a_next_turn_stores_only_its_new_cells_and_its_tail(
     built = after["saves_built_on_prefix"] - before["saves_built_on_prefix"]
     assert built == len(second.saves) >= 2
     assert stored < saved / 3, (stored, saved)
+
+
+def test_a_window_is_joined_from_the_pieces_that_hold_its_positions(tiny_swa_model: Path) -> None:
+    with LlamaModel(tiny_swa_model) as model, LlamaContext(
+            model, ContextParams(n_ctx=512, n_batch=64, n_seq_max=2, n_threads=1)) as ctx:
+        window = ctx.state_window
+        assert window == 32
+        tokens = tokens_of(ctx, 230)
+        states = {n: state_after(ctx, 0, tokens[:n]) for n in (120, 150, 160, 200, 230)}
+        # Checkpoints of 120, then 150 and 230 built each on the one before: 230's window
+        # (198..229) is all its own, 150's (118..149) takes 118 and 119 from 120's piece.
+        chain = [blob(tokens[:120], pieces.cut(states[120], 0, tail=True, window=window)),
+                 blob(tokens[:150], pieces.cut(states[150], 120, tail=True, window=window),
+                      base=120)]
+        assert pieces.join(chain, 150, seq_id=0).state == states[150]
+        chain.append(blob(tokens[:230], pieces.cut(states[230], 150, tail=True,
+                                                   window=window), base=150))
+        assert pieces.join(chain, 230, seq_id=0).state == states[230]
+        # A piece built on the middle of a longer one would need window cells that one
+        # does not keep (200's holds 168..199, 160's needs 128..159): refused, as the
+        # runtime never builds so (it takes a parent that ends where the piece starts).
+        branch = [blob(tokens[:200], pieces.cut(states[200], 0, tail=True, window=window)),
+                  blob(tokens[:160], pieces.cut(states[160], 150, tail=True, window=window),
+                       base=150)]
+        with pytest.raises(StateFormatError, match="window's cells from 128"):
+            pieces.join(branch, 160, seq_id=0)

@@ -142,25 +142,34 @@ class LlamaContext(Owner):
         # Sequences of a copy across KV streams that llama.cpp has not made yet (see
         # seq_copy): their data must not be read or replaced until the next decode.
         self._copies_pending: set[int] = set()
-        #: Whether a sequence's state is cells followed by a tail (see state_has_tail).
-        self.state_has_tail: bool = not self._plain_kv and self._probe_state_tail()
+        #: Whether a sequence's state is cells followed by a tail (see state_has_tail), and
+        #: the positions of its tail when that is a sliding window's cache (else 0).
+        self.state_has_tail, self.state_window = (
+            (False, 0) if self._plain_kv else self._probe_state_tail())
 
-    def _probe_state_tail(self) -> bool:
+    def _probe_state_tail(self) -> tuple[bool, int]:
         """Whether this context's states are a plain attention cache (cells that can be
         cut) followed by a part that cannot (kv_cells' tail): a hybrid model's recurrent
         state, or the window cache of a sliding-window model with full-attention layers
         (llama.cpp writes ``llama_memory_hybrid``'s and ``llama_kv_cache_iswa``'s states
         so). Seen in a state of two tokens of sequence 0, left empty: a pure recurrent
         model's state does not parse as cells, and one whose window covers every layer
-        writes one cache and no tail."""
+        writes one cache and no tail. A tail that reads as the cache of the window's
+        positions (llama.cpp's sliding window, ``n_swa``) is that window."""
         self.decode([1, 2], [0, 1], [0, 0], [False, True])
         try:
             cells = kv_cells.parse(self.state_seq_get(0), tail=True)
         except kv_cells.StateFormatError:
-            return False
+            return False, 0
         finally:
             self.seq_clear(0)
-        return cells.is_prefix and cells.n_cells == 2 and len(cells.tail) > 0
+        if not (cells.is_prefix and cells.n_cells == 2 and len(cells.tail) > 0):
+            return False, 0
+        try:
+            kv_cells.window_of(cells, self.model.n_swa)
+        except kv_cells.StateFormatError:
+            return True, 0
+        return True, self.model.n_swa
 
     def _alloc_batch(self, n: int) -> None:
         """A llama_batch whose arrays are numpy buffers owned by this object.
@@ -466,7 +475,8 @@ class LlamaContext(Owner):
             "is_recurrent": str(m.is_recurrent).lower(),
             # States with a tail are stored as pieces since this key: none of them builds
             # on a whole state stored before it (a whole state cannot start a chain).
-            **({"state_tail": "1"} if self.state_has_tail else {}),
+            **({"state_tail": "window" if self.state_window else "1"}
+               if self.state_has_tail else {}),
             "state_streams": "1"
             if (self._plain_kv or self._n_stream == 1)
             else f"split:{self._n_stream}",
