@@ -8,7 +8,7 @@ tools go and how a call is written back), not their full text.
 
 from __future__ import annotations
 
-from make_tiny_gguf import CHATML_TEMPLATE, HERMES_TEMPLATE, THINK_TEMPLATE
+from harness.make_tiny_gguf import CHATML_TEMPLATE, HERMES_TEMPLATE, THINK_TEMPLATE
 
 from model_runtime.chat.formats import ChatFormat, detect_format
 from model_runtime.chat.templates import ChatTemplate

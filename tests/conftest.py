@@ -5,7 +5,7 @@ from pathlib import Path
 
 import leftovers
 import pytest
-from procs import Daemon
+from harness.procs import Daemon
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -116,7 +116,7 @@ def tiny_model_no_eog(tmp_path_factory: pytest.TempPathFactory) -> Path:
     still running (sticky_busy, shutdown mid-decode).
     """
     import gguf
-    from make_tiny_gguf import write_tiny_llama_gguf
+    from harness.make_tiny_gguf import write_tiny_llama_gguf
 
     path = write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny_no_eog") / "tiny-no-eog.gguf")
     reader = gguf.GGUFReader(path, "r+")

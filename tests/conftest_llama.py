@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
-from make_tiny_gguf import (
+from harness.make_tiny_gguf import (
     write_tiny_hybrid_gguf,
     write_tiny_llama_gguf,
     write_tiny_recurrent_gguf,

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from procs import Daemon as DaemonProcess
+from harness.procs import Daemon as DaemonProcess
 
 __all__ = ["DaemonProcess", "wait_for"]
 

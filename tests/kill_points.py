@@ -40,8 +40,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import payloads
-from procs import pythonpath_env
+from harness import payloads
+from harness.procs import pythonpath_env
 
 from kvcache import keys, ramtier
 from kvcache.client import Identity

@@ -18,10 +18,10 @@ import subprocess
 import time
 from collections.abc import Iterator
 
-import procs
 import pytest
 import redis
 import trustme
+from harness import procs
 
 SETUP_HINT = "redis-server is not installed: run `bash tools/setup.sh` (it installs " \
              "Debian's redis-server and redis-tools)"

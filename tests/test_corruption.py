@@ -64,7 +64,7 @@ import msgpack
 import pytest
 from conftest_llama import make_tiny_model, sample_prompt
 from daemon_proc import DaemonProcess, wait_for
-from payloads import payload_for
+from harness.payloads import payload_for
 from test_daemon import blob_file
 
 from kvcache import blob as blobfmt

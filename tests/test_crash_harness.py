@@ -23,7 +23,7 @@ import grpc
 import pytest
 from crash_harness import CAMPAIGN_KILLS, CAMPAIGN_SECONDS, Settings, run
 from daemon_proc import DaemonProcess, wait_for
-from procs import pythonpath_env
+from harness.procs import pythonpath_env
 from test_daemon_crash import BLOCK, IDENT, counters, leftovers, payload_for, toks
 
 from kvcache import keys

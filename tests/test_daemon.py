@@ -21,8 +21,8 @@ import pytest
 from daemon_proc import DaemonProcess, wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from payloads import blob_bytes, payload_for
-from procs import pythonpath_env
+from harness.payloads import blob_bytes, payload_for
+from harness.procs import pythonpath_env
 from test_auth import tcp_address
 
 from kvcache import blob as blobfmt

@@ -11,10 +11,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
-import payloads
 import pytest
 from daemon_proc import DaemonProcess, wait_for
-from payloads import blob_bytes
+from harness import payloads
+from harness.payloads import blob_bytes
 from test_daemon import blob_file, counters, toks
 
 from kvcache import keys

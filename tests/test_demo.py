@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from procs import REPO, pythonpath_env
+from harness.procs import REPO, pythonpath_env
 
 
 def test_the_demo_is_warm_after_a_restart_and_leaves_nothing_behind(

@@ -18,8 +18,8 @@ from urllib.parse import urlsplit
 import anthropic
 import pytest
 from daemon_proc import DaemonProcess, wait_for
-from make_tiny_gguf import HERMES_TEMPLATE, THINK_TEMPLATE
-from system_prompt import build_system_prompt
+from harness.make_tiny_gguf import HERMES_TEMPLATE, THINK_TEMPLATE
+from harness.system_prompt import build_system_prompt
 from test_daemon import IDENT, payload_for, toks
 from test_gateway_support import GatewayProcess, kill_leftovers, wait_gone
 

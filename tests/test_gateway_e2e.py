@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from daemon_proc import DaemonProcess
-from system_prompt import build_system_prompt
+from harness.system_prompt import build_system_prompt
 from test_gateway_support import GatewayProcess, chat, kill_leftovers
 
 from model_runtime.client import RuntimeClient

@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from make_tiny_gguf import CHATML_TEMPLATE
+from harness.make_tiny_gguf import CHATML_TEMPLATE
 
 from model_runtime.chat.formats import detect_format
 from model_runtime.chat.templates import ChatTemplate

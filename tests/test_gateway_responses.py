@@ -18,7 +18,7 @@ from typing import Any, Literal
 import openai
 import pytest
 from daemon_proc import DaemonProcess
-from make_tiny_gguf import THINK_TEMPLATE
+from harness.make_tiny_gguf import THINK_TEMPLATE
 from pydantic import BaseModel
 from test_gateway_support import GatewayProcess, kill_leftovers, wait_gone
 

@@ -9,7 +9,7 @@ import signal
 import time
 from pathlib import Path
 
-from procs import Gateway as GatewayProcess
+from harness.procs import Gateway as GatewayProcess
 
 __all__ = ["SYSTEM", "GatewayProcess", "chat", "kill_leftovers", "process_gone", "wait_gone"]
 

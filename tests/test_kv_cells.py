@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest_llama import generate_greedy, prefill, sample_prompt
-from make_tiny_gguf import write_tiny_llama_gguf
+from harness.make_tiny_gguf import write_tiny_llama_gguf
 
 from model_runtime.kv_cells import (
     FORM_CELLS,

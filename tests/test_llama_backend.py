@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest_llama import generate_greedy, prefill, sample_prompt
-from make_tiny_gguf import write_tiny_llama_gguf
+from harness.make_tiny_gguf import write_tiny_llama_gguf
 
 from model_runtime.chat.templates import ChatTemplate
 from model_runtime.llama_backend import (
@@ -447,7 +447,7 @@ def test_hybrid_and_recurrent_models_are_detected_and_never_cut(
 
 
 def test_the_generator_writes_each_kind_from_the_command_line(tmp_path: Path) -> None:
-    from make_tiny_gguf import ARCHS, main
+    from harness.make_tiny_gguf import ARCHS, main
 
     for arch in ARCHS:
         out = tmp_path / f"{arch}.gguf"

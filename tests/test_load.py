@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import payloads
 import pytest
 from daemon_proc import DaemonProcess, wait_for
+from harness import payloads
 from test_daemon import blob_file
 
 from kvcache import keys

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from daemon_proc import DaemonProcess, wait_for
-from procs import Gateway as GatewayProcess
+from harness.procs import Gateway as GatewayProcess
 from test_daemon import IDENT, payload_for, toks
 
 from kvcache.cli import main as kvcache_main

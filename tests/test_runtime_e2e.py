@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from daemon_proc import DaemonProcess
-from system_prompt import USER_MESSAGES, build_system_prompt
+from harness.system_prompt import USER_MESSAGES, build_system_prompt
 
 from model_runtime.config import RuntimeConfig
 from model_runtime.runtime import Runtime, default_model_path

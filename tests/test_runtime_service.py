@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
-from procs import Proc
+from harness.procs import Proc
 
 from kvcache.client import CacheError
 from model_runtime.client import RuntimeClient

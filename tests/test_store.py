@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import lmdb
-import payloads
 import pytest
 from daemon_proc import wait_for
-from payloads import payload_for
+from harness import payloads
+from harness.payloads import payload_for
 
 from kvcache import blob as blobfmt
 from kvcache import keys

@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 import pytest
 from daemon_proc import DaemonProcess, wait_for
-from payloads import blob_bytes
+from harness.payloads import blob_bytes
 from test_daemon import toks
 
 from kvcache import keys

@@ -88,9 +88,9 @@ from typing import Any
 
 import llama_cpp
 import numpy as np
+from harness.procs import Daemon, short_workdir
+from harness.system_prompt import USER_MESSAGES, build_system_prompt
 from llama_server_arm import DEFAULT_BINARY, LlamaServer
-from procs import Daemon, short_workdir
-from system_prompt import USER_MESSAGES, build_system_prompt
 
 from kvcache.client import CacheClient
 from kvcache.v1 import kvcache_pb2 as pb

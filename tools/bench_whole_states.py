@@ -30,8 +30,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from make_tiny_gguf import ARCHS
-from procs import Daemon, short_workdir
+from harness.make_tiny_gguf import ARCHS
+from harness.procs import Daemon, short_workdir
 
 from model_runtime.config import RuntimeConfig
 from model_runtime.runtime import Runtime

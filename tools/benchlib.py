@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import procs
+from harness import procs
 
 from kvcache.index import dir_fsync
 

@@ -66,8 +66,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from payloads import payload_for
-from procs import Daemon
+from harness.payloads import payload_for
+from harness.procs import Daemon
 
 from kvcache import blob as blobfmt
 from kvcache import keys

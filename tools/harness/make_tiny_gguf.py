@@ -22,7 +22,7 @@ float rounding (restored vs. cold prefill must give the same greedy tokens).
 
 Importing from tests: ``tools/`` is on pytest's ``pythonpath`` (pyproject.toml)::
 
-    from make_tiny_gguf import write_tiny_llama_gguf
+    from harness.make_tiny_gguf import write_tiny_llama_gguf
 
 :func:`write_tiny_swa_gguf` writes the same thing as a sliding-window model (architecture
 ``olmo2`` with ``attention.sliding_window``), for tests of the SWA restore trap.
@@ -32,8 +32,9 @@ layers) and :func:`write_tiny_recurrent_gguf` a purely recurrent one (``mamba2``
 tensor names, shapes and hyperparameters of the vendored llama.cpp's model definitions
 (``src/models/lfm2.cpp``, ``src/models/mamba2.cpp``). Their states cannot be cut.
 
-CLI: ``python tools/make_tiny_gguf.py OUT.gguf [--arch plain|swa|hybrid|recurrent]
-[--seed N] [--no-chat-template] [--chat-template chatml|hermes|think] [--sliding-window W]``.
+CLI (``tools/make_tiny_gguf.py`` calls :func:`main`): ``python tools/make_tiny_gguf.py
+OUT.gguf [--arch plain|swa|hybrid|recurrent] [--seed N] [--no-chat-template]
+[--chat-template chatml|hermes|think] [--sliding-window W]``.
 The ``hermes`` and ``think`` templates (tools in the Hermes style of Qwen 2.5; with
 ``<think>`` reasoning as Qwen 3) add their tags to the vocabulary as user-defined tokens;
 they are for the plain model.

@@ -38,7 +38,7 @@ from kvcache.v1 import kvcache_pb2 as pb
 from kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from model_runtime.client import RuntimeClient
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LOG_TAIL = 3000  # characters of a log quoted in an error
 GATEWAY_LISTENING = re.compile(r"gateway listening on (https?://[^\s;]+)")
 P = TypeVar("P", bound="Proc")
