@@ -61,9 +61,10 @@ def dies_with_parent(argv: list[str], signal_name: str = "TERM") -> list[str]:
 
 
 def pythonpath_env() -> dict[str, str]:
-    """This environment with tests/ and tools/ on PYTHONPATH, for a ``python -c`` child
-    that imports the helpers pytest's ``pythonpath`` gives the test process."""
-    paths = [str(REPO / "tests"), str(REPO / "tools"), os.environ.get("PYTHONPATH", "")]
+    """This environment with the repository and tools/ on PYTHONPATH, for a ``python -c``
+    child that imports what pytest's ``pythonpath`` gives the test process (``tests.support``,
+    ``harness``)."""
+    paths = [str(REPO), str(REPO / "tools"), os.environ.get("PYTHONPATH", "")]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
 
 
@@ -277,7 +278,7 @@ class Daemon(Proc):
 
 class Gateway(Proc):
     """``model-runtime gateway`` on a free loopback port, its worker sockets in a short
-    private folder (``rtg*`` in /tmp, which tests/leftovers.py watches). ``start`` waits
+    private folder (``rtg*`` in /tmp, which tests/support/leftovers.py watches). ``start`` waits
     until it has logged its URL and, with ``workers_ready``, all its workers are ready.
     ``admin_key``: an operator's key of its key file, for /status."""
 
@@ -372,7 +373,7 @@ class Gateway(Proc):
 class RedisServer(Proc):
     """One ``redis-server`` on a 127.0.0.1 port (a free one unless given), persisting
     nothing, in a temp dir that ``close`` removes (``stop`` keeps it for a restart on the
-    same port). Benchmarks use it as is; tests/redis_proc.py adds clusters, passwords and
+    same port). Benchmarks use it as is; tests/support/redis_proc.py adds clusters, passwords and
     faults on top."""
 
     start_timeout = 10.0

@@ -1,0 +1,87 @@
+"""Which package may import which: the rule of the module map, held by the code itself.
+
+* The daemon's package (``kvcache``) never depends on the model runtime: importing every
+  one of its modules loads no ``model_runtime`` module, and no module of it names one,
+  not even in an import inside a function (commands that need a model are
+  ``model-runtime``'s).
+* ``kvcache.common``, the names and gRPC helpers both packages share, is a leaf: it
+  imports nothing else of the project.
+* The runtime reaches the daemon through its client and that leaf, never through the
+  daemon's server, store, index or shared tier.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PROJECT = ("kvcache", "model_runtime")
+LEAF = "kvcache.common"
+DAEMON_INTERNALS = ("kvcache.server", "kvcache.store", "kvcache.index", "kvcache.remote")
+
+
+def loaded_after(code: str) -> list[str]:
+    """The project's modules a clean interpreter holds after running ``code``."""
+    report = (f"{code}\nimport json, sys\n"
+              f"print(json.dumps(sorted(m for m in sys.modules "
+              f"if m.split('.')[0] in {PROJECT!r})))")
+    result = subprocess.run([sys.executable, "-c", report], cwd=REPO, capture_output=True,
+                            text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def imported_names(path: Path) -> set[str]:
+    """Every module ``path`` imports, anywhere in it (relative imports made absolute)."""
+    here = list(path.relative_to(REPO).parts[:-1])  # its package
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = here[: len(here) - node.level + 1] if node.level else []
+            target = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            names.add(target)
+            # `from . import keys`: the name may be a module of that package.
+            names.update(f"{target}.{alias.name}" for alias in node.names)
+    return names
+
+
+def sources(package: str) -> list[Path]:
+    return sorted(p for p in (REPO / package).rglob("*.py") if "v1" not in p.parts)
+
+
+def test_importing_every_module_of_kvcache_loads_nothing_of_the_runtime() -> None:
+    loaded = loaded_after(
+        "import pkgutil, importlib, kvcache\n"
+        "for m in pkgutil.walk_packages(kvcache.__path__, 'kvcache.'):\n"
+        "    importlib.import_module(m.name)")
+    assert "kvcache.cli" in loaded and "kvcache.server" in loaded, loaded  # the walk ran
+    assert [m for m in loaded if m.split(".")[0] == "model_runtime"] == []
+
+
+def test_no_module_of_kvcache_names_the_runtime_even_inside_a_function() -> None:
+    found = {str(path.relative_to(REPO)): sorted(n for n in imported_names(path)
+                                                 if n.split(".")[0] == "model_runtime")
+             for path in sources("kvcache")}
+    assert len(found) > 30, "the scan found almost nothing: is it broken?"
+    assert {path: names for path, names in found.items() if names} == {}
+
+
+def test_the_shared_module_is_a_leaf() -> None:
+    assert loaded_after(f"import {LEAF}") == ["kvcache", LEAF]
+    path = REPO / Path(*LEAF.split(".")).with_suffix(".py")
+    project = {n for n in imported_names(path) if n.split(".")[0] in PROJECT}
+    assert project == set(), "kvcache.common must import nothing of the project"
+
+
+def test_the_runtime_uses_no_daemon_internals() -> None:
+    found = {str(path.relative_to(REPO)): sorted(
+        n for n in imported_names(path)
+        if any(n == m or n.startswith(f"{m}.") for m in DAEMON_INTERNALS))
+        for path in sources("model_runtime")}
+    assert {path: names for path, names in found.items() if names} == {}
