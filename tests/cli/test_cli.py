@@ -12,16 +12,14 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from harness.payloads import payload_for
 
 from kvcache import blob as blobfmt
 from kvcache.cli import main as kvcache_main
@@ -31,62 +29,20 @@ from kvcache.counters import COUNTERS
 from kvcache.v1 import kvcache_pb2 as pb
 from model_runtime.identity import hash_file
 from model_runtime.llama_backend import LlamaModel
-from tests.daemon.test_auth import tcp_address, write_token
-from tests.daemon.test_daemon import (
+from tests.support.commands import OTHER, RUNTIME, cli, cli_json, cli_many, ok
+from tests.support.daemon_proc import tcp_address, wait_for, write_token
+from tests.support.entries import (
     BLOCK,
     IDENT,
     DaemonFactory,
     blob_file,
     flip_payload,
-    payload_for,
     save_raw,
     toks,
 )
-from tests.support.daemon_proc import wait_for
 
-# Wide enough that rich never shortens a 32-digit key in a table.
-ENV = {**os.environ, "COLUMNS": "250"}
-OTHER = Identity("fp-other-model", {"type_k": "f16"}, model_name="other.gguf")
 TENANT = Identity(IDENT.model_fingerprint, IDENT.kv_layout, tenant="t1",
                   model_name=IDENT.model_name)
-
-
-RUNTIME = "model-runtime"  # a command starting with this word is model-runtime's
-
-
-def command_line(args: Sequence[str]) -> list[str]:
-    """``("stats", ...)``: a kvcache command; ``("model-runtime", "warm", ...)``: that one."""
-    if args[0] == RUNTIME:
-        return [sys.executable, "-m", "model_runtime.cli", *args[1:]]
-    return [sys.executable, "-m", "kvcache.cli", *args]
-
-
-def cli_many(*commands: Sequence[str], timeout: float = 120) -> list[subprocess.CompletedProcess[str]]:
-    """Run commands side by side; results in order. Their stdin is not a terminal, as in
-    a script: destructive commands do not ask first."""
-    procs = [subprocess.Popen(command_line(args), env=ENV, text=True,
-                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE)
-             for args in commands]
-    results = []
-    for args, p in zip(commands, procs, strict=True):
-        out, err = p.communicate(timeout=timeout)
-        results.append(subprocess.CompletedProcess(list(args), p.returncode, out, err))
-    return results
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return cli_many(args)[0]
-
-
-def ok(result: subprocess.CompletedProcess[str]) -> str:
-    assert result.returncode == 0, f"{' '.join(command_line(result.args))} failed " \
-        f"({result.returncode}):\n{result.stdout}{result.stderr}"
-    return result.stdout
-
-
-def cli_json(*args: str) -> Any:
-    return json.loads(ok(cli(*args, "--json")))
 
 
 def keys_of(rows: list[dict[str, Any]]) -> list[str]:

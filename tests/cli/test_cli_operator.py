@@ -15,22 +15,16 @@ defaults are the configs' own.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
 import os
-import pty
 import re
-import select
-import struct
 import subprocess
-import sys
-import termios
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+from harness.payloads import payload_for
 
 from kvcache import keys
 from kvcache.cli.render import human_bytes
@@ -40,23 +34,14 @@ from kvcache.remote.config import RemoteConfig
 from kvcache.store import StoreConfig
 from model_runtime.chat.templates import ChatTemplate
 from model_runtime.identity import hash_file
-from tests.daemon.test_daemon import (
-    BLOCK,
-    IDENT,
-    DaemonFactory,
-    blob_file,
-    flip_payload,
-    payload_for,
-    toks,
-)
+from tests.support.commands import OTHER, RUNTIME, command_line, ok, on_terminal
 from tests.support.daemon_proc import DaemonProcess, wait_for
+from tests.support.entries import BLOCK, IDENT, DaemonFactory, blob_file, flip_payload, toks
 
 BOB = Identity(IDENT.model_fingerprint, IDENT.kv_layout, tenant="bob",
                model_name=IDENT.model_name)
 ALICE = Identity(IDENT.model_fingerprint, IDENT.kv_layout, tenant="alice",
                  model_name=IDENT.model_name)
-OTHER = Identity("fp-other-model", {"type_k": "f16"}, model_name="other.gguf")
-ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\r")
 TRACEBACK = "Traceback"
 
 
@@ -67,16 +52,6 @@ def env(tmp_path: Path) -> dict[str, str]:
     base = {k: v for k, v in os.environ.items()
             if k not in ("COLUMNS", "LINES", "GRPC_VERBOSITY", "GRPC_TRACE")}
     return {**base, "XDG_CACHE_HOME": str(tmp_path / "xdg-cache")}
-
-
-RUNTIME = "model-runtime"  # a command starting with this word is model-runtime's
-
-
-def command_line(args: Sequence[str]) -> list[str]:
-    """``("stats", ...)``: a kvcache command; ``("model-runtime", "warm", ...)``: that one."""
-    if args[0] == RUNTIME:
-        return [sys.executable, "-m", "model_runtime.cli", *args[1:]]
-    return [sys.executable, "-m", "kvcache.cli", *args]
 
 
 def cli_many(env: dict[str, str], *commands: Sequence[str], timeout: float = 120
@@ -103,12 +78,6 @@ def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return cli_many(env, args)[0]
 
 
-def ok(result: subprocess.CompletedProcess[str]) -> str:
-    assert result.returncode == 0, f"{' '.join(command_line(result.args))} failed " \
-        f"({result.returncode}):\n{result.stdout}{result.stderr}"
-    return result.stdout
-
-
 def cli_json(env: dict[str, str], *args: str) -> Any:
     return json.loads(ok(cli(env, *args, "--json")))
 
@@ -122,49 +91,6 @@ def refused(result: subprocess.CompletedProcess[str], code: int, *words: str) ->
     for word in words:
         assert word in errors[0], (word, result.stderr)
     return errors[0]
-
-
-def on_terminal(env: dict[str, str], *args: str, columns: int = 80,
-                answer: str | None = None, before_answer: Callable[[], None] | None = None,
-                timeout: float = 60.0) -> tuple[int, str]:
-    """Run a command with stdin, stdout and stderr on a pseudo-terminal ``columns`` wide.
-    When it asks (``[y/N]``), run ``before_answer`` and type ``answer``. Returns the exit
-    code and everything the terminal showed (escape codes removed)."""
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-m", "kvcache.cli", *args], stdin=slave,
-                            stdout=slave, stderr=slave, env={**env, "TERM": "xterm"},
-                            start_new_session=True)
-    os.close(slave)
-    shown = b""
-    answered = False
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([master], [], [], 0.2)
-            if not ready:
-                if proc.poll() is not None:
-                    break
-                continue
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:  # EIO: the command exited and closed the terminal
-                break
-            if not chunk:
-                break
-            shown += chunk
-            if not answered and b"[y/N]" in shown:
-                answered = True
-                if before_answer is not None:
-                    before_answer()
-                os.write(master, (answer or "n").encode() + b"\n")
-        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        os.close(master)
-    return code, ANSI.sub("", shown.decode(errors="replace"))
 
 
 def keys_in(rows: list[dict[str, Any]]) -> set[str]:

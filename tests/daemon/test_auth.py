@@ -8,12 +8,10 @@ unless it was started with --insecure-tcp.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -22,27 +20,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvcache.auth import AuthConfigError, ClientAuth, ServerAuth, read_token
 from kvcache.client import CacheClient, CacheError, CacheUnavailable, Identity
-from tests.support.daemon_proc import DaemonProcess, wait_for
+from tests.support.daemon_proc import (
+    TOKEN,
+    tcp_address,
+    wait_for,
+    write_token,
+)
+from tests.support.entries import DaemonFactory
 
-DaemonFactory = Callable[..., DaemonProcess]
 IDENT = Identity("fp-auth", {"type_k": "f16"}, model_name="m")
-TOKEN = "3f9c2a7e5b1d4c8a9e0f6b2d7a1c5e3b"
-TCP_IN_LOG = re.compile(r"listening on unix:\S+ and (127\.0\.0\.1:\d+)")
-
-
-def write_token(path: Path, token: str = TOKEN, mode: int = 0o600) -> Path:
-    path.write_text(token + "\n")
-    os.chmod(path, mode)
-    return path
-
-
-def tcp_address(d: DaemonProcess | Any) -> str:
-    """The TCP address a daemon or runtime process logged (it may log it just after it
-    starts answering health checks)."""
-    wait_for(lambda: TCP_IN_LOG.search(d.log()) is not None, "the TCP address in the log")
-    match = TCP_IN_LOG.search(d.log())
-    assert match is not None
-    return match.group(1)
 
 
 def round_trip(client: CacheClient, n: int) -> None:
@@ -281,7 +267,7 @@ def test_runtime_tcp_port_and_cache_connection_use_tokens(
         daemon_factory: DaemonFactory, tiny_model: Path, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     from model_runtime.client import RuntimeClient
-    from tests.runtime.test_runtime_service import RuntimeProcess
+    from tests.support.runtime_proc import RuntimeProcess
 
     cache_token = write_token(tmp_path / "cache-token")
     runtime_token = write_token(tmp_path / "runtime-token", "r" * 32)

@@ -9,7 +9,6 @@ zero, except the few listed in ``*_EXCLUDED`` with the reason they cannot move.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import random
 import re
@@ -24,6 +23,8 @@ from typing import Any
 
 import grpc
 import pytest
+from harness.payloads import blob_bytes, payload_for
+from harness.procs import REPO
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcache import blob as blobfmt
@@ -38,23 +39,15 @@ from model_runtime.request import Completion, RequestError, TokenEvent
 from model_runtime.runtime import Runtime
 from model_runtime.service import RuntimeService
 from model_runtime.v1 import runtime_pb2 as runtime_pb
-from tests.daemon.test_daemon import IDENT as RESERVE_IDENT  # the identity reserve() saves under
-from tests.daemon.test_daemon import (
-    blob_bytes,
-    blob_file,
-    flip_payload,
-    payload_for,
-    ram_file,
-    reserve,
-    toks,
-)
-from tests.daemon.test_daemon import write as write_chunk
-from tests.daemon.test_metrics import scrape
-from tests.runtime.test_runtime_service import RuntimeProcess
+from tests.support.counter_uses import counter_uses
 from tests.support.daemon_proc import DaemonProcess, wait_for
+from tests.support.entries import BLOCK, blob_file, flip_payload, ram_file, reserve, toks
+from tests.support.entries import IDENT as RESERVE_IDENT  # the identity reserve() saves under
+from tests.support.entries import write as write_chunk
+from tests.support.metrics import scrape
+from tests.support.runtime_calls import flush
+from tests.support.runtime_proc import RuntimeProcess
 from tests.support.tiny_llama import saves_held
-
-REPO = Path(__file__).resolve().parents[2]
 
 # Declared counters the tests below cannot move, each with why. Anything not listed
 # here must be above zero after the traffic.
@@ -76,80 +69,6 @@ RUNTIME_EXCLUDED: dict[str, str] = {
 
 
 # --------------------------------------------------------------------------- declarations
-
-
-def _strings(node: ast.AST) -> Iterator[ast.Constant | ast.JoinedStr]:
-    """String literals and f-strings in an expression (not the pieces of an f-string)."""
-    if isinstance(node, ast.JoinedStr) or (isinstance(node, ast.Constant)
-                                           and isinstance(node.value, str)):
-        yield node  # type: ignore[misc]
-        return
-    for child in ast.iter_child_nodes(node):
-        yield from _strings(child)
-
-
-def _pattern(node: ast.JoinedStr) -> str:
-    """An f-string as a regex over counter names: each ``{...}`` is a name part."""
-    return "".join(re.escape(part.value) if isinstance(part, ast.Constant) else "[a-z_]+"
-                   for part in node.values)
-
-
-def _callee(call: ast.Call) -> str:
-    func = call.func
-    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-
-
-def counter_uses(files: list[Path]) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
-    """Counter names used in ``files``: literal names and f-string patterns (as regexes),
-    each with where it is used. Found in ``counters[...]`` subscripts, ``self.count(...)``
-    and ``self._count(...)`` calls, and arguments to (and defaults of) any function's
-    ``counter`` parameter (e.g. ``_remove_entry(record, "evictions_disk")``)."""
-    trees = {f: ast.parse(f.read_text(), str(f)) for f in files}
-    helpers: dict[str, int] = {}  # function name -> position of its `counter` argument
-    found: list[tuple[ast.AST, Path]] = []
-    for f, tree in trees.items():
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef):
-                a = node.args
-                params = [p.arg for p in a.posonlyargs + a.args]
-                if "counter" in params:
-                    helpers[node.name] = params.index("counter") - (params[:1] == ["self"])
-                    default_at = params.index("counter") - (len(params) - len(a.defaults))
-                    if default_at >= 0:
-                        found.append((a.defaults[default_at], f))
-                for p, default in zip(a.kwonlyargs, a.kw_defaults, strict=True):
-                    if p.arg == "counter" and default is not None:
-                        found.append((default, f))
-                        helpers.setdefault(node.name, -1)
-    for f, tree in trees.items():
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Subscript):
-                target = node.value
-                name = target.attr if isinstance(target, ast.Attribute) else \
-                    getattr(target, "id", "")
-                if name == "counters":
-                    found.append((node.slice, f))
-            elif isinstance(node, ast.Call):
-                callee = _callee(node)
-                is_self = isinstance(node.func, ast.Attribute) and \
-                    isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
-                if callee in ("count", "_count") and is_self and node.args:
-                    found.append((node.args[0], f))
-                elif callee in helpers:
-                    at = helpers[callee]
-                    if 0 <= at < len(node.args):
-                        found.append((node.args[at], f))
-                    found.extend((k.value, f) for k in node.keywords if k.arg == "counter")
-    literals: dict[str, list[str]] = {}
-    patterns: dict[str, list[str]] = {}
-    for expr, f in found:
-        for s in _strings(expr):
-            where = f"{f.relative_to(REPO)}:{s.lineno}"
-            if isinstance(s, ast.JoinedStr):
-                patterns.setdefault(_pattern(s), []).append(where)
-            else:
-                literals.setdefault(s.value, []).append(where)
-    return literals, patterns
 
 
 @pytest.mark.parametrize("package, declared", [
@@ -224,7 +143,6 @@ def assert_all_moved(values: dict[str, float], declared: dict[str, str],
 
 # --------------------------------------------------------------------------- daemon
 
-BLOCK = 16
 IDENT = Identity("fp-counters", {"type_k": "f16"}, model_name="counters.gguf")
 # A tenant with quotas (see the daemon's arguments): room for two small entries on disk,
 # for one in RAM.
@@ -450,17 +368,12 @@ CONFIG = RuntimeConfig(n_ctx=8192, n_batch=512, n_seq_max=2, n_threads=1, prefil
                        save_block=32, trim=8, min_save_tokens=8, continued_interval=0,
                        shutdown_deadline_s=10.0, in_flight_wait_ms=100,
                        reuse_live=False)  # these tests follow the daemon path
-FLUSH_S = 30.0
 
 
 def tokens(seed: int, n: int) -> list[int]:
     """A prompt of its own: ordinary vocabulary ids (the tiny model has ~400)."""
     rng = random.Random(seed)
     return [rng.randrange(10, 300) for _ in range(n)]
-
-
-def flush(rt: Runtime) -> None:
-    assert rt.engine.saver.flush(FLUSH_S), "saves did not reach the daemon"
 
 
 def first_event(stream: object) -> None:

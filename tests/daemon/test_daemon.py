@@ -28,31 +28,27 @@ from kvcache import keys
 from kvcache.client import CacheClient, CacheError, CorruptBlob, Identity
 from kvcache.v1 import kvcache_pb2 as pb
 from kvcache.v1 import kvcache_pb2_grpc as pb_grpc
-from tests.daemon.test_auth import tcp_address
-from tests.support.daemon_proc import DaemonProcess, wait_for
-
-BLOCK = 16
-IDENT = Identity("fp-test", {"type_k": "f16"}, model_name="tiny.gguf")
-PATHS = ["fast", "stream"]  # same-host file path, and gRPC streaming
-
-DaemonFactory = Callable[..., DaemonProcess]
-
+from tests.support.daemon_proc import DaemonProcess, tcp_address, wait_for
+from tests.support.entries import (
+    BLOCK,
+    IDENT,
+    PATHS,
+    DaemonFactory,
+    blob_file,
+    counters,
+    flip_payload,
+    ram_file,
+    reserve,
+    save_raw,
+    toks,
+    write,
+)
 
 # -- helpers --------------------------------------------------------------------------------
 
 
-def toks(seed: int, n: int) -> list[int]:
-    """A token list of its own for each test (so a shared daemon never mixes them)."""
-    rng = random.Random(seed)
-    return [rng.randrange(1, 60_000) for _ in range(n)]
-
-
 def client_for(d: DaemonProcess, path: str) -> CacheClient:
     return d.client(fast_path=(path == "fast"))
-
-
-def counters(client: CacheClient) -> dict[str, int]:
-    return dict(client.stats().counters)
 
 
 def wait_counter(client: CacheClient, name: str, at_least: int, timeout: float = 15.0) -> None:
@@ -80,35 +76,8 @@ def assert_serving(d: DaemonProcess) -> None:
         assert bytes(c.load(saved.key).payload) == payload
 
 
-def reserve(client: CacheClient, tokens: list[int], size: int, reason: str = "cold",
-            identity: Identity = IDENT) -> pb.ReserveResponse:
-    return client.stub.Reserve(pb.ReserveRequest(identity=identity.message(), tokens=tokens,
-                                                 size=size, reason=reason), timeout=10)
-
-
-def write(client: CacheClient, lease: str, data: bytes, offset: int = 0) -> pb.WriteResponse:
-    return client.stub.Write(iter([pb.WriteChunk(lease_id=lease, offset=offset, data=data)]),
-                             timeout=10)
-
-
 def tmp_files(d: DaemonProcess) -> list[str]:
     return sorted(os.listdir(d.data_dir / "tmp"))
-
-
-def blob_file(d: DaemonProcess, key: bytes) -> Path:
-    return d.data_dir / "blobs" / key.hex()[:2] / f"{key.hex()}.kvc"
-
-
-def ram_file(d: DaemonProcess, key: bytes) -> Path:
-    return d.ram_dir / f"{key.hex()}.kvc"
-
-
-def flip_payload(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    header = blobfmt.parse_header(data)
-    mid = header.payload_offset + header.payload_len // 2
-    data[mid : mid + 8] = bytes(b ^ 0x5A for b in data[mid : mid + 8])
-    path.write_bytes(bytes(data))
 
 
 @pytest.fixture(scope="module")
@@ -425,7 +394,8 @@ WRITER_SCRIPT = """
 import time
 from kvcache.client import CacheClient, Identity
 from kvcache.v1 import kvcache_pb2 as pb
-from tests.daemon.test_daemon import IDENT, blob_bytes, payload_for, reserve
+from harness.payloads import blob_bytes, payload_for
+from tests.support.entries import IDENT, reserve
 tokens = {tokens!r}
 data = blob_bytes(IDENT, tokens, payload_for(tokens, 100_000))
 c = CacheClient({address!r}, fast_path=False)
@@ -755,15 +725,6 @@ def test_bad_chunks_get_their_statuses(block_daemon: DaemonProcess) -> None:
 
 
 # -- administration -------------------------------------------------------------------------
-
-
-def save_raw(c: CacheClient, identity: Identity, tokens: list[int], payload: bytes,
-             reason: str, created: float) -> bytes:
-    """Save through the raw protocol with a chosen creation time (for age filters)."""
-    data = blob_bytes(identity, tokens, payload, reason, created=created)
-    res = reserve(c, tokens, len(data), reason, identity)
-    write(c, res.lease_id, data)
-    return c.stub.Commit(pb.CommitRequest(lease_id=res.lease_id), timeout=10).key
 
 
 def test_admin_through_the_client(daemon_factory: DaemonFactory) -> None:

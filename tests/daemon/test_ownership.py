@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from harness.payloads import payload_for
+from harness.procs import REPO
 from harness.procs import Gateway as GatewayProcess
 
 from kvcache.cli import main as kvcache_main
@@ -30,10 +32,8 @@ from kvcache.config import ENV_DIR, parse_listen
 from kvcache.ownership import DATA_MARKER
 from kvcache.ramtier import RAM_MARKER, RAM_MARKER_WHAT, SHM, tier_dir, tier_name
 from model_runtime.identity import model_fingerprint
-from tests.daemon.test_daemon import IDENT, payload_for, toks
 from tests.support.daemon_proc import DaemonProcess, wait_for
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.entries import IDENT, toks
 
 
 def kvcache_cli(*args: str, env: dict[str, str] | None = None
@@ -525,7 +525,7 @@ def test_ram_tiers_removes_one_named_orphan(tmp_path: Path) -> None:
 
 
 def test_ram_tiers_lists_what_goes_and_asks_on_a_terminal(tmp_path: Path) -> None:
-    from tests.cli.test_cli_operator import on_terminal
+    from tests.support.commands import on_terminal
 
     parent = tmp_path / "shm"
     first = orphan_tier(parent, tmp_path / "first-data")
@@ -552,7 +552,7 @@ def test_ram_tiers_lists_what_goes_and_asks_on_a_terminal(tmp_path: Path) -> Non
 
 def test_ram_tiers_table_never_cuts_a_tier_at_80_columns(tmp_path: Path) -> None:
     """Its path is what --remove takes back: it used to be cut with an ellipsis."""
-    from tests.cli.test_cli_operator import on_terminal
+    from tests.support.commands import on_terminal
 
     parent = tmp_path / "a-rather-long-folder-name-for-ram-tiers"
     tiers = [orphan_tier(parent, tmp_path / f"data-{i}") for i in range(2)]

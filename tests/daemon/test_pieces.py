@@ -25,8 +25,8 @@ from kvcache import blob as blobfmt
 from kvcache import keys
 from kvcache.client import CacheClient, CacheError, CorruptBlob, Identity, LoadedBlob
 from kvcache.v1 import kvcache_pb2 as pb
-from tests.daemon.test_daemon import blob_file, flip_payload, ram_file, toks
 from tests.support.daemon_proc import DaemonProcess, wait_for
+from tests.support.entries import blob_file, flip_payload, ram_file, toks
 
 IDENT = Identity("fp-pieces", {"type_k": "f16"}, model_name="tiny.gguf")
 WIDTH = 256  # payload bytes per token
@@ -259,7 +259,7 @@ def test_a_delete_waits_for_the_daemon_s_own_work_on_an_entry(
     """What the daemon itself does with an entry holds it for a moment (its RAM copy
     being made right after a save, a piece being saved on it): an operator's delete
     waits for that instead of failing."""
-    from tests.cli.test_cli import cli, ok
+    from tests.support.commands import cli, ok
 
     # Right after a save its RAM copy is being made: evict it at once.
     t = toks(20, 300)
@@ -445,7 +445,7 @@ def test_an_entry_of_the_previous_format_is_still_served(client: CacheClient) ->
 
 def test_operators_see_pieces_in_stats_ls_inspect_evict_and_prune(
         daemon: DaemonProcess, client: CacheClient) -> None:
-    from tests.cli.test_cli import cli, cli_json, ok
+    from tests.support.commands import cli, cli_json, ok
 
     t = toks(19, 300)
     root = save(client, t[:200], reason="cold")

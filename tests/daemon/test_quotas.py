@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -23,11 +22,9 @@ from kvcache.auth import ClientAuth
 from kvcache.cli import main as kvcache_main
 from kvcache.client import CacheClient, CacheError, Identity
 from kvcache.v1 import kvcache_pb2 as pb
-from tests.daemon.test_auth import tcp_address, write_token
-from tests.daemon.test_daemon import toks
-from tests.support.daemon_proc import DaemonProcess, wait_for
+from tests.support.daemon_proc import DaemonProcess, tcp_address, wait_for, write_token
+from tests.support.entries import DaemonFactory, toks
 
-DaemonFactory = Callable[..., DaemonProcess]
 ALICE = Identity("fp-quota", {"type_k": "f16"}, tenant="alice", model_name="m")
 BOB = Identity("fp-quota", {"type_k": "f16"}, tenant="bob", model_name="m")
 TOKENS = {"admin": secrets.token_hex(16), "alice": secrets.token_hex(16),

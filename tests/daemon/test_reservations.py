@@ -9,7 +9,6 @@ and no save may reserve more than --max-entry-bytes.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -18,11 +17,9 @@ import pytest
 from kvcache.auth import ClientAuth
 from kvcache.client import CacheClient, Identity
 from kvcache.v1 import kvcache_pb2 as pb
-from tests.daemon.test_auth import tcp_address, write_token
-from tests.daemon.test_daemon import toks
-from tests.support.daemon_proc import DaemonProcess
+from tests.support.daemon_proc import DaemonProcess, tcp_address, write_token
+from tests.support.entries import DaemonFactory, toks
 
-DaemonFactory = Callable[..., DaemonProcess]
 ALICE = Identity("fp-reserve", {"type_k": "f16"}, tenant="alice", model_name="m")
 BOB = Identity("fp-reserve", {"type_k": "f16"}, tenant="bob", model_name="m")
 TOKENS = {"alice": secrets.token_hex(16), "bob": secrets.token_hex(16)}

@@ -30,11 +30,9 @@ from kvcache.auth import (
 from kvcache.client import CacheClient, CacheError, Identity
 from kvcache.tenancy import SECRET_FILE_NAME, TenantSalts
 from kvcache.v1 import kvcache_pb2 as pb
-from tests.daemon.test_auth import tcp_address, write_token
-from tests.daemon.test_daemon import toks
-from tests.support.daemon_proc import DaemonProcess
+from tests.support.daemon_proc import tcp_address, write_token
+from tests.support.entries import DaemonFactory, toks
 
-DaemonFactory = Callable[..., DaemonProcess]
 LAYOUT = {"type_k": "f16"}
 ALICE = Identity("fp-scoped", LAYOUT, tenant="alice", model_name="tiny.gguf")
 BOB = Identity("fp-scoped", LAYOUT, tenant="bob", model_name="tiny.gguf")

@@ -31,10 +31,9 @@ from harness.payloads import blob_bytes
 from kvcache import keys
 from kvcache.client import CacheClient, Identity
 from kvcache.v1 import kvcache_pb2 as pb
-from tests.daemon.test_daemon import toks
 from tests.support.daemon_proc import DaemonProcess, wait_for
+from tests.support.entries import BLOCK, toks
 
-BLOCK = 16
 LAYOUT = {"type_k": "f16"}
 ALICE = Identity("fp-tenants", LAYOUT, tenant="alice", model_name="tiny.gguf")
 BOB = Identity("fp-tenants", LAYOUT, tenant="bob", model_name="tiny.gguf")

@@ -54,7 +54,7 @@ import os
 import random
 import shutil
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -69,12 +69,12 @@ from kvcache.client import CacheClient, CacheError, CorruptBlob, Identity
 from kvcache.v1 import kvcache_pb2 as pb
 from model_runtime.config import RuntimeConfig
 from model_runtime.runtime import Runtime
-from tests.daemon.test_daemon import blob_file
 from tests.support.daemon_proc import DaemonProcess, wait_for
+from tests.support.entries import BLOCK, DaemonFactory, blob_file, ram_file
+from tests.support.runtime_calls import TEXT_A, TEXT_B, flush
 from tests.support.tiny_llama import make_tiny_model, sample_prompt
 
 SEED = int(os.environ.get("KVCACHE_CORRUPTION_SEED") or random.SystemRandom().randrange(1 << 32))
-BLOCK = 16
 N = 40  # tokens of a campaign entry: two full blocks and a tail of 8
 PREFIX = 24  # its saved shorter prefix: what a lookup falls back to once it is gone
 PAYLOAD = 6000
@@ -84,8 +84,6 @@ IDENT_B = replace(IDENT_A, tenant="tenant-b")
 PATHS = ("fast", "stream")
 CORRUPTION_COUNTERS = ("corrupt_blobs", "quarantined_files", "reconcile_removed",
                        "reconcile_added")
-
-DaemonFactory = Callable[..., DaemonProcess]
 
 
 @pytest.fixture(autouse=True)
@@ -148,10 +146,6 @@ def listed(c: CacheClient) -> dict[bytes, pb.Entry]:
 def in_ram(c: CacheClient, key: bytes) -> bool:
     entry = listed(c).get(key)
     return entry is not None and pb.TIER_RAM in entry.tiers
-
-
-def ram_file(d: DaemonProcess, key: bytes) -> Path:
-    return d.ram_dir / f"{key.hex()}.kvc"
 
 
 def quarantined(d: DaemonProcess) -> set[str]:
@@ -515,8 +509,6 @@ CONFIG = RuntimeConfig(n_ctx=512, n_batch=256, n_seq_max=1, n_threads=1, prefill
                        save_block=32, trim=8, min_save_tokens=8, continued_interval=0,
                        shutdown_deadline_s=10.0,
                        reuse_live=False)  # these tests follow the daemon path
-TEXT_A = "the cat and the dog sat on the mat with a hat, "
-TEXT_B = "in the end it is what it is, or so they say to you. "
 # payload_flip_cold damages the request's only usable state (the cold entry, once the
 # finish entry that also holds the prompt is deleted): it goes cold.
 RUNTIME_KINDS = ("payload_flip_disk", "payload_flip_cold", "ram_copy_flip",
@@ -550,10 +542,6 @@ def plain(tiny_model: Path) -> Iterator[Runtime]:
 def other_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Another tiny model of the same shape: its states fit, and are wrong."""
     return make_tiny_model(tmp_path_factory, seed=1)
-
-
-def flush(rt: Runtime) -> None:
-    assert rt.engine.saver.flush(30.0), "saves did not reach the daemon"
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -16,22 +16,19 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
 from crash_harness import CAMPAIGN_KILLS, CAMPAIGN_SECONDS, Settings, run
+from harness.payloads import payload_for
 from harness.procs import pythonpath_env
 
 from kvcache import keys
 from kvcache.client import CacheClient, CacheError
 from kvcache.v1 import kvcache_pb2 as pb
-from tests.faults.test_daemon_crash import BLOCK, IDENT, counters, leftovers, payload_for, toks
 from tests.support.daemon_proc import DaemonProcess, wait_for
-
-DaemonFactory = Callable[..., DaemonProcess]
-
+from tests.support.entries import BLOCK, IDENT, DaemonFactory, counters, leftovers, toks
 
 # -- the harness ----------------------------------------------------------------------------
 
@@ -120,7 +117,8 @@ import json, os, threading, time
 from kvcache import keys
 from kvcache.client import CacheClient
 from kvcache.v1 import kvcache_pb2 as pb
-from tests.faults.test_daemon_crash import IDENT, blob_bytes, payload_for
+from harness.payloads import blob_bytes, payload_for
+from tests.support.entries import IDENT
 
 def reserve(c, tokens, data):
     lease = c.stub.Reserve(pb.ReserveRequest(

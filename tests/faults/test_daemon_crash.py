@@ -7,7 +7,7 @@ import functools
 import os
 import shutil
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -18,22 +18,11 @@ from harness.payloads import blob_bytes
 from kvcache import keys
 from kvcache.client import CacheClient, CacheError, Identity
 from kvcache.v1 import kvcache_pb2 as pb
-from tests.daemon.test_daemon import blob_file, counters, toks
 from tests.support.daemon_proc import DaemonProcess, wait_for
-
-BLOCK = 16
-IDENT = Identity("fp-test", {"type_k": "f16"}, model_name="tiny.gguf")
-
-DaemonFactory = Callable[..., DaemonProcess]
-
+from tests.support.entries import BLOCK, IDENT, DaemonFactory, blob_file, counters, leftovers, toks
 
 # payload_for(tokens): 1 kB to 300 kB, size and bytes following from the tokens.
 payload_for = functools.partial(payloads.payload_for, size=(1_000, 300_000))
-
-
-def leftovers(d: DaemonProcess) -> list[str]:
-    """Temp files anywhere in the data directory."""
-    return sorted(str(p.relative_to(d.data_dir)) for p in d.data_dir.rglob("*.part"))
 
 
 def check_every_entry(d: DaemonProcess, c: CacheClient) -> int:

@@ -27,17 +27,16 @@ from typing import Any
 
 import grpc
 import pytest
+from harness.payloads import payload_for
 
 from kvcache import keys
 from kvcache.client import CacheClient, CacheError, Identity
 from kvcache.v1 import kvcache_pb2 as pb
 from kvcache.v1 import kvcache_pb2_grpc as pb_grpc
-from tests.daemon.test_daemon import payload_for
 from tests.support.daemon_proc import DaemonProcess, wait_for
+from tests.support.entries import BLOCK, PATHS
 
-BLOCK = 16
 IDENT = Identity("fp-full-disk", {"type_k": "f16"}, model_name="tiny.gguf")
-PATHS = ["fast", "stream"]  # the client writes the reserved file, or streams it over gRPC
 MiB = 1 << 20
 FS_BYTES = 8 * MiB  # the tmpfs
 WATERMARK = 256 << 10  # --min-free-bytes on the tmpfs: headroom for the index to grow

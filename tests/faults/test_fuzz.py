@@ -46,11 +46,11 @@ from kvcache.cli import main as kvcache_cli
 from kvcache.client import CacheClient, Identity
 from kvcache.v1 import kvcache_pb2 as pb
 from tests.support.daemon_proc import DaemonProcess, wait_for
+from tests.support.entries import BLOCK
 
 Code = grpc.StatusCode
 U32 = 2**32 - 1
 U64 = 2**64 - 1
-BLOCK = 16
 IDENT = Identity("fp-fuzz", {"type_k": "f16"}, model_name="fuzz.gguf")
 ALICE = Identity("fp-fuzz", {"type_k": "f16"}, tenant="alice", model_name="fuzz.gguf")
 
@@ -1253,7 +1253,7 @@ RT_ALLOWED = frozenset({IA, Code.FAILED_PRECONDITION})  # bad input; sticky_busy
 def runtime_address(tmp_path_factory: pytest.TempPathFactory,
                     tiny_model: Path) -> Iterator[tuple[str, DaemonProcess]]:
     """A daemon and ``model-runtime serve`` on the tiny model, as in test_runtime_service."""
-    from tests.runtime.test_runtime_service import RuntimeProcess
+    from tests.support.runtime_proc import RuntimeProcess
 
     tmp = tmp_path_factory.mktemp("fuzz_runtime")
     daemon = DaemonProcess(tmp / "data").start()

@@ -28,10 +28,9 @@ from harness import payloads
 from kvcache import keys
 from kvcache.client import CacheClient, CacheError, Identity, LoadedBlob
 from kvcache.v1 import kvcache_pb2 as pb
-from tests.daemon.test_daemon import blob_file
 from tests.support.daemon_proc import DaemonProcess, wait_for
+from tests.support.entries import BLOCK, blob_file
 
-BLOCK = 16
 IDENT = Identity("fp-load", {"type_k": "f16"}, model_name="tiny.gguf")
 N_CLIENTS = 36
 RUN_S = 15.0  # the mixed phase; a thread still running JOIN_S after that is hung

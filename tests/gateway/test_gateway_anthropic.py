@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import anthropic
 import pytest
 from harness.make_tiny_gguf import HERMES_TEMPLATE, THINK_TEMPLATE
+from harness.payloads import payload_for
 from harness.system_prompt import build_system_prompt
 
 from kvcache.client import CacheClient, CacheError
@@ -28,8 +29,8 @@ from model_runtime.chat.templates import ChatTemplate
 from model_runtime.gateway.anthropic_api import error_body, parse_messages_request
 from model_runtime.gateway.anthropic_output import BlockStream
 from model_runtime.gateway.openai_api import ApiError
-from tests.daemon.test_daemon import IDENT, payload_for, toks
 from tests.support.daemon_proc import DaemonProcess, wait_for
+from tests.support.entries import IDENT, toks
 from tests.support.gateway_proc import GatewayProcess, kill_leftovers, wait_gone
 
 KEY = "k" * 40  # the key file's one key (an operator's: the fixture reads /status)

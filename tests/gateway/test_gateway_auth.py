@@ -18,11 +18,16 @@ import pytest
 import trustme
 
 from tests.support.daemon_proc import DaemonProcess
-from tests.support.gateway_proc import SYSTEM, GatewayProcess, chat, kill_leftovers, wait_gone
-
-ALICE = "alice-0123456789abcdef0123456789"
-BOB = "bob-0123456789abcdef0123456789ab"
-OPERATOR = "op-0123456789abcdef0123456789abc"
+from tests.support.gateway_proc import (
+    ALICE,
+    BOB,
+    OPERATOR,
+    SYSTEM,
+    GatewayProcess,
+    chat,
+    kill_leftovers,
+    wait_gone,
+)
 
 
 @pytest.fixture(scope="module")

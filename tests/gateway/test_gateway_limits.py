@@ -27,11 +27,17 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.gateway_proc import GatewayProcess, chat, kill_leftovers, wait_gone
+from tests.support.gateway_proc import (
+    ALICE,
+    BOB,
+    OPERATOR,
+    GatewayProcess,
+    chat,
+    kill_leftovers,
+    metrics,
+    wait_gone,
+)
 
-ALICE = "alice-0123456789abcdef0123456789"
-BOB = "bob-0123456789abcdef0123456789ab"
-OPERATOR = "op-0123456789abcdef0123456789abc"
 MAX_BODY = 20 << 20  # above a worker's 16 MiB message limit: the rendered prompt is checked
 MAX_CHARS = 18_000_000
 MAX_MESSAGES = 64
@@ -324,12 +330,6 @@ def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
     return found
 
 
-def metrics(gw: GatewayProcess, key: str) -> str:
-    code, _, body = gw.http("GET", "/metrics", headers={"Authorization": f"Bearer {key}"})
-    assert code == 200
-    return body.decode()
-
-
 def test_status_needs_an_operator(gw: GatewayProcess) -> None:
     for key in (ALICE, BOB):
         code, _, body = gw.http("GET", "/status", headers={"Authorization": f"Bearer {key}"})
@@ -360,7 +360,6 @@ def test_a_tenant_sees_only_its_own_numbers(gw: GatewayProcess) -> None:
     assert tokens[(("kind", "prompt"), ("model", "tiny"), ("tenant", "alice"))] > 0
     every = metrics(gw, OPERATOR)
     assert 'tenant="alice"' in every and 'tenant="bob"' in every
-
 
 
 def outward_address() -> str | None:

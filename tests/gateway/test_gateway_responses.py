@@ -26,10 +26,8 @@ from model_runtime.gateway.responses_api import RESPONSES_FIELDS, parse_response
 from model_runtime.gateway.responses_output import ResponseBuilder, reply_messages
 from model_runtime.v1 import runtime_pb2 as pb
 from tests.support.daemon_proc import DaemonProcess
-from tests.support.gateway_proc import GatewayProcess, kill_leftovers, wait_gone
+from tests.support.gateway_proc import ALICE, BOB, GatewayProcess, kill_leftovers, wait_gone
 
-ALICE = "alice-0123456789abcdef0123456789"
-BOB = "bob-0123456789abcdef0123456789ab"
 INSTRUCTIONS = ("You are the dispatcher of a delivery company. Answer briefly; look things "
                 "up with the tools rather than guessing. ") * 3
 WEATHER = {"type": "function", "name": "get_weather",

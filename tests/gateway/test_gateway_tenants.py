@@ -23,11 +23,17 @@ import pytest
 
 from model_runtime.client import RuntimeClient
 from tests.support.daemon_proc import DaemonProcess
-from tests.support.gateway_proc import GatewayProcess, chat, kill_leftovers, wait_gone
+from tests.support.gateway_proc import (
+    ALICE,
+    BOB,
+    OPERATOR,
+    GatewayProcess,
+    chat,
+    kill_leftovers,
+    metrics,
+    wait_gone,
+)
 
-ALICE = "alice-0123456789abcdef0123456789"
-BOB = "bob-0123456789abcdef0123456789ab"
-OPERATOR = "op-0123456789abcdef0123456789abc"
 PROMPT_TOKENS = 400  # long enough to be saved, and a leak would show as hundreds cached
 
 
@@ -171,12 +177,6 @@ def hold_slot(gw: GatewayProcess, key: str, started: threading.Event,
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread
-
-
-def metrics(gw: GatewayProcess, key: str) -> str:
-    code, _, body = gw.http("GET", "/metrics", headers={"Authorization": f"Bearer {key}"})
-    assert code == 200
-    return body.decode()
 
 
 def test_a_tenant_at_its_share_waits_while_the_other_is_served(gw: GatewayProcess) -> None:

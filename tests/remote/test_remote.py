@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from harness.procs import REPO
 
 from kvcache import blob as blobfmt
 from kvcache import keys
@@ -40,8 +41,8 @@ from kvcache.remote.layout import Names, seal
 from kvcache.remote.tier import servable_tokens
 from tests.support.daemon_proc import wait_for
 from tests.support.redis_proc import RedisServer, redis_cluster, redis_server, tls_redis_server
+from tests.support.remote_tier import entry_keys
 
-REPO = Path(__file__).resolve().parents[2]
 B = 16  # block size: small, so short prompts span several blocks
 MODEL = "fingerprint-of-a-model"
 LAYOUT = {"n_ctx": "512", "type_k": "f16"}
@@ -143,11 +144,6 @@ def counters(tier: RemoteTier) -> dict[str, int]:
 def publish_all(tier: RemoteTier, chain: Chain) -> None:
     assert tier.publish(chain.links, chain.read_blob)
     assert tier.drain(10)
-
-
-def entry_keys(client: redis.Redis, key: bytes) -> set[bytes]:
-    """Every remote key of one entry (record, parts, upload claim)."""
-    return set(client.scan_iter(match=f"kvc:{{{key.hex()}}}:*", count=1000))
 
 
 def command_calls(client: redis.Redis) -> Counter[str]:
@@ -605,7 +601,6 @@ def test_password_from_a_file_or_the_environment(tmp_path: Path,
         assert reader.connected  # an error reply is not a lost remote
 
 
-
 def test_tls_with_the_server_s_ca_and_refused_without_it(
         tiers: Callable[..., RemoteTier]) -> None:
     """rediss://: with the CA that issued the server's certificate (``tls_ca_file``) a tier
@@ -751,7 +746,7 @@ def test_unreachable_remote_costs_nothing(tiers: Callable[..., RemoteTier]) -> N
 def test_remote_counters_declared_used_and_provoked(request: pytest.FixtureRequest) -> None:
     """Every remote counter is declared (kvcache/counters.py REMOTE_SECTION) where it is
     counted, and each was moved by the tests above (when the whole module ran)."""
-    from tests.daemon.test_counters import counter_uses
+    from tests.support.counter_uses import counter_uses
 
     literals, patterns = counter_uses(sorted((REPO / "kvcache" / "remote").glob("*.py")))
     used = set(literals) | {name for name in REMOTE_SECTION

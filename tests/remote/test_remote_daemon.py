@@ -31,11 +31,18 @@ from kvcache.cli.render import human_bytes
 from kvcache.client import Identity, LookupResult
 from kvcache.remote.layout import Names, open_value, seal
 from model_runtime.runtime import Runtime
-from tests.daemon.test_metrics import metrics_port, scrape
-from tests.remote.test_remote import entry_keys
-from tests.runtime.test_runtime import CONFIG, TEXT_A, TEXT_B, TEXT_C, flush, prompt
 from tests.support.daemon_proc import DaemonProcess, wait_for
+from tests.support.metrics import metrics_port, scrape
 from tests.support.redis_proc import RedisServer, redis_cluster, redis_server, tls_redis_server
+from tests.support.remote_tier import (
+    counters,
+    entry_keys,
+    key_file,
+    remote_state,
+    wait_connected,
+    wait_uploads,
+)
+from tests.support.runtime_calls import CONFIG, TEXT_A, TEXT_B, TEXT_C, flush, prompt
 
 B = 16  # the daemons' block size: short prompts span several blocks (block pointers)
 IDENT = Identity("fp-remote-fleet", {"type_k": "f16"}, model_name="tiny.gguf")
@@ -135,35 +142,6 @@ def timed_lookup(d: DaemonProcess, tokens: list[int], **kwargs: object
         return hit, time.monotonic() - t0
 
 
-def counters(d: DaemonProcess) -> dict[str, int]:
-    with d.client() as c:
-        return dict(c.stats().counters)
-
-
-def remote_state(d: DaemonProcess) -> tuple[bool, int]:
-    """(connected, upload queue depth) as the daemon's Stats reports them."""
-    with d.client() as c:
-        s = c.stats()
-    assert s.HasField("remote")
-    return s.remote.connected, s.remote.queue_depth
-
-
-def wait_connected(d: DaemonProcess, timeout: float = 15.0) -> None:
-    wait_for(lambda: remote_state(d)[0], "the daemon connected to the remote", timeout)
-
-
-def wait_uploads(d: DaemonProcess, outcomes: int, timeout: float = 15.0) -> dict[str, int]:
-    """Wait until ``outcomes`` uploads of the daemon are done (stored or skipped) and its
-    queue is empty; its counters then."""
-    def done() -> bool:
-        c = counters(d)
-        ended = c["remote_puts"] + c["remote_put_skipped_present"] + \
-            c["remote_put_skipped_in_flight"]
-        return ended >= outcomes and remote_state(d)[1] == 0
-    wait_for(done, f"{outcomes} uploads done", timeout)
-    return counters(d)
-
-
 def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
 
@@ -171,13 +149,6 @@ def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
 def local_keys(d: DaemonProcess) -> set[bytes]:
     with d.client() as c:
         return {e.key for e in c.list_entries()}
-
-
-
-def key_file(path: Path, text: str) -> Path:
-    path.write_text(text)
-    path.chmod(0o600)
-    return path
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -640,7 +611,6 @@ def test_cli_shows_the_remote_and_refuses_secrets_in_the_url(
                            name="guarded")
         wait_connected(d)
         d.close()
-
 
 
 def test_a_tls_remote_verified_with_its_ca(daemon_factory: Callable[..., DaemonProcess],

@@ -17,16 +17,14 @@ from tests.remote.test_remote_daemon import (
     Host,
     cells,
     cli,
-    counters,
     delta,
-    key_file,
     local_keys,
     lookup,
     save,
     toks,
-    wait_uploads,
 )
 from tests.support.redis_proc import RedisServer
+from tests.support.remote_tier import counters, key_file, wait_uploads
 
 # The fleet's fixtures: a redis-server, and daemons on it signed with the fleet key.
 server = fleet.server

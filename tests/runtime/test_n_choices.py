@@ -26,7 +26,9 @@ from model_runtime.request import Completion, RequestError, TokenEvent
 from model_runtime.runtime import Runtime
 from model_runtime.sampling import SamplingParams
 from tests.support.daemon_proc import DaemonProcess
+from tests.support.runtime_calls import flush
 from tests.support.tiny_llama import sample_prompt
+from tests.support.warm_cold import outcome
 
 CONFIG = RuntimeConfig(n_ctx=1024, n_batch=256, n_seq_max=3, n_threads=1, prefill_chunk=64,
                        save_block=32, trim=8, min_save_tokens=8, continued_interval=0)
@@ -62,10 +64,6 @@ def choices(rt: Runtime, **kwargs: Any) -> list[Completion]:
     assert isinstance(done, list), "n > 1 gives a list of Completions"
     assert [c.choice for c in done] == list(range(kwargs["n"]))
     return done
-
-
-def outcome(c: Completion) -> tuple[list[int], list[tuple[int, float, tuple]]]:
-    return c.tokens, [(lp.token, lp.logprob, lp.top) for lp in c.logprobs]
 
 
 def idle(rt: Runtime) -> bool:
@@ -194,10 +192,6 @@ def test_choices_stream_their_own_tagged_events_and_logprobs(
         assert "".join(e.text for e in mine) == c.text
         assert [e.logprob.token for e in mine if e.logprob] == c.tokens
         assert [lp.token for lp in c.logprobs] == c.tokens
-
-
-def flush(rt: Runtime) -> None:
-    assert rt.engine.saver.flush(30.0), "saves did not reach the daemon"
 
 
 def test_the_prompt_is_saved_once_and_each_choice_s_finish_is_its_own(

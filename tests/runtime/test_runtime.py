@@ -29,25 +29,22 @@ import pytest
 
 from kvcache.client import CacheClient
 from model_runtime.chat.templates import ChatTemplate
-from model_runtime.config import RuntimeConfig
 from model_runtime.counters import COUNTERS
 from model_runtime.request import Completion, RequestError, TokenEvent, common_prefix
 from model_runtime.runtime import Runtime
 from tests.support.daemon_proc import DaemonProcess, wait_for
-from tests.support.tiny_llama import sample_prompt, saves_held
-
-CONFIG = RuntimeConfig(n_ctx=1024, n_batch=256, n_seq_max=2, n_threads=1, prefill_chunk=128,
-                       save_block=32, trim=8, min_save_tokens=8, continued_interval=0,
-                       shutdown_deadline_s=10.0,
-                       reuse_live=False)  # these tests follow the daemon path
-FLUSH_S = 30.0  # upper bound for the background saves to reach the daemon
-
-# Text of the tiny model's vocabulary (ASCII and merged pieces).
-TEXT_A = "the cat and the dog sat on the mat with a hat, "
-TEXT_B = "in the end it is what it is, or so they say to you. "
-TEXT_C = "Numbers: 3.14159, 2718, 42! Letters: abc def ghi. "
-TEXT_D = "we went up the hill and down the road to see the sea. "
-
+from tests.support.runtime_calls import (
+    CONFIG,
+    TEXT_A,
+    TEXT_B,
+    TEXT_C,
+    TEXT_D,
+    daemon_counters,
+    delta,
+    flush,
+    prompt,
+)
+from tests.support.tiny_llama import saves_held
 
 # --------------------------------------------------------------------------- fixtures
 
@@ -88,25 +85,8 @@ def make_runtime(request: pytest.FixtureRequest, cache_daemon: DaemonProcess,
         rt.close()
 
 
-def prompt(rt: Runtime, n: int, text: str = TEXT_A) -> list[int]:
-    return sample_prompt(rt.tokenize, n, text)
-
-
-def flush(rt: Runtime) -> None:
-    assert rt.engine.saver.flush(FLUSH_S), "saves did not reach the daemon"
-
-
-def daemon_counters(address: str) -> dict[str, int]:
-    with CacheClient(address, timeout=10) as c:
-        return dict(c.stats().counters)
-
-
 def kinds(c: Completion) -> tuple[str, int]:
     return c.cache_hit_kind, c.cache_delta["tokens_read"]
-
-
-def delta(before: dict[str, int], after: dict[str, int], name: str) -> int:
-    return after.get(name, 0) - before.get(name, 0)
 
 
 # --------------------------------------------------------------------------- hit kinds

@@ -24,8 +24,16 @@ from kvcache.v1 import kvcache_pb2 as pb
 from model_runtime import kv_cells, pieces
 from model_runtime.llama_backend import LlamaModel
 from model_runtime.runtime import Runtime
-from tests.runtime.test_runtime import CONFIG, TEXT_A, TEXT_B, daemon_counters, delta, flush, prompt
 from tests.support.daemon_proc import DaemonProcess, wait_for
+from tests.support.runtime_calls import (
+    CONFIG,
+    TEXT_A,
+    TEXT_B,
+    daemon_counters,
+    delta,
+    flush,
+    prompt,
+)
 from tests.support.tiny_llama import prefill
 from tests.unit.test_kv_cells import fresh_state, new_ctx
 from tests.unit.test_kv_cells import prompt as model_prompt

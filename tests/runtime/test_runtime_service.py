@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,7 +23,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
-from harness.procs import Proc
 
 from kvcache.client import CacheError
 from model_runtime.client import RuntimeClient
@@ -33,65 +30,10 @@ from model_runtime.llama_backend import LlamaModel
 from model_runtime.v1 import runtime_pb2 as pb
 from model_runtime.v1 import runtime_pb2_grpc as pb_grpc
 from tests.support.daemon_proc import DaemonProcess
+from tests.support.runtime_proc import SERVICE, RuntimeProcess
 from tests.support.tiny_llama import sample_prompt
 
-SERVICE = "model_runtime.v1.ModelRuntime"
-
-
 # --------------------------------------------------------------------------- helpers
-
-
-class RuntimeProcess:
-    """``python -m model_runtime.cli serve`` on a unix socket in a short private dir."""
-
-    def __init__(self, model: Path, cache_address: str, log_path: Path, *extra: str) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="rtt", dir="/tmp"))
-        self.socket = self.dir / "rt.sock"
-        self.proc = Proc("model runtime", [
-            sys.executable, "-m", "model_runtime.cli", "serve", "--model", str(model),
-            "--cache", cache_address, "--socket", str(self.socket), "--threads", "1",
-            "--n-ctx", "1024", "--n-seq-max", "2", *extra], log_path)
-
-    @property
-    def address(self) -> str:
-        return f"unix:{self.socket}"
-
-    def start(self, timeout: float = 60.0) -> RuntimeProcess:
-        """Start and wait until it serves; on failure nothing of it is left running."""
-        try:
-            return self._start(timeout)
-        except BaseException:
-            self.close()
-            raise
-
-    def _start(self, timeout: float) -> RuntimeProcess:
-        self.proc.start()
-        deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.address) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            while True:
-                self.proc.check_alive()
-                try:
-                    resp = health.Check(health_pb2.HealthCheckRequest(service=SERVICE),
-                                        timeout=1.0)
-                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                        return self
-                except grpc.RpcError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("runtime did not come up:\n" + self.log())
-                time.sleep(0.05)
-
-    def log(self) -> str:
-        return self.proc.log_path.read_text(errors="replace")[-4000:]
-
-    def popen(self) -> subprocess.Popen[bytes]:
-        assert self.proc.proc is not None
-        return self.proc.proc
-
-    def close(self) -> None:
-        self.proc.stop(timeout=30)
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def daemon_counters(daemon: DaemonProcess) -> dict[str, int]:

@@ -25,11 +25,12 @@ import pytest
 
 from model_runtime.request import Completion
 from model_runtime.runtime import Runtime
-from tests.daemon.test_daemon import blob_file, flip_payload
-from tests.remote.test_remote_daemon import key_file, wait_connected, wait_uploads
-from tests.runtime.test_determinism import BLOCKS, CONFIG, ask, flush, kind, outcome, prompts, words
 from tests.support.daemon_proc import DaemonProcess
+from tests.support.entries import blob_file, flip_payload
 from tests.support.redis_proc import redis_server
+from tests.support.remote_tier import key_file, wait_connected, wait_uploads
+from tests.support.runtime_calls import flush
+from tests.support.warm_cold import BLOCKS, CONFIG, ask, kind, outcome, prompts, words
 
 KINDS = ("swa", "hybrid", "recurrent")
 N_PROMPTS = 8

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from harness.procs import Gateway as GatewayProcess
 
-__all__ = ["SYSTEM", "GatewayProcess", "chat", "kill_leftovers", "process_gone", "wait_gone"]
+__all__ = ["ALICE", "BOB", "OPERATOR", "SYSTEM", "GatewayProcess", "chat", "kill_leftovers",
+           "metrics", "process_gone", "wait_gone"]
 
 
 def process_gone(pid: int) -> bool:
@@ -46,3 +47,13 @@ def chat(system: str, user: str) -> list[dict[str, str]]:
 
 SYSTEM = ("You are the terse assistant of a hardware shop. Answer in one sentence, name the "
           "aisle, and never invent a product. ") * 6
+# API keys of the key files the gateway tests write: two tenants and an operator.
+ALICE = "alice-0123456789abcdef0123456789"
+BOB = "bob-0123456789abcdef0123456789ab"
+OPERATOR = "op-0123456789abcdef0123456789abc"
+
+
+def metrics(gw: GatewayProcess, key: str) -> str:
+    code, _, body = gw.http("GET", "/metrics", headers={"Authorization": f"Bearer {key}"})
+    assert code == 200
+    return body.decode()

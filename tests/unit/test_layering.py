@@ -18,7 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from harness.procs import REPO
+
 PROJECT = ("kvcache", "model_runtime")
 LEAF = "kvcache.common"
 DAEMON_INTERNALS = ("kvcache.server", "kvcache.store", "kvcache.index", "kvcache.remote")
