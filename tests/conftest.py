@@ -31,7 +31,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """A RAM-tier folder or a process the run left behind fails it (see tests/support/leftovers.py)."""
+    """A RAM-tier folder or a process the run left behind fails it (see
+    tests/support/leftovers.py)."""
     leftovers.check(session)
 
 

@@ -1,9 +1,9 @@
 """A removal that a client could have seen stays done after a crash at any instant.
 
 Each test prepares a data directory, kills a store process in the middle of one removal
-(a delete, a prune, an eviction, a quarantine, a RAM copy dropped; see tests/support/kill_points.py for
-how a kill point is named and reached), with or without a power cut on top, restarts the
-store and checks what it finds:
+(a delete, a prune, an eviction, a quarantine, a RAM copy dropped; see
+tests/support/kill_points.py for how a kill point is named and reached), with or without a
+power cut on top, restarts the store and checks what it finds:
 
 * an entry whose index row was already gone at the kill (a lookup or List would have
   missed it, its removal may have been answered) is still gone: no row, no blob file, no

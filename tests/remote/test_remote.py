@@ -41,9 +41,8 @@ from kvcache.remote.layout import Names, seal
 from kvcache.remote.tier import servable_tokens
 from tests.support.daemon_proc import wait_for
 from tests.support.redis_proc import RedisServer, redis_cluster, redis_server, tls_redis_server
-from tests.support.remote_tier import entry_keys
+from tests.support.remote_tier import B, entry_keys
 
-B = 16  # block size: small, so short prompts span several blocks
 MODEL = "fingerprint-of-a-model"
 LAYOUT = {"n_ctx": "512", "type_k": "f16"}
 NS = keys.namespace(MODEL, LAYOUT)
@@ -109,12 +108,6 @@ def prompt(seed: int, n: int = 100) -> list[int]:
 
 
 # --------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture
-def server() -> Iterator[RedisServer]:
-    with redis_server() as s:
-        yield s
 
 
 @pytest.fixture

@@ -35,6 +35,8 @@ from tests.support.daemon_proc import DaemonProcess, wait_for
 from tests.support.metrics import metrics_port, scrape
 from tests.support.redis_proc import RedisServer, redis_cluster, redis_server, tls_redis_server
 from tests.support.remote_tier import (
+    B,
+    Host,
     counters,
     entry_keys,
     key_file,
@@ -44,7 +46,6 @@ from tests.support.remote_tier import (
 )
 from tests.support.runtime_calls import CONFIG, TEXT_A, TEXT_B, TEXT_C, flush, prompt
 
-B = 16  # the daemons' block size: short prompts span several blocks (block pointers)
 IDENT = Identity("fp-remote-fleet", {"type_k": "f16"}, model_name="tiny.gguf")
 WIDTH = 64  # payload bytes per token of the daemon-level entries
 LAYOUT = b"layout-1"  # opaque to the daemon
@@ -56,37 +57,8 @@ RUNTIME_CACHE_DEADLINE = CONFIG.cache_timeout_s
 SLACK = 0.5
 RUNTIME_CONFIG = replace(CONFIG, n_seq_max=1)
 
-Host = Callable[..., DaemonProcess]
-
 
 # --------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture
-def server() -> Iterator[RedisServer]:
-    with redis_server() as s:
-        yield s
-
-
-@pytest.fixture
-def host(daemon_factory: Callable[..., DaemonProcess], server: RedisServer,
-         tmp_path: Path) -> Host:
-    """``host("a", *extra_args, url=...)``: a daemon (its own data dir) on the shared
-    remote (this test's redis-server unless ``url``), connected to it; signed with the
-    fleet's key unless ``extra_args`` say how (a key of their own, --remote-unsigned)."""
-    fleet_key = key_file(tmp_path / "fleet-key", "the-fleet-signing-key-of-this-test\n")
-
-    def start(name: str, *extra: str, url: str | None = None,
-              connected: bool = True) -> DaemonProcess:
-        signing = [] if {"--remote-signing-key-file", "--remote-unsigned"} & set(extra) \
-            else ["--remote-signing-key-file", str(fleet_key)]
-        d = daemon_factory("--remote", url or server.url, "--block-size", str(B), *signing,
-                           *extra, name=name)
-        if connected:
-            wait_connected(d)
-        return d
-
-    return start
 
 
 @pytest.fixture

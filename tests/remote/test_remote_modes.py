@@ -10,11 +10,9 @@ from pathlib import Path
 
 from kvcache import keys
 from kvcache.remote.layout import open_value
-from tests.remote import test_remote_daemon as fleet
 from tests.remote.test_remote_daemon import (
     IDENT,
     NAMES,
-    Host,
     cells,
     cli,
     delta,
@@ -24,11 +22,7 @@ from tests.remote.test_remote_daemon import (
     toks,
 )
 from tests.support.redis_proc import RedisServer
-from tests.support.remote_tier import counters, key_file, wait_uploads
-
-# The fleet's fixtures: a redis-server, and daemons on it signed with the fleet key.
-server = fleet.server
-host = fleet.host
+from tests.support.remote_tier import Host, counters, key_file, wait_uploads
 
 
 def test_remote_needs_a_signing_key_unless_unsigned_is_asked(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The suite leaves nothing behind: a session-wide check, hooked in by conftest.py.
+"""The suite leaves nothing behind: a session-wide check, hooked in by tests/conftest.py.
 
 At the start it notes the RAM-tier folders in /dev/shm, the short-lived socket folders the
 tests make in /tmp, and this process's descendants; at the end a folder that appeared

@@ -3,11 +3,15 @@ an entry's remote keys, and the fleet's key files."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
 
 from tests.support.daemon_proc import DaemonProcess, wait_for
+
+B = 16  # the daemons' block size: short prompts span several blocks (block pointers)
+Host = Callable[..., DaemonProcess]  # host("a", *daemon args): a daemon of the fleet
 
 
 def counters(d: DaemonProcess) -> dict[str, int]:
