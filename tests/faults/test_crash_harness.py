@@ -21,12 +21,12 @@ from pathlib import Path
 import grpc
 import pytest
 from crash_harness import CAMPAIGN_KILLS, CAMPAIGN_SECONDS, Settings, run
-from harness.payloads import payload_for
 from harness.procs import pythonpath_env
 
 from kvcache import keys
 from kvcache.client import CacheClient, CacheError
 from kvcache.v1 import kvcache_pb2 as pb
+from tests.faults.test_daemon_crash import payload_for
 from tests.support.daemon_proc import DaemonProcess, wait_for
 from tests.support.entries import BLOCK, IDENT, DaemonFactory, counters, leftovers, toks
 
@@ -117,7 +117,8 @@ import json, os, threading, time
 from kvcache import keys
 from kvcache.client import CacheClient
 from kvcache.v1 import kvcache_pb2 as pb
-from harness.payloads import blob_bytes, payload_for
+from harness.payloads import blob_bytes
+from tests.faults.test_daemon_crash import payload_for
 from tests.support.entries import IDENT
 
 def reserve(c, tokens, data):
