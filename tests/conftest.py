@@ -3,9 +3,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import leftovers
 import pytest
-from procs import Daemon
+from harness.procs import Daemon
+
+from tests.support import leftovers
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -30,7 +31,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """A RAM-tier folder or a process the run left behind fails it (see leftovers.py)."""
+    """A RAM-tier folder or a process the run left behind fails it (see
+    tests/support/leftovers.py)."""
     leftovers.check(session)
 
 
@@ -55,13 +57,13 @@ def daemon(daemon_factory: Callable[..., Daemon]) -> Daemon:
 
 
 # --------------------------------------------------------------------------- tiny models
-# Session-scoped GGUF files for the model-runtime tests (see tests/conftest_llama.py).
+# Session-scoped GGUF files for the model-runtime tests (see tests/support/tiny_llama.py).
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random-weight llama GGUF (2 layers, n_embd 64)."""
-    from conftest_llama import make_tiny_model
+    from tests.support.tiny_llama import make_tiny_model
 
     return make_tiny_model(tmp_path_factory)
 
@@ -69,7 +71,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_hermes_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with a Hermes-style tool template (Qwen 2.5's shape)."""
-    from conftest_llama import make_tiny_model
+    from tests.support.tiny_llama import make_tiny_model
 
     return make_tiny_model(tmp_path_factory, chat_template="hermes")
 
@@ -77,7 +79,7 @@ def tiny_hermes_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_think_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with tools and <think> reasoning in its template (Qwen 3's shape)."""
-    from conftest_llama import make_tiny_model
+    from tests.support.tiny_llama import make_tiny_model
 
     return make_tiny_model(tmp_path_factory, chat_template="think")
 
@@ -85,7 +87,7 @@ def tiny_think_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_swa_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny sliding-window model (window 32, 4 layers)."""
-    from conftest_llama import make_tiny_swa_model
+    from tests.support.tiny_llama import make_tiny_swa_model
 
     return make_tiny_swa_model(tmp_path_factory, sliding_window=32)
 
@@ -93,7 +95,7 @@ def tiny_swa_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny hybrid model (lfm2: short convolutions between attention layers)."""
-    from conftest_llama import make_tiny_hybrid_model
+    from tests.support.tiny_llama import make_tiny_hybrid_model
 
     return make_tiny_hybrid_model(tmp_path_factory)
 
@@ -101,7 +103,7 @@ def tiny_hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_recurrent_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny recurrent model (mamba2)."""
-    from conftest_llama import make_tiny_recurrent_model
+    from tests.support.tiny_llama import make_tiny_recurrent_model
 
     return make_tiny_recurrent_model(tmp_path_factory)
 
@@ -116,7 +118,7 @@ def tiny_model_no_eog(tmp_path_factory: pytest.TempPathFactory) -> Path:
     still running (sticky_busy, shutdown mid-decode).
     """
     import gguf
-    from make_tiny_gguf import write_tiny_llama_gguf
+    from harness.make_tiny_gguf import write_tiny_llama_gguf
 
     path = write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny_no_eog") / "tiny-no-eog.gguf")
     reader = gguf.GGUFReader(path, "r+")

@@ -49,10 +49,10 @@ from pathlib import Path
 from typing import Any
 
 from benchlib import Daemon, emit_json, log, machine_info, summarize
+from harness.make_tiny_gguf import HERMES_TEMPLATE
+from harness.procs import Gateway, short_workdir
+from harness.system_prompt import build_system_prompt
 from llama_server_arm import DEFAULT_BINARY, LlamaServer
-from make_tiny_gguf import HERMES_TEMPLATE
-from procs import Gateway, short_workdir
-from system_prompt import build_system_prompt
 
 TOOLS = [
     {"type": "function", "function": {

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import benchlib as bl
-from payloads import blob_bytes
+from harness.payloads import blob_bytes
 
 from kvcache import keys
 from kvcache.client import CacheClient, Identity
@@ -394,7 +394,7 @@ def bench_size(ws: Workspace, n: int, s: Settings) -> dict[str, Any]:
 def harvest_real_pieces(ws: Workspace, quick: bool) -> list[tuple]:
     """Chats and agent loops on SmolLM2 through a runtime and a daemon; returns every
     entry saved, root first: (tokens, payload, parent index or -1, base)."""
-    from system_prompt import USER_MESSAGES, build_system_prompt
+    from harness.system_prompt import USER_MESSAGES, build_system_prompt
 
     from model_runtime.config import RuntimeConfig
     from model_runtime.runtime import Runtime, default_model_path

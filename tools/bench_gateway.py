@@ -29,8 +29,8 @@ from typing import Any
 
 import grpc
 from benchlib import Daemon, emit_json, log, machine_info, paired_ratio, summarize
-from procs import Gateway, short_workdir
-from system_prompt import build_system_prompt
+from harness.procs import Gateway, short_workdir
+from harness.system_prompt import build_system_prompt
 
 from model_runtime.v1 import runtime_pb2 as pb
 from model_runtime.v1 import runtime_pb2_grpc as pb_grpc

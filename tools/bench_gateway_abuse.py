@@ -34,7 +34,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from benchlib import emit_json, log, machine_info, summarize
-from procs import Gateway, short_workdir
+from harness.procs import Gateway, short_workdir
 
 from model_runtime.gateway.openai_api import Limits
 

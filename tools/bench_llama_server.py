@@ -51,8 +51,8 @@ from bench_llama_server_arms import (
     started,
 )
 from benchlib import fmt_ms, loadavg, ratio_of, summary_ms
+from harness.procs import short_workdir
 from llama_server_arm import DEFAULT_BINARY, LlamaServer
-from procs import short_workdir
 from ttft_harness import (
     Settings,
     Workload,

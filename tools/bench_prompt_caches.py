@@ -71,7 +71,7 @@ from bench_prompt_caches_arms import (
     run_llama_arms,
 )
 from benchlib import fmt_ms, loadavg, ratio_of, summary_ms, target
-from procs import short_workdir
+from harness.procs import short_workdir
 from ttft_harness import (
     Settings,
     add_common_options,

@@ -73,8 +73,8 @@ from benchlib import (
     throughput_mb_s,
     timed,
 )
-from procs import RedisServer
-from system_prompt import USER_MESSAGES
+from harness.procs import RedisServer
+from harness.system_prompt import USER_MESSAGES
 
 from kvcache import blob as blobfmt
 from kvcache import keys

@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from benchlib import Daemon, emit_json, log, machine_info
+from harness.procs import Gateway, short_workdir
+from harness.system_prompt import build_system_prompt
 from llama_server_arm import DEFAULT_BINARY, LlamaServer
-from procs import Gateway, short_workdir
-from system_prompt import build_system_prompt
 
 TURNS = ["Parcel 101 goes to Paris. Where is it now?", "And parcel 102, going to Lyon?",
          "Which of the two arrives first?", "Can parcel 101 be sent to Rome instead?",

@@ -64,7 +64,7 @@ from benchlib import (
     summarize,
     timed,
 )
-from system_prompt import USER_MESSAGES, build_system_prompt
+from harness.system_prompt import USER_MESSAGES, build_system_prompt
 
 from kvcache import blob as blobfmt
 from kvcache.client import CacheClient, map_file

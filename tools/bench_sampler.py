@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 from benchlib import emit_json, log, machine_info
-from system_prompt import build_system_prompt
+from harness.system_prompt import build_system_prompt
 
 from model_runtime.grammar import json_schema_grammar
 from model_runtime.llama_backend import ContextParams, LlamaContext, LlamaModel

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from benchlib import Daemon, emit_json, log, machine_info, summarize, target
-from system_prompt import USER_MESSAGES, build_system_prompt
+from harness.system_prompt import USER_MESSAGES, build_system_prompt
 
 from kvcache.client import CacheClient
 from model_runtime.config import RuntimeConfig

@@ -65,9 +65,9 @@ from typing import Any
 
 from benchlib import machine_info
 from gemma_model import gemma_model_path
+from harness.make_tiny_gguf import ARCHS
+from harness.procs import Daemon, short_workdir
 from llama_server_arm import DEFAULT_BINARY, LlamaServer, LlamaServerError
-from make_tiny_gguf import ARCHS
-from procs import Daemon, short_workdir
 from whole_state_workloads import (
     AGENT_SYSTEM,
     WORKLOADS,

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import procs
+from harness import procs
 
 from kvcache.index import dir_fsync
 

@@ -66,8 +66,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from payloads import payload_for
-from procs import Daemon
+from harness.payloads import payload_for
+from harness.procs import Daemon
 
 from kvcache import blob as blobfmt
 from kvcache import keys
@@ -89,7 +89,7 @@ KEPT = Identity("fp-crash-kept", {"type_k": "f16"}, model_name="kept.gguf")
 # by this model name are the only removals in the run.
 DISPOSABLE = Identity("fp-crash-disposable", {"type_k": "f16"}, model_name="disposable.gguf")
 FAMILY_TOKENS = 120
-# The campaign (--campaign, and tests/test_crash_harness.py with --campaign): 1,000 kills;
+# The campaign (--campaign, and tests/faults/test_crash_harness.py with --campaign): 1,000 kills;
 # CI gives it 90 minutes, so the kill phase stops at 80 and leaves the rest to the final
 # check and the shutdown (a run that stops short of the kills fails).
 CAMPAIGN_KILLS = 1000

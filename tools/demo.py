@@ -18,8 +18,8 @@ import shutil
 import sys
 from typing import Any
 
-from procs import Stack, short_workdir
-from system_prompt import USER_MESSAGES, build_system_prompt
+from harness.procs import Stack, short_workdir
+from harness.system_prompt import USER_MESSAGES, build_system_prompt
 
 
 def run(model: str | None, threads: int, n_ctx: int, n_requests: int, max_tokens: int,

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from procs import Proc
+from harness.procs import Proc
 
 SDIST_VERSION = "0.3.36"
 # The build script's output (tools/build_llama_server.sh, LLAMA_SERVER_DIR overrides the root).
@@ -71,7 +71,7 @@ def free_port() -> int:
 
 
 class LlamaServer(Proc):
-    """A ``llama-server`` child process (tools/procs.py); ``start()`` waits for ``/health``,
+    """A ``llama-server`` child process (tools/harness/procs.py); ``start()`` waits for ``/health``,
     ``stop()`` terminates it (SIGKILL after a grace period). Use as a context manager so it
     is never left running."""
 

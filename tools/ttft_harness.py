@@ -20,8 +20,8 @@ from typing import Any
 import llama_cpp
 import numpy as np
 from benchlib import cpu_model, drop_tree_from_page_cache, package_version
-from procs import Daemon
-from system_prompt import USER_MESSAGES, build_system_prompt
+from harness.procs import Daemon
+from harness.system_prompt import USER_MESSAGES, build_system_prompt
 
 from kvcache.client import CacheClient
 from model_runtime.chat.templates import ChatTemplate

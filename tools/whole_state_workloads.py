@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from make_tiny_gguf import THINK_TEMPLATE
+from harness.make_tiny_gguf import THINK_TEMPLATE
 
 from model_runtime.chat.templates import ChatTemplate
 

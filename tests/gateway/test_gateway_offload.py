@@ -1,0 +1,98 @@
+"""The gateway's helper process for large requests (model_runtime/gateway/offload.py), a
+real spawned process: it parses and renders as the gateway's own process does, answers
+refusals as the same errors, stops rendering for a caller gone, and is started again when
+it died.
+
+The scenario runs in a Python process of its own, as the gateway does: multiprocessing's
+resource tracker, which a spawned pool starts, then ends with it (not with the test run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from typing import Any
+
+from harness.make_tiny_gguf import CHATML_TEMPLATE
+from harness.procs import pythonpath_env
+
+from model_runtime.chat.formats import detect_format
+from model_runtime.chat.templates import ChatTemplate
+from model_runtime.gateway.offload import Offload, TemplateSpec, parse_request, render_plan
+from model_runtime.gateway.openai_api import ApiError, GenRequest, Limits, parse_chat
+
+SPEC = TemplateSpec(CHATML_TEMPLATE, "", "<|im_end|>", False)
+
+
+def chat_request(n: int) -> GenRequest:
+    return parse_chat({"model": "m", "messages": [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"}
+        for i in range(n)]}, None)
+
+
+def in_process(req: GenRequest) -> Any:
+    return render_plan(req, ChatTemplate(SPEC.source, bos_token=SPEC.bos, eos_token=SPEC.eos,
+                                         add_bos=SPEC.add_bos), detect_format(SPEC.source))
+
+
+async def scenario() -> None:
+    offload = Offload()
+    try:
+        await offload.start()
+        req = chat_request(40)
+        assert (await offload.render(SPEC, req)).text == in_process(req).text
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                          "max_tokens": 2}).encode()
+        there = await offload.parse(body, Limits(), "chat", "sid")
+        here = parse_request(body, Limits(), "chat", "sid")
+        assert there[:2] == here[:2] == (True, "m")
+        assert isinstance(there[2], GenRequest) and isinstance(here[2], GenRequest)
+        # (Each request gets its own id and creation time.)
+        assert replace(there[2], id="x", created=0) == replace(here[2], id="x", created=0)
+        # Refusals come back as the same errors, with whether the body was JSON at all.
+        is_json, model, refused = await offload.parse(b'{"model": "m", "messages": 3}',
+                                                      Limits(), "chat", None)
+        assert is_json and model == "m" and isinstance(refused, ApiError)
+        assert (refused.status, refused.param) == (400, "messages")
+        is_json, _, refused = await offload.parse(b'{"mod', Limits(), "chat", None)
+        assert not is_json and isinstance(refused, ApiError) and refused.status == 400
+
+        # A long rendering whose caller goes away: the helper is free again long before
+        # the rendering would have ended.
+        long = chat_request(50_000)
+        started = time.monotonic()
+        await offload.render(SPEC, long)
+        whole = time.monotonic() - started
+        task = asyncio.create_task(offload.render(SPEC, long))
+        await asyncio.sleep(whole / 4)
+        task.cancel()
+        cancelled_at = time.monotonic()
+        await offload.start()  # a job queued behind the cancelled one
+        assert time.monotonic() - cancelled_at < whole / 2, whole
+
+        # The helper killed (out of memory, say): the next job starts another and is done.
+        (helper,) = multiprocessing.active_children()
+        os.kill(helper.pid, signal.SIGKILL)
+        helper.join(10)
+        assert (await offload.render(SPEC, req)).text == in_process(req).text
+        (again,) = multiprocessing.active_children()
+        assert again.pid != helper.pid
+    finally:
+        offload.close()
+
+
+def test_the_helper_parses_and_renders_as_the_gateway_and_stops_for_a_caller_gone() -> None:
+    done = subprocess.run([sys.executable, __file__], env=pythonpath_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+if __name__ == "__main__":
+    asyncio.run(scenario())

@@ -1,0 +1,1 @@
+"""The model runtime on the tiny generated models: in-process, served, and warm against cold."""
