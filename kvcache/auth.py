@@ -89,7 +89,7 @@ def parse_token_lines(text: str, p: Path) -> dict[str, Scope]:
     """The tokens of a daemon's token file and their scopes. One token a line, then its
     scope: nothing or ``admin`` (an admin token; a file of one bare token, the original
     format, is one), or ``tenants=NAME[,NAME...]`` (a runtime token). Blank lines and
-    lines starting with ``#`` are skipped. Pure: tests/test_scoped_tokens.py."""
+    lines starting with ``#`` are skipped. Pure: tests/daemon/test_scoped_tokens.py."""
     tokens: dict[str, Scope] = {}
     for number, line in enumerate(text.splitlines(), 1):
         fields = line.split()

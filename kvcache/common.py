@@ -1,7 +1,7 @@
 """What the cache daemon (``kvcache``) and the model runtime (``model_runtime``) share: the
 names of tiers, hit kinds and save reasons, and the gRPC server both build.
 
-A leaf: it imports nothing of either package (tests/test_layering.py holds that), so the
+A leaf: it imports nothing of either package (tests/unit/test_layering.py holds that), so the
 runtime can use it without reaching into the daemon's server, and the daemon never
 depends on the runtime. Each name is defined here once; the counters of both packages
 (``kvcache.counters``, ``model_runtime.counters``) are named after these tuples.

@@ -3,7 +3,7 @@ Prometheus endpoint report (zeros included, so ``rate()`` works from the first s
 and whose help texts become the metrics' HELP lines.
 
 Names are incremented as literals in the store package, server.py and the remote
-package; tests/test_counters.py
+package; tests/daemon/test_counters.py
 checks both directions (every name used is declared here, every declared name is used)
 and provokes each one against a real daemon.
 """
@@ -107,8 +107,8 @@ COUNTERS: dict[str, str] = {name: text for section in SECTIONS.values()
 
 # The shared tier's counters (kvcache/remote/), reported by every daemon next to SECTIONS
 # (zeros without a remote) and shown as their own section by `kvcache stats`.
-# tests/test_counters.py provokes SECTIONS with no redis-server; tests/test_remote.py checks
-# these both ways and, with tests/test_remote_daemon.py, provokes each against real ones.
+# tests/daemon/test_counters.py provokes SECTIONS with no redis-server; tests/remote/test_remote.py checks
+# these both ways and, with tests/remote/test_remote_daemon.py, provokes each against real ones.
 REMOTE_ERROR_KINDS = ("connection", "timeout", "response", "auth")
 REMOTE_SECTION: dict[str, str] = {
     "remote_lookups": "Remote lookups answered",

@@ -5,7 +5,7 @@ maintained as entries come, go and are used instead of sorted anew for every sav
 The tables live in the index's LMDB environment and change in the same write transaction
 as the entry rows they describe (kvcache.index.Index calls in), so they agree with the
 entries after a crash at any instant, and a start-up after a clean shutdown reads none of
-them (tests/test_ordering.py holds each table against a full sort after random changes).
+them (tests/unit/test_ordering.py holds each table against a full sort after random changes).
 
 * ``children``  parent(16) || child(16) -> b""
 * ``by_use``    use key -> b"" for every entry (``ls``, most recently used first)

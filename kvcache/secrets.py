@@ -2,7 +2,7 @@
 signing key and password, the tenant secret): the file must be its owner's alone (mode
 0600 or 0400, no bit for group or others), or it is refused with a message naming the
 file and the ``chmod`` that fixes it. A secret others can read is no longer a secret,
-and one others can write is not the operator's. tests/test_secret_files.py holds it for
+and one others can write is not the operator's. tests/daemon/test_secret_files.py holds it for
 each kind of file.
 """
 

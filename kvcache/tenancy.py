@@ -9,7 +9,7 @@ a list of guessed names either. Entries without a tenant keep the unsalted names
 The secret: ``--tenant-secret-file``; else, with a shared tier, one derived from its
 signing key (every host of a fleet must salt alike, or none would find another's
 tenant entries); else a random one the daemon creates once in its data directory.
-tests/test_scoped_tokens.py holds the properties.
+tests/daemon/test_scoped_tokens.py holds the properties.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ and then linked to its path: the link fails rather than replace a socket another
 put there meanwhile, and at shutdown the path is removed only while it is still the
 socket made here. The socket (mode 0600) lives in a folder only its owner can enter: one
 made for it is made 0700, and one that others can enter is refused, never changed
-(tests/test_ownership.py holds these rules).
+(tests/daemon/test_ownership.py holds these rules).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ metrics' HELP lines.
 
 Names are counted as literals or f-strings in the engine, executor, resolver, save_points
 and saver modules;
-tests/test_counters.py checks that every name used is declared here (and every declared
+tests/daemon/test_counters.py checks that every name used is declared here (and every declared
 name is used) and provokes each one with a real runtime and a real daemon.
 """
 

@@ -393,7 +393,7 @@ class EngineCore:
         copied to the sequences held for the other choices, each of which gets its own
         sampler chain (its own seed) and runs as a request of its own from here, its
         events in the same queue. Every choice's first token is sampled from the same
-        scores, the prompt end's (tests/test_n_choices.py)."""
+        scores, the prompt end's (tests/runtime/test_n_choices.py)."""
         assert req.seq is not None
         for choice, seq in enumerate(req.reserved, start=1):
             self.executor.copy(req.seq, seq)
@@ -519,7 +519,7 @@ class EngineCore:
         # Requests that have not started are failed first: a running one's end releases
         # its sequence, which would be handed to a waiting request (evicting an idle
         # session for it and starting a lookup) only for that request to fail next
-        # (tests/test_runtime.py::test_close_fails_waiting_requests_without_evicting_a_session_for_them).
+        # (tests/runtime/test_runtime.py::test_close_fails_waiting_requests_without_evicting_a_session_for_them).
         for req in [*sched.waiting, *sched.resolving, *sched.running]:
             if req.seq is not None and req.phase in (Phase.PREFILL, Phase.DECODE):
                 self._finish(req, "shutdown")

@@ -123,7 +123,7 @@ class Executor:
             # The last save no longer matches this sequence. Left as it was, a later state
             # of the same length but other tokens would be taken as saved: its save skipped
             # and its key reported as finish_key although no such entry exists
-            # (tests/test_runtime.py::test_sticky_truncation_then_finish_key_names_a_real_entry).
+            # (tests/runtime/test_runtime.py::test_sticky_truncation_then_finish_key_names_a_real_entry).
             seq.saved_len, seq.saved_key = 0, b""
         return True
 

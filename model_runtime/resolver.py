@@ -117,7 +117,7 @@ class Resolver:
                 continue
             if chain[-1].meta.namespace != self.identities.namespace(req.tenant):
                 # Another tenant's entry (or another model's): a key is no pass into a
-                # namespace (tests/test_tenants_per_request.py).
+                # namespace (tests/runtime/test_tenants_per_request.py).
                 self._count(f"{source}_key_unusable")
                 continue
             if self.usable(chain, req):
@@ -188,7 +188,7 @@ class Resolver:
         sequence. Otherwise a conversation's next turn whose sequence another request has
         taken since would be prefilled cold when it comes back before its ``finish`` save
         is published
-        (tests/test_runtime.py::test_a_prompt_waits_for_this_runtime_s_queued_save_of_its_prefix)."""
+        (tests/runtime/test_runtime.py::test_a_prompt_waits_for_this_runtime_s_queued_save_of_its_prefix)."""
         cache, tokens = self.cache, req.tokens
         assert cache is not None
 
@@ -262,7 +262,7 @@ class Resolver:
             key = self.key_of(tokens, namespace, wait=True)
             # The daemon refuses to delete an entry while another runtime reads it (its
             # own work on it, such as its RAM copy, it waits for): that passes in
-            # moments, so retry (tests/test_counters.py holds a read open across the
+            # moments, so retry (tests/daemon/test_counters.py holds a read open across the
             # delete). A pinned entry stays, as it should.
             for delay in (0.05, 0.2, 0.5, 1.0, 0.0):
                 try:

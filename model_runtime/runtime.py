@@ -61,7 +61,7 @@ def generation_limit(n_prompt: int, n_ctx: int, max_tokens: int | None,
     refuses it (``context_length_exceeded``), rather than cut short with "length".
     Without one, up to DEFAULT_MAX_TOKENS (or, ``until_context_full``, any number) and
     fewer when the context fills first; the prompt must still leave room for one token.
-    (tests/test_runtime.py::test_prompt_plus_max_tokens_must_fit_the_context)"""
+    (tests/runtime/test_runtime.py::test_prompt_plus_max_tokens_must_fit_the_context)"""
     if max_tokens is not None and until_context_full:
         raise RequestError("invalid_argument", "give max_tokens or until_context_full, not "
                                                "both")

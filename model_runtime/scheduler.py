@@ -179,7 +179,7 @@ class Scheduler:
         place: the common prefix; all of them only where the sequence kept the scores
         after them (else the last is decoded again for them); 0 where cutting the
         sequence is not safe (a restored SWA/recurrent state), and 0 for another tenant's
-        KV (tests/test_tenants_per_request.py)."""
+        KV (tests/runtime/test_tenants_per_request.py)."""
         if seq.tenant != req.tenant:
             return 0
         tokens = req.tokens

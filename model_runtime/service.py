@@ -137,7 +137,7 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
         """A caller that goes away stops costing CPU: tokenizing its prompt stops at the
         next piece, and the request, queued or prefilling, ends at once (the RPC's
         termination callback cancels it: a prefill sends no event, so the stream alone
-        would learn of it only at the first token). (tests/test_gateway_limits.py)"""
+        would learn of it only at the first token). (tests/gateway/test_gateway_limits.py)"""
         rt = self.runtime
         try:
             req = rt.submit(**request_kwargs(request), cancelled=lambda: not context.is_active())

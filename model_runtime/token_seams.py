@@ -67,7 +67,7 @@ def _special_pattern(texts: tuple[str, ...]) -> re.Pattern[str]:
 def cut_points(text: str, specials: Sequence[SpecialToken], every: int) -> list[int]:
     """Seams of ``text`` (:func:`is_seam`) at least ``every`` characters apart, the first
     at or after ``every``: where it can be tokenized piece by piece with the tokens of
-    the whole. Linear in the text's length (tests/test_token_seams.py)."""
+    the whole. Linear in the text's length (tests/runtime/test_token_seams.py)."""
     texts = tuple(sorted({s.text for s in specials if s.text}))
     if not texts or every < 1:
         return []

@@ -17,7 +17,7 @@ from .options import AUTH_OPTIONS
 
 # -- commands that need a model -------------------------------------------------------------
 # They are model-runtime's (`model-runtime warm`, `model-runtime inspect`): the daemon's package
-# never imports the runtime (tests/test_layering.py). The old spellings run the new commands.
+# never imports the runtime (tests/unit/test_layering.py). The old spellings run the new commands.
 
 RUNTIME_SCRIPT = "model-runtime"
 

@@ -31,7 +31,7 @@ class KVCacheService(DataPathRPCs, AdminRPCs, pb_grpc.KVCacheServicer):
     """The RPCs. A caller's scope is its token's (kvcache.auth.Scope; no token: an admin,
     as on the owner-only unix socket). A runtime token names only its own tenants; every
     call by key answers an entry of another tenant exactly as a key that does not exist
-    (tests/test_scoped_tokens.py)."""
+    (tests/daemon/test_scoped_tokens.py)."""
 
 
 __all__ = ["OPERATOR_METHODS", "SERVICE_NAME", "KVCacheService"]

@@ -1,7 +1,7 @@
 """Who the caller is and what it may touch: its token's scope (kvcache.auth.Scope), the
 tenants it may name, the entries it may see. A runtime token names only its own tenants,
 and every call by key answers an entry of another tenant exactly as a key that does not
-exist (tests/test_scoped_tokens.py)."""
+exist (tests/daemon/test_scoped_tokens.py)."""
 
 from __future__ import annotations
 

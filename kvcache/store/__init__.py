@@ -24,7 +24,7 @@ Entries.remove_entry), so a blob without a row is always a publish cut short, ne
 removal.
 
 Modules, one concern each, in layers: each imports only modules of the layers below it
-(tests/test_layering.py::test_each_store_module_imports_only_the_layers_below_it). Read
+(tests/unit/test_layering.py::test_each_store_module_imports_only_the_layers_below_it). Read
 ``core`` first (what every part shares), then ``facade`` (how the parts are put
 together), then the part you need.
 
@@ -36,7 +36,7 @@ together), then the part you need.
                     them with the index, the counters and the store lock; every part
                     takes it as its first argument (Part).
    * ``policy``     The orders what goes first, as full sorts (kvcache.ordering keeps
-                    them in the index; tests/test_ordering.py holds them equal).
+                    them in the index; tests/unit/test_ordering.py holds them equal).
    * ``quotas``     TenantQuotas: the optional per-tenant byte quotas of each tier.
    * ``ownership``  The data directory's ``.kvcache`` marker: kvcache uses only
                     directories it made.
@@ -65,45 +65,45 @@ taken before it, never after.
 Invariants, and the tests that hold them:
 
 * An entry is visible only once its blob is durable and whole; a kill at any point loses
-  no committed entry and leaves none half-visible (tests/test_crash_harness.py::
-  test_a_hundred_kills_lose_nothing, tests/test_daemon_crash.py).
+  no committed entry and leaves none half-visible (tests/faults/test_crash_harness.py::
+  test_a_hundred_kills_lose_nothing, tests/faults/test_daemon_crash.py).
 * A removal (delete, prune, eviction, quarantine, the pieces built on an entry with it)
   that anyone could have seen is never undone by a crash, a kill or a power cut, at any
   instant: its files go, and their directories are fsynced, before one transaction drops
   its rows; start-up drops rows whose blob is gone and re-indexes only blobs, so once a row
   is gone nothing is left to bring it back, not even a rebuilt index. A RAM copy goes
   before the row stops saying "in RAM". No tombstones: a new save of a removed key is an
-  ordinary save (tests/test_durable_removals.py, one test per window of a removal, and
+  ordinary save (tests/faults/test_durable_removals.py, one test per window of a removal, and
   test_a_delete_with_pieces_and_ram_copies_killed_at_every_step_is_never_undone;
-  tests/test_crash_harness.py counts an answered delete or prune listed again as loss).
+  tests/faults/test_crash_harness.py counts an answered delete or prune listed again as loss).
 * A piece is never visible without its parent: it is published only in a transaction
-  that finds the parent, and removed with it (tests/test_pieces.py::
+  that finds the parent, and removed with it (tests/daemon/test_pieces.py::
   test_a_corrupt_piece_takes_what_is_built_on_it, test_start_up_drops_pieces_whose_parent_is_gone).
 * Eviction takes leaves, least recently used first, and never a pinned or held entry or
-  anything it is built on (tests/test_store.py::test_disk_eviction_is_least_recently_used_first,
-  test_eviction_never_takes_pinned_or_in_use_entries; tests/test_pieces.py::
+  anything it is built on (tests/unit/test_store.py::test_disk_eviction_is_least_recently_used_first,
+  test_eviction_never_takes_pinned_or_in_use_entries; tests/daemon/test_pieces.py::
   test_eviction_takes_leaves_first_and_keeps_the_shared_prefix), in exactly the order
-  kvcache.store.policy's full sorts give (tests/test_ordering.py::
+  kvcache.store.policy's full sorts give (tests/unit/test_ordering.py::
   test_the_kept_order_is_the_full_sort_after_any_changes), reading only what it evicts
-  (tests/test_store.py::test_making_room_reads_only_what_it_evicts).
+  (tests/unit/test_store.py::test_making_room_reads_only_what_it_evicts).
 * A start-up after a clean shutdown, nothing changed since, reads no entry and no blob
-  file (tests/test_store.py::
+  file (tests/unit/test_store.py::
   test_a_clean_restart_reads_no_entry_and_trusts_the_recorded_tally); any change since
   means the full reconcile (test_a_change_after_a_clean_shutdown_means_the_full_reconcile).
 * A tenant's saves evict its own entries while it is at its disk quota, never another
-  tenant's for it; an entry larger than its quota is refused (tests/test_quotas.py).
+  tenant's for it; an entry larger than its quota is refused (tests/daemon/test_quotas.py).
 * Room that cannot be made is refused before anything is evicted or dropped
-  (tests/test_store.py::test_a_save_that_cannot_fit_evicts_nothing,
+  (tests/unit/test_store.py::test_a_save_that_cannot_fit_evicts_nothing,
   test_a_copy_that_cannot_fit_in_ram_drops_no_other_copy).
 * The byte tally equals what the index and files hold after every change
-  (tests/test_store.py::test_tier_counts_follow_every_change).
-* A pin answered OK is never undone by a concurrent removal (tests/test_load.py::
+  (tests/unit/test_store.py::test_tier_counts_follow_every_change).
+* A pin answered OK is never undone by a concurrent removal (tests/faults/test_load.py::
   test_a_pin_is_never_lost_to_a_concurrent_eviction_prune_or_delete).
 * A delete never removes a pinned entry or one a client reads; it waits (bounded) for
-  the daemon's own work on an entry (tests/test_store.py::
+  the daemon's own work on an entry (tests/unit/test_store.py::
   test_a_delete_waits_for_the_daemon_s_own_work_bounded).
 * A bad blob is found before any of its bytes is used, and quarantined
-  (tests/test_corruption.py).
+  (tests/faults/test_corruption.py).
 """
 
 from __future__ import annotations

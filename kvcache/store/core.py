@@ -1,6 +1,6 @@
 """The store's core: the state every part of the store shares, and nothing that acts on
 it. It imports nothing else of the store; every other module of the store is built on it
-(tests/test_layering.py holds the order, see the package docstring).
+(tests/unit/test_layering.py holds the order, see the package docstring).
 
 * StoreConfig: the settings, fixed.
 * Layout: the name of every folder and file, fixed.
@@ -140,7 +140,7 @@ class Tally:
     Kept as entries come and go rather than counted from the index: Stats and every
     metrics scrape read them, and counting index rows costs ~20 ms at 10,000 entries. The
     numbers equal what the index and the files hold after every change
-    (tests/test_store.py::test_tier_counts_follow_every_change).
+    (tests/unit/test_store.py::test_tier_counts_follow_every_change).
 
     Not thread-safe: every method is called with Store._cond held (or at start-up, before
     any other thread runs). Reading an attribute without it sees a recent value."""
@@ -264,8 +264,8 @@ class ReadPins:
     released or expired), by a piece being saved on it (until commit or abort), by its RAM
     placement and by a check of its copies. A held entry is not evicted, pruned, deleted
     or dropped from RAM, and neither is anything it is built on (policy.leaf_first_order
-    leaves out their ancestors): tests/test_store.py::
-    test_eviction_never_takes_pinned_or_in_use_entries and tests/test_pieces.py::
+    leaves out their ancestors): tests/unit/test_store.py::
+    test_eviction_never_takes_pinned_or_in_use_entries and tests/daemon/test_pieces.py::
     test_pins_and_reads_protect_what_an_entry_is_built_on.
 
     Reads are counted here as they happen (hits and last use per key) and written to the

@@ -43,7 +43,7 @@ def record_from(entry: keys.EntryKey, header: blobfmt.BlobHeader, meta: blobfmt.
 class Entries(Part):
     """Published entries and the pieces built on each (parent -> children): eviction takes
     only leaves, and removing an entry removes what is built on it, in one index
-    transaction, so no piece is ever visible without its parent (tests/test_pieces.py::
+    transaction, so no piece is ever visible without its parent (tests/daemon/test_pieces.py::
     test_a_corrupt_piece_takes_what_is_built_on_it,
     test_prune_removes_an_entry_only_with_what_is_built_on_it).
 
@@ -121,7 +121,7 @@ class Entries(Part):
         is extended by a later one, never shortened, and never turns a pin without end
         into one that ends."""
         # Under the lock evictions, prunes and deletes decide under: a pin answered OK is
-        # never undone by a removal that chose the entry before it (tests/test_load.py::
+        # never undone by a removal that chose the entry before it (tests/faults/test_load.py::
         # test_a_pin_is_never_lost_to_a_concurrent_eviction_prune_or_delete).
         with self._cond:
             old = self._index.get(key)
@@ -165,7 +165,7 @@ class Entries(Part):
         it); refused while any of them is pinned or read by a client. Held only by the
         daemon's own work (its RAM copy being made, a check, a piece being saved on it),
         it is waited for, up to ``delete_wait_seconds``: an operator's delete right after
-        a save must not fail on a copy it cannot see (tests/test_pieces.py::
+        a save must not fail on a copy it cannot see (tests/daemon/test_pieces.py::
         test_a_delete_waits_for_the_daemon_s_own_work_on_an_entry). Returns what went,
         the entry first. Takes the store lock (and gives it up while waiting)."""
         deadline = time.monotonic() + self._config.delete_wait_seconds
@@ -215,7 +215,7 @@ class Entries(Part):
 
         Evictions too: an evicted entry that came back would be whole and valid, but a
         daemon that says it evicted must not find it again, nor would its pieces' removals
-        hold (tests/test_durable_removals.py). A batch pays one fsync per folder.
+        hold (tests/faults/test_durable_removals.py). A batch pays one fsync per folder.
 
         A piece whose commit is under way is in the children map before it is visible, so
         its file is removed here and its row either goes with the others or is never
@@ -282,7 +282,7 @@ class RamCopies(Part):
         The files go before the index stops saying "in RAM": the RAM tier outlives the
         daemon, and start-up takes a whole copy it finds for the entry's copy, so a crash
         after the flag but before the unlink would bring back a copy a prune had answered
-        for (tests/test_durable_removals.py::
+        for (tests/faults/test_durable_removals.py::
         test_a_ram_copy_dropped_by_a_prune_stays_dropped_after_a_kill). In between, the
         store lock keeps every read from choosing the copy."""
         if not records:

@@ -32,15 +32,15 @@ def room_slack(size: int, budget: int) -> int:
 class Evictor(Part):
     """Chooses and removes what goes to make room. Pinned entries, held ones (read,
     checked, being copied, or the parent of a piece being saved) and everything they are
-    built on never go (tests/test_store.py::test_eviction_never_takes_pinned_or_in_use_entries).
+    built on never go (tests/unit/test_store.py::test_eviction_never_takes_pinned_or_in_use_entries).
 
     Either tier refuses up front, removing nothing, when removing everything that may go
-    would still not make room (tests/test_store.py::test_a_save_that_cannot_fit_evicts_nothing,
+    would still not make room (tests/unit/test_store.py::test_a_save_that_cannot_fit_evicts_nothing,
     test_a_copy_that_cannot_fit_in_ram_drops_no_other_copy).
 
     What is held and what was read since the last usage flush live in ReadPins; the
     orders merge them in (kvcache.ordering), as the policy's full sorts do
-    (tests/test_ordering.py).
+    (tests/unit/test_ordering.py).
 
     A tenant with a quota (kvcache.store.quotas) makes room among its own entries first
     (plan_tenant_room_on_disk, make_tenant_room_in_ram), in the same order filtered to

@@ -25,7 +25,7 @@ class Integrity(Part):
     a bad RAM copy (the disk copy good) only the copy.
 
     Thread-safe: an entry is held like a read while its copies are checked, so no
-    eviction, delete or RAM drop takes a file from under the check (tests/test_load.py::
+    eviction, delete or RAM drop takes a file from under the check (tests/faults/test_load.py::
     test_verify_holds_the_entry_it_checks). Store._cond is taken around the hold and the
     quarantine bookkeeping, never while a file is read."""
 
@@ -108,7 +108,7 @@ class Integrity(Part):
             if self._index.get(key) is None:
                 if not keys_:
                     # Listed, then evicted or deleted: gone, not bad, and not reported
-                    # (tests/test_load.py::test_verify_skips_entries_removed_while_it_runs).
+                    # (tests/faults/test_load.py::test_verify_skips_entries_removed_while_it_runs).
                     continue
                 yield key, NO_SUCH_ENTRY, i, total
                 continue

@@ -9,7 +9,7 @@ keep no table: each of their pages reads every entry (a scan, kept to the page's
 memory). Pages are continued by a token (the position of the last entry shown), so a
 listing holds nothing in the daemon between pages; an entry used while a listing pages
 on may show twice or not at all, as in any listing of a changing set
-(tests/test_store.py::test_a_listing_pages_in_order_with_reads_not_yet_in_the_index).
+(tests/unit/test_store.py::test_a_listing_pages_in_order_with_reads_not_yet_in_the_index).
 """
 
 from __future__ import annotations

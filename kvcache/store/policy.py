@@ -2,7 +2,7 @@
 
 These functions are the policy's definition, as full sorts of every record. The daemon
 does not sort: kvcache.ordering keeps the same orders in the index as entries change,
-and tests/test_ordering.py holds it to these functions on random sequences of changes.
+and tests/unit/test_ordering.py holds it to these functions on random sequences of changes.
 Operators' prunes (which choose among filtered entries) still sort with them.
 
 LRU is predictable for operators ("what was not used for longest goes first") and fits

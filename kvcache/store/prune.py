@@ -48,7 +48,7 @@ class _PrunePlan:
 class Pruner(Part):
     """Decides and removes under Store._cond, held for the whole prune (taken in
     ``prune``): a pin or a read either lands before the plan sees it or after the
-    removal (tests/test_load.py::
+    removal (tests/faults/test_load.py::
     test_a_pin_is_never_lost_to_a_concurrent_eviction_prune_or_delete)."""
 
     def __init__(self, core: StoreCore, entries: Entries, ram: RamCopies) -> None:

@@ -53,7 +53,7 @@ class Publisher(Part):
 
     Crash safety: a crash before the LMDB commit leaves at worst a temp file (swept at
     start-up) or an unindexed blob (re-indexed from its header at start-up)
-    (tests/test_daemon_crash.py, tests/test_crash_harness.py)."""
+    (tests/faults/test_daemon_crash.py, tests/faults/test_crash_harness.py)."""
 
     def __init__(self, core: StoreCore, entries: Entries, evictor: Evictor,
                  placer: RamPlacer) -> None:
@@ -124,7 +124,7 @@ class Publisher(Part):
             # No room is made here (a save that could never fit is refused): a client
             # could reserve the whole budget, evict every tenant's entries and abort. Room
             # is made as the bytes arrive (_claim_room;
-            # tests/test_reservations.py::test_a_reservation_nobody_writes_evicts_nothing).
+            # tests/daemon/test_reservations.py::test_a_reservation_nobody_writes_evicts_nothing).
             self._evictor.make_room_on_disk(size, evict=False)
             lease_id = secrets.token_hex(16)
             tmp_path = self._layout.tmp_path(lease_id)
@@ -204,7 +204,7 @@ class Publisher(Part):
                     # A raw write is short when the disk fills: every byte of the chunk is
                     # written or the save fails (a write of nothing is ENOSPC), so no blob
                     # is published shorter than what the stream verifier saw
-                    # (tests/test_full_disk.py::
+                    # (tests/faults/test_full_disk.py::
                     # test_disk_filling_after_the_reservation_aborts_the_write_cleanly).
                     n = res.file.write(view)
                     if not n:
@@ -293,7 +293,7 @@ class Publisher(Part):
                 # Any I/O failure here (a full disk also fails the index commit: LMDB grows
                 # its file) aborts the save: the renamed blob file is removed, the key is no
                 # longer in flight, and the writer gets RESOURCE_EXHAUSTED or INTERNAL
-                # (tests/test_full_disk.py::test_disk_full_at_commit_aborts_and_removes_the_blob).
+                # (tests/faults/test_full_disk.py::test_disk_full_at_commit_aborts_and_removes_the_blob).
                 error = self._save_io_error(exc, res, "committing")  # free space before cleanup
                 if renamed:
                     final.unlink(missing_ok=True)

@@ -8,7 +8,7 @@ A tenant at its quota makes room among its own entries (kvcache.store.eviction),
 valuable first, so what its saves push out of the shared budget is bounded by its quota;
 an entry larger than the quota is refused (disk) or never copied (RAM). Usage is the
 store's Tally, kept per tenant, recounted from the index at a start-up that reconciles
-and recorded by a clean shutdown (tests/test_quotas.py).
+and recorded by a clean shutdown (tests/daemon/test_quotas.py).
 
 Entries are per namespace and a tenant's namespace is its own (a salted hash), so no
 entry is shared between tenants: each counts against exactly one tenant.

@@ -107,7 +107,7 @@ class Reads(Part):
             except (blobfmt.BlobError, OSError) as exc:
                 # A file that is gone or unreadable (OSError) is as bad as a failed checksum:
                 # the entry is checked and quarantined, and the reader gets Corrupt (DATA_LOSS),
-                # never UNKNOWN (tests/test_corruption.py::test_campaign_damaged_blob_files).
+                # never UNKNOWN (tests/faults/test_corruption.py::test_campaign_damaged_blob_files).
                 corrupt = True
                 raise Corrupt(f"entry {key.hex()} failed verification ({exc}); quarantined") \
                     from None

@@ -63,37 +63,37 @@ class Reconcile(Part):
     What it holds, and the tests that hold it:
 
     * temp files kvcache made are swept, anything else is left alone with a warning
-      (tests/test_store.py::test_start_up_sweeps_orphan_temp_files);
+      (tests/unit/test_store.py::test_start_up_sweeps_orphan_temp_files);
     * an index row whose blob is missing or of another size is dropped, the blob
-      quarantined (tests/test_store.py::test_index_rows_and_files_are_reconciled,
-      tests/test_daemon_crash.py::test_index_row_whose_file_is_gone_is_removed);
+      quarantined (tests/unit/test_store.py::test_index_rows_and_files_are_reconciled,
+      tests/faults/test_daemon_crash.py::test_index_row_whose_file_is_gone_is_removed);
     * a blob the index does not know is re-indexed from its checksummed header, each
-      piece after its parent (tests/test_daemon_crash.py::
-      test_blob_renamed_but_not_indexed_is_reindexed, tests/test_pieces.py::
+      piece after its parent (tests/faults/test_daemon_crash.py::
+      test_blob_renamed_but_not_indexed_is_reindexed, tests/daemon/test_pieces.py::
       test_a_lost_index_is_rebuilt_parents_first). That never undoes a removal: removals
       take the files, durably, before the rows (Entries.remove_entry), so such a blob is
       a publish that a crash cut short between its rename and its index commit
-      (tests/test_durable_removals.py);
+      (tests/faults/test_durable_removals.py);
     * a piece whose chain is broken goes, with what is built on it
-      (tests/test_pieces.py::test_start_up_drops_pieces_whose_parent_is_gone);
+      (tests/daemon/test_pieces.py::test_start_up_drops_pieces_whose_parent_is_gone);
     * RAM flags follow the RAM tier's files, whole <key>.kvc copies only
-      (tests/test_store.py::test_a_ram_copy_cut_short_by_a_crash_is_not_taken_for_the_copy);
+      (tests/unit/test_store.py::test_a_ram_copy_cut_short_by_a_crash_is_not_taken_for_the_copy);
       a dropped copy is unlinked before its flag is cleared, so a copy found is never one
-      a prune or an eviction dropped (tests/test_durable_removals.py::
+      a prune or an eviction dropped (tests/faults/test_durable_removals.py::
       test_a_ram_copy_dropped_by_a_prune_stays_dropped_after_a_kill);
-    * an entry without passes rows gets them, its row otherwise kept (tests/test_store.py::
+    * an entry without passes rows gets them, its row otherwise kept (tests/unit/test_store.py::
       test_an_entry_without_passes_rows_gets_them_at_start_up_and_keeps_its_row);
     * a new block size re-keys the entries
-      (tests/test_store.py::test_a_new_block_size_rekeys_the_entries);
+      (tests/unit/test_store.py::test_a_new_block_size_rekeys_the_entries);
     * after a clean shutdown with nothing changed since, no entry row and no blob file is
-      read, only the RAM tier's files (tests/test_store.py::
+      read, only the RAM tier's files (tests/unit/test_store.py::
       test_a_clean_restart_reads_no_entry_and_trusts_the_recorded_tally); any write to the
       index or any file added, renamed or removed in the blob folders since means the
       full reconcile (test_a_change_after_a_clean_shutdown_means_the_full_reconcile); a
       blob damaged in place since is found by the checksum of its first read
       (test_a_blob_damaged_in_place_after_a_clean_shutdown_is_found_on_read);
     * the ordering tables (kvcache.ordering) of an older index, or of one whose rows were
-      dropped undecoded, are rebuilt from the rows (tests/test_store.py::
+      dropped undecoded, are rebuilt from the rows (tests/unit/test_store.py::
       test_the_eviction_order_of_an_older_index_is_built_at_start_up)."""
 
     def __init__(self, core: StoreCore, entries: Entries, integrity: Integrity) -> None:
@@ -243,7 +243,7 @@ class Reconcile(Part):
         # its seal no longer matches) is dropped, and its blob file, left in on_disk, is
         # re-indexed from its checksummed header (_reindex): a good entry is not lost to its
         # index row, and no row is served that its blob denies
-        # (tests/test_corruption.py::test_campaign_damaged_index_rows_and_files_at_rest).
+        # (tests/faults/test_corruption.py::test_campaign_damaged_index_rows_and_files_at_rest).
         good, bad = self._index.audit()
         stale: list[bytes] = list(bad)
         ram_fixes: list[Record] = []

@@ -16,7 +16,7 @@ template's source, and how an agent's history is handed to that template.
   so a tool round trip reuses the previous turn's KV.
 
 Reasoning markers (``<think>``/``</think>`` and a few others) are found in the template.
-(tests/test_chat_formats.py)
+(tests/unit/test_chat_formats.py)
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ JSON schemas become rules through llama.cpp's converter as llama-cpp-python port
 schemas share one grammar: each one's ``$defs`` are renamed apart first (the converter
 names a definition's rule after its last path segment alone).
 
-The grammars here (tests/test_chat_grammars.py parses each one with llama.cpp and feeds it
+The grammars here (tests/unit/test_chat_grammars.py parses each one with llama.cpp and feeds it
 the texts it must accept and refuse):
 
 * :func:`schema_grammar`: one JSON value of a schema (``response_format``);

@@ -6,7 +6,7 @@ Each stage holds back only what it cannot place yet: the start of a marker
 (``<tool_c``), an escape cut in two (``\\u00e``), whitespace that may end a reasoning
 block. Tool-call arguments stream as the model writes them (OpenAI's argument chunks);
 a call's first delta carries its id and name.
-(tests/test_chat_parsing.py)
+(tests/unit/test_chat_parsing.py)
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ them with the tools (in the system message for the hermes, llama3 and generic fa
 so a second request with the same system prompt and tools restores them. Every earlier
 turn is rendered as the model wrote it where the family allows (see
 :mod:`.formats`), so a tool round trip continues the previous turn's KV.
-(tests/test_chat_prompt.py)
+(tests/unit/test_chat_prompt.py)
 """
 
 from __future__ import annotations

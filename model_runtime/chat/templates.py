@@ -8,7 +8,7 @@ tokenize it with special tokens parsed.
 
 A template that starts its text with the BOS token's text, for a model whose tokenizer adds
 BOS itself, would give two BOS tokens: that text is dropped (as llama.cpp's server does).
-(tests/test_chat_templates.py)
+(tests/unit/test_chat_formats.py)
 """
 
 from __future__ import annotations

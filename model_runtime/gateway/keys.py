@@ -15,7 +15,7 @@ from this file, never from the request.
 Operator views (``/status``, and ``/metrics`` unfiltered) need an operator: a key marked
 ``role=admin``, or, on a gateway without a key file, a caller on loopback. A tenant's key
 reads ``/metrics`` of its own tenant only and is refused ``/status``
-(``app.require_operator``; tests/test_gateway_limits.py).
+(``app.require_operator``; tests/gateway/test_gateway_limits.py).
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ class GatewayMetrics:
 class TenantView:
     """A registry's samples of one tenant only (what ``generate_latest`` reads): a
     family's samples of other tenants, and families without a tenant label, are left out.
-    (tests/test_gateway_limits.py::test_a_tenant_sees_only_its_own_numbers)"""
+    (tests/gateway/test_gateway_limits.py::test_a_tenant_sees_only_its_own_numbers)"""
 
     def __init__(self, registry: CollectorRegistry, tenant: str) -> None:
         self.registry = registry

@@ -251,7 +251,7 @@ class Limits:
     """The work one request may ask for; each bound is refused with a 4xx naming it.
     ``body_bytes`` is checked before the body is read (Content-Length) and while it is
     (a body sent without one); the others once it is parsed, before any rendering.
-    (tests/test_gateway_limits.py)"""
+    (tests/gateway/test_gateway_limits.py)"""
 
     body_bytes: int = 4 << 20
     messages: int = 4096

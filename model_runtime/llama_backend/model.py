@@ -173,7 +173,7 @@ class LlamaModel(Owner):
         time, cut where llama.cpp cuts the text anyway (:func:`cut_points`): linear in
         the text's length, and ``cancelled`` is asked between pieces (true: raises
         :class:`TokenizeCancelled`). A vocabulary never tokenized in parts is tokenized
-        whole. (tests/test_token_seams.py)"""
+        whole. (tests/runtime/test_token_seams.py)"""
         specials = self.seam_specials
         cuts = cut_points(text, specials, piece_chars) if specials is not None and \
             len(text) > piece_chars else []
@@ -189,7 +189,7 @@ class LlamaModel(Owner):
                        cancelled: Callable[[], bool] | None = None) -> list[int] | None:
         """``tokenize(text)`` where ``head_tokens`` are ``tokenize(text[:at])``, tokenizing
         only ``text[at:]``; None where that could give other tokens (see
-        :mod:`~model_runtime.token_seams`; tests/test_token_seams.py compares both ways)."""
+        :mod:`~model_runtime.token_seams`; tests/runtime/test_token_seams.py compares both ways)."""
         specials = self.seam_specials
         if specials is None or not is_seam(text, at, specials):
             return None
