@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from kvcache.client import CacheClient, LoadedBlob
 from kvcache.common import HIT_EXACT, HIT_PARTIAL, TIER_LIVE
 
-from . import kv_cells, pieces
+from . import kv_build, pieces
 from .config import RuntimeConfig
 from .identity import Identities
 from .kv_cells import StateFormatError
@@ -47,7 +47,7 @@ class Executor:
         self.on_latency = on_latency
         # Restores build llama.cpp's bytes here: kept across restores so its pages are
         # faulted in once, not on every restore.
-        self._join_scratch = kv_cells.Scratch()
+        self._join_scratch = kv_build.Scratch()
 
     # -- reuse: a saved state, or a live sequence -----------------------------------------
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from kvcache.client import LoadedBlob
 
-from . import kv_cells
+from . import kv_build, kv_cells
 from .kv_cells import Layout, StateFormatError
 
 __all__ = ["Cut", "JoinedState", "cut", "decode_layout", "encode_layout", "join",
@@ -119,7 +119,7 @@ class JoinedState:
 
 
 def join(chain: Sequence[LoadedBlob], n_tokens: int, seq_id: int,
-         scratch: kv_cells.Scratch | None = None, n_stream: int = 1) -> JoinedState:
+         scratch: kv_build.Scratch | None = None, n_stream: int = 1) -> JoinedState:
     """The state of the first ``n_tokens`` tokens of a chain (root first, as
     ``CacheClient.load_chain`` returns it; pieces past them are not read), for sequence
     ``seq_id``. Raises StateFormatError when the pieces do not fit together.
@@ -187,7 +187,7 @@ def join(chain: Sequence[LoadedBlob], n_tokens: int, seq_id: int,
         tail: memoryview | np.ndarray | bytes = _window_tail(layout, used, n_tokens, seq_id)
     else:
         tail = _tail(layout, *used[-1]) if layout.tail else b""
-    state = kv_cells.build_state(layout, runs, seq_id=seq_id,
+    state = kv_build.build_state(layout, runs, seq_id=seq_id,
                                  forms=[form for _, form, _, _ in used],
                                  takes=[take for _, _, take, _ in used], scratch=scratch,
                                  tail=tail)
@@ -219,7 +219,7 @@ def _window_tail(layout: Layout, used: list[tuple[LoadedBlob, str, int, int]], n
         runs.append(blob.payload[size:size + _window_bytes(layout, base, end)])
         skips.append(lo - held_from)
         takes.append(hi - lo)
-    section = kv_cells.build_state(layout.window_layout(), runs, seq_id=seq_id,
+    section = kv_build.build_state(layout.window_layout(), runs, seq_id=seq_id,
                                    forms=kv_cells.FORM_PLANES, takes=takes, skips=skips,
                                    first_pos=start)
     # llama.cpp's window cache follows the first as a state's body does its header: its

@@ -33,7 +33,7 @@ from typing import Any
 import llama_cpp as _lc
 import numpy as np
 
-from .. import kv_cells
+from .. import kv_build, kv_cells
 from .binding import Owner
 from .errors import LlamaDecodeError, LlamaError, LlamaLoadError
 from .model import LlamaModel
@@ -393,7 +393,7 @@ class LlamaContext(Owner):
         if not self._canonical():
             return buf.data.toreadonly()
         try:
-            return kv_cells.to_single_stream(buf.data, self._n_stream).toreadonly()
+            return kv_build.to_single_stream(buf.data, self._n_stream).toreadonly()
         except kv_cells.StateFormatError as exc:
             raise LlamaError(str(exc)) from None
 
@@ -425,9 +425,9 @@ class LlamaContext(Owner):
         if len(src) < kv_cells.HEADER.size:
             return 0
         extra = 0
-        if self._canonical() and kv_cells.is_single_stream(src):
+        if self._canonical() and kv_build.is_single_stream(src):
             extra = 4 * (self._n_stream - 1)
-            src = kv_cells.widen_streams(src, self._n_stream, self._scratch(len(src) + extra))
+            src = kv_build.widen_streams(src, self._n_stream, self._scratch(len(src) + extra))
         n = int(
             _lc.llama_state_seq_set_data(
                 ctx, src.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), len(src), seq_id

@@ -21,7 +21,7 @@ import pytest
 from kvcache.blob import BlobMeta, encode_blob
 from kvcache.client import CacheClient, LoadedBlob
 from kvcache.v1 import kvcache_pb2 as pb
-from model_runtime import kv_cells, pieces
+from model_runtime import kv_build, kv_cells, pieces
 from model_runtime.llama_backend import LlamaModel
 from model_runtime.runtime import Runtime
 from tests.support.daemon_proc import DaemonProcess, wait_for
@@ -128,7 +128,7 @@ def test_a_root_is_stored_as_llama_cpp_s_bytes_and_restored_as_stored(
         assert bytes(ctx.state_seq_get(2)) == fresh_state(ctx, 2, tokens[:90])
         # A root that does not hold positions 0..n-1 is refused, not handed to llama.cpp.
         layout = kv_cells.layout_of(state)
-        shifted = kv_cells.build_state(layout, kv_cells.planes_bytes(state, 0, 120),
+        shifted = kv_build.build_state(layout, kv_cells.planes_bytes(state, 0, 120),
                                        seq_id=0, forms=kv_cells.FORM_PLANES, first_pos=1)
         with pytest.raises(pieces.StateFormatError, match="positions 0..n-1"):
             pieces.join([blob(tokens, shifted, layout=root.cell_layout)], 90, seq_id=2)

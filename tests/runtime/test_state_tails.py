@@ -21,13 +21,13 @@ import pytest
 from kvcache.blob import BlobMeta
 from kvcache.client import LoadedBlob
 from model_runtime import pieces
+from model_runtime.kv_build import build_state
 from model_runtime.kv_cells import (
     FORM_CELLS,
     FORM_PLANES,
     FORM_STATE,
     Layout,
     StateFormatError,
-    build_state,
     form_of,
     parse,
     planes_bytes,

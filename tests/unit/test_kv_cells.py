@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from harness.make_tiny_gguf import write_tiny_llama_gguf
 
+from model_runtime.kv_build import Scratch, build_state
 from model_runtime.kv_cells import (
     FORM_CELLS,
     FORM_PLANES,
@@ -25,9 +26,7 @@ from model_runtime.kv_cells import (
     CellState,
     LayerLayout,
     Layout,
-    Scratch,
     StateFormatError,
-    build_state,
     cells_bytes,
     form_of,
     layout_of,
