@@ -62,8 +62,9 @@ def usage_message(label: str, name: str, u: Mapping[str, int | None]) -> pb.Tena
                          disk_entries=u["disk_entries"], ram_bytes=u["ram_bytes"],
                          ram_entries=u["ram_entries"], open_saves=u["open_saves"],
                          reserved_bytes=u["reserved_bytes"])
-    if u["disk_quota_bytes"] is not None:
-        msg.disk_quota_bytes = u["disk_quota_bytes"]  # type: ignore[assignment]
-    if u["ram_quota_bytes"] is not None:
-        msg.ram_quota_bytes = u["ram_quota_bytes"]  # type: ignore[assignment]
+    disk_quota, ram_quota = u["disk_quota_bytes"], u["ram_quota_bytes"]
+    if disk_quota is not None:  # unset: no quota (the field is optional)
+        msg.disk_quota_bytes = disk_quota
+    if ram_quota is not None:
+        msg.ram_quota_bytes = ram_quota
     return msg
