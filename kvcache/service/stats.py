@@ -10,26 +10,10 @@ from typing import TypedDict, cast
 from ..common import TIER_DISK, TIER_RAM
 from ..counters import REMOTE_SECTION
 from ..remote import RemoteTier
-from ..store import Store
+from ..store import Store, StoreStats
 
 # A gauge's name and labels, as kvcache.metrics.Metrics.add_snapshot takes them.
 Gauges = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-class StoreStats(TypedDict):
-    """What ``Store.stats()`` reports (it is declared as ``dict[str, object]``)."""
-
-    counters: dict[str, int]  # every declared counter, zeros included
-    disk_used: int
-    ram_used: int
-    disk_entries: int
-    ram_entries: int
-    reserved_bytes: int
-    logical_bytes: int
-    in_flight: int
-    waiting_lookups: int
-    read_pins: int
-    uptime: float  # seconds
 
 
 class RemoteCounters(TypedDict):
@@ -51,7 +35,7 @@ class RemoteState(RemoteCounters, total=False):
 
 
 def store_stats(store: Store) -> StoreStats:
-    return cast(StoreStats, store.stats())
+    return store.stats()
 
 
 def remote_state(tier: RemoteTier | None) -> RemoteState:

@@ -109,7 +109,7 @@ Invariants, and the tests that hold them:
 from __future__ import annotations
 
 from ..common import TIER_DISK, TIER_RAM
-from .core import BLOB_SUFFIX, TMP_SUFFIX, GiB, ReadPin, Reservation, StoreConfig
+from .core import BLOB_SUFFIX, TMP_SUFFIX, GiB, ReadPin, Reservation, StoreConfig, StoreStats
 from .facade import Found, Store
 from .integrity import NO_SUCH_ENTRY
 from .prune import PruneResult
@@ -130,5 +130,6 @@ __all__ = [
     "ReserveResult",
     "Store",
     "StoreConfig",
+    "StoreStats",
     "TenantQuotas",
 ]

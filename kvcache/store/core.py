@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypedDict
 
 from .. import blob as blobfmt
 from .. import keys
@@ -111,6 +112,22 @@ class Layout:
     def disk_free(self) -> int:
         st = os.statvfs(self.root)
         return st.f_bavail * st.f_frsize
+
+
+class StoreStats(TypedDict):
+    """What ``Store.stats()`` reports: the figures of the Stats RPC and the metrics."""
+
+    counters: dict[str, int]  # every declared counter, zeros included
+    disk_used: int
+    ram_used: int
+    disk_entries: int
+    ram_entries: int
+    reserved_bytes: int
+    logical_bytes: int
+    in_flight: int
+    waiting_lookups: int
+    read_pins: int
+    uptime: float  # seconds
 
 
 @dataclass

@@ -25,7 +25,7 @@ from ..counters import COUNTERS
 from ..errors import DirectoryInUse
 from ..index import Index, Record
 from . import listing, ramtier
-from .core import Layout, ReadPin, StoreConfig, StoreCore
+from .core import Layout, ReadPin, StoreConfig, StoreCore, StoreStats
 from .entries import Entries, RamCopies, check_tokens
 from .eviction import Evictor
 from .integrity import Integrity
@@ -392,7 +392,7 @@ class Store:
                                   max_ram_bytes=max_ram_bytes, dry_run=dry_run,
                                   ram_predicate=ram_predicate)
 
-    def stats(self) -> dict[str, object]:
+    def stats(self) -> StoreStats:
         with self._cond:
             tally = self._tally
             return {
