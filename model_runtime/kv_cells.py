@@ -71,7 +71,6 @@ from .kv_layout import (
     FORM_CELLS,
     FORM_PLANES,
     FORM_STATE,
-    HEADER,
     MAX_STREAMS,
     META_WORDS,
     ROW_HEADER,
@@ -107,6 +106,8 @@ __all__ = [
 ]
 
 _CACHE_LINE = 64
+# A state's header before its (first) cache, which begins with its stream count.
+_MAGIC_AND_SEQ = struct.Struct("<Ii")  # magic, source seq_id
 _NO_TAIL = np.zeros(0, dtype=np.uint8)
 _NO_TAIL.flags.writeable = False
 
@@ -190,9 +191,19 @@ def parse(state: BytesLike | np.ndarray, *, tail: bool = False) -> CellState:
     """
     buf = np.frombuffer(state, dtype=np.uint8)
     r = _Reader(buf)
-    magic, seq_id, n_stream = r.unpack(HEADER, "header")
+    magic, seq_id = r.unpack(_MAGIC_AND_SEQ, "header")
     if magic != STATE_MAGIC:
         raise StateFormatError(f"not a sequence state: magic {magic:#010x}")
+    cells = _parse_cache(r, seq_id, tail)
+    if r.remaining() and not tail:
+        raise StateFormatError(_trailing_message(buf, r.off, cells.layout.n_stream))
+    return cells
+
+
+def _parse_cache(r: _Reader, seq_id: int, tail: bool) -> CellState:
+    """One KV cache's part of a state, from its stream count on (what llama.cpp's
+    ``llama_kv_cache::state_write`` writes); with ``tail``, what follows it is the tail."""
+    (n_stream,) = r.unpack(U32, "stream count")
     if not 1 <= n_stream <= MAX_STREAMS:
         raise StateFormatError(f"implausible stream count {n_stream}")
     found: tuple[int, _Stream] | None = None
@@ -203,14 +214,12 @@ def parse(state: BytesLike | np.ndarray, *, tail: bool = False) -> CellState:
         if found is not None:
             raise StateFormatError(f"cells in more than one stream ({found[0]} and {s})")
         found = s, _parse_stream(r, n_cells, seq_id)
-    if r.remaining() and not tail:
-        raise StateFormatError(_trailing_message(buf, r.off, n_stream))
     if found is None:
         raise StateFormatError("state holds no cells")
     stream, st = found
     layout = Layout(v_trans=st.v_trans, layers=st.layers, n_stream=n_stream, stream=stream,
                     tail=tail)
-    rest = _readonly(buf[r.off:]) if tail else _NO_TAIL
+    rest = _readonly(r.buf[r.off:]) if tail else _NO_TAIL
     return CellState(layout, seq_id, st.positions, st.k_planes, st.v_planes, rest)
 
 
@@ -304,10 +313,10 @@ def window_of(cells: CellState, window: int) -> CellState:
     full-attention cache, then its window's): the cells of the last ``window``
     positions, in the cache's order. :class:`StateFormatError` when the tail is not such a
     cache or holds other positions (a window of another kind)."""
-    section = np.empty(HEADER.size - U32.size + len(cells.tail), dtype=np.uint8)
-    HEADER.pack_into(section.data, 0, STATE_MAGIC, cells.seq_id, 0)  # its n_stream follows
-    section[HEADER.size - U32.size:] = cells.tail
-    found = parse(section)
+    r = _Reader(cells.tail)
+    found = _parse_cache(r, cells.seq_id, tail=False)
+    if r.remaining():
+        raise StateFormatError(f"{r.remaining()} bytes follow the window's cache")
     n = cells.n_cells
     if found.layout.v_trans != cells.layout.v_trans or found.layout.n_stream != \
             cells.layout.n_stream or not np.array_equal(

@@ -31,7 +31,7 @@ import numpy as np
 
 from kvcache.client import LoadedBlob
 
-from . import kv_build, kv_cells
+from . import kv_build, kv_cells, kv_layout
 from .kv_cells import Layout, StateFormatError
 
 __all__ = ["Cut", "JoinedState", "cut", "decode_layout", "encode_layout", "join",
@@ -73,39 +73,35 @@ def cut(state: bytes | memoryview, base: int, end: int | None = None, *,
     it. With ``window`` the tail is a sliding window of that many positions, stored as
     the planes of its cells the range holds (Layout.window): a piece built on a parent
     that ends where it starts finds the rest of its window in its chain."""
-    if window:
-        return _cut_windowed(state, base, end, window)
-    cells = kv_cells.parse(state, tail=tail)
+    cells = kv_cells.parse(state, tail=tail or bool(window))
     if not cells.is_prefix:
         raise StateFormatError("the state's cells do not hold positions 0..n-1")
-    end = cells.n_cells if end is None else end
-    if not 0 <= base < end <= cells.n_cells:
-        raise ValueError(f"cells [{base}, {end}) outside a state of {cells.n_cells} cells")
-    if tail and end != cells.n_cells:
-        raise ValueError(f"a state with a tail holds it at cell {cells.n_cells}, not {end}")
-    if base == 0 and end == cells.n_cells:
+    n = cells.n_cells
+    end = n if end is None else end
+    if not 0 <= base < end <= n:
+        raise ValueError(f"cells [{base}, {end}) outside a state of {n} cells")
+    if (tail or window) and end != n:
+        raise ValueError(f"a state with a tail holds it at cell {n}, not {end}")
+    if window:
+        held = kv_cells.window_of(cells, window)
+        first = n - len(held.positions)  # the window's cells hold positions first..n-1
+        own = kv_cells.planes_bytes(held, max(base, n - window) - first, n - first)
+        layout = replace(cells.layout, window=window, window_layers=held.layout.layers)
+        return Cut(_joined(kv_cells.planes_bytes(cells, base, n), own), encode_layout(layout),
+                   n)
+    if base == 0 and end == n:
         return Cut(memoryview(state).toreadonly(),
                    encode_layout(cells.layout, kv_cells.FORM_STATE), end)
     planes = kv_cells.planes_bytes(cells, base, end)
-    if tail:  # one copy more of the new cells; the tail is what makes the checkpoint
-        planes = np.concatenate([np.frombuffer(planes, np.uint8), cells.tail]).data
-    return Cut(planes.toreadonly(), encode_layout(cells.layout), end)
+    # One copy more of the new cells with a tail: the tail is what makes the checkpoint.
+    return Cut(_joined(planes, cells.tail) if tail else planes, encode_layout(cells.layout),
+               end)
 
 
-def _cut_windowed(state: bytes | memoryview, base: int, end: int | None, window: int) -> Cut:
-    cells = kv_cells.parse(state, tail=True)
-    n = cells.n_cells
-    if not cells.is_prefix:
-        raise StateFormatError("the state's cells do not hold positions 0..n-1")
-    if end not in (None, n) or not 0 <= base < n:
-        raise ValueError(f"a state with a tail holds it at cell {n}: [{base}, {end}) asked")
-    held = kv_cells.window_of(cells, window)
-    layout = replace(cells.layout, window=window, window_layers=held.layout.layers)
-    first = n - len(held.positions)  # the window's cells hold positions first..n-1
-    own = kv_cells.planes_bytes(held, max(base, n - window) - first, n - first)
-    payload = np.concatenate([np.frombuffer(kv_cells.planes_bytes(cells, base, n), np.uint8),
-                              np.frombuffer(own, np.uint8)])
-    return Cut(payload.data.toreadonly(), encode_layout(layout), n)
+def _joined(cells: memoryview, after: memoryview | np.ndarray) -> memoryview:
+    """A run of cells followed by what a piece keeps after them, as one read-only buffer."""
+    return np.concatenate([np.frombuffer(cells, np.uint8),
+                           np.frombuffer(after, np.uint8)]).data.toreadonly()
 
 
 @dataclass(frozen=True)
@@ -183,14 +179,10 @@ def join(chain: Sequence[LoadedBlob], n_tokens: int, seq_id: int,
     # planar run is its cells' bytes, without the tail that follows them.
     runs = [blob.payload if form == kv_cells.FORM_STATE else blob.payload[:size]
             for blob, form, _, size in used]
-    if layout.window:
-        tail: memoryview | np.ndarray | bytes = _window_tail(layout, used, n_tokens, seq_id)
-    else:
-        tail = _tail(layout, *used[-1]) if layout.tail else b""
     state = kv_build.build_state(layout, runs, seq_id=seq_id,
                                  forms=[form for _, form, _, _ in used],
                                  takes=[take for _, _, take, _ in used], scratch=scratch,
-                                 tail=tail)
+                                 tail=_tail(layout, used, n_tokens, seq_id))
     return JoinedState(state, chain[-1].meta.tokens[:n_tokens])
 
 
@@ -224,15 +216,21 @@ def _window_tail(layout: Layout, used: list[tuple[LoadedBlob, str, int, int]], n
                                    first_pos=start)
     # llama.cpp's window cache follows the first as a state's body does its header: its
     # stream count first (the magic and the sequence id are the state's, written once).
-    return section[kv_cells.HEADER.size - kv_cells.U32.size:]
+    return section[kv_layout.HEADER.size - kv_layout.U32.size:]
 
 
-def _tail(layout: Layout, piece: LoadedBlob, form: str, _take: int,
-          size: int) -> memoryview | np.ndarray:
-    """The tail after a piece's ``size`` bytes of cells (its layout has tails)."""
+def _tail(layout: Layout, used: list[tuple[LoadedBlob, str, int, int]], n: int,
+          seq_id: int) -> memoryview | np.ndarray | bytes:
+    """What follows the cells of a state of ``n`` tokens joined from ``used`` (piece, form,
+    cells taken, bytes of cells): nothing, the last piece's tail, or a window's cache."""
+    if layout.window:
+        return _window_tail(layout, used, n, seq_id)
+    if not layout.tail:
+        return b""
+    last, form, _, size = used[-1]
     if form == kv_cells.FORM_STATE:
-        return kv_cells.parse_state_run(piece.payload, layout).tail
-    return piece.payload[size:]
+        return kv_cells.parse_state_run(last.payload, layout).tail
+    return last.payload[size:]
 
 
 def stored_logits(chain: Sequence[LoadedBlob], n_vocab: int) -> dict[int, np.ndarray]:

@@ -228,7 +228,8 @@ class Saver:
         if job.window and parent is not None and parent.n_tokens > shared:
             # A window's cells are kept only at the end of each piece: build on a piece
             # that ends where this one starts (its window holds what this one's needs).
-            ends = [p for p in hit.chain if p.n_tokens <= shared] if hit is not None else []
+            assert hit is not None  # the parent came from it
+            ends = [p for p in hit.chain if p.n_tokens <= shared]
             parent = ends[-1] if ends else None
             shared = parent.n_tokens if parent is not None else 0
         try:

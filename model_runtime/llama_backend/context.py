@@ -33,7 +33,7 @@ from typing import Any
 import llama_cpp as _lc
 import numpy as np
 
-from .. import kv_build, kv_cells
+from .. import kv_build, kv_cells, kv_layout
 from .binding import Owner
 from .errors import LlamaDecodeError, LlamaError, LlamaLoadError
 from .model import LlamaModel
@@ -422,7 +422,7 @@ class LlamaContext(Owner):
         ctx = self._h()
         _lc.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
         src = np.frombuffer(data, dtype=np.uint8)
-        if len(src) < kv_cells.HEADER.size:
+        if len(src) < kv_layout.HEADER.size:
             return 0
         extra = 0
         if self._canonical() and kv_build.is_single_stream(src):
