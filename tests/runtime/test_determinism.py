@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -55,22 +54,6 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     d = DaemonProcess(tmp_path_factory.mktemp("determinism") / "data", *BLOCKS).start()
     yield d
     d.close()
-
-
-@pytest.fixture
-def runtimes(request: pytest.FixtureRequest) -> Iterator[Callable[..., Runtime]]:
-    made: list[Runtime] = []
-
-    def make(model: Path, address: str | None, **overrides: object) -> Runtime:
-        overrides.setdefault("tenant", request.node.name)
-        rt = Runtime(model, cache_address=address,
-                     config=replace(CONFIG, **overrides))  # type: ignore[arg-type]
-        made.append(rt)
-        return rt
-
-    yield make
-    for rt in reversed(made):
-        rt.close()
 
 
 def check_every_path(model: Path, daemon: DaemonProcess, make: Callable[..., Runtime],

@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from harness.procs import Daemon
 
 from kvcache.blob import BlobMeta
 from kvcache.client import LoadedBlob
@@ -37,7 +38,7 @@ from model_runtime.llama_backend import ContextParams, LlamaContext, LlamaModel
 from model_runtime.runtime import Runtime
 from tests.support.runtime_calls import flush
 from tests.support.tiny_llama import generate_greedy, prefill, sample_prompt
-from tests.support.warm_cold import BLOCKS, CONFIG
+from tests.support.warm_cold import BLOCKS
 
 N = 100  # tokens of the deeper checkpoint
 BASE = 40  # tokens of the shallower one, its parent
@@ -154,26 +155,11 @@ def test_a_state_with_a_tail_is_served_only_whole_and_never_joined_with_other_ru
         pieces.join([chain[0], blob(tokens, short, base=BASE)], N, seq_id=0)
 
 
-@pytest.fixture
-def runtimes() -> Iterator[Callable[..., Runtime]]:
-    made: list[Runtime] = []
-
-    def make(model: Path, address: str | None, **overrides: object) -> Runtime:
-        rt = Runtime(model, cache_address=address,
-                     config=replace(CONFIG, **overrides))  # type: ignore[arg-type]
-        made.append(rt)
-        return rt
-
-    yield make
-    for rt in reversed(made):
-        rt.close()
-
-
 def test_a_next_turn_stores_only_its_new_cells_and_its_tail(
-        model_path: Path, daemon_factory: Callable[..., object],
+        model_path: Path, daemon_factory: Callable[..., Daemon],
         runtimes: Callable[..., Runtime]) -> None:
     d = daemon_factory(*BLOCKS)
-    rt = runtimes(model_path, d.address)  # type: ignore[attr-defined]
+    rt = runtimes(model_path, d.address)
     cold = runtimes(model_path, None, n_seq_max=1)
     first_prompt = sample_prompt(rt.tokenize, 150)
     first = rt.complete(tokens=first_prompt, max_tokens=4)

@@ -18,7 +18,6 @@ tier, over a corrupt blob, and across tenants.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -47,22 +46,6 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     d = DaemonProcess(tmp_path_factory.mktemp("whole-states") / "data", *BLOCKS).start()
     yield d
     d.close()
-
-
-@pytest.fixture
-def runtimes(request: pytest.FixtureRequest) -> Iterator[Callable[..., Runtime]]:
-    made: list[Runtime] = []
-
-    def make(model: Path, address: str | None, **overrides: object) -> Runtime:
-        overrides.setdefault("tenant", request.node.name)
-        rt = Runtime(model, cache_address=address,
-                     config=replace(CONFIG, **overrides))  # type: ignore[arg-type]
-        made.append(rt)
-        return rt
-
-    yield make
-    for rt in reversed(made):
-        rt.close()
 
 
 class Stored:
