@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness.procs import short_workdir
+from harness.procs import REPO, short_workdir
 
 from kvcache.config import ENV_ADDRESS, ENV_DIR
 from kvcache.store.ramtier import tier_dir
@@ -198,6 +198,37 @@ def test_two_gateways_started_at_once_in_one_home_share_one_daemon(
     finally:
         for gw in (one, two):
             gw.close()
+        kill_leftovers(pids)
+
+
+def readme_gateway_snippet() -> str:
+    """The first Python snippet of README's gateway section."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## OpenAI-compatible gateway"):]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start:section.index("```", start)]
+
+
+def test_the_readme_s_first_gateway_snippet_runs_as_written(
+        home: Path, tiny_model: Path) -> None:
+    """Against a gateway started as README says (the tiny model under the default one's
+    name), only the URL changed: it used a system prompt it never defined."""
+    gw = GatewayProcess(home / "gateway.log", "--model",
+                        f"SmolLM2-135M-Instruct.Q4_1={tiny_model}", "--n-ctx", "8192",
+                        cache=None, env=home_env(home))
+    pids: list[int] = []
+    try:
+        gw.start()
+        pids = [cache_status(gw)["pid"]]
+        code = readme_gateway_snippet().replace("http://127.0.0.1:8000", gw.url)
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120, check=False)
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.splitlines()
+        assert len(lines) == 2 and int(lines[0].split()[0]) < 10, lines
+        assert int(lines[1].split()[0]) > 1000, lines  # the system prompt, from cache
+    finally:
+        gw.close()
         kill_leftovers(pids)
 
 
