@@ -109,6 +109,8 @@ class CacheDaemon(Supervised):
     def start(self) -> None:
         self._first = asyncio.get_running_loop().create_future()
         super().start()
+        assert self._task is not None  # supervision that ends unsettled leaves no waiter
+        self._task.add_done_callback(lambda _: self._settle_first("supervision ended"))
 
     async def started(self) -> str | None:
         """Once a daemon serves for the first time: None; or why none could be started."""
