@@ -17,10 +17,13 @@ from typing import Any
 
 DATA_MARKER = ".kvcache"
 MARKER_FORMAT = 1
-# The names kvcache itself puts in a data directory (the fingerprint memo of the runtime
-# included): a folder holding only these is one of ours that merely lacks the marker.
+# The names kvcache itself puts in a data directory (the runtime's fingerprint memo and
+# default socket, the gateway's stored responses included: they may come before any
+# daemon ran there): a folder holding only these is one of ours that merely lacks the
+# marker.
 DATA_DIR_NAMES = frozenset({"index", "blobs", "tmp", "quarantine", "daemon.lock", "ram",
-                            "kvcache.sock", "fingerprints.json", "tenant-secret"})
+                            "kvcache.sock", "fingerprints.json", "tenant-secret",
+                            "model-runtime.sock", "gateway-responses"})
 # Blob files (<key>.kvc) and temp files (<key or lease id>.part): 16 bytes in hex. Only
 # names of this shape are ever swept.
 _OWN_FILE = re.compile(r"[0-9a-f]{32}\.(kvc|part)")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +36,9 @@ FilePath = click.Path(dir_okay=False, path_type=Path)
 @click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Worker processes per --model, shared by every tenant.")
 @click.option("--cache", "cache_address", default=None,
-              help="kvcache daemon address for the workers (default: the default daemon); "
-                   "'none' to run without a cache.")
+              help="kvcache daemon address for the workers, which must answer at start-up; "
+                   "'none' to run without a cache. Default: the default daemon, started by "
+                   "the gateway when none answers (and stopped with it).")
 @click.option("--threads", type=click.IntRange(1), default=None,
               help="--threads of each worker (default: the runtime's).")
 @click.option("--n-ctx", type=click.IntRange(1), default=None,
@@ -112,8 +115,6 @@ def gateway(listen: str, models: tuple[str, ...], config_path: Path | None, work
             responses_max_bytes: int, responses_ttl: float, **supervision: Any) -> None:
     """Serve the OpenAI API (chat and text completions, responses) and Anthropic's Messages
     API over supervised model workers."""
-    from kvcache.config import default_address
-
     from .keys import ApiKeys, KeyConfigError, check_listener, tls_context
     from .settings import (
         GatewaySettings,
@@ -154,11 +155,9 @@ def gateway(listen: str, models: tuple[str, ...], config_path: Path | None, work
         if not specs:
             specs = [default_model(workers, tuple(args))]
         settings = GatewaySettings(
-            models=tuple(specs), listen=listen,
-            cache_address=None if cache_address == "none"
-            else cache_address or default_address(),
-            supervision=sup, run_dir=run_dir, api_keys_file=api_keys_file,
-            tls_cert=tls_cert, tls_key=tls_key, insecure_tcp=insecure_tcp,
+            models=tuple(specs), listen=listen, supervision=sup, run_dir=run_dir,
+            api_keys_file=api_keys_file, tls_cert=tls_cert, tls_key=tls_key,
+            insecure_tcp=insecure_tcp,
             limits=Limits(body_bytes=max_body_bytes, messages=max_messages, chars=max_chars),
             max_slots_per_tenant=max_slots_per_tenant,
             cache_ttls=cache_ttl_seconds(cache_ttls),
@@ -167,11 +166,33 @@ def gateway(listen: str, models: tuple[str, ...], config_path: Path | None, work
         keys = ApiKeys.load(api_keys_file) if api_keys_file else None
         tls = tls_context(tls_cert, tls_key, tls_client_ca)
         check_listener(split_listen(listen)[0], keys, tls, insecure_tcp)
+        # Last: it may wait for an answer (the checks above are instant).
+        address, keep_daemon = cache_choice(cache_address)
+        settings = replace(settings, cache_address=address, keep_cache_daemon=keep_daemon)
     except (SettingsError, KeyConfigError) as exc:
         raise click.ClickException(str(exc)) from None
     from .server import run
 
     run(settings, keys, tls)
+
+
+def cache_choice(given: str | None) -> tuple[str | None, bool]:
+    """(the workers' cache address, whether the gateway keeps a daemon there). An address
+    that was named (``--cache`` or ``KVCACHE_ADDRESS``) must answer now; the default one
+    gets a daemon started by the gateway when none answers (cache_daemon.py)."""
+    from kvcache.config import ENV_ADDRESS, default_address
+
+    from .cache_daemon import require_daemon
+
+    if given == "none":
+        return None, False
+    if given:
+        require_daemon(given, "--cache")
+        return given, False
+    if os.environ.get(ENV_ADDRESS):
+        require_daemon(os.environ[ENV_ADDRESS], ENV_ADDRESS)
+        return os.environ[ENV_ADDRESS], False
+    return default_address(), True
 
 
 def default_model(workers: int, args: tuple[str, ...]) -> ModelSpec:

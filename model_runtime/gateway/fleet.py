@@ -29,6 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvcache.config import default_dir
+
+from .cache_daemon import CacheDaemon
 from .keys import ApiKeys
 from .metrics import GatewayMetrics
 from .openai_api import ApiError
@@ -95,8 +98,19 @@ class Fleet:
                 pool.append(worker)
                 self.workers.append(worker)
         self.sessions = SessionMap()
+        self.cache_daemon = CacheDaemon(settings.cache_address, default_dir(),
+                                        settings.supervision) \
+            if settings.keep_cache_daemon and settings.cache_address else None
 
     # -- lifetime ---------------------------------------------------------------------------
+
+    async def start_cache(self) -> str | None:
+        """Before the workers: the daemon the gateway keeps, serving (its own child or
+        another process's). None once it serves; else why none could be started."""
+        if self.cache_daemon is None:
+            return None
+        self.cache_daemon.start()
+        return await self.cache_daemon.started()
 
     def start(self) -> None:
         for worker in self.workers:
@@ -105,6 +119,9 @@ class Fleet:
     async def stop(self) -> None:
         self.stopping = True
         await asyncio.gather(*(w.stop() for w in self.workers))
+        # After the workers: they save their live sequences to it as they stop.
+        if self.cache_daemon is not None:
+            await self.cache_daemon.stop()
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
         else:  # only what the workers made there (a killed runtime leaves its socket)
@@ -138,7 +155,15 @@ class Fleet:
                 "models": [{**model, "max_slots_per_tenant":
                             self.tenant_bound(self.pools[model["id"]])}
                            for model in self.models()],
+                "cache": self.cache_status(),
                 "workers": [w.status() for w in self.workers]}
+
+    def cache_status(self) -> dict[str, Any]:
+        """The workers' cache daemon: the one the gateway keeps (its state, and whether
+        it is the gateway's child), or an address it was given (managed: false)."""
+        if self.cache_daemon is not None:
+            return self.cache_daemon.status()
+        return {"address": self.settings.cache_address, "managed": False}
 
     # -- admission --------------------------------------------------------------------------
 

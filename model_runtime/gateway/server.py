@@ -1,5 +1,6 @@
-"""The gateway's lifetime: workers up, HTTP(S) listener up, until SIGTERM or SIGINT; then
-the listener closes, requests in flight end, and every worker is stopped."""
+"""The gateway's lifetime: the cache daemon it keeps (if any) serving, HTTP(S) listener up,
+workers up, until SIGTERM or SIGINT; then the listener closes, requests in flight end,
+every worker is stopped, then the daemon it started."""
 
 from __future__ import annotations
 
@@ -34,6 +35,10 @@ async def serve(settings: GatewaySettings, keys: ApiKeys | None,
                            shutdown_timeout=5.0, lingering_time=0)
     await runner.setup()
     try:
+        problem = await fleet.start_cache()
+        if problem is not None:
+            raise SystemExit(f"cannot start a cache daemon at {settings.cache_address}: "
+                             f"{problem} (--cache none runs without one)")
         site = web.TCPSite(runner, host, port, ssl_context=tls)
         try:
             await site.start()
@@ -51,7 +56,8 @@ async def serve(settings: GatewaySettings, keys: ApiKeys | None,
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
-        log.info("stopping: closing the listener, then the workers")
+        log.info("stopping: closing the listener, then the workers%s",
+                 ", then the cache daemon" if fleet.cache_daemon else "")
         await site.stop()
         await fleet.stop()
     finally:

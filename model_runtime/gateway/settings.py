@@ -90,6 +90,9 @@ class GatewaySettings:
     models: tuple[ModelSpec, ...]
     listen: str = DEFAULT_LISTEN
     cache_address: str | None = None  # None: run the workers without a cache
+    # The address is the default one: the gateway keeps a daemon there, starting one
+    # when none answers (cache_daemon.py).
+    keep_cache_daemon: bool = False
     supervision: Supervision = field(default_factory=Supervision)
     run_dir: Path | None = None  # where worker sockets live (default: a private temp dir)
     api_keys_file: Path | None = None

@@ -1,11 +1,11 @@
-"""Start a worker so that it dies with the gateway: ``python -m model_runtime.gateway.spawn
-PARENT_PID -- COMMAND...``.
+"""Start a child of the gateway (a worker, the cache daemon it starts) so that it dies with
+the gateway: ``python -m model_runtime.gateway.spawn PARENT_PID -- COMMAND...``.
 
-The gateway starts each worker in a new session (its own process group, which the gateway
+The gateway starts each child in a new session (its own process group, which the gateway
 signals as a whole) through this wrapper, which asks the kernel to SIGKILL the process
-when its parent dies (``prctl(PR_SET_PDEATHSIG)``) and then execs the worker in place. The
-setting survives ``execve``, so even a SIGKILLed gateway, which runs no clean-up, leaves
-no worker behind. It is done here rather than in a ``preexec_fn``, which runs Python
+when its parent dies (``prctl(PR_SET_PDEATHSIG)``) and then execs the command in place.
+The setting survives ``execve``, so even a SIGKILLed gateway, which runs no clean-up,
+leaves no child behind. It is done here rather than in a ``preexec_fn``, which runs Python
 between ``fork`` and ``exec`` in a process whose other threads (gRPC's) hold locks.
 """
 
@@ -28,7 +28,7 @@ def main(argv: list[str]) -> None:
         sys.exit(f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(ctypes.get_errno())}")
     # The parent may have died before prctl took effect: then no signal will ever come.
     if os.getppid() != parent:
-        sys.exit("the gateway exited before its worker started")
+        sys.exit("the gateway exited before its child started")
     os.execvp(argv[3], argv[3:])
 
 

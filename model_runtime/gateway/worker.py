@@ -20,10 +20,8 @@ import contextlib
 import itertools
 import logging
 import os
-import signal
 import sys
 import time
-from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,21 +29,30 @@ from typing import Any
 
 import grpc
 import grpc.aio
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ..chat.formats import ChatFormat, detect_format
 from ..chat.templates import ChatTemplate, TemplateError
 from ..v1 import runtime_pb2 as pb
 from ..v1 import runtime_pb2_grpc as pb_grpc
 from .offload import TemplateSpec
-from .ring import LogRing
 from .router import PrefixTracker, tenant_text
 from .settings import ModelSpec, Supervision
+from .supervisor import (
+    FAILED,
+    READY,
+    RESTARTING,
+    STARTING,
+    STOPPED,
+    StartError,
+    Supervised,
+    spawned_command,
+)
+
+__all__ = ["FAILED", "READY", "RESTARTING", "STARTING", "STOPPED", "Flight", "RuntimeRefused",
+           "StartError", "Worker", "WorkerFailure", "process_cpu_seconds"]
 
 log = logging.getLogger("model_runtime.gateway")
 
-STARTING, READY, RESTARTING, FAILED, STOPPED = (
-    "starting", "ready", "restarting", "failed", "stopped")
 # CPU use (share of one core) that counts as a worker computing on its requests. An idle
 # runtime's housekeeping (gRPC polling, the cache probe) stays far below it.
 BUSY_FRACTION = 0.1
@@ -73,10 +80,6 @@ class RuntimeRefused(Exception):
         self.message = message
 
 
-class StartError(Exception):
-    pass
-
-
 @dataclass(eq=False)
 class Flight:
     """A request in flight on a worker: it holds its slots until released."""
@@ -100,19 +103,17 @@ def process_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
-class Worker:
+class Worker(Supervised):
+    died_reason = "worker_died"
+    unhealthy_reason = "worker_restarted"
+
     def __init__(self, name: str, spec: ModelSpec, socket_path: Path,
                  cache_address: str | None, supervision: Supervision,
                  on_restart: Callable[[Worker, str], None] | None = None) -> None:
-        self.name = name
+        super().__init__(name, f"worker {name}", supervision, on_restart)
         self.spec = spec
         self.socket_path = socket_path
         self.cache_address = cache_address
-        self.sup = supervision
-        self.on_restart = on_restart
-        self.state = STARTING
-        self.proc: asyncio.subprocess.Process | None = None
-        self.channel: grpc.aio.Channel | None = None
         self.stub: pb_grpc.ModelRuntimeStub | None = None
         self.slots = 0  # the runtime's n_seq_max, known once it serves
         self.n_ctx = 0
@@ -123,26 +124,11 @@ class Worker:
         self.template_spec: TemplateSpec | None = None  # to rebuild it elsewhere
         self.flights: dict[int, Flight] = {}
         self.served = 0
-        self.restarts = 0
-        self.logs = LogRing(supervision.log_lines)
-        self.restart_history = LogRing(supervision.log_lines)
         self.tracker = PrefixTracker()
-        self.started_at = 0.0  # monotonic time of the last spawn
-        self.ready_at = 0.0
-        self.last_start_s: float | None = None  # spawn to serving, last time
         self.cpu_progress_at = 0.0
-        self._restart_times: deque[float] = deque()
-        self._exited: asyncio.Future[int] | None = None
-        self._health_failures = 0
-        self._stopping = False
-        self._task: asyncio.Task[None] | None = None
-        self._log_task: asyncio.Task[None] | None = None
+        self._cpu_seen: tuple[float, float | None] = (0.0, None)  # (when, CPU seconds)
 
     # -- what routing sees ------------------------------------------------------------------
-
-    @property
-    def ready(self) -> bool:
-        return self.state == READY
 
     @property
     def in_flight(self) -> int:
@@ -157,19 +143,16 @@ class Worker:
         """Slots ``tenant``'s requests hold here."""
         return sum(f.slots for f in self.flights.values() if f.tenant == tenant)
 
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None and self.proc.returncode is None \
-            else None
-
     def command(self) -> list[str]:
         """No ``--tenant``: every request names its tenant (the runtime's default tenant,
         "", is never used by the gateway's requests)."""
-        py = sys.executable
-        return [py, "-m", "model_runtime.gateway.spawn", str(os.getpid()), "--",
-                py, "-m", "model_runtime.cli", "serve", "--model", str(self.spec.path),
-                "--socket", str(self.socket_path), "--cache", self.cache_address or "none",
-                *self.spec.args]
+        return spawned_command([
+            sys.executable, "-m", "model_runtime.cli", "serve", "--model", str(self.spec.path),
+            "--socket", str(self.socket_path), "--cache", self.cache_address or "none",
+            *self.spec.args])
+
+    def target(self) -> str:
+        return f"unix:{self.socket_path}"
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -252,7 +235,9 @@ class Worker:
             return flight.failure
         return WorkerFailure("worker_error", f"worker {self.name}: {code.name}: {details}")
 
-    def _fail_flights(self, reason: str, detail: str) -> None:
+    # -- lifetime (supervisor.py; what is a worker's own) ------------------------------------
+
+    def _on_failure(self, reason: str, detail: str) -> None:
         """Fail every request in flight now; their handlers answer at once."""
         failure = WorkerFailure(reason, detail)
         for flight in list(self.flights.values()):
@@ -261,102 +246,12 @@ class Worker:
                 if flight.call is not None:
                     flight.call.cancel()
 
-    # -- lifetime ---------------------------------------------------------------------------
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._supervise(), name=f"worker-{self.name}")
-
-    async def stop(self) -> None:
-        """Fail what is in flight, then SIGTERM (the runtime saves its live sequences),
-        SIGKILL after the grace period."""
-        self._stopping = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        self._fail_flights("gateway_stopping", "the gateway is stopping")
-        await self._kill()
-        self.state = STOPPED
-
-    async def _supervise(self) -> None:
-        while not self._stopping:
-            reason, detail = await self._incarnation()
-            if self._stopping:
-                return
-            log.warning("worker %s: %s (%s); restarting", self.name, reason, detail)
-            self.state = RESTARTING
-            self._fail_flights(reason, detail)
-            await self._kill()
-            self.restarts += 1
-            self.restart_history.add(f"{reason}: {detail}")
-            self.logs.add(f"[gateway] {reason}: {detail}")
-            if self.on_restart is not None:
-                self.on_restart(self, reason)
-            now = time.monotonic()
-            self._restart_times.append(now)
-            while self._restart_times and \
-                    now - self._restart_times[0] > self.sup.crash_loop_window_s:
-                self._restart_times.popleft()
-            recent = len(self._restart_times)
-            if recent > self.sup.crash_loop_restarts:
-                self.state = FAILED
-                message = (f"{recent} restarts within {self.sup.crash_loop_window_s:g} s: "
-                           "crash loop, not restarting")
-                self.restart_history.add(message)
-                log.error("worker %s: %s", self.name, message)
-                return
-            await asyncio.sleep(min(self.sup.backoff_max_s,
-                                    self.sup.backoff_s * 2 ** (recent - 1)))
-
-    async def _incarnation(self) -> tuple[str, str]:
-        """Start the process and watch it until something is wrong: (reason, detail)."""
-        try:
-            await self._spawn()
-            await self._wait_serving()
-        except StartError as exc:
-            return "start_failed", str(exc)
-        self.state = READY
-        self.ready_at = time.monotonic()
-        self.last_start_s = round(self.ready_at - self.started_at, 3)
-        log.info("worker %s ready (pid %s, %d slots) in %.2f s", self.name, self.pid,
-                 self.slots, self.last_start_s)
-        return await self._watch()
-
-    async def _spawn(self) -> None:
+    def _spawned(self) -> None:
         self.tracker.clear()  # the new process has no live sequences
-        self.started_at = time.monotonic()
-        try:
-            self.proc = await asyncio.create_subprocess_exec(
-                *self.command(), stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True, limit=1 << 20)  # its own session: its own group
-        except OSError as exc:
-            raise StartError(f"cannot start {sys.executable}: {exc}") from None
-        proc = self.proc
-        self._exited = asyncio.ensure_future(proc.wait())
-        assert proc.stdout is not None
-        self._log_task = asyncio.create_task(self._read_log(proc.stdout))
-        self.channel = grpc.aio.insecure_channel(f"unix:{self.socket_path}")
+        assert self.channel is not None
         self.stub = pb_grpc.ModelRuntimeStub(self.channel)
 
-    async def _wait_serving(self) -> None:
-        assert self.channel is not None and self._exited is not None
-        health = health_pb2_grpc.HealthStub(self.channel)
-        deadline = self.started_at + self.sup.start_timeout_s
-        while True:
-            if self._exited.done():
-                tail = " | ".join(self.logs.tail(3))
-                raise StartError(f"exited with status {self._exited.result()} while "
-                                 f"starting: {tail}")
-            if time.monotonic() > deadline:
-                raise StartError(f"not serving {self.sup.start_timeout_s:g} s after start")
-            try:
-                answer = await health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                if answer.status == health_pb2.HealthCheckResponse.SERVING:
-                    break
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(0.05)
+    async def _serving(self) -> None:
         assert self.stub is not None
         try:
             stats = await self.stub.Stats(pb.RuntimeStatsRequest(), timeout=10)
@@ -375,34 +270,24 @@ class Worker:
             except TemplateError as exc:
                 log.warning("worker %s: %s; chats are refused", self.name, exc)
 
-    async def _watch(self) -> tuple[str, str]:
-        assert self.proc is not None and self._exited is not None
-        pid = self.proc.pid
-        tick = min(0.25, self.sup.stall_window_s / 4)
-        self._health_failures = 0
-        health = asyncio.create_task(self._health_loop())
-        previous = (time.monotonic(), process_cpu_seconds(pid))
-        self.cpu_progress_at = previous[0]
-        try:
-            while True:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    status = await asyncio.wait_for(asyncio.shield(self._exited), tick)
-                    return "worker_died", f"exited with status {status}"
-                now, cpu = time.monotonic(), process_cpu_seconds(pid)
-                if cpu is not None and previous[1] is not None and \
-                        cpu - previous[1] >= BUSY_FRACTION * (now - previous[0]):
-                    self.cpu_progress_at = now
-                previous = (now, cpu)
-                stalled = self._stalled_for(now)
-                if stalled is not None:
-                    return "stall_timeout", (f"no progress for {stalled:.1f} s on a request "
-                                             f"in flight (window {self.sup.stall_window_s:g} "
-                                             "s)")
-                if self._health_failures >= self.sup.health_failures:
-                    return "worker_restarted", (f"health check failed "
-                                                f"{self._health_failures} times in a row")
-        finally:
-            health.cancel()
+    def _watching(self) -> None:
+        now = time.monotonic()
+        self._cpu_seen = (now, process_cpu_seconds(self.pid) if self.pid else None)
+        self.cpu_progress_at = now
+
+    def _trouble(self, now: float) -> tuple[str, str] | None:
+        """A request in flight with no progress (no event, no CPU) for the stall window."""
+        cpu = process_cpu_seconds(self.pid) if self.pid else None
+        then, seen = self._cpu_seen
+        if cpu is not None and seen is not None and \
+                cpu - seen >= BUSY_FRACTION * (now - then):
+            self.cpu_progress_at = now
+        self._cpu_seen = (now, cpu)
+        stalled = self._stalled_for(now)
+        if stalled is None:
+            return None
+        return "stall_timeout", (f"no progress for {stalled:.1f} s on a request in flight "
+                                 f"(window {self.sup.stall_window_s:g} s)")
 
     def _stalled_for(self, now: float) -> float | None:
         """How long a request has waited on this worker with no progress, if longer than
@@ -415,55 +300,9 @@ class Worker:
                 return idle
         return None
 
-    async def _health_loop(self) -> None:
-        assert self.channel is not None
-        health = health_pb2_grpc.HealthStub(self.channel)
-        while True:
-            await asyncio.sleep(self.sup.health_interval_s)
-            try:
-                answer = await health.Check(health_pb2.HealthCheckRequest(),
-                                            timeout=self.sup.health_timeout_s)
-                ok = answer.status == health_pb2.HealthCheckResponse.SERVING
-            except grpc.aio.AioRpcError:
-                ok = False
-            self._health_failures = 0 if ok else self._health_failures + 1
-
-    async def _read_log(self, stream: asyncio.StreamReader) -> None:
-        while True:
-            try:
-                line = await stream.readline()
-            except ValueError:  # a line beyond the limit: keep its start
-                line = await stream.read(LogRing.MAX_LINE)
-            if not line:
-                return
-            text = line.decode("utf-8", errors="replace").rstrip()
-            self.logs.add(text)
-            log.info("worker %s: %s", self.name, text)
-
-    def _signal_group(self, sig: signal.Signals) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, sig)  # the worker leads its own group
-
     async def _kill(self) -> None:
-        """SIGTERM the process group (and SIGCONT, so a stopped process can act on it);
-        SIGKILL after the grace period. The runtime starts no processes of its own, so
-        the group ends with it."""
-        proc, exited = self.proc, self._exited
-        if proc is not None and exited is not None and not exited.done():
-            self._signal_group(signal.SIGTERM)
-            self._signal_group(signal.SIGCONT)
-            try:
-                await asyncio.wait_for(asyncio.shield(exited), self.sup.kill_grace_s)
-            except asyncio.TimeoutError:
-                self._signal_group(signal.SIGKILL)
-                await exited
-        if self._log_task is not None:
-            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(self._log_task, 1.0)
-        if self.channel is not None:
-            await self.channel.close()
-        self.channel = self.stub = None
+        await super()._kill()
+        self.stub = None
 
     def busy_by_tenant(self) -> dict[str, int]:
         busy: dict[str, int] = {}
@@ -473,14 +312,9 @@ class Worker:
 
     def status(self) -> dict[str, Any]:
         return {
-            "name": self.name, "model": self.spec.name,
-            "state": self.state, "pid": self.pid, "socket": str(self.socket_path),
+            **super().status(), "model": self.spec.name, "socket": str(self.socket_path),
             "slots_total": self.slots,
             "slots_busy": sum(f.slots for f in self.flights.values()),
-            "slots_busy_by_tenant": self.busy_by_tenant(),
-            "served": self.served, "restarts": self.restarts, "n_ctx": self.n_ctx,
-            "last_start_s": self.last_start_s,
-            "uptime_s": round(time.monotonic() - self.ready_at, 3) if self.ready else None,
-            "restart_history": self.restart_history.as_json(),
-            "recent_logs": self.logs.as_json(),
+            "slots_busy_by_tenant": self.busy_by_tenant(), "served": self.served,
+            "n_ctx": self.n_ctx,
         }

@@ -31,6 +31,8 @@ from kvcache.cli import main as kvcache_main
 from kvcache.config import ENV_DIR, parse_listen
 from kvcache.store.ownership import DATA_MARKER
 from kvcache.store.ramtier import RAM_MARKER, RAM_MARKER_WHAT, SHM, tier_dir, tier_name
+from model_runtime.cli import RUNTIME_SOCKET
+from model_runtime.gateway.responses_store import ResponsesSettings, ResponseStore
 from model_runtime.identity import model_fingerprint
 from tests.support.daemon_proc import DaemonProcess, wait_for
 from tests.support.entries import IDENT, toks
@@ -260,6 +262,35 @@ def test_a_dir_holding_only_the_fingerprint_memo_is_used(
     assert memo[str(model.resolve())]["fingerprint"] == fingerprint
     assert not (tmp_path / "xdg").exists()
     daemons(data).start()
+
+
+def test_a_dir_holding_only_the_gateway_s_stored_responses_is_used(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        daemons: Callable[..., DaemonProcess]) -> None:
+    """A gateway run with --cache none keeps the Responses API's stored responses in the
+    default folder; the daemon a later gateway starts there must not take it for a
+    folder of someone else's (and must leave them alone)."""
+    data = tmp_path / "kv"
+    monkeypatch.setenv(ENV_DIR, str(data))
+    store = ResponseStore(ResponsesSettings())
+    assert store.count() == 0  # made on first use
+    store.close()
+    assert os.listdir(data) == ["gateway-responses"]
+    daemons(data).start()
+    assert os.listdir(data / "gateway-responses") == ["responses.sqlite3"]
+
+
+def test_a_dir_holding_the_runtime_s_default_socket_is_used(
+        tmp_path: Path, daemons: Callable[..., DaemonProcess]) -> None:
+    """``model-runtime serve`` started first in a new home puts its socket in the default
+    folder; ``kvcache serve`` started next must still take the folder."""
+    data = tmp_path / "kv"
+    data.mkdir(mode=0o700)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as runtime:
+        runtime.bind(str(data / RUNTIME_SOCKET))
+        runtime.listen()
+        daemons(data).start()
+    assert RUNTIME_SOCKET in os.listdir(data)
 
 
 def cache_home_env(xdg: Path) -> dict[str, str]:

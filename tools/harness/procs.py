@@ -278,19 +278,22 @@ class Daemon(Proc):
 
 class Gateway(Proc):
     """``model-runtime gateway`` on a free loopback port, its worker sockets in a short
-    private folder (``rtg*`` in /tmp, which tests/support/leftovers.py watches). ``start`` waits
+    private folder (``rtg*`` in /tmp, which tests/support/leftovers.py watches); ``cache``
+    None gives no ``--cache`` (the gateway keeps the default daemon). ``start`` waits
     until it has logged its URL and, with ``workers_ready``, all its workers are ready.
     ``admin_key``: an operator's key of its key file, for /status."""
 
     stop_timeout = 30.0
 
-    def __init__(self, log_path: Path, *args: str, cache: str = "none", threads: int = 1,
-                 env: Mapping[str, str] | None = None, admin_key: str | None = None) -> None:
+    def __init__(self, log_path: Path, *args: str, cache: str | None = "none",
+                 threads: int = 1, env: Mapping[str, str] | None = None,
+                 admin_key: str | None = None) -> None:
         self.dir = short_workdir("rtg")
         self.admin_key = admin_key
+        cache_args = ["--cache", cache] if cache is not None else []
         super().__init__("gateway", [
             sys.executable, "-m", "model_runtime.cli", "gateway", "--listen", "127.0.0.1:0",
-            "--run-dir", str(self.dir / "run"), "--cache", cache, "--threads", str(threads),
+            "--run-dir", str(self.dir / "run"), *cache_args, "--threads", str(threads),
             *args], log_path, env=env)
         self.url = ""
         self.workers_ready = True
