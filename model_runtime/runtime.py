@@ -15,7 +15,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -39,7 +39,15 @@ from .llama_backend import (
     TokenizeCancelled,
     batch_variant_options,
 )
-from .request import Completion, Phase, Request, RequestError, TokenEvent, common_prefix
+from .request import (
+    Completion,
+    Phase,
+    PromptDone,
+    Request,
+    RequestError,
+    TokenEvent,
+    common_prefix,
+)
 from .sampling import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_PENALTY_LAST_N,
@@ -535,7 +543,7 @@ class Runtime:
         choices' events interleaved as they are generated, each with its ``choice``; the
         iterator ends after the last choice's Completion)."""
         req = self.submit(**kwargs)
-        events = self._events(req, timeout)
+        events = self.events(req, timeout)
         if stream:
             return events
         done = sorted((e for e in events if isinstance(e, Completion)), key=lambda c: c.choice)
@@ -547,19 +555,31 @@ class Runtime:
         """End ``req`` (its caller went away); nothing if it already ended."""
         self.engine.cancel(req)
 
-    def events(self, req: Request, timeout: float | None = None
-               ) -> Iterator[TokenEvent | Completion]:
-        """The events of a request :meth:`submit` queued; closing the iterator early
-        cancels it."""
-        return self._events(req, timeout)
+    @overload
+    def events(self, req: Request, timeout: float | None = None, *,
+               prompt: Literal[False] = False) -> Iterator[TokenEvent | Completion]: ...
 
-    def _events(self, req: Request, timeout: float | None) -> Iterator[TokenEvent | Completion]:
+    @overload
+    def events(self, req: Request, timeout: float | None = None, *,
+               prompt: Literal[True]) -> Iterator[PromptDone | TokenEvent | Completion]: ...
+
+    def events(self, req: Request, timeout: float | None = None, *, prompt: bool = False
+               ) -> Iterator[PromptDone | TokenEvent | Completion]:
+        """The events of a request :meth:`submit` queued; closing the iterator early
+        cancels it. ``prompt``: a :class:`PromptDone` comes first, once the prompt is in
+        place (none when the request ends before that)."""
+        return self._events(req, timeout, prompt)
+
+    def _events(self, req: Request, timeout: float | None, prompt: bool = False
+                ) -> Iterator[PromptDone | TokenEvent | Completion]:
         try:
             left = req.n  # choices still running
             while left:
                 event = req.events.get(timeout=timeout)
                 if isinstance(event, Exception):
                     raise event
+                if isinstance(event, PromptDone) and not prompt:
+                    continue
                 yield event
                 if isinstance(event, Completion):
                     left -= 1

@@ -114,15 +114,16 @@ async def messages(request: web.Request) -> web.StreamResponse:
                     return web.json_response(message_body(
                         mreq, parser.output, done,
                         kvcache_details(done, worker.name, request["tenant"])))
-                parser.feed(item.text)
+                if item.HasField("text"):
+                    parser.feed(item.text)
             raise WorkerFailure("worker_error", "the stream ended without a final record")
 
 
 async def _stream(request: web.Request, mreq: MessagesRequest, worker: Worker, events: Any,
                   parser: OutputParser, arrived: float
                   ) -> tuple[web.StreamResponse, str | None, str]:
-    """Anthropic's events: message_start, ping, each content block's start, deltas and
-    stop, message_delta (stop_reason, usage), message_stop. Returns the response, the
+    """Anthropic's events: message_start (the input side of usage), ping, each content
+    block's start, deltas and stop, message_delta (stop_reason, usage), message_stop. Returns the response, the
     text served (for routing) and the outcome. Raises before the first event (so errors
     keep their status), never after: a failure then is an ``error`` event."""
     fleet = request.app[FLEET]
@@ -138,9 +139,15 @@ async def _stream(request: web.Request, mreq: MessagesRequest, worker: Worker, e
                 await response.prepare(request)
                 fleet.metrics.ttft.labels(req.model, request["tenant"]).observe(
                     time.monotonic() - arrived)
-                await response.write(event("message_start", message_start(mreq)))
+                # The runtime tells the prompt's side first, once it is in place (or,
+                # ended before its first token, in the final record): message_start
+                # carries it, as Anthropic's does.
+                prompt = item.prompt if item.HasField("prompt") else item.done
+                await response.write(event("message_start", message_start(mreq, prompt)))
                 await response.write(event("ping", {"type": "ping"}))
                 first = False
+            if item.HasField("prompt"):
+                continue
             if item.HasField("done"):
                 check_finished(item.done, fleet)
                 done = item.done

@@ -448,6 +448,8 @@ async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
                 return response
             finished: list[Any] = []
             async for event in events:  # text pieces, then a final record per choice
+                if event.HasField("prompt"):  # the prompt's side: the final record has it
+                    continue
                 choice = choices[choice_of(event, len(choices))]
                 if event.HasField("done"):
                     check_finished(event.done, fleet)
@@ -520,6 +522,8 @@ async def stream(request: web.Request, req: GenRequest, worker: Worker, events: 
                         await response.write(sse(chunk(req, "", first=True,
                                                        index=choice.index)))
                 first = False
+            if event.HasField("prompt"):
+                continue
             choice = choices[choice_of(event, len(choices))]
             if event.HasField("done"):
                 check_finished(event.done, fleet)

@@ -279,6 +279,8 @@ async def run(request: web.Request, rreq: ResponsesRequest, req: GenRequest, wor
                     time.monotonic() - arrived)
                 for e in builder.start():
                     await response.write(sse_event(e))
+            if event.HasField("prompt"):  # the prompt's side: the final record has it
+                continue
             if event.HasField("done"):
                 check_finished(event.done, fleet)
                 out = builder.feed(choice.parser.close())
