@@ -276,6 +276,37 @@ def test_a_function_call_round_trip_by_previous_response(gw: GatewayProcess) -> 
     assert events[-1].response.output[-1].arguments == done.arguments
 
 
+def test_calls_left_without_their_outputs_are_refused_as_openai_does(
+        gw: GatewayProcess) -> None:
+    """A continuation of a response that ended in a function call must send the call's
+    output: without it, OpenAI answers 400 naming the call, and so does the gateway,
+    streamed or not, before anything is computed. Calls sent as input items are held to
+    the same rule (each answered by call_id, wherever its output comes)."""
+    client = alice(gw)
+    first = create(client, instructions=INSTRUCTIONS, input="Weather in Bergen?",
+                   tools=[WEATHER], tool_choice="required", max_output_tokens=200,
+                   parallel_tool_calls=False)
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as err:
+            create(client, instructions=INSTRUCTIONS, previous_response_id=first.id,
+                   tools=[WEATHER], input="And tomorrow?", stream=stream)
+        assert err.value.body == {
+            "message": f"No tool output found for function call {call.call_id}.",
+            "type": "invalid_request_error", "param": "input", "code": None}
+    calls = [{"type": "function_call", "call_id": f"call_{c}", "name": "get_weather",
+              "arguments": json.dumps({"city": c})} for c in ("Oslo", "Rome")]
+    answer = {"type": "function_call_output", "call_id": "call_Rome", "output": "Sun."}
+    code, body = post(gw, {"model": "hermes", "input": [
+        {"role": "user", "content": "Oslo and Rome?"}, *calls, answer], "tools": [WEATHER]})
+    assert (code, body["error"]["message"]) == (
+        400, "No tool output found for function call call_Oslo."), body
+    answered = create(client, tools=[WEATHER], input=[
+        {"role": "user", "content": "Oslo and Rome?"}, *calls, answer,
+        {**answer, "call_id": "call_Oslo", "output": "Rain."}])
+    assert answered.status in ("completed", "incomplete")
+
+
 def test_structured_output_follows_the_schema(gw: GatewayProcess) -> None:
     client = alice(gw)
     parsed = client.responses.parse(model="hermes", input="Book a slot.", text_format=Slot,
