@@ -53,6 +53,21 @@ class CorruptBlob(CacheError):
     """A blob failed its checksums; the daemon was told and quarantined it."""
 
 
+class NotAPrefix(CacheError):
+    """An entry whose tokens are not the prompt's first ``needed``: of its ``n_tokens``,
+    the first ``shared`` are the prompt's. What that means is the caller's to say: a key
+    it chose (a conversation's previous state) that the prompt no longer extends, or a
+    lookup's answer that is wrong (a hash collision)."""
+
+    def __init__(self, key: bytes, needed: int, n_tokens: int, shared: int) -> None:
+        super().__init__(f"entry {key.hex()} does not hold the prompt's first {needed} "
+                         f"tokens (of its {n_tokens}, the first {shared} are the prompt's)")
+        self.key = key
+        self.needed = needed
+        self.n_tokens = n_tokens
+        self.shared = shared
+
+
 # What an unreachable daemon's status means, said in words.
 _UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE: "is unavailable",
                 grpc.StatusCode.DEADLINE_EXCEEDED: "did not answer in time",
@@ -445,8 +460,9 @@ class CacheClient:
             n = shares or len(tokens)
             if n > len(tokens) or n > len(prefix_of) or \
                     list(prefix_of[:n]) != list(tokens[:n]):
-                raise CacheError(f"entry {key.hex()} does not hold the prompt's first {n} "
-                                 "tokens (hash collision or wrong key)")
+                shared = keys.common_prefix_tokens(keys.tokens_to_bytes(tokens),
+                                                   keys.tokens_to_bytes(prefix_of))
+                raise NotAPrefix(key, n, len(tokens), shared)
         return LoadedBlob(blob.meta, memoryview(blob.payload), tier, blob.header.total_size,
                           key)
 

@@ -17,13 +17,16 @@ from typing import Any, Literal
 
 import openai
 import pytest
-from harness.make_tiny_gguf import THINK_TEMPLATE
+from harness.make_tiny_gguf import HERMES_TEMPLATE, THINK_TEMPLATE
 from pydantic import BaseModel
 
 from model_runtime.chat.formats import detect_format
 from model_runtime.chat.parsing import OutputParser
+from model_runtime.chat.templates import ChatTemplate
 from model_runtime.gateway.responses_api import RESPONSES_FIELDS, parse_responses
 from model_runtime.gateway.responses_output import ResponseBuilder, reply_messages
+from model_runtime.llama_backend import LlamaModel
+from model_runtime.request import common_prefix
 from model_runtime.v1 import runtime_pb2 as pb
 from tests.support.daemon_proc import DaemonProcess
 from tests.support.gateway_proc import ALICE, BOB, GatewayProcess, kill_leftovers, wait_gone
@@ -247,6 +250,35 @@ def test_a_chain_of_four_reuses_every_earlier_turn(gw: GatewayProcess) -> None:
         previous = answer
     metrics = gw.http("GET", "/metrics", headers={"Authorization": f"Bearer {ALICE}"})[2]
     assert b'responses_continued_total{how="state",model="hermes",tenant="alice"}' in metrics
+
+
+def test_other_instructions_are_served_by_the_common_prefix_and_said_so(
+        gw: GatewayProcess, tiny_hermes_model: Path) -> None:
+    """Instructions are not carried over (OpenAI's rule): a continuation with other
+    instructions renders a prompt that the stored state is not a prefix of. The worker
+    says that, not "hash collision or wrong key", and the request reuses exactly the
+    tokens the two prompts share (the instructions' common start)."""
+    client = alice(gw)
+    changed = INSTRUCTIONS + "Reply in French."
+    first = create(client, instructions=INSTRUCTIONS, input="Where is parcel 40?",
+                   prompt_cache_key="other-instructions")
+    logged = len(gw.log())
+    second = create(client, instructions=changed, input="And parcel 41?",
+                    previous_response_id=first.id, prompt_cache_key="other-instructions")
+    log = gw.log()[logged:]
+    assert "hash collision" not in log
+    assert "is not a prefix of the prompt" in log and "instructions" in log, log[-2000:]
+    template = ChatTemplate(HERMES_TEMPLATE, bos_token="", eos_token="")
+    with LlamaModel(tiny_hermes_model) as model:
+        old, new = (model.tokenize(template.render([
+            {"role": "system", "content": text}, {"role": "user", "content": "x"}]))
+            for text in (INSTRUCTIONS, changed))
+    shared = common_prefix(old, new)
+    assert shared >= 64  # (a state is restored for no fewer)
+    assert second.usage.input_tokens_details.cached_tokens == shared
+    metrics = gw.http("GET", "/metrics", headers={"Authorization": f"Bearer {ALICE}"})[2]
+    assert b'responses_continued_total{how="rendered",model="hermes",tenant="alice"}' in \
+        metrics
 
 
 def test_a_function_call_round_trip_by_previous_response(gw: GatewayProcess) -> None:
