@@ -133,21 +133,22 @@ async def _stream(request: web.Request, mreq: MessagesRequest, worker: Worker, e
                                            "X-Accel-Buffering": "no"})
     blocks = BlockStream()
     first = True
+    prompt: Any = None  # the runtime's account of the prompt, told before its first token
     try:
         async for item in events:
+            if item.HasField("prompt"):
+                prompt = item.prompt
+                continue
             if first:  # the runtime accepted the request: from here on, errors are events
                 await response.prepare(request)
                 fleet.metrics.ttft.labels(req.model, request["tenant"]).observe(
                     time.monotonic() - arrived)
-                # The runtime tells the prompt's side first, once it is in place (or,
-                # ended before its first token, in the final record): message_start
-                # carries it, as Anthropic's does.
-                prompt = item.prompt if item.HasField("prompt") else item.done
-                await response.write(event("message_start", message_start(mreq, prompt)))
+                # message_start carries the prompt's side, as Anthropic's does (a request
+                # that ended before its first token has it in its final record).
+                start = prompt if prompt is not None else item.done
+                await response.write(event("message_start", message_start(mreq, start)))
                 await response.write(event("ping", {"type": "ping"}))
                 first = False
-            if item.HasField("prompt"):
-                continue
             if item.HasField("done"):
                 check_finished(item.done, fleet)
                 done = item.done

@@ -513,6 +513,8 @@ async def stream(request: web.Request, req: GenRequest, worker: Worker, events: 
     finished: list[Any] = []
     try:
         async for event in events:
+            if event.HasField("prompt"):  # the prompt's side: the final record has it
+                continue
             if first:  # the runtime accepted the request: from here on, errors are events
                 await response.prepare(request)
                 fleet.metrics.ttft.labels(req.model, request["tenant"]).observe(
@@ -522,8 +524,6 @@ async def stream(request: web.Request, req: GenRequest, worker: Worker, events: 
                         await response.write(sse(chunk(req, "", first=True,
                                                        index=choice.index)))
                 first = False
-            if event.HasField("prompt"):
-                continue
             choice = choices[choice_of(event, len(choices))]
             if event.HasField("done"):
                 check_finished(event.done, fleet)

@@ -269,6 +269,8 @@ async def run(request: web.Request, rreq: ResponsesRequest, req: GenRequest, wor
     assert choice.parser is not None
     try:
         async for event in events:
+            if event.HasField("prompt"):  # the prompt's side: the final record has it
+                continue
             if rreq.stream and response is None:
                 response = web.StreamResponse(headers={
                     "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -279,8 +281,6 @@ async def run(request: web.Request, rreq: ResponsesRequest, req: GenRequest, wor
                     time.monotonic() - arrived)
                 for e in builder.start():
                     await response.write(sse_event(e))
-            if event.HasField("prompt"):  # the prompt's side: the final record has it
-                continue
             if event.HasField("done"):
                 check_finished(event.done, fleet)
                 out = builder.feed(choice.parser.close())
