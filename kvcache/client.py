@@ -54,18 +54,13 @@ class CorruptBlob(CacheError):
 
 
 class NotAPrefix(CacheError):
-    """An entry whose tokens are not the prompt's first ``needed``: of its ``n_tokens``,
-    the first ``shared`` are the prompt's. What that means is the caller's to say: a key
-    it chose (a conversation's previous state) that the prompt no longer extends, or a
-    lookup's answer that is wrong (a hash collision)."""
+    """An entry whose first ``needed`` tokens are not the prompt's (its first ``shared``
+    are): a key its caller chose that the prompt does not extend, or a wrong lookup."""
 
     def __init__(self, key: bytes, needed: int, n_tokens: int, shared: int) -> None:
         super().__init__(f"entry {key.hex()} does not hold the prompt's first {needed} "
                          f"tokens (of its {n_tokens}, the first {shared} are the prompt's)")
-        self.key = key
-        self.needed = needed
-        self.n_tokens = n_tokens
-        self.shared = shared
+        self.needed, self.n_tokens, self.shared = needed, n_tokens, shared
 
 
 # What an unreachable daemon's status means, said in words.

@@ -15,7 +15,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -543,9 +543,9 @@ class Runtime:
         choices' events interleaved as they are generated, each with its ``choice``; the
         iterator ends after the last choice's Completion)."""
         req = self.submit(**kwargs)
-        events = self.events(req, timeout)
-        if stream:
-            return events
+        events = self._events(req, timeout)
+        if stream:  # (closing this closes ``events``, which cancels the request)
+            return (e for e in events if not isinstance(e, PromptDone))
         done = sorted((e for e in events if isinstance(e, Completion)), key=lambda c: c.choice)
         if not done:
             raise AssertionError("a request always ends with a completion or an error")
@@ -555,22 +555,14 @@ class Runtime:
         """End ``req`` (its caller went away); nothing if it already ended."""
         self.engine.cancel(req)
 
-    @overload
-    def events(self, req: Request, timeout: float | None = None, *,
-               prompt: Literal[False] = False) -> Iterator[TokenEvent | Completion]: ...
-
-    @overload
-    def events(self, req: Request, timeout: float | None = None, *,
-               prompt: Literal[True]) -> Iterator[PromptDone | TokenEvent | Completion]: ...
-
-    def events(self, req: Request, timeout: float | None = None, *, prompt: bool = False
+    def events(self, req: Request, timeout: float | None = None
                ) -> Iterator[PromptDone | TokenEvent | Completion]:
-        """The events of a request :meth:`submit` queued; closing the iterator early
-        cancels it. ``prompt``: a :class:`PromptDone` comes first, once the prompt is in
-        place (none when the request ends before that)."""
-        return self._events(req, timeout, prompt)
+        """The events of a request :meth:`submit` queued, a :class:`PromptDone` first once
+        its prompt is in place (none when it ends before); closing the iterator early
+        cancels it."""
+        return self._events(req, timeout)
 
-    def _events(self, req: Request, timeout: float | None, prompt: bool = False
+    def _events(self, req: Request, timeout: float | None
                 ) -> Iterator[PromptDone | TokenEvent | Completion]:
         try:
             left = req.n  # choices still running
@@ -578,8 +570,6 @@ class Runtime:
                 event = req.events.get(timeout=timeout)
                 if isinstance(event, Exception):
                     raise event
-                if isinstance(event, PromptDone) and not prompt:
-                    continue
                 yield event
                 if isinstance(event, Completion):
                     left -= 1

@@ -149,7 +149,7 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
             req = rt.submit(**request_kwargs(request), cancelled=lambda: not context.is_active())
             if not context.add_callback(lambda: rt.cancel(req)):
                 rt.cancel(req)  # it terminated already
-            for event in rt.events(req, prompt=True):
+            for event in rt.events(req):
                 if isinstance(event, PromptDone):
                     yield pb.CompleteEvent(prompt=prompt_message(event))
                 elif isinstance(event, TokenEvent):

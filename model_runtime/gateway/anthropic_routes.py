@@ -123,9 +123,10 @@ async def _stream(request: web.Request, mreq: MessagesRequest, worker: Worker, e
                   parser: OutputParser, arrived: float
                   ) -> tuple[web.StreamResponse, str | None, str]:
     """Anthropic's events: message_start (the input side of usage), ping, each content
-    block's start, deltas and stop, message_delta (stop_reason, usage), message_stop. Returns the response, the
-    text served (for routing) and the outcome. Raises before the first event (so errors
-    keep their status), never after: a failure then is an ``error`` event."""
+    block's start, deltas and stop, message_delta (stop_reason, usage), message_stop.
+    Returns the response, the text served (for routing) and the outcome. Raises before
+    the first event (so errors keep their status), never after: a failure then is an
+    ``error`` event."""
     fleet = request.app[FLEET]
     req = mreq.gen
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
