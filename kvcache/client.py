@@ -53,6 +53,16 @@ class CorruptBlob(CacheError):
     """A blob failed its checksums; the daemon was told and quarantined it."""
 
 
+class NotAPrefix(CacheError):
+    """An entry whose first ``needed`` tokens are not the prompt's (its first ``shared``
+    are): a key its caller chose that the prompt does not extend, or a wrong lookup."""
+
+    def __init__(self, key: bytes, needed: int, n_tokens: int, shared: int) -> None:
+        super().__init__(f"entry {key.hex()} does not hold the prompt's first {needed} "
+                         f"tokens (of its {n_tokens}, the first {shared} are the prompt's)")
+        self.needed, self.n_tokens, self.shared = needed, n_tokens, shared
+
+
 # What an unreachable daemon's status means, said in words.
 _UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE: "is unavailable",
                 grpc.StatusCode.DEADLINE_EXCEEDED: "did not answer in time",
@@ -445,8 +455,9 @@ class CacheClient:
             n = shares or len(tokens)
             if n > len(tokens) or n > len(prefix_of) or \
                     list(prefix_of[:n]) != list(tokens[:n]):
-                raise CacheError(f"entry {key.hex()} does not hold the prompt's first {n} "
-                                 "tokens (hash collision or wrong key)")
+                shared = keys.common_prefix_tokens(keys.tokens_to_bytes(tokens),
+                                                   keys.tokens_to_bytes(prefix_of))
+                raise NotAPrefix(key, n, len(tokens), shared)
         return LoadedBlob(blob.meta, memoryview(blob.payload), tier, blob.header.total_size,
                           key)
 

@@ -383,6 +383,7 @@ class EngineCore:
 
     def _first_token(self, req: Request) -> None:
         req.timings.first = time.perf_counter()
+        req.events.put(req.prompt_done())  # the prompt's side is known: told at once
         others = self._fork(req) if req.reserved else []
         for choice in (req, *others):
             self._next_token(choice)

@@ -2,8 +2,8 @@
 on, what it streams and how it ends, and the messages of the model thread's inbox.
 
 Data only. A request is created by ``Engine.submit`` (any thread) and from then on
-written by the model thread alone; its caller reads ``events`` (TokenEvent pieces, then
-a Completion or a RequestError).
+written by the model thread alone; its caller reads ``events`` (PromptDone once its prompt
+is in place, TokenEvent pieces, then a Completion or a RequestError).
 """
 
 from __future__ import annotations
@@ -95,6 +95,19 @@ class Completion:
                               "top": [list(t) for t in lp.top]} for lp in self.logprobs]}
                if self.logprobs else {}),
         }
+
+
+@dataclass
+class PromptDone:
+    """The request's prompt is in its sequence (restored, reused in place or computed):
+    what the cache gave it and the saves queued for it so far. Put once, by choice 0,
+    before the first token; the Completion repeats these figures."""
+
+    prompt_tokens: int
+    cache_hit_kind: str
+    cache_tier: str
+    cache_delta: dict[str, int]  # tokens_read, tokens_saved
+    saves: list[dict[str, Any]]
 
 
 @dataclass
@@ -212,6 +225,11 @@ class Request:
     def session_key(self) -> SessionKey | None:
         """Its session, as the runtime names sessions: each tenant has its own ids."""
         return (self.tenant, self.session_id) if self.session_id else None
+
+    def prompt_done(self) -> PromptDone:
+        return PromptDone(len(self.tokens), self.cache.hit_kind, self.cache.tier,
+                          {"tokens_read": self.cache.tokens_read,
+                           "tokens_saved": self.cache.tokens_saved}, list(self.cache.saves))
 
     def completion(self, reason: str, finish_key: bytes, text: str, now: float) -> Completion:
         return Completion(

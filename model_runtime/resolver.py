@@ -31,6 +31,7 @@ from kvcache.client import (
     CorruptBlob,
     LoadedBlob,
     LookupResult,
+    NotAPrefix,
 )
 from kvcache.common import TIER_REMOTE
 
@@ -109,6 +110,19 @@ class Resolver:
             except CacheUnavailable:
                 self._count("cache_unavailable")
                 return None
+            except NotAPrefix as exc:
+                # The prompt does not extend the state it names: the conversation before
+                # its new input was rendered otherwise (a Responses continuation with other
+                # instructions, which are not carried over; an edited earlier turn). What
+                # the two share is found by the longest-prefix lookup below.
+                self._count(f"{source}_key_unusable")
+                log.info("%s state %s is not a prefix of the prompt: they share its first "
+                         "%d of %d tokens (what came before the new input differs, e.g. "
+                         "other instructions or an earlier turn written otherwise); the "
+                         "prompt reuses the longest prefix it shares with a live or saved "
+                         "state instead",
+                         source, key.hex()[:16], exc.shared, exc.n_tokens)
+                continue
             except CacheError as exc:
                 if isinstance(exc, CorruptBlob):  # quarantined: counted like a lookup hit's
                     self._count("corrupt_blobs")
@@ -175,6 +189,13 @@ class Resolver:
                 return None
             except CorruptBlob:
                 self._count("corrupt_blobs")
+            except NotAPrefix as exc:
+                # The daemon matched these tokens by their block hashes, and the entry it
+                # gave holds others: a hash collision, or an index out of step with its blobs.
+                self._count("cache_errors")
+                log.warning("cache lookup answered an entry that is not the prompt's "
+                            "(hash collision?): %s", exc)
+                return None
             except CacheError as exc:
                 self._count("cache_errors")
                 log.warning("cache lookup failed: %s", exc)

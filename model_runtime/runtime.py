@@ -39,7 +39,15 @@ from .llama_backend import (
     TokenizeCancelled,
     batch_variant_options,
 )
-from .request import Completion, Phase, Request, RequestError, TokenEvent, common_prefix
+from .request import (
+    Completion,
+    Phase,
+    PromptDone,
+    Request,
+    RequestError,
+    TokenEvent,
+    common_prefix,
+)
 from .sampling import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_PENALTY_LAST_N,
@@ -536,8 +544,8 @@ class Runtime:
         iterator ends after the last choice's Completion)."""
         req = self.submit(**kwargs)
         events = self._events(req, timeout)
-        if stream:
-            return events
+        if stream:  # (closing this closes ``events``, which cancels the request)
+            return (e for e in events if not isinstance(e, PromptDone))
         done = sorted((e for e in events if isinstance(e, Completion)), key=lambda c: c.choice)
         if not done:
             raise AssertionError("a request always ends with a completion or an error")
@@ -548,12 +556,14 @@ class Runtime:
         self.engine.cancel(req)
 
     def events(self, req: Request, timeout: float | None = None
-               ) -> Iterator[TokenEvent | Completion]:
-        """The events of a request :meth:`submit` queued; closing the iterator early
+               ) -> Iterator[PromptDone | TokenEvent | Completion]:
+        """The events of a request :meth:`submit` queued, a :class:`PromptDone` first once
+        its prompt is in place (none when it ends before); closing the iterator early
         cancels it."""
         return self._events(req, timeout)
 
-    def _events(self, req: Request, timeout: float | None) -> Iterator[TokenEvent | Completion]:
+    def _events(self, req: Request, timeout: float | None
+                ) -> Iterator[PromptDone | TokenEvent | Completion]:
         try:
             left = req.n  # choices still running
             while left:

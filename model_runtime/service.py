@@ -18,7 +18,7 @@ from kvcache.unix_socket import OwnedSocket
 
 from .config import MAX_REQUEST_MESSAGE_BYTES
 from .llama_backend import batch_variant_options
-from .request import Completion, RequestError, TokenEvent
+from .request import Completion, PromptDone, RequestError, TokenEvent
 from .runtime import Runtime
 from .sampling import GrammarTrigger, TokenLogprob
 from .v1 import runtime_pb2 as pb
@@ -71,6 +71,12 @@ def completion_message(c: Completion) -> pb.Completion:
         saves=[pb.SaveRecord(**save) for save in c.saves],
         logprobs=[logprob_message(lp) for lp in c.logprobs], choice=c.choice,
         stop_sequence=c.stop_sequence)
+
+
+def prompt_message(p: PromptDone) -> pb.PromptDone:
+    return pb.PromptDone(prompt_tokens=p.prompt_tokens, cache_hit_kind=p.cache_hit_kind,
+                         cache_tier=p.cache_tier, cache_delta=pb.CacheDelta(**p.cache_delta),
+                         saves=[pb.SaveRecord(**save) for save in p.saves])
 
 
 def completion_from_message(m: pb.Completion) -> Completion:
@@ -144,7 +150,9 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
             if not context.add_callback(lambda: rt.cancel(req)):
                 rt.cancel(req)  # it terminated already
             for event in rt.events(req):
-                if isinstance(event, TokenEvent):
+                if isinstance(event, PromptDone):
+                    yield pb.CompleteEvent(prompt=prompt_message(event))
+                elif isinstance(event, TokenEvent):
                     # (token -1: held-back text flushed at the end)
                     if event.text or event.logprob is not None:
                         yield pb.CompleteEvent(text=event.text, token=max(event.token, 0),

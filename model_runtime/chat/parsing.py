@@ -284,15 +284,16 @@ class _StringDecoder:
 
 
 class _Calls:
-    """Tool calls as their parts are read: ids given here, arguments held until the
-    call's name is known (its first delta carries both)."""
+    """Tool calls as their parts are read. A call exists once its name is complete: its
+    first delta carries its id and name (and the arguments written before the name,
+    held until then). A call whose name never completes (the output was cut short
+    there) is no call: nothing of it is ever given out, and its index is not used."""
 
     def __init__(self, new_id: Callable[[], str]) -> None:
         self.new_id = new_id
-        self.calls: list[ParsedCall] = []
-        self._index: dict[object, int] = {}
-        self._named: set[int] = set()
-        self._held: dict[int, list[str]] = {}
+        self.calls: list[ParsedCall] = []  # the named calls, in the order they were named
+        self._index: dict[object, int] = {}  # a call's key -> its index in ``calls``
+        self._held: dict[object, list[str]] = {}  # arguments of a call not named yet
 
     def handle(self, events: list[Event],
                locate: Callable[[Path], tuple[object, str] | None]) -> list[Delta]:
@@ -303,36 +304,29 @@ class _Calls:
                 continue
             key, part = found
             index = self._index.get(key)
-            if index is None:
-                index = self._index[key] = len(self.calls)
-                self.calls.append(ParsedCall(self.new_id()))
-            call = self.calls[index]
-            if part == "name" and kind == "end":
+            if part == "name" and kind == "end" and index is None:
                 try:
                     name = json.loads(text)
                 except ValueError:
                     name = text
-                call.name = name if isinstance(name, str) else str(name)
-                self._named.add(index)
-                held = "".join(self._held.pop(index, []))
+                held = "".join(self._held.pop(key, []))
+                call = ParsedCall(self.new_id(), name if isinstance(name, str) else str(name),
+                                  held)
+                index = self._index[key] = len(self.calls)
+                self.calls.append(call)
                 out.append(ToolCallDelta(index, call.id, call.name, held))
             elif part in ARGUMENT_KEYS and kind == "chars":
-                call.arguments += text
-                if index in self._named:
-                    out.append(ToolCallDelta(index, arguments=text))
+                if index is None:
+                    self._held.setdefault(key, []).append(text)
                 else:
-                    self._held.setdefault(index, []).append(text)
+                    self.calls[index].arguments += text
+                    out.append(ToolCallDelta(index, arguments=text))
         return out
 
-    def close(self) -> list[Delta]:
-        """Calls whose name never came (output cut short) are still reported."""
-        out: list[Delta] = []
-        for index, call in enumerate(self.calls):
-            if index not in self._named:
-                self._named.add(index)
-                out.append(ToolCallDelta(index, call.id, call.name,
-                                         "".join(self._held.pop(index, []))))
-        return out
+    def close(self) -> None:
+        """The output ended: arguments still waiting for their call's name were of a
+        call cut short before its name was complete, and are dropped with it."""
+        self._held.clear()
 
 
 def _watch_call_fields(depth: int) -> Callable[[Path], bool]:
@@ -652,7 +646,7 @@ class OutputParser:
             out += self._to_body(self._buf)
         self._buf = ""
         out += self._body.close()
-        out += self.calls.close()
+        self.calls.close()
         return self._record(out)
 
     def _feed(self, text: str) -> list[Delta]:

@@ -13,23 +13,32 @@ from ..chat.parsing import ContentDelta, Delta, ParsedOutput, ReasoningDelta, To
 from ..v1 import runtime_pb2 as pb
 from .anthropic_api import MessagesRequest
 
-__all__ = ["BlockStream", "event", "message_body", "message_start", "stop_reason", "usage"]
+__all__ = ["BlockStream", "event", "input_usage", "message_body", "message_start",
+           "stop_reason", "usage"]
+
+
+def input_usage(record: pb.PromptDone | pb.Completion, mreq: MessagesRequest
+                ) -> dict[str, int]:
+    """The input side of Anthropic's usage, from the runtime's account of the prompt
+    (its PromptDone, or the final record, which repeats it). ``cache_read_input_tokens``:
+    prompt tokens served from a saved state or a live sequence;
+    ``cache_creation_input_tokens``: with cache_control, the tokens up to the farthest
+    breakpoint this request computed and saved (its ``cold`` saves, which with
+    breakpoints are taken at them only, during the prefill); ``input_tokens``: the rest.
+    The three add up to the prompt."""
+    read = min(record.cache_delta.tokens_read, record.prompt_tokens)
+    created = 0
+    if mreq.boundaries_sent:
+        saved = max((s.tokens for s in record.saves if s.reason == "cold"), default=0)
+        created = max(0, min(saved, record.prompt_tokens) - read)
+    return {"input_tokens": record.prompt_tokens - read - created,
+            "cache_creation_input_tokens": created, "cache_read_input_tokens": read}
 
 
 def usage(done: pb.Completion, mreq: MessagesRequest) -> dict[str, Any]:
-    """Anthropic's usage. ``cache_read_input_tokens``: prompt tokens served from a saved
-    state or a live sequence; ``cache_creation_input_tokens``: with cache_control, the
-    tokens up to the farthest breakpoint this request computed and saved (its ``cold``
-    saves, which with breakpoints are taken at them only); ``input_tokens``: the rest.
-    The three add up to the prompt."""
-    read = min(done.cache_delta.tokens_read, done.prompt_tokens)
-    created = 0
-    if mreq.boundaries_sent:
-        saved = max((s.tokens for s in done.saves if s.reason == "cold"), default=0)
-        created = max(0, min(saved, done.prompt_tokens) - read)
-    return {"input_tokens": done.prompt_tokens - read - created,
-            "cache_creation_input_tokens": created, "cache_read_input_tokens": read,
-            "output_tokens": len(done.tokens), "service_tier": "standard"}
+    """Anthropic's usage: the input side (:func:`input_usage`) and the output tokens."""
+    return {**input_usage(done, mreq), "output_tokens": len(done.tokens),
+            "service_tier": "standard"}
 
 
 def stop_reason(done: pb.Completion, tool_calls: bool) -> tuple[str, str | None]:
@@ -73,13 +82,16 @@ def message_body(mreq: MessagesRequest, out: ParsedOutput, done: pb.Completion,
             "stop_sequence": sequence, "usage": usage(done, mreq), "kvcache": extra}
 
 
-def message_start(mreq: MessagesRequest) -> dict[str, Any]:
-    """The first event's message: no content yet; usage comes whole with message_delta
-    (the prompt's cache use is known only when the runtime's final record arrives)."""
+def message_start(mreq: MessagesRequest, prompt: pb.PromptDone | pb.Completion
+                  ) -> dict[str, Any]:
+    """The first event's message: no content yet, and usage's input side as Anthropic
+    sends it there (``prompt``: the runtime's account of the prompt); message_delta
+    repeats it with the output tokens."""
     return {"type": "message_start", "message": {
         "id": mreq.gen.id, "type": "message", "role": "assistant", "model": mreq.gen.model,
         "content": [], "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": 0, "output_tokens": 0}}}
+        "usage": {**input_usage(prompt, mreq), "output_tokens": 0,
+                  "service_tier": "standard"}}}
 
 
 def event(name: str, data: dict[str, Any]) -> bytes:

@@ -114,17 +114,19 @@ async def messages(request: web.Request) -> web.StreamResponse:
                     return web.json_response(message_body(
                         mreq, parser.output, done,
                         kvcache_details(done, worker.name, request["tenant"])))
-                parser.feed(item.text)
+                if item.HasField("text"):
+                    parser.feed(item.text)
             raise WorkerFailure("worker_error", "the stream ended without a final record")
 
 
 async def _stream(request: web.Request, mreq: MessagesRequest, worker: Worker, events: Any,
                   parser: OutputParser, arrived: float
                   ) -> tuple[web.StreamResponse, str | None, str]:
-    """Anthropic's events: message_start, ping, each content block's start, deltas and
-    stop, message_delta (stop_reason, usage), message_stop. Returns the response, the
-    text served (for routing) and the outcome. Raises before the first event (so errors
-    keep their status), never after: a failure then is an ``error`` event."""
+    """Anthropic's events: message_start (the input side of usage), ping, each content
+    block's start, deltas and stop, message_delta (stop_reason, usage), message_stop.
+    Returns the response, the text served (for routing) and the outcome. Raises before
+    the first event (so errors keep their status), never after: a failure then is an
+    ``error`` event."""
     fleet = request.app[FLEET]
     req = mreq.gen
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
@@ -132,13 +134,20 @@ async def _stream(request: web.Request, mreq: MessagesRequest, worker: Worker, e
                                            "X-Accel-Buffering": "no"})
     blocks = BlockStream()
     first = True
+    prompt: Any = None  # the runtime's account of the prompt, told before its first token
     try:
         async for item in events:
+            if item.HasField("prompt"):
+                prompt = item.prompt
+                continue
             if first:  # the runtime accepted the request: from here on, errors are events
                 await response.prepare(request)
                 fleet.metrics.ttft.labels(req.model, request["tenant"]).observe(
                     time.monotonic() - arrived)
-                await response.write(event("message_start", message_start(mreq)))
+                # message_start carries the prompt's side, as Anthropic's does (a request
+                # that ended before its first token has it in its final record).
+                start = prompt if prompt is not None else item.done
+                await response.write(event("message_start", message_start(mreq, start)))
                 await response.write(event("ping", {"type": "ping"}))
                 first = False
             if item.HasField("done"):

@@ -448,6 +448,8 @@ async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
                 return response
             finished: list[Any] = []
             async for event in events:  # text pieces, then a final record per choice
+                if event.HasField("prompt"):  # the prompt's side: the final record has it
+                    continue
                 choice = choices[choice_of(event, len(choices))]
                 if event.HasField("done"):
                     check_finished(event.done, fleet)
@@ -511,6 +513,8 @@ async def stream(request: web.Request, req: GenRequest, worker: Worker, events: 
     finished: list[Any] = []
     try:
         async for event in events:
+            if event.HasField("prompt"):  # the prompt's side: the final record has it
+                continue
             if first:  # the runtime accepted the request: from here on, errors are events
                 await response.prepare(request)
                 fleet.metrics.ttft.labels(req.model, request["tenant"]).observe(

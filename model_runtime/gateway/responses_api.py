@@ -20,7 +20,7 @@ from typing import Any
 from .openai_api import ApiError, GenRequest, bad_param, parse_chat
 
 __all__ = ["RESPONSES_FIELDS", "ResponsesRequest", "chat_messages_of_input", "new_id",
-           "parse_responses"]
+           "parse_responses", "unanswered_call"]
 
 #: Every field /v1/responses reads, and how: applied, or refused (a 400 naming it) for
 #: any value but null and those noted.
@@ -100,6 +100,10 @@ class ResponsesRequest:
         previous response's conversation, its reply included)."""
         system = [{"role": "system", "content": self.instructions}] \
             if self.instructions else []
+        unanswered = unanswered_call(history + self.input_messages)
+        if unanswered is not None:  # OpenAI's answer, word for word
+            raise ApiError(400, f"No tool output found for function call {unanswered}.",
+                           param="input")
         messages = system + history + self.input_messages
         data = {**self.chat_body, "messages": messages}
         try:
@@ -113,6 +117,19 @@ class ResponsesRequest:
         """A refusal of the chat request (parsed or rendered), named in the Responses
         API's terms."""
         return _renamed(err, 1 if self.instructions else 0, n_history)
+
+
+def unanswered_call(messages: list[dict[str, Any]]) -> str | None:
+    """The ``call_id`` of the first function call of a conversation (chat messages: the
+    stored ones, then the new input's) that no ``function_call_output`` answers, or None.
+    A continuation of a response that ended in calls must send their outputs: the model
+    would otherwise go on from a call it never saw answered."""
+    answered = {m.get("tool_call_id") for m in messages if m.get("role") == "tool"}
+    for message in messages:
+        for call in message.get("tool_calls") or ():
+            if call["id"] not in answered:
+                return str(call["id"])
+    return None
 
 
 def _renamed(err: ApiError, n_system: int, n_history: int) -> ApiError:

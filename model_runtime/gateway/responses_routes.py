@@ -269,6 +269,8 @@ async def run(request: web.Request, rreq: ResponsesRequest, req: GenRequest, wor
     assert choice.parser is not None
     try:
         async for event in events:
+            if event.HasField("prompt"):  # the prompt's side: the final record has it
+                continue
             if rreq.stream and response is None:
                 response = web.StreamResponse(headers={
                     "Content-Type": "text/event-stream", "Cache-Control": "no-cache",

@@ -25,7 +25,7 @@ from harness.procs import pythonpath_env
 
 from kvcache import blob as blobfmt
 from kvcache import keys
-from kvcache.client import CacheClient, CacheError, CorruptBlob, Identity
+from kvcache.client import CacheClient, CacheError, CorruptBlob, Identity, NotAPrefix
 from kvcache.v1 import kvcache_pb2 as pb
 from kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from tests.support.daemon_proc import DaemonProcess, tcp_address, wait_for
@@ -226,9 +226,11 @@ def test_load_proves_the_tokens_are_a_prefix(shared: DaemonProcess) -> None:
         saved = c.save(IDENT, tokens, b"state", "cold")
         c.load(saved.key, prefix_of=tokens)
         c.load(saved.key, prefix_of=tokens + [7])
-        for other in (tokens[:-1], [tokens[0] + 1, *tokens[1:]], tokens[:10] + [0] * 20):
-            with pytest.raises(CacheError, match="does not hold the prompt's first"):
+        for other, shared in ((tokens[:-1], 23), ([tokens[0] + 1, *tokens[1:]], 0),
+                              (tokens[:10] + [0] * 20, 10)):
+            with pytest.raises(NotAPrefix, match="does not hold the prompt's first") as err:
                 c.load(saved.key, prefix_of=other)
+            assert (err.value.needed, err.value.n_tokens, err.value.shared) == (24, 24, shared)
 
 
 # -- concurrency and the publish protocol ---------------------------------------------------

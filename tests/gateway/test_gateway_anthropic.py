@@ -232,6 +232,47 @@ def test_cache_control_reports_creation_then_reads(gw: Gateway) -> None:
     assert u2.input_tokens + u2.cache_read_input_tokens == counted.input_tokens
 
 
+INPUT_SIDE = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
+
+
+def test_message_start_carries_the_input_side_of_usage(gw: Gateway) -> None:
+    """Streamed, message_start reports the prompt's tokens as Anthropic's does (input,
+    cache creation, cache read), before any content: the SDK's message snapshot has
+    them at the first event, and message_delta's final figures are the same; the first
+    turn creates the breakpoint's cache, the second reads it."""
+    client = gw.client()
+    system = cached_system("You value antique clocks for an auction house in Ghent. " * 8)
+    counted = client.messages.count_tokens(model="hermes", system=system,
+                                           messages=user("How old is the brass one?"))
+    for turn in ("create", "read"):
+        with client.messages.stream(model="hermes", max_tokens=4, system=system,
+                                    messages=user("How old is the brass one?"),
+                                    extra_body=GREEDY) as stream:
+            events = iter(stream)
+            start = next(events)
+            assert start.type == "message_start"
+            at_start = stream.current_message_snapshot.usage.model_dump()
+            rest = list(events)
+        final = [e for e in rest if e.type == "message_delta"][-1].usage.model_dump()
+        assert {k: at_start[k] for k in INPUT_SIDE} == {k: final[k] for k in INPUT_SIDE}
+        assert sum(at_start[k] for k in INPUT_SIDE) == counted.input_tokens
+        if turn == "create":
+            assert at_start["cache_creation_input_tokens"] >= 64
+        else:
+            assert at_start["cache_creation_input_tokens"] == 0
+            assert at_start["cache_read_input_tokens"] >= 64
+    # Raw events: the same fields in message_start's data, as Anthropic writes them.
+    status, _, body = gw.process.http("POST", "/v1/messages", json.dumps({
+        "model": "hermes", "max_tokens": 4, "system": system, "stream": True,
+        "messages": user("How old is the brass one?")}).encode(), {"x-api-key": KEY})
+    assert status == 200
+    events_seen = sse_events(body)
+    start_usage = events_seen[0][1]["message"]["usage"]
+    delta_usage = events_seen[-2][1]["usage"]
+    assert {k: start_usage[k] for k in INPUT_SIDE} == {k: delta_usage[k] for k in INPUT_SIDE}
+    assert start_usage["cache_read_input_tokens"] >= 64 and start_usage["output_tokens"] == 0
+
+
 def test_top_level_cache_control_caches_the_conversation_so_far(gw: Gateway) -> None:
     """Automatic caching: the breakpoint is the end of the last message, so the next turn
     reads everything before its new messages."""

@@ -17,13 +17,16 @@ from typing import Any, Literal
 
 import openai
 import pytest
-from harness.make_tiny_gguf import THINK_TEMPLATE
+from harness.make_tiny_gguf import HERMES_TEMPLATE, THINK_TEMPLATE
 from pydantic import BaseModel
 
 from model_runtime.chat.formats import detect_format
 from model_runtime.chat.parsing import OutputParser
+from model_runtime.chat.templates import ChatTemplate
 from model_runtime.gateway.responses_api import RESPONSES_FIELDS, parse_responses
 from model_runtime.gateway.responses_output import ResponseBuilder, reply_messages
+from model_runtime.llama_backend import LlamaModel
+from model_runtime.request import common_prefix
 from model_runtime.v1 import runtime_pb2 as pb
 from tests.support.daemon_proc import DaemonProcess
 from tests.support.gateway_proc import ALICE, BOB, GatewayProcess, kill_leftovers, wait_gone
@@ -249,6 +252,35 @@ def test_a_chain_of_four_reuses_every_earlier_turn(gw: GatewayProcess) -> None:
     assert b'responses_continued_total{how="state",model="hermes",tenant="alice"}' in metrics
 
 
+def test_other_instructions_are_served_by_the_common_prefix_and_said_so(
+        gw: GatewayProcess, tiny_hermes_model: Path) -> None:
+    """Instructions are not carried over (OpenAI's rule): a continuation with other
+    instructions renders a prompt that the stored state is not a prefix of. The worker
+    says that, not "hash collision or wrong key", and the request reuses exactly the
+    tokens the two prompts share (the instructions' common start)."""
+    client = alice(gw)
+    changed = INSTRUCTIONS + "Reply in French."
+    first = create(client, instructions=INSTRUCTIONS, input="Where is parcel 40?",
+                   prompt_cache_key="other-instructions")
+    logged = len(gw.log())
+    second = create(client, instructions=changed, input="And parcel 41?",
+                    previous_response_id=first.id, prompt_cache_key="other-instructions")
+    log = gw.log()[logged:]
+    assert "hash collision" not in log
+    assert "is not a prefix of the prompt" in log and "instructions" in log, log[-2000:]
+    template = ChatTemplate(HERMES_TEMPLATE, bos_token="", eos_token="")
+    with LlamaModel(tiny_hermes_model) as model:
+        old, new = (model.tokenize(template.render([
+            {"role": "system", "content": text}, {"role": "user", "content": "x"}]))
+            for text in (INSTRUCTIONS, changed))
+    shared = common_prefix(old, new)
+    assert shared >= 64  # (a state is restored for no fewer)
+    assert second.usage.input_tokens_details.cached_tokens == shared
+    metrics = gw.http("GET", "/metrics", headers={"Authorization": f"Bearer {ALICE}"})[2]
+    assert b'responses_continued_total{how="rendered",model="hermes",tenant="alice"}' in \
+        metrics
+
+
 def test_a_function_call_round_trip_by_previous_response(gw: GatewayProcess) -> None:
     client = alice(gw)
     first = create(client, instructions=INSTRUCTIONS, input="Weather in Oslo?",
@@ -274,6 +306,37 @@ def test_a_function_call_round_trip_by_previous_response(gw: GatewayProcess) -> 
     done = events[kinds.index("response.function_call_arguments.done")]
     assert json.loads(done.arguments)["city"] is not None
     assert events[-1].response.output[-1].arguments == done.arguments
+
+
+def test_calls_left_without_their_outputs_are_refused_as_openai_does(
+        gw: GatewayProcess) -> None:
+    """A continuation of a response that ended in a function call must send the call's
+    output: without it, OpenAI answers 400 naming the call, and so does the gateway,
+    streamed or not, before anything is computed. Calls sent as input items are held to
+    the same rule (each answered by call_id, wherever its output comes)."""
+    client = alice(gw)
+    first = create(client, instructions=INSTRUCTIONS, input="Weather in Bergen?",
+                   tools=[WEATHER], tool_choice="required", max_output_tokens=200,
+                   parallel_tool_calls=False)
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as err:
+            create(client, instructions=INSTRUCTIONS, previous_response_id=first.id,
+                   tools=[WEATHER], input="And tomorrow?", stream=stream)
+        assert err.value.body == {
+            "message": f"No tool output found for function call {call.call_id}.",
+            "type": "invalid_request_error", "param": "input", "code": None}
+    calls = [{"type": "function_call", "call_id": f"call_{c}", "name": "get_weather",
+              "arguments": json.dumps({"city": c})} for c in ("Oslo", "Rome")]
+    answer = {"type": "function_call_output", "call_id": "call_Rome", "output": "Sun."}
+    code, body = post(gw, {"model": "hermes", "input": [
+        {"role": "user", "content": "Oslo and Rome?"}, *calls, answer], "tools": [WEATHER]})
+    assert (code, body["error"]["message"]) == (
+        400, "No tool output found for function call call_Oslo."), body
+    answered = create(client, tools=[WEATHER], input=[
+        {"role": "user", "content": "Oslo and Rome?"}, *calls, answer,
+        {**answer, "call_id": "call_Oslo", "output": "Rain."}])
+    assert answered.status in ("completed", "incomplete")
 
 
 def test_structured_output_follows_the_schema(gw: GatewayProcess) -> None:

@@ -138,6 +138,31 @@ def test_complete_streams_text_pieces_then_the_final_record(
     assert again.cache_tier == "live"
 
 
+def test_the_prompt_is_told_once_before_the_first_token(
+        stack: tuple[DaemonProcess, RuntimeProcess], stub: pb_grpc.ModelRuntimeStub,
+        tokenize: Callable[[str], list[int]]) -> None:
+    """The first event is the prompt's account (what the cache gave it, its saves so
+    far), the same figures the final record gives, cold and then restored."""
+    tokens = sample_prompt(tokenize, 150)[3:]  # not a prefix of another test's prompt
+    for expect_read in (False, True):
+        events = list(stub.Complete(request(tokens=tokens, max_tokens=3, prefix_tokens=128),
+                                    timeout=60))
+        kinds = [e.WhichOneof("event") for e in events]
+        assert kinds[0] == "prompt" and kinds.count("prompt") == 1 and kinds[-1] == "done"
+        prompt, done = events[0].prompt, events[-1].done
+        assert prompt.prompt_tokens == done.prompt_tokens == len(tokens)
+        assert (prompt.cache_hit_kind, prompt.cache_tier) == (done.cache_hit_kind,
+                                                              done.cache_tier)
+        assert prompt.cache_delta.tokens_read == done.cache_delta.tokens_read
+        assert (prompt.cache_delta.tokens_read > 0) is expect_read
+        # (the final record adds the saves taken at the end: finish, the prompt's end)
+        assert list(done.saves)[:len(prompt.saves)] == list(prompt.saves)
+        if not expect_read:
+            assert [(s.reason, s.tokens) for s in prompt.saves] == [("cold", 128)]
+            wait_for_entry(stack[0], prompt.saves[0].key)
+            # (the next request restores it: another sequence of the runtime, or live)
+
+
 def test_client_record_and_stats(stack: tuple[DaemonProcess, RuntimeProcess]) -> None:
     with RuntimeClient(stack[1].address, timeout=60) as client:
         done = client.complete(prompt="The quick brown fox", max_tokens=5, temperature=0.7,

@@ -146,3 +146,44 @@ def test_a_call_cut_short_is_still_reported() -> None:
                         envelope=True)
     assert [(c.name, c.arguments) for c in out.tool_calls] == [("f", '{"a": "x')]
     assert json.loads('{"a": "x"}') and out.content == ""
+
+
+# Two calls in each family's syntax, as a model forced to call (parallel calls allowed)
+# writes them; max_tokens may cut the text anywhere.
+TWO_CALLS = [
+    (GENERIC, {"envelope": True}, '{"tool_calls": [{"name": "get_weather", "arguments": '
+     '{"city": "Oslo"}}, {"name": "track_parcel", "arguments": {"id": "A1"}}]}'),
+    (HERMES, {"tools": True}, '<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+     '"Oslo"}}\n</tool_call>\n<tool_call>\n{"name": "track_parcel", "arguments": {"id": '
+     '"A1"}}\n</tool_call>'),
+    (HERMES, {"tools": True}, '<tool_call>{"arguments": {"city": "Oslo"}, "name": '
+     '"get_weather"}</tool_call><tool_call>{"arguments": {"id": "A1"}, "name": '
+     '"track_parcel"}</tool_call>'),
+    (LLAMA3, {"tools": True}, '{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+     '{"name": "track_parcel", "parameters": {"id": "A1"}}'),
+    (MISTRAL, {"tools": True}, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": '
+     '"Oslo"}}, {"name": "track_parcel", "arguments": {"id": "A1"}}]'),
+]
+NAMES = ("get_weather", "track_parcel")
+
+
+@pytest.mark.parametrize("fmt, options, text", TWO_CALLS)
+def test_a_call_cut_before_its_name_is_complete_is_never_given_out(
+        fmt: ChatFormat, options: dict, text: str) -> None:
+    """Cut at every character (max_tokens ends the output anywhere): a call is given out,
+    whole and as deltas, only once its name's closing quote was written; then with its
+    name and whatever of its arguments came, and the calls are numbered without gaps."""
+    for end in range(len(text) + 1):
+        head = text[:end]
+        named = [n for n in NAMES if f'"{n}"' in head]
+        for size in (1, 4, max(1, end)):
+            out, deltas = parse(fmt, cuts(head, size), **options)
+            assert [c.name for c in out.tool_calls] == named, (end, size)
+            assert [c.id for c in out.tool_calls] == [f"call_{i}" for i in range(len(named))]
+            assert replay(deltas) == summary(out), (end, size)
+            firsts = [d for d in deltas if isinstance(d, ToolCallDelta) and d.id]
+            assert [d.name for d in firsts] == named and all(d.name for d in firsts)
+            for call in out.tool_calls:  # arguments as written so far, a prefix of the whole
+                whole = json.dumps({"get_weather": {"city": "Oslo"},
+                                    "track_parcel": {"id": "A1"}}[call.name])
+                assert whole.startswith(call.arguments), (end, call)
