@@ -40,6 +40,7 @@ import lmdb
 import msgpack
 import xxhash
 
+from .common import make_private_dirs
 from .keys import KEY_BYTES, common_prefix_tokens, key_under
 from .ordering import TABLES as ORDER_TABLES
 from .ordering import OrderTables
@@ -148,7 +149,7 @@ SCAN_LIMIT = 32
 
 class Index:
     def __init__(self, path: Path, *, map_size: int = 1 << 34) -> None:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        make_private_dirs(path)
         # map_size is an upper bound on a sparse file, not an allocation.
         self.env = lmdb.open(
             str(path), map_size=map_size, max_dbs=6 + len(ORDER_TABLES), subdir=True,

@@ -20,7 +20,7 @@ import lmdb
 
 from .. import blob as blobfmt
 from .. import keys
-from ..common import TIER_DISK, TIER_RAM
+from ..common import PRIVATE_FILE_MODE, TIER_DISK, TIER_RAM
 from ..counters import COUNTERS
 from ..errors import DirectoryInUse
 from ..index import Index, Record
@@ -75,19 +75,18 @@ class Store:
 
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
-        self._layout = layout = Layout(config.root,
-                                       ramtier.tier_dir(config.root, config.ram_dir))
-        self.root = layout.root
-        self.ram_dir = layout.ram_dir
-        self.blob_dir = layout.blob_dir
-        self.tmp_dir = layout.tmp_dir
-        self.quarantine_dir = layout.quarantine_dir
+        self.root = config.root
         claim_data_dir(self.root)
-        layout.make_dirs()
         self._lock_file = self._lock_data_dir()
         ram_lock, index = -1, None
         try:
-            ram_lock = ramtier.claim_tier(self.ram_dir, self.root)
+            ram_dir, ram_lock = ramtier.claim_tier(self.root, config.ram_dir)
+            self._layout = layout = Layout(self.root, ram_dir)
+            self.ram_dir = layout.ram_dir
+            self.blob_dir = layout.blob_dir
+            self.tmp_dir = layout.tmp_dir
+            self.quarantine_dir = layout.quarantine_dir
+            layout.make_dirs()
             index = Index(self.root / "index")
             self._ram_lock, self.index = ram_lock, index
             self._start()
@@ -154,7 +153,11 @@ class Store:
     def _lock_data_dir(self) -> BinaryIO:
         """One daemon per data directory: a second one would sweep the first one's
         in-flight temp files and take over its socket."""
-        f = open(self.root / "daemon.lock", "a+b")  # noqa: SIM115 - held for our lifetime
+        fd = os.open(self.root / "daemon.lock", os.O_RDWR | os.O_CREAT, PRIVATE_FILE_MODE)
+        st = os.fstat(fd)
+        if st.st_uid == os.getuid() and st.st_mode & 0o077:  # made by an earlier version
+            os.fchmod(fd, PRIVATE_FILE_MODE)
+        f = os.fdopen(fd, "a+b")  # held for our lifetime
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
