@@ -183,9 +183,13 @@ class Index:
     # -- entries ----------------------------------------------------------------------------
 
     def get(self, key: bytes) -> Record | None:
-        with self.env.begin(db=self._entries) as txn:
-            data = txn.get(key)
+        data = self.row(key)
         return None if data is None else Record.unpack(data)
+
+    def row(self, key: bytes) -> bytes | None:
+        """The entry's packed row (Record.unpack reads it), None when there is none."""
+        with self.env.begin(db=self._entries) as txn:
+            return txn.get(key)
 
     def put(self, record: Record, passes: Sequence[tuple[bytes, bytes]] = ()) -> None:
         """Publish (or overwrite) an entry: record, anchor and passes in one transaction.

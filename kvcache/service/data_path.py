@@ -16,7 +16,7 @@ from ..config import MAX_MESSAGE_BYTES
 from ..errors import InvalidArgument, NotFound, StoreError
 from ..v1 import kvcache_pb2 as pb
 from .base import ServiceBase, abort, wait_budget_ms
-from .messages import TIERS, chain_message, request_tokens, tier_of
+from .messages import TIERS, chain_message, check_key, request_tokens, tier_of
 
 
 class DataPathRPCs(ServiceBase):
@@ -82,15 +82,14 @@ class DataPathRPCs(ServiceBase):
         def run() -> pb.ReserveResponse:
             ns = self.access.namespace(request.identity, context)
             raw = request_tokens(request)
-            if request.parent and not self.access.may_see(request.parent, context):
-                # Worded as for a parent that is gone: not "another tenant's".
-                raise NotFound(f"parent entry {request.parent.hex()} is gone (evicted or "
-                               "deleted); save the whole state or look again")
             self.tenant_names.learn(request.identity.tenant)
+            # Another tenant's parent is, to a caller bound to tenants, a parent that is
+            # gone, told only once every argument is found valid (the store's order).
             result = self.store.reserve(ns, raw, request.size, request.reason,
                                         request.identity.model_fingerprint,
                                         tenant_id=self.salts.tenant_id(request.identity.tenant),
-                                        parent=request.parent, base=request.base)
+                                        parent=request.parent, base=request.base,
+                                        tenants=self.access.seen(context))
             status = {"granted": pb.ReserveResponse.GRANTED,
                       "already_present": pb.ReserveResponse.ALREADY_PRESENT,
                       "in_flight": pb.ReserveResponse.IN_FLIGHT}[result.status]
@@ -162,8 +161,8 @@ class DataPathRPCs(ServiceBase):
         chunk_bytes = min(request.chunk_bytes or (1 << 20), MAX_MESSAGE_BYTES // 2)
         t0 = time.perf_counter()
         pin, chunks = self._call(context, lambda: self.store.iter_read(
-            self.access.check_key_scope(request.key, context), wait_budget_ms(request.wait_ms, context),
-            chunk_bytes))
+            check_key(request.key), wait_budget_ms(request.wait_ms, context), chunk_bytes,
+            tenants=self.access.seen(context)))
         offset = 0
         try:
             for data in chunks:
@@ -183,8 +182,8 @@ class DataPathRPCs(ServiceBase):
     def OpenRead(self, request: pb.OpenReadRequest, context: Any) -> pb.OpenReadResponse:
         t0 = time.perf_counter()
         pin = self._call(context, lambda: self.store.open_read(
-            self.access.check_key_scope(request.key, context),
-            wait_budget_ms(request.wait_ms, context)))
+            check_key(request.key), wait_budget_ms(request.wait_ms, context),
+            tenants=self.access.seen(context)))
         self._observe(self.read_seconds.labels(pin.tier, "local"), f"read_{pin.tier}_local", t0)
         return pb.OpenReadResponse(path=str(pin.path), size=pin.size, tier=TIERS[pin.tier],
                                    pin_id=pin.pin_id, pin_seconds=self.store.config.pin_seconds,
@@ -197,6 +196,6 @@ class DataPathRPCs(ServiceBase):
 
     def Delete(self, request: pb.KeyRequest, context: Any) -> pb.DeleteResponse:
         removed = self._call(context, lambda: self.store.delete(
-            self.access.check_key_scope(request.key, context)))
+            check_key(request.key), tenants=self.access.seen(context)))
         return pb.DeleteResponse(deleted=True, dependents_removed=len(removed) - 1)
 

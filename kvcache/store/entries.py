@@ -14,7 +14,7 @@ from .. import blob as blobfmt
 from .. import keys
 from ..errors import Busy, InvalidArgument, NotFound, StoreError
 from ..index import Record, dir_fsync
-from .core import Part, StoreCore
+from .core import Part, Seen, StoreCore, seen_record
 
 log = logging.getLogger("kvcache")
 
@@ -97,8 +97,9 @@ class Entries(Part):
                 todo += kids
             return out
 
-    def get(self, key: bytes) -> Record:
-        record = self._index.get(key)
+    def get(self, key: bytes, tenants: Seen = None) -> Record:
+        """The entry ``key``; NotFound when there is none that ``tenants`` may see."""
+        record = seen_record(self._index, key, tenants)
         if record is None:
             raise NotFound(f"no entry {key.hex()}")
         return record
@@ -116,7 +117,8 @@ class Entries(Part):
 
     # -- changes ----------------------------------------------------------------------------
 
-    def set_pinned(self, key: bytes, pinned: bool, ttl_seconds: float = 0.0) -> Record:
+    def set_pinned(self, key: bytes, pinned: bool, ttl_seconds: float = 0.0,
+                   tenants: Seen = None) -> Record:
         """Pin (until unpinned; with ``ttl_seconds``, until then) or unpin. An expiring pin
         is extended by a later one, never shortened, and never turns a pin without end
         into one that ends."""
@@ -124,9 +126,7 @@ class Entries(Part):
         # never undone by a removal that chose the entry before it (tests/faults/test_load.py::
         # test_a_pin_is_never_lost_to_a_concurrent_eviction_prune_or_delete).
         with self._cond:
-            old = self._index.get(key)
-            if old is None:
-                raise NotFound(f"no entry {key.hex()}")
+            old = self.get(key, tenants)
             expires = 0.0
             if pinned and ttl_seconds > 0 and not (old.pinned and not old.pin_expires):
                 expires = max(old.pin_expires, time.time() + ttl_seconds)
@@ -160,7 +160,7 @@ class Entries(Part):
             self.counters["pins_expired"] += len(released)
             return len(released)
 
-    def delete(self, key: bytes) -> list[Record]:
+    def delete(self, key: bytes, tenants: Seen = None) -> list[Record]:
         """Remove an entry and the entries built on it (they cannot be restored without
         it); refused while any of them is pinned or read by a client. Held only by the
         daemon's own work (its RAM copy being made, a check, a piece being saved on it),
@@ -171,7 +171,7 @@ class Entries(Part):
         deadline = time.monotonic() + self._config.delete_wait_seconds
         with self._cond:
             while True:
-                record = self.get(key)
+                record = self.get(key, tenants)
                 dependents = self.dependents(key)
                 busy = ""
                 for k in (key, *dependents):

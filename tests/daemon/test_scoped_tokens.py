@@ -184,6 +184,74 @@ def test_a_runtime_token_reaches_only_its_tenants(daemon_factory: DaemonFactory,
         assert local.delete(key) == 0
 
 
+def probes(stub: object, identity: Identity, tokens: list[int]
+           ) -> dict[str, Callable[[bytes], object]]:
+    """Every call that takes a key, each with arguments valid but for the key, and with
+    an argument wrong besides it (the answer must not depend on whose the key is)."""
+    def reserve(**fields: object) -> Callable[[bytes], object]:
+        base = {"identity": identity.message(), "tokens": tokens + [7], "size": 4096,
+                "reason": "cold", "base": 20, **fields}
+        return lambda k: stub.Reserve(pb.ReserveRequest(parent=k, **base),  # type: ignore[attr-defined, arg-type]
+                                      timeout=5)
+
+    s = stub  # the stub's methods are made at run time: no types to check
+    return {
+        "Read": lambda k: list(s.Read(pb.ReadRequest(key=k, wait_ms=30_000), timeout=5)),  # type: ignore[attr-defined]
+        "OpenRead": lambda k: s.OpenRead(pb.OpenReadRequest(key=k, wait_ms=30_000),  # type: ignore[attr-defined]
+                                         timeout=5),
+        "Delete": lambda k: s.Delete(pb.KeyRequest(key=k), timeout=5),  # type: ignore[attr-defined]
+        "Pin": lambda k: s.Pin(pb.KeyRequest(key=k, ttl_seconds=5), timeout=5),  # type: ignore[attr-defined]
+        "Unpin": lambda k: s.Unpin(pb.KeyRequest(key=k), timeout=5),  # type: ignore[attr-defined]
+        "Inspect": lambda k: s.Inspect(pb.InspectRequest(key=k), timeout=5),  # type: ignore[attr-defined]
+        "Verify": lambda k: list(s.Verify(pb.VerifyRequest(keys=[k]), timeout=5)),  # type: ignore[attr-defined]
+        "Reserve(parent)": reserve(),
+        "Reserve(parent, bad reason)": reserve(reason="no-such-reason"),
+        "Reserve(parent, base 0)": reserve(base=0),
+        "Reserve(parent, base past the tokens)": reserve(base=99),
+        "Reserve(parent, size too small)": reserve(size=3),
+        "Reserve(parent, no fingerprint)": reserve(identity=pb.Identity(tenant=identity.tenant)),
+    }
+
+
+def test_every_call_by_key_answers_a_foreign_key_as_an_absent_one(
+        daemon_factory: DaemonFactory, tmp_path: Path) -> None:
+    """Whatever else is wrong with a call, another tenant's key gets the answer of a key
+    nobody saved: arguments are checked first (a Reserve naming bob's entry as its parent
+    with a bad reason was NOT_FOUND, with a key nobody saved INVALID_ARGUMENT), and the
+    store hides the entry on the path of a missing key, counters included. (Their timing
+    is tools/bench_tenant_probes.py's.)"""
+    d = daemon_factory("--listen", "127.0.0.1:0", "--token-file",
+                       str(token_file(tmp_path / "tokens")), "--block-size", "16",
+                       "--tcp-admin")
+    address = tcp_address(d)
+    prompt = toks(64, 40)
+    with client_of(address, tmp_path, "alice") as alice, \
+            client_of(address, tmp_path, "bob") as bob, d.client() as operator:
+        published = bob.save(BOB, prompt, b"b" * 600, "cold").key
+        in_flight = toks(65, 40)
+        lease = bob.stub.Reserve(pb.ReserveRequest(
+            identity=BOB.message(), tokens=in_flight, size=4096, reason="cold"), timeout=5)
+        foreign = {"published": published, "being written": lease.key}
+        for name, call in probes(alice.stub, ALICE, prompt).items():
+            answers = {}
+            for kind, key in {**foreign, "absent": secrets.token_bytes(16)}.items():
+                before = dict(operator.stats().counters)
+                code, details = answer(lambda: call(key))  # noqa: B023 - called at once
+                after = dict(operator.stats().counters)
+                moved = {c: after[c] - before.get(c, 0) for c in after
+                         if after[c] != before.get(c, 0)}
+                answers[kind] = (code, details.replace(key.hex(), "KEY"), moved)
+            assert answers["published"] == answers["being written"] == answers["absent"], name
+            # A key of the wrong length is refused as such, whoever asks.
+            assert answer(lambda: call(b"short"))[0] in (  # noqa: B023
+                grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED), name
+        bob.stub.Abort(pb.AbortRequest(lease_id=lease.lease_id), timeout=5)
+        assert answer(lambda: bob.stub.Reserve(pb.ReserveRequest(
+            identity=BOB.message(), tokens=prompt + [7], size=4096, reason="no-such-reason",
+            parent=published, base=20), timeout=5))[0] == grpc.StatusCode.INVALID_ARGUMENT
+        assert bytes(bob.load(published).payload) == b"b" * 600  # nothing alice did took it
+
+
 def test_tenant_salts_come_from_the_daemons_secret(daemon_factory: DaemonFactory,
                                                    tmp_path: Path) -> None:
     """The name gives neither the namespace nor the label; two daemons salt alike only
