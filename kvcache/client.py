@@ -629,6 +629,20 @@ class CacheClient:
     def unpin(self, key: bytes) -> None:
         self._rpc("Unpin", pb.KeyRequest(key=key), pb.PinResponse)
 
+    def entry_tokens(self, key: bytes, *, tenant: str = "") -> list[int]:
+        """The tokens of ``tenant``'s entry ``key`` (the data path's read: a runtime
+        token bound to ``tenant`` may make it; NOT_FOUND for any other entry)."""
+        reply = self._rpc("EntryTokens", pb.EntryTokensRequest(key=key, tenant=tenant),
+                          pb.EntryTokensResponse)
+        return keys.bytes_to_tokens(reply.packed_tokens)
+
+    def pin_tenant_entry(self, key: bytes, ttl_seconds: float, *,
+                         tenant: str = "") -> pb.PinTenantEntryResponse:
+        """Pin ``tenant``'s entry ``key`` for ``ttl_seconds`` (the data path's expiring pin,
+        bounded by the daemon; RESOURCE_EXHAUSTED past what the tenant's pins may hold)."""
+        return self._rpc("PinTenantEntry", pb.PinTenantEntryRequest(
+            key=key, tenant=tenant, ttl_seconds=ttl_seconds), pb.PinTenantEntryResponse)
+
     def delete(self, key: bytes) -> int:
         """Remove an entry and the entries built on it; returns how many of those went.
         Refused (FAILED_PRECONDITION) while one is pinned or read by a client; the daemon's

@@ -1,16 +1,20 @@
 """The data path: the RPCs a model runtime makes to find, save and load states (lookup,
-reserve, write, commit, read, delete). Each checks the caller's access first
-(kvcache.service.access) and answers another tenant's entry as a missing one."""
+reserve, write, commit, read, delete), and what it reads and keeps of its own tenant's
+entries (their tokens, an expiring pin). Each checks its arguments and the caller's
+access first (kvcache.service.access) and answers another tenant's entry as a missing
+one."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
 
+from .. import keys
 from ..common import details
 from ..config import MAX_MESSAGE_BYTES
 from ..errors import InvalidArgument, NotFound, StoreError
@@ -21,7 +25,7 @@ from .messages import TIERS, chain_message, check_key, request_tokens, tier_of
 
 class DataPathRPCs(ServiceBase):
     """Lookup, Reserve, Resolve, Write, Commit, Abort, Read, OpenRead, ReleaseRead,
-    Delete."""
+    Delete, EntryTokens, PinTenantEntry."""
 
     def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         def run() -> pb.LookupResponse:
@@ -198,4 +202,36 @@ class DataPathRPCs(ServiceBase):
         removed = self._call(context, lambda: self.store.delete(
             check_key(request.key), tenants=self.access.seen(context)))
         return pb.DeleteResponse(deleted=True, dependents_removed=len(removed) - 1)
+
+    def EntryTokens(self, request: pb.EntryTokensRequest,
+                    context: Any) -> pb.EntryTokensResponse:
+        """The tokens of an entry of the named tenant (a runtime continuing a state it
+        saved): what a runtime token may read of an entry, where Inspect is the
+        operator's."""
+        def run() -> pb.EntryTokensResponse:
+            key = check_key(request.key)
+            _, _, meta, _ = self.store.inspect(
+                key, self.access.tenant_seen(request.tenant, context))
+            return pb.EntryTokensResponse(n_tokens=len(meta.tokens),
+                                          packed_tokens=keys.tokens_to_bytes(meta.tokens))
+        return self._call(context, run)
+
+    def PinTenantEntry(self, request: pb.PinTenantEntryRequest,
+                       context: Any) -> pb.PinTenantEntryResponse:
+        """An expiring pin on an entry of the named tenant (a runtime keeping a
+        cache_control breakpoint's entry), bounded in time and in what the tenant's
+        expiring pins hold; Pin, unbounded, is the operator's."""
+        def run() -> pb.PinTenantEntryResponse:
+            key = check_key(request.key)
+            longest = self.store.config.max_tenant_pin_seconds
+            ttl = request.ttl_seconds
+            if not (math.isfinite(ttl) and 0 < ttl <= longest):
+                raise InvalidArgument(f"ttl_seconds must be above 0 and at most {longest:g} "
+                                      f"(the daemon's --max-tenant-pin-seconds), got {ttl}")
+            pin = self.store.pin_for_tenant(
+                key, ttl, self.access.tenant_seen(request.tenant, context))
+            return pb.PinTenantEntryResponse(pin_expires=pin.record.pin_expires,
+                                             pinned_bytes=pin.held_bytes,
+                                             pinned_bytes_limit=pin.bound)
+        return self._call(context, run)
 

@@ -37,6 +37,8 @@ GiB = 1 << 30
 # The default bound of a tenant's reserved bytes, in largest entries: a few saves of the
 # largest entry in flight at once.
 RESERVED_ENTRIES = 4
+# The default bound of the bytes one tenant's expiring pins hold: this share of the disk.
+PINNED_SHARE = 4
 
 
 @dataclass(frozen=True)
@@ -66,12 +68,23 @@ class StoreConfig:
     # Bytes one tenant's open saves may have reserved at once (0: RESERVED_ENTRIES times
     # max_blob_bytes): what its writers may yet write, and push others' entries out for.
     max_reserved_bytes_per_tenant: int = 0
+    # The data path's expiring pins (PinTenantEntry): the longest one, and the bytes one
+    # tenant's may hold (0: a quarter of disk_bytes; never more than its disk quota).
+    max_tenant_pin_seconds: float = 3600.0
+    max_pinned_bytes_per_tenant: int = 0
     usage_flush_seconds: float = 1.0
 
     @property
     def reserved_bytes_bound(self) -> int:
         """The most bytes one tenant's open saves may have reserved at once."""
         return self.max_reserved_bytes_per_tenant or RESERVED_ENTRIES * self.max_blob_bytes
+
+    def pinned_bytes_bound(self, disk_quota: int | None) -> int:
+        """The most bytes one tenant's expiring pins may hold, given its disk quota: what
+        they pin counts against its quota, and a tenant without one must not pin the
+        shared budget."""
+        bound = self.max_pinned_bytes_per_tenant or self.disk_bytes // PINNED_SHARE
+        return bound if disk_quota is None else min(bound, disk_quota)
 
 
 BLOB_SUFFIX = ".kvc"

@@ -26,7 +26,7 @@ from ..errors import DirectoryInUse
 from ..index import Index, Record
 from . import listing, ramtier
 from .core import Layout, ReadPin, Seen, StoreConfig, StoreCore, StoreStats
-from .entries import Entries, RamCopies, check_tokens
+from .entries import Entries, RamCopies, TenantPin, check_tokens
 from .eviction import Evictor
 from .integrity import Integrity
 from .ownership import claim_data_dir
@@ -355,6 +355,15 @@ class Store:
     def set_pinned(self, key: bytes, pinned: bool, ttl_seconds: float = 0.0, *,
                    tenants: Seen = None) -> Record:
         return self._entries.set_pinned(key, pinned, ttl_seconds, tenants)
+
+    def pin_for_tenant(self, key: bytes, ttl_seconds: float,
+                       tenants: frozenset[str]) -> TenantPin:
+        """The data path's expiring pin on an entry of ``tenants``, refused (QuotaExceeded)
+        when its tenant's expiring pins would hold more than their bound
+        (StoreConfig.pinned_bytes_bound)."""
+        return self._entries.pin_for_tenant(
+            key, ttl_seconds, tenants,
+            lambda t: self.config.pinned_bytes_bound(self._evictor.quotas.of(TIER_DISK, t)))
 
     def delete(self, key: bytes, *, tenants: Seen = None) -> list[Record]:
         """Remove an entry and the entries built on it (they cannot be restored without
