@@ -126,6 +126,13 @@ def binomial_tail(n: int, k: int) -> float:
     return sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n
 
 
+def sorted_right(foreign: list[float], absent: list[float], threshold: float,
+                 foreign_above: bool) -> int:
+    """How many keys a threshold puts on their own kind's side."""
+    return sum((v > threshold) == foreign_above for v in foreign) + \
+        sum((v > threshold) != foreign_above for v in absent)
+
+
 def classify(foreign: list[list[float]], absent: list[list[float]]) -> dict[str, Any]:
     """Train on the first half of each kind's keys, score on the other half."""
     half_f, half_a = len(foreign) // 2, len(absent) // 2
@@ -134,14 +141,9 @@ def classify(foreign: list[list[float]], absent: list[list[float]]) -> dict[str,
         f = [figure(xs) for xs in foreign]
         a = [figure(xs) for xs in absent]
         mean_f, mean_a = statistics.fmean(f[:half_f]), statistics.fmean(a[:half_a])
-        threshold, foreign_above = (mean_f + mean_a) / 2, mean_f > mean_a
-
-        def correct(values: list[float], is_foreign: bool) -> int:
-            return sum((v > threshold) == foreign_above if is_foreign
-                       else (v > threshold) != foreign_above for v in values)
-
-        trained = correct(f[:half_f], True) + correct(a[:half_a], False)
-        held = correct(f[half_f:], True) + correct(a[half_a:], False)
+        rule = ((mean_f + mean_a) / 2, mean_f > mean_a)
+        trained = sorted_right(f[:half_f], a[:half_a], *rule)
+        held = sorted_right(f[half_f:], a[half_a:], *rule)
         scores[name] = {"train_correct": trained, "held_out_correct": held}
     best = max(scores, key=lambda n: scores[n]["train_correct"])
     n_held = len(foreign) - half_f + len(absent) - half_a
