@@ -17,7 +17,6 @@ import errno
 import itertools
 import mmap
 import os
-import re
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -29,87 +28,13 @@ import grpc
 from . import blob as blobfmt
 from . import keys
 from .auth import ClientAuth
+from .client_errors import CacheError, CacheUnavailable, CorruptBlob, NotAPrefix, wrap
 from .config import CHUNK_BYTES, MAX_MESSAGE_BYTES, default_address, is_local, normalize_address
 from .v1 import kvcache_pb2 as pb
 from .v1 import kvcache_pb2_grpc as pb_grpc
 
 TIER_NAMES = {pb.TIER_RAM: "ram", pb.TIER_DISK: "disk", pb.TIER_REMOTE: "remote",
               pb.TIER_UNSPECIFIED: ""}
-
-
-class CacheError(Exception):
-    """A call the daemon answered with an error status."""
-
-    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class CacheUnavailable(CacheError):
-    """The daemon could not be reached (or did not answer in time)."""
-
-
-class CorruptBlob(CacheError):
-    """A blob failed its checksums; the daemon was told and quarantined it."""
-
-
-class NotAPrefix(CacheError):
-    """An entry whose first ``needed`` tokens are not the prompt's (its first ``shared``
-    are): a key its caller chose that the prompt does not extend, or a wrong lookup."""
-
-    def __init__(self, key: bytes, needed: int, n_tokens: int, shared: int) -> None:
-        super().__init__(f"entry {key.hex()} does not hold the prompt's first {needed} "
-                         f"tokens (of its {n_tokens}, the first {shared} are the prompt's)")
-        self.needed, self.n_tokens, self.shared = needed, n_tokens, shared
-
-
-# What an unreachable daemon's status means, said in words.
-_UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE: "is unavailable",
-                grpc.StatusCode.DEADLINE_EXCEEDED: "did not answer in time",
-                grpc.StatusCode.CANCELLED: "stopped answering (call cancelled)"}
-# Messages are read by people: a status is said in words, never as its gRPC name.
-_STATUS_WORDS = {
-    grpc.StatusCode.NOT_FOUND: "not found",
-    grpc.StatusCode.INVALID_ARGUMENT: "invalid request",
-    grpc.StatusCode.FAILED_PRECONDITION: "refused",
-    grpc.StatusCode.PERMISSION_DENIED: "permission denied",
-    grpc.StatusCode.UNAUTHENTICATED: "not authenticated",
-    grpc.StatusCode.RESOURCE_EXHAUSTED: "no room",
-    grpc.StatusCode.OUT_OF_RANGE: "out of range",
-    grpc.StatusCode.ALREADY_EXISTS: "already exists",
-    grpc.StatusCode.ABORTED: "aborted",
-    grpc.StatusCode.UNIMPLEMENTED: "not supported by this daemon",
-    grpc.StatusCode.INTERNAL: "daemon error",
-    grpc.StatusCode.UNKNOWN: "daemon error",
-}
-# gRPC's own texts name statuses too ("last error: UNAVAILABLE: ipv4:...").
-_STATUS_NAME_IN_TEXT = re.compile(r"\b(?:" + "|".join(c.name for c in grpc.StatusCode)
-                                  + r"): ")
-
-
-def status_words(code: grpc.StatusCode | None) -> str:
-    if code is None:
-        return "error"
-    return _STATUS_WORDS.get(code, code.name.lower().replace("_", " "))
-
-
-def _wrap(exc: grpc.RpcError, address: str) -> CacheError:
-    code = exc.code() if hasattr(exc, "code") else None
-    details = _STATUS_NAME_IN_TEXT.sub("", exc.details() if hasattr(exc, "details")
-                                       else str(exc)) or ""
-    if code == grpc.StatusCode.DATA_LOSS:
-        return CorruptBlob(details, code)
-    if code is not None and code in _UNAVAILABLE:
-        return CacheUnavailable(_unavailable_message(code, details, address), code)
-    return CacheError(f"{status_words(code)}: {details}", code)
-
-
-def _unavailable_message(code: grpc.StatusCode, details: str, address: str) -> str:
-    said = f"kvcache daemon at {address} {_UNAVAILABLE[code]}"
-    # gRPC's "Deadline Exceeded" and "Cancelled" only repeat what `said` says.
-    if details.lower().replace(" ", "_") in ("", code.name.lower()):
-        return said
-    return f"{said} ({details})"
 
 
 @dataclass(frozen=True)
@@ -263,7 +188,7 @@ class CacheClient:
             answer: _Reply = getattr(self.stub, method)(request, timeout=timeout or self.timeout)
             return answer
         except grpc.RpcError as exc:
-            raise _wrap(exc, self.address) from None
+            raise wrap(exc, self.address) from None
 
     def resolve(self, identity: Identity) -> tuple[bytes, str]:
         """``(namespace, tenant_id)`` of ``identity`` on this daemon: computed here without
@@ -433,7 +358,7 @@ class CacheClient:
         try:
             self.stub.Write(chunks(), timeout=timeout)
         except grpc.RpcError as exc:
-            raise _wrap(exc, self.address) from None
+            raise wrap(exc, self.address) from None
 
     def load(self, key: bytes, *, prefix_of: Sequence[int] | None = None, shares: int = 0,
              wait_ms: int = 0, timeout: float | None = None) -> LoadedBlob:
@@ -570,7 +495,7 @@ class CacheClient:
                     raise CacheError(f"daemon sent bytes past the end of {key.hex()}")
                 buf[chunk.offset : end] = chunk.data
         except grpc.RpcError as exc:
-            raise _wrap(exc, self.address) from None
+            raise wrap(exc, self.address) from None
         try:
             return blobfmt.decode_blob(buf), tier
         except blobfmt.BlobError as exc:
@@ -625,7 +550,7 @@ class CacheClient:
             yield from self.stub.Verify(pb.VerifyRequest(keys=list(keys_), check_only=check_only),
                                         timeout=timeout)
         except grpc.RpcError as exc:
-            raise _wrap(exc, self.address) from None
+            raise wrap(exc, self.address) from None
 
     def prune(self, **criteria: Any) -> pb.PruneResponse:
         """Criteria are :class:`pb.PruneRequest`'s fields: the filters choose what may go,
@@ -639,6 +564,20 @@ class CacheClient:
 
     def unpin(self, key: bytes) -> None:
         self._rpc("Unpin", pb.KeyRequest(key=key), pb.PinResponse)
+
+    def entry_tokens(self, key: bytes, *, tenant: str = "") -> list[int]:
+        """The tokens of ``tenant``'s entry ``key`` (the data path's read: a runtime
+        token bound to ``tenant`` may make it; NOT_FOUND for any other entry)."""
+        reply = self._rpc("EntryTokens", pb.EntryTokensRequest(key=key, tenant=tenant),
+                          pb.EntryTokensResponse)
+        return keys.bytes_to_tokens(reply.packed_tokens)
+
+    def pin_tenant_entry(self, key: bytes, ttl_seconds: float, *,
+                         tenant: str = "") -> pb.PinTenantEntryResponse:
+        """Pin ``tenant``'s entry ``key`` for ``ttl_seconds`` (the data path's expiring pin,
+        bounded by the daemon; RESOURCE_EXHAUSTED past what the tenant's pins may hold)."""
+        return self._rpc("PinTenantEntry", pb.PinTenantEntryRequest(
+            key=key, tenant=tenant, ttl_seconds=ttl_seconds), pb.PinTenantEntryResponse)
 
     def delete(self, key: bytes) -> int:
         """Remove an entry and the entries built on it; returns how many of those went.

@@ -1,5 +1,6 @@
 """What the cache daemon (``kvcache``) and the model runtime (``model_runtime``) share: the
-names of tiers, hit kinds and save reasons, and the gRPC server both build.
+names of tiers, hit kinds and save reasons, owner-only folders and files, and the gRPC
+server both build.
 
 A leaf: it imports nothing of either package (tests/unit/test_layering.py holds that), so the
 runtime can use it without reaching into the daemon's server, and the daemon never
@@ -9,7 +10,10 @@ depends on the runtime. Each name is defined here once; the counters of both pac
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # gRPC is imported when a server is built: the names stay import-light
@@ -37,6 +41,34 @@ HIT_KINDS = (HIT_EXACT, HIT_PARTIAL, HIT_COLD, HIT_STICKY)
 # The blob format (kvcache.blob.SAVE_REASONS) also knows "manual", for tools.
 
 RUNTIME_SAVE_REASONS = ("cold", "prompt", "continued", "finish", "evict", "shutdown")
+
+# -- files: owner-only whatever the umask ---------------------------------------------------
+# What kvcache writes holds prompts (or says where they are): every folder it makes is
+# 0700 and every file 0600, also under umask 000. Modes given to mkdir and open are masked
+# by the umask but never widened, so asking for these is enough; Path.mkdir(parents=True)
+# would make the missing parents with the umask's mode, hence make_private_dirs.
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+
+
+def make_private_dirs(path: Path) -> None:
+    """Make ``path`` and its missing parents, each owner-only. Folders that exist are
+    left as they are (kvcache never changes the mode of a folder it did not make)."""
+    missing = []
+    while not path.exists() and not path.is_symlink() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # made meanwhile: left as it is
+            folder.mkdir(mode=PRIVATE_DIR_MODE)
+
+
+def create_private_file(path: Path) -> int:
+    """Create ``path`` owner-only (a file of that name goes first) and open it for
+    writing; its descriptor."""
+    path.unlink(missing_ok=True)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
+
 
 # -- gRPC ------------------------------------------------------------------------------------
 

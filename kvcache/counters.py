@@ -87,7 +87,13 @@ SECTIONS: dict[str, dict[str, str]] = {
     },
     "administration": {
         "pins": "Entries pinned by an operator",
-        "pins_expired": "Expiring pins (a ttl given to Pin) released by time",
+        "pins_expired": "Expiring pins (a ttl given to Pin or PinTenantEntry) released by "
+                        "time",
+        "tenant_pins": "Expiring pins made on the data path (PinTenantEntry: a runtime "
+                       "keeping a cache_control breakpoint's entry)",
+        "tenant_pins_refused": "Data-path pins refused: the tenant's expiring pins would "
+                               "hold more than --max-pinned-bytes-per-tenant (or its disk "
+                               "quota)",
         "unpins": "Entries unpinned by an operator",
         "deletes": "Entries removed by an operator (evict)",
         "prune_removed": "Entries removed by prune",

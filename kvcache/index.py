@@ -40,6 +40,7 @@ import lmdb
 import msgpack
 import xxhash
 
+from .common import make_private_dirs
 from .keys import KEY_BYTES, common_prefix_tokens, key_under
 from .ordering import TABLES as ORDER_TABLES
 from .ordering import OrderTables
@@ -148,7 +149,7 @@ SCAN_LIMIT = 32
 
 class Index:
     def __init__(self, path: Path, *, map_size: int = 1 << 34) -> None:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        make_private_dirs(path)
         # map_size is an upper bound on a sparse file, not an allocation.
         self.env = lmdb.open(
             str(path), map_size=map_size, max_dbs=6 + len(ORDER_TABLES), subdir=True,
@@ -182,9 +183,13 @@ class Index:
     # -- entries ----------------------------------------------------------------------------
 
     def get(self, key: bytes) -> Record | None:
-        with self.env.begin(db=self._entries) as txn:
-            data = txn.get(key)
+        data = self.row(key)
         return None if data is None else Record.unpack(data)
+
+    def row(self, key: bytes) -> bytes | None:
+        """The entry's packed row (Record.unpack reads it), None when there is none."""
+        with self.env.begin(db=self._entries) as txn:
+            return txn.get(key)
 
     def put(self, record: Record, passes: Sequence[tuple[bytes, bytes]] = ()) -> None:
         """Publish (or overwrite) an entry: record, anchor and passes in one transaction.

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import grpc
 
+from .common import make_private_dirs
 from .config import MAX_SOCKET_PATH
 
 _bind_serial = itertools.count()
@@ -103,7 +104,7 @@ class OwnedSocket:
 
     def bind(self, server: grpc.Server) -> None:
         """Bind ``server`` (not yet started) to the socket, owner-only."""
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        make_private_dirs(self.path.parent)
         check_private_folder(self.path.parent)
         claim_socket_path(self.path)
         old_umask = os.umask(0o077)  # the socket file is created owner-only

@@ -81,7 +81,8 @@ COUNTERS: dict[str, str] = {
                                       "the wait (in_flight_wait_ms)",
     "saves_failed": "Saves the daemon refused (e.g. no room in its disk budget)",
     "pins_sent": "Expiring pins of cache_control breakpoints the daemon took",
-    "pins_failed": "Expiring pins the daemon refused (entry gone, or no right to pin)",
+    "pins_failed": "Expiring pins the daemon refused (entry gone, ttl over its longest, "
+                   "or the tenant's pins holding as much as they may)",
     "pins_dropped": "Expiring pins dropped because max_pending_saves were already queued",
     "shutdown_saves_skipped": "Live sequences not saved at shutdown: the deadline had passed",
     # bugs

@@ -241,7 +241,7 @@ class Executor:
             return
         key = self.key_of(tokens, tenant)
         if key:
-            self.saver.pin(key, ttl_seconds)
+            self.saver.pin(key, ttl_seconds, tenant)
 
     @staticmethod
     def _prompt_waypoint(seq: Seq, req: Request | None) -> tuple[Waypoint, ...]:

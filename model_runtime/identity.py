@@ -15,6 +15,7 @@ import xxhash
 
 from kvcache import keys
 from kvcache.client import Identity
+from kvcache.common import create_private_file, make_private_dirs
 from kvcache.config import default_dir
 
 FINGERPRINTS_FILE = "fingerprints.json"
@@ -51,9 +52,10 @@ def model_fingerprint(path: str | os.PathLike[str], cache_file: Path | None = No
         known[str(p)] = {"stamp": stamp, "fingerprint": fingerprint}
         try:
             # Owner-only, as kvcache's folders are: it may become the sockets' folder.
-            cache_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            make_private_dirs(cache_file.parent)
             tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(known))
+            with os.fdopen(create_private_file(tmp), "w") as f:
+                f.write(json.dumps(known))
             os.replace(tmp, cache_file)
         except OSError:
             pass  # remembering is an optimisation only

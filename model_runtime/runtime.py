@@ -518,12 +518,12 @@ class Runtime:
         if event is not None:  # finished moments ago: its save is still being sent
             event.wait(self.config.session_resume_wait_ms / 1000)
         try:
-            detail = self.cache.inspect(key, tenant=self.config.tenant if tenant is None
-                                        else tenant)
+            # The data path's read (a token bound to the tenant may make it).
+            state = self.cache.entry_tokens(key, tenant=self.config.tenant if tenant is None
+                                            else tenant)
         except CacheError as exc:
             log.info("parent state %s unreadable: %s", key.hex()[:16], exc)
             return []
-        state = [int(t) for t in detail.tokens]
         return state if all(0 <= t < self.model.n_vocab for t in state) else []
 
     def _check_vocab(self, sampling: SamplingParams) -> None:

@@ -68,6 +68,7 @@ class PinJob:
 
     key: bytes
     ttl_seconds: float
+    tenant: str
 
 
 class Saver:
@@ -114,19 +115,22 @@ class Saver:
         self._count(f"saves_queued_{job.reason}")
         return True
 
-    def pin(self, key: bytes, ttl_seconds: float) -> None:
-        """Queue an expiring pin of ``key``; dropped (counted) when the backlog is full."""
+    def pin(self, key: bytes, ttl_seconds: float, tenant: str) -> None:
+        """Queue an expiring pin of ``tenant``'s entry ``key``; dropped (counted) when the
+        backlog is full."""
         try:
-            self._queue.put_nowait(PinJob(key, ttl_seconds))
+            self._queue.put_nowait(PinJob(key, ttl_seconds, tenant))
         except queue.Full:
             self._count("pins_dropped")
 
     def _send_pin(self, job: PinJob) -> None:
-        """Pin: a daemon that refuses it (the entry is gone, or this connection may not pin)
-        costs the pin, never the saves."""
+        """Pin, on the data path (a token bound to the tenant may, no operator's right is
+        needed): a daemon that refuses it (the entry is gone, the ttl is over the
+        daemon's longest, or the tenant's pins hold as much as they may) costs the pin,
+        never the saves."""
         assert self.client is not None
         try:
-            self.client.pin(job.key, ttl_seconds=job.ttl_seconds)
+            self.client.pin_tenant_entry(job.key, job.ttl_seconds, tenant=job.tenant)
             self._count("pins_sent")
         except Exception as exc:  # this thread must outlive any one pin, as any one save
             self._count("pins_failed")

@@ -43,6 +43,13 @@ from .options import PERIOD, SIZE, parse_bytes, path_given, server_auth, tcp_lis
 @click.option("--max-reserved-bytes-per-tenant", type=SIZE, default=None,
               help="Bytes one tenant's saves in flight may have reserved at once "
                    "(default: 4 x --max-entry-bytes).")
+@click.option("--max-tenant-pin-seconds", type=PERIOD, default="1h", show_default=True,
+              help="The longest expiring pin the data path may make (PinTenantEntry: a "
+                   "runtime's cache_control breakpoints); Pin is the operator's.")
+@click.option("--max-pinned-bytes-per-tenant", type=SIZE, default=None,
+              help="Bytes one tenant's expiring pins may hold, with the entries they are "
+                   "built on (default: a quarter of --disk-bytes; never more than the "
+                   "tenant's disk quota).")
 @click.option("--tenant-disk-quota", "tenant_disk_quota", multiple=True, metavar="TENANT=SIZE",
               help="Most bytes TENANT's entries may hold on the disk tier; '*=SIZE' for "
                    "every tenant not named (entries without a tenant count as one). A "
@@ -98,7 +105,8 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
           ram_dir: Path | None,
           ram_bytes: int, disk_bytes: int, min_free_bytes: int, block_size: int,
           max_entry_bytes: int, max_saves_per_tenant: int,
-          max_reserved_bytes_per_tenant: int | None, tenant_disk_quota: tuple[str, ...],
+          max_reserved_bytes_per_tenant: int | None, max_tenant_pin_seconds: float,
+          max_pinned_bytes_per_tenant: int | None, tenant_disk_quota: tuple[str, ...],
           tenant_ram_quota: tuple[str, ...], lease_seconds: float, pin_seconds: float, metrics_port: int | None,
           remote_url: str | None, remote_password_file: Path | None,
           remote_password_env: str | None, remote_signing_key_file: Path | None,
@@ -151,7 +159,9 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
                          lease_seconds=lease_seconds, pin_seconds=pin_seconds,
                          max_blob_bytes=max_entry_bytes,
                          max_saves_per_tenant=max_saves_per_tenant,
-                         max_reserved_bytes_per_tenant=max_reserved_bytes_per_tenant or 0)
+                         max_reserved_bytes_per_tenant=max_reserved_bytes_per_tenant or 0,
+                         max_tenant_pin_seconds=max_tenant_pin_seconds,
+                         max_pinned_bytes_per_tenant=max_pinned_bytes_per_tenant or 0)
     quotas = {TIER_DISK: tenant_quotas("--tenant-disk-quota", tenant_disk_quota),
               TIER_RAM: tenant_quotas("--tenant-ram-quota", tenant_ram_quota)}
     try:

@@ -4,24 +4,33 @@ A fleet of daemons, one per host, shares one remote: after a local commit an ent
 uploaded in the background; a lookup that finds a longer prefix remotely than locally
 fetches the pieces, verifies them and stores them locally.
 
-Key layout (``P`` is ``RemoteConfig.key_prefix``, ``kvc`` by default; hex is lower case)::
+Key layout (``P`` is ``RemoteConfig.key_prefix``, ``kvc`` by default; hex is lower case).
+With the fleet's signing key (signed or encrypted tiers), names are keyed, layout 2::
 
-    P:{<key hex>}:rec    the entry's record (msgpack, see layout.RemoteRecord): namespace,
-                         tokens (packed u32 LE), parent, base, blob size, part count,
-                         its chain [[key, base, n_tokens, size], ...] root first, and the
-                         operator fields (codec, reason, created, model, tenant id)
-    P:{<key hex>}:p<i>   part i of the entry's blob (at most chunk_bytes each)
-    P:{<key hex>}:up     upload claim (SET NX with an expiry): one host uploads an entry
-    P:b:<h_k hex>        block pointer: the key of an entry whose first k*B tokens are the
-                         ones block hash h_k covers (keys.block_hashes; h_0 is the
-                         namespace). Last writer wins.
+    P:2:{<id>}:rec      the entry's record (msgpack, see layout.RemoteRecord): its key,
+                        namespace, tokens (packed u32 LE), parent, base, blob size, part
+                        count, its chain [[key, base, n_tokens, size], ...] root first,
+                        and the operator fields (codec, reason, created, model, tenant id)
+    P:2:{<id>}:p<i>     part i of the entry's blob (at most chunk_bytes each)
+    P:2:{<id>}:up       upload claim (SET NX with an expiry): one host uploads an entry
+    P:2:b:<id of h_k>   block pointer: the key of an entry whose first k*B tokens are the
+                        ones block hash h_k covers (keys.block_hashes; h_0 is the
+                        namespace). Last writer wins.
 
-Every key of one entry carries the hash tag ``{<key hex>}``: on a cluster they live in
-one slot, so an entry's record and parts are read or written on one node in one round
-trip. Block pointers spread over the slots.
+where an id is HMAC-SHA256 of the entry key (or block hash) under a key derived from the
+signing key, cut to 16 bytes (layout.Names): a name tells nothing to whoever lacks the
+key, also for entries without a tenant, whose keys anyone can compute from a model and a
+guessed prompt. An unsigned tier (no key) uses layout 1: ``P:{<key hex>}:...`` and
+``P:b:<h_k hex>``. Names of one layout are never read as the other's.
 
-Values: ``b"KVR1"``, a flag byte (0 unsigned, 1 signed), with a signing key an
-HMAC-SHA256 over (the key name, the body), then the body (layout.seal). A daemon with a
+Every key of one entry carries the hash tag ``{<id>}``: on a cluster they live in one
+slot, so an entry's record and parts are read or written on one node in one round trip.
+Block pointers spread over the slots. A listing (``kvcache ls --tier remote``) learns
+which entry a record name holds from the record itself, checked against its name.
+
+Values: ``b"KVR1"``, a flag byte (0 unsigned, 1 signed, 2 encrypted), with a signing key
+an HMAC-SHA256 over (the key name, the body), then the body, or the body encrypted
+(layout.seal). A daemon with a
 signing key refuses unsigned or mis-signed values; one without checks no signature.
 Anything refused is counted and treated as absent, never raised.
 

@@ -50,7 +50,7 @@ class Core:
             raise ValueError("block_size must be positive")
         self.config = config
         self.block_size = block_size
-        self.names = Names(config.key_prefix)
+        self.names = Names(config.key_prefix, config.signing_key)
         self.signing_key = config.signing_key
         self.encrypt = config.encrypt
         self._lock = threading.Lock()
@@ -165,13 +165,30 @@ class Core:
         """The checked record of ``key`` from its value (None: absent or refused)."""
         if value is None:
             return None
+        return self._checked_record(self.names.record(key), value, key)
+
+    def record_named(self, name: bytes, value: bytes | None) -> RemoteRecord | None:
+        """The checked record stored under ``name`` (a listing's: which entry a keyed name
+        is for, only its record says), None when absent, refused, or not the record that
+        name is for."""
+        if value is None:
+            return None
+        record = self._checked_record(name, value, None)
+        if record is not None and self.names.record(record.key) != name:
+            self.count("remote_verify_failures")
+            log.warning("remote record %s names another entry", name.decode(errors="replace"))
+            return None
+        return record
+
+    def _checked_record(self, name: bytes, value: bytes, key: bytes | None
+                        ) -> RemoteRecord | None:
         try:
-            body = self.open(self.names.record(key), value)
+            body = self.open(name, value)
         except ValueInvalid:
             return None
         try:
             return RemoteRecord.unpack(body, key, self.block_size)
         except ValueInvalid as exc:
             self.count("remote_verify_failures")
-            log.warning("remote record %s refused: %s", key.hex(), exc)
+            log.warning("remote record %s refused: %s", name.decode(errors="replace"), exc)
             return None

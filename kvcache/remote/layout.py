@@ -33,6 +33,10 @@ _GCM_TAG_BYTES = 16
 _HEAD = len(_MAGIC) + 1
 _SIGN_DOMAIN = b"kvcache.remote.v1\x00"
 _ENCRYPT_DOMAIN = b"kvcache.remote-encryption-key.v1\x00"
+_NAMES_DOMAIN = b"kvcache.remote-names.v2\x00"
+# The layout of keyed names (Names): part of every one, so that a fleet's entries stored
+# under the plain names of layout 1 are never read as, nor mixed with, these.
+KEYED_NAMES_VERSION = 2
 # Far beyond any real chain or blob, low enough that a crafted record cannot make a
 # reader build huge key lists.
 MAX_CHAIN = 4096
@@ -52,39 +56,48 @@ class ValueRefused(ValueInvalid):
 
 class Names:
     """Redis key names under one prefix. Every key of an entry shares the hash tag
-    ``{<key hex>}``, so they live in one cluster slot (one node: one round trip)."""
+    ``{<id>}``, so they live in one cluster slot (one node: one round trip).
 
-    def __init__(self, prefix: str) -> None:
+    With the fleet's key (a signed or encrypted tier) names are keyed (layout 2, under
+    ``P:2:``): the id of an entry or a block is HMAC-SHA256(name key, its key)[:16],
+    never the key itself. Entry keys and block hashes are hashes of a namespace and
+    tokens, and a namespace without a tenant is an unsalted hash of the model, so a
+    plain name let anyone who can list the server confirm a guessed prompt; a keyed one
+    tells nothing to whoever lacks the fleet's key. Without a key (an unsigned tier,
+    whose values show the tokens anyway) names are the keys' hex (layout 1, under
+    ``P:``)."""
+
+    def __init__(self, prefix: str, signing_key: bytes | None = None) -> None:
         self.prefix = prefix
+        self._key = None if signing_key is None else hmac.new(
+            signing_key, _NAMES_DOMAIN, hashlib.sha256).digest()
+        self.base = prefix if self._key is None else f"{prefix}:{KEYED_NAMES_VERSION}"
+
+    @property
+    def keyed(self) -> bool:
+        return self._key is not None
+
+    def _id(self, kind: bytes, value: bytes) -> str:
+        if self._key is None:
+            return value.hex()
+        return hmac.new(self._key, kind + value, hashlib.sha256).digest()[:16].hex()
 
     def record(self, key: bytes) -> bytes:
-        return f"{self.prefix}:{{{key.hex()}}}:rec".encode()
+        return f"{self.base}:{{{self._id(b'e', key)}}}:rec".encode()
 
     def part(self, key: bytes, i: int) -> bytes:
-        return f"{self.prefix}:{{{key.hex()}}}:p{i}".encode()
+        return f"{self.base}:{{{self._id(b'e', key)}}}:p{i}".encode()
 
     def lock(self, key: bytes) -> bytes:
-        return f"{self.prefix}:{{{key.hex()}}}:up".encode()
+        return f"{self.base}:{{{self._id(b'e', key)}}}:up".encode()
 
     def block(self, block_hash: bytes) -> bytes:
-        return f"{self.prefix}:b:{block_hash.hex()}".encode()
+        return f"{self.base}:b:{self._id(b'b', block_hash)}".encode()
 
     @property
     def record_pattern(self) -> str:
-        """SCAN pattern of every record key."""
-        return f"{self.prefix}:{{*}}:rec"
-
-    def key_of_record_name(self, name: bytes) -> bytes | None:
-        """The entry key in a record key's name (None for a name of another shape)."""
-        text = name.decode(errors="replace")
-        head, tail = f"{self.prefix}:{{", "}:rec"
-        if not (text.startswith(head) and text.endswith(tail)):
-            return None
-        try:
-            key = bytes.fromhex(text[len(head):-len(tail)])
-        except ValueError:
-            return None
-        return key if len(key) == keys.KEY_BYTES else None
+        """SCAN pattern of every record key (of this layout only)."""
+        return f"{self.base}:{{*}}:rec"
 
 
 # -------------------------------------------------------------------------------- envelope
@@ -248,9 +261,11 @@ class RemoteRecord:
         }, use_bin_type=True)
 
     @classmethod
-    def unpack(cls, body: bytes | memoryview, key: bytes, block_size: int) -> RemoteRecord:
-        """Decode and check a record read from ``key``'s record name: well typed, its
-        tokens and namespace recompute to ``key``, its chain ends with it."""
+    def unpack(cls, body: bytes | memoryview, key: bytes | None,
+               block_size: int) -> RemoteRecord:
+        """Decode and check a record read from ``key``'s record name (None: a name read
+        by a listing; the caller checks the record is that name's): well typed, its
+        tokens and namespace recompute to its key, its chain ends with it."""
         try:
             raw = msgpack.unpackb(body, raw=False)
         except Exception as exc:  # msgpack raises several unrelated types
@@ -270,7 +285,7 @@ class RemoteRecord:
             )
         except (KeyError, IndexError, TypeError) as exc:
             raise ValueInvalid(f"record fields: {exc!r}") from None
-        record.check(key, block_size)
+        record.check(record.key if key is None else key, block_size)
         return record
 
     def check(self, key: bytes, block_size: int) -> None:

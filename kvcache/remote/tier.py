@@ -352,11 +352,10 @@ class RemoteTier:
         names = core.call(scan)
         entries: list[RemoteRecord] = []
         for start in range(0, len(names), 500):
-            batch = [(n, k) for n in names[start : start + 500]
-                     if (k := self.names.key_of_record_name(n)) is not None]
-            values = core.call(functools.partial(core.mget, names=[n for n, _ in batch]))
-            for (_, key), value in zip(batch, values, strict=True):
-                record = core.record(key, value)
+            batch = names[start : start + 500]
+            values = core.call(functools.partial(core.mget, names=batch))
+            for name, value in zip(batch, values, strict=True):
+                record = core.record_named(name, value)
                 if record is not None and (predicate is None or predicate(record)):
                     entries.append(record)
         entries.sort(key=lambda r: r.created, reverse=True)

@@ -1,7 +1,9 @@
 """Who the caller is and what it may touch: its token's scope (kvcache.auth.Scope), the
 tenants it may name, the entries it may see. A runtime token names only its own tenants,
 and every call by key answers an entry of another tenant exactly as a key that does not
-exist (tests/daemon/test_scoped_tokens.py)."""
+exist: the store takes the tenants a caller may see and hides the others' entries on the
+path of a missing key, after every argument is checked (tests/daemon/test_scoped_tokens.py,
+tools/bench_tenant_probes.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +13,10 @@ from typing import Any
 import grpc
 
 from ..auth import ADMIN, Scope, presented_token
-from ..errors import InvalidArgument, NotFound, StoreError
-from ..store import Store
+from ..errors import InvalidArgument, StoreError
+from ..store import Seen, Store
 from ..tenancy import TenantSalts
 from ..v1 import kvcache_pb2 as pb
-from .messages import check_key
 
 
 class PermissionDenied(StoreError):
@@ -30,9 +31,27 @@ class CallerAccess:
         self.store = store
         self.salts = salts
         self.tokens = tokens
+        # Each scope's tenant labels, computed once: a call by key costs the same whatever
+        # the key (an HMAC per tenant only for keys that existed was a timing tell).
+        self._labels: dict[Scope, Seen] = {
+            scope: frozenset(salts.tenant_id(t) for t in scope.tenants)
+            for scope in {*tokens.values()} if scope.tenants is not None}
 
     def scope(self, context: Any) -> Scope:
         return self.tokens.get(presented_token(context.invocation_metadata()), ADMIN)
+
+    def seen(self, context: Any) -> Seen:
+        """The tenant labels whose entries the caller may see (None: every tenant's). The
+        store answers an entry of any other tenant as a key nobody saved, on that very
+        path (kvcache.store.core.seen)."""
+        scope = self.scope(context)
+        return None if scope.tenants is None else self._labels[scope]
+
+    def tenant_seen(self, tenant: str, context: Any) -> frozenset[str]:
+        """The one tenant a data-path call names (its entry must be that tenant's), for a
+        caller whose scope covers it."""
+        self.check_tenant(tenant, context)
+        return frozenset((self.salts.tenant_id(tenant),))
 
     def namespace(self, identity: pb.Identity, context: Any) -> bytes:
         """The namespace of ``identity``, for a caller whose scope covers its tenant."""
@@ -47,19 +66,3 @@ class CallerAccess:
             # About the caller's own token, not about any entry: it reveals nothing.
             raise PermissionDenied(f"this token may not use tenant {tenant!r}" if tenant else
                                    "this token is bound to tenants: name one")
-
-    def may_see(self, key: bytes, context: Any) -> bool:
-        """Whether the caller's scope covers the entry ``key`` (one that does not exist
-        included: it answers as such)."""
-        scope = self.scope(context)
-        if scope.tenants is None:
-            return True
-        owner = self.store.tenant_of(key)
-        return owner is None or owner in {self.salts.tenant_id(t) for t in scope.tenants}
-
-    def check_key_scope(self, key: bytes, context: Any) -> bytes:
-        """``key``, when the caller may see it; else NotFound, worded as for a key that
-        does not exist, and answered before any wait (no timing tells them apart)."""
-        if not self.may_see(check_key(key), context):
-            raise NotFound(f"no entry {key.hex()}")
-        return key

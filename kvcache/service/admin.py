@@ -33,12 +33,13 @@ class AdminRPCs(ServiceBase):
             abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                   "invalid_argument: ttl_seconds must be a finite number >= 0")
         self._call(context, lambda: self.store.set_pinned(
-            self.access.check_key_scope(request.key, context), True, request.ttl_seconds))
+            check_key(request.key), True, request.ttl_seconds,
+            tenants=self.access.seen(context)))
         return pb.PinResponse(pinned=True)
 
     def Unpin(self, request: pb.KeyRequest, context: Any) -> pb.PinResponse:
         self._call(context, lambda: self.store.set_pinned(
-            self.access.check_key_scope(request.key, context), False))
+            check_key(request.key), False, tenants=self.access.seen(context)))
         return pb.PinResponse(pinned=False)
 
     def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
@@ -121,10 +122,12 @@ class AdminRPCs(ServiceBase):
 
     def Inspect(self, request: pb.InspectRequest, context: Any) -> pb.EntryDetail:
         # With a tenant, another tenant's entry gets the answer of a missing key.
-        tenant_id = self.salts.tenant_id(request.tenant) if request.tenant else None
+        tenants = self.access.seen(context)
+        if request.tenant:
+            label = self.salts.tenant_id(request.tenant)
+            tenants = frozenset((label,)) if tenants is None or label in tenants else frozenset()
         record, header, meta, path = self._call(
-            context, lambda: self.store.inspect(self.access.check_key_scope(request.key, context),
-                                                tenant_id))
+            context, lambda: self.store.inspect(check_key(request.key), tenants))
         chain = self._call(context, lambda: self.store.chain(record))
         return pb.EntryDetail(
             entry=entry_message(record, self.store.children(record.key)),

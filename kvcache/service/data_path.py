@@ -1,27 +1,31 @@
 """The data path: the RPCs a model runtime makes to find, save and load states (lookup,
-reserve, write, commit, read, delete). Each checks the caller's access first
-(kvcache.service.access) and answers another tenant's entry as a missing one."""
+reserve, write, commit, read, delete), and what it reads and keeps of its own tenant's
+entries (their tokens, an expiring pin). Each checks its arguments and the caller's
+access first (kvcache.service.access) and answers another tenant's entry as a missing
+one."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
 
+from .. import keys
 from ..common import details
 from ..config import MAX_MESSAGE_BYTES
 from ..errors import InvalidArgument, NotFound, StoreError
 from ..v1 import kvcache_pb2 as pb
 from .base import ServiceBase, abort, wait_budget_ms
-from .messages import TIERS, chain_message, request_tokens, tier_of
+from .messages import TIERS, chain_message, check_key, request_tokens, tier_of
 
 
 class DataPathRPCs(ServiceBase):
     """Lookup, Reserve, Resolve, Write, Commit, Abort, Read, OpenRead, ReleaseRead,
-    Delete."""
+    Delete, EntryTokens, PinTenantEntry."""
 
     def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         def run() -> pb.LookupResponse:
@@ -82,15 +86,14 @@ class DataPathRPCs(ServiceBase):
         def run() -> pb.ReserveResponse:
             ns = self.access.namespace(request.identity, context)
             raw = request_tokens(request)
-            if request.parent and not self.access.may_see(request.parent, context):
-                # Worded as for a parent that is gone: not "another tenant's".
-                raise NotFound(f"parent entry {request.parent.hex()} is gone (evicted or "
-                               "deleted); save the whole state or look again")
             self.tenant_names.learn(request.identity.tenant)
+            # Another tenant's parent is, to a caller bound to tenants, a parent that is
+            # gone, told only once every argument is found valid (the store's order).
             result = self.store.reserve(ns, raw, request.size, request.reason,
                                         request.identity.model_fingerprint,
                                         tenant_id=self.salts.tenant_id(request.identity.tenant),
-                                        parent=request.parent, base=request.base)
+                                        parent=request.parent, base=request.base,
+                                        tenants=self.access.seen(context))
             status = {"granted": pb.ReserveResponse.GRANTED,
                       "already_present": pb.ReserveResponse.ALREADY_PRESENT,
                       "in_flight": pb.ReserveResponse.IN_FLIGHT}[result.status]
@@ -162,8 +165,8 @@ class DataPathRPCs(ServiceBase):
         chunk_bytes = min(request.chunk_bytes or (1 << 20), MAX_MESSAGE_BYTES // 2)
         t0 = time.perf_counter()
         pin, chunks = self._call(context, lambda: self.store.iter_read(
-            self.access.check_key_scope(request.key, context), wait_budget_ms(request.wait_ms, context),
-            chunk_bytes))
+            check_key(request.key), wait_budget_ms(request.wait_ms, context), chunk_bytes,
+            tenants=self.access.seen(context)))
         offset = 0
         try:
             for data in chunks:
@@ -183,8 +186,8 @@ class DataPathRPCs(ServiceBase):
     def OpenRead(self, request: pb.OpenReadRequest, context: Any) -> pb.OpenReadResponse:
         t0 = time.perf_counter()
         pin = self._call(context, lambda: self.store.open_read(
-            self.access.check_key_scope(request.key, context),
-            wait_budget_ms(request.wait_ms, context)))
+            check_key(request.key), wait_budget_ms(request.wait_ms, context),
+            tenants=self.access.seen(context)))
         self._observe(self.read_seconds.labels(pin.tier, "local"), f"read_{pin.tier}_local", t0)
         return pb.OpenReadResponse(path=str(pin.path), size=pin.size, tier=TIERS[pin.tier],
                                    pin_id=pin.pin_id, pin_seconds=self.store.config.pin_seconds,
@@ -197,6 +200,38 @@ class DataPathRPCs(ServiceBase):
 
     def Delete(self, request: pb.KeyRequest, context: Any) -> pb.DeleteResponse:
         removed = self._call(context, lambda: self.store.delete(
-            self.access.check_key_scope(request.key, context)))
+            check_key(request.key), tenants=self.access.seen(context)))
         return pb.DeleteResponse(deleted=True, dependents_removed=len(removed) - 1)
+
+    def EntryTokens(self, request: pb.EntryTokensRequest,
+                    context: Any) -> pb.EntryTokensResponse:
+        """The tokens of an entry of the named tenant (a runtime continuing a state it
+        saved): what a runtime token may read of an entry, where Inspect is the
+        operator's."""
+        def run() -> pb.EntryTokensResponse:
+            key = check_key(request.key)
+            _, _, meta, _ = self.store.inspect(
+                key, self.access.tenant_seen(request.tenant, context))
+            return pb.EntryTokensResponse(n_tokens=len(meta.tokens),
+                                          packed_tokens=keys.tokens_to_bytes(meta.tokens))
+        return self._call(context, run)
+
+    def PinTenantEntry(self, request: pb.PinTenantEntryRequest,
+                       context: Any) -> pb.PinTenantEntryResponse:
+        """An expiring pin on an entry of the named tenant (a runtime keeping a
+        cache_control breakpoint's entry), bounded in time and in what the tenant's
+        expiring pins hold; Pin, unbounded, is the operator's."""
+        def run() -> pb.PinTenantEntryResponse:
+            key = check_key(request.key)
+            longest = self.store.config.max_tenant_pin_seconds
+            ttl = request.ttl_seconds
+            if not (math.isfinite(ttl) and 0 < ttl <= longest):
+                raise InvalidArgument(f"ttl_seconds must be above 0 and at most {longest:g} "
+                                      f"(the daemon's --max-tenant-pin-seconds), got {ttl}")
+            pin = self.store.pin_for_tenant(
+                key, ttl, self.access.tenant_seen(request.tenant, context))
+            return pb.PinTenantEntryResponse(pin_expires=pin.record.pin_expires,
+                                             pinned_bytes=pin.held_bytes,
+                                             pinned_bytes_limit=pin.bound)
+        return self._call(context, run)
 

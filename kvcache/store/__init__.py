@@ -104,12 +104,24 @@ Invariants, and the tests that hold them:
   test_a_delete_waits_for_the_daemon_s_own_work_bounded).
 * A bad blob is found before any of its bytes is used, and quarantined
   (tests/faults/test_corruption.py).
+* A call by key from a caller bound to tenants answers another tenant's entry, published
+  or being written, on the path of a key nobody saved (core.seen; tests/daemon/
+  test_scoped_tokens.py::test_every_call_by_key_answers_a_foreign_key_as_an_absent_one).
 """
 
 from __future__ import annotations
 
 from ..common import TIER_DISK, TIER_RAM
-from .core import BLOB_SUFFIX, TMP_SUFFIX, GiB, ReadPin, Reservation, StoreConfig, StoreStats
+from .core import (
+    BLOB_SUFFIX,
+    TMP_SUFFIX,
+    GiB,
+    ReadPin,
+    Reservation,
+    Seen,
+    StoreConfig,
+    StoreStats,
+)
 from .facade import Found, Store
 from .integrity import NO_SUCH_ENTRY
 from .prune import PruneResult
@@ -128,6 +140,7 @@ __all__ = [
     "ReadPin",
     "Reservation",
     "ReserveResult",
+    "Seen",
     "Store",
     "StoreConfig",
     "StoreStats",

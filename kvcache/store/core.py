@@ -37,6 +37,8 @@ GiB = 1 << 30
 # The default bound of a tenant's reserved bytes, in largest entries: a few saves of the
 # largest entry in flight at once.
 RESERVED_ENTRIES = 4
+# The default bound of the bytes one tenant's expiring pins hold: this share of the disk.
+PINNED_SHARE = 4
 
 
 @dataclass(frozen=True)
@@ -66,12 +68,23 @@ class StoreConfig:
     # Bytes one tenant's open saves may have reserved at once (0: RESERVED_ENTRIES times
     # max_blob_bytes): what its writers may yet write, and push others' entries out for.
     max_reserved_bytes_per_tenant: int = 0
+    # The data path's expiring pins (PinTenantEntry): the longest one, and the bytes one
+    # tenant's may hold (0: a quarter of disk_bytes; never more than its disk quota).
+    max_tenant_pin_seconds: float = 3600.0
+    max_pinned_bytes_per_tenant: int = 0
     usage_flush_seconds: float = 1.0
 
     @property
     def reserved_bytes_bound(self) -> int:
         """The most bytes one tenant's open saves may have reserved at once."""
         return self.max_reserved_bytes_per_tenant or RESERVED_ENTRIES * self.max_blob_bytes
+
+    def pinned_bytes_bound(self, disk_quota: int | None) -> int:
+        """The most bytes one tenant's expiring pins may hold, given its disk quota: what
+        they pin counts against its quota, and a tenant without one must not pin the
+        shared budget."""
+        bound = self.max_pinned_bytes_per_tenant or self.disk_bytes // PINNED_SHARE
+        return bound if disk_quota is None else min(bound, disk_quota)
 
 
 BLOB_SUFFIX = ".kvc"
@@ -265,6 +278,32 @@ class Tally:
         self._change(tenant_id, room_bytes=-size)
 
 
+# The tenants whose entries a caller may see, by label (Record.tenant_id; "" for entries
+# without a tenant); None: every tenant's (an operator). Every call by key takes it, and
+# answers an entry of another tenant, published or being written, on the very path of a
+# key nobody saved: same error, same words, same counters, no wait, same time
+# (tests/daemon/test_scoped_tokens.py, tools/bench_tenant_probes.py).
+Seen = frozenset[str] | None
+# What a missing key's row is decoded as for a caller bound to tenants (seen_record).
+_STAND_IN_ROW = Record(
+    key=bytes(16), namespace=bytes(16), anchor=bytes(16), tail=bytes(4 * 16), n_tokens=1024,
+    size=1 << 20, codec="none", reason="finish", created=1.7e9, model_name="model.gguf",
+    model_fingerprint="0" * 32, tenant_id="0" * 32).pack()
+
+
+def seen_record(index: Index, key: bytes, tenants: Seen) -> Record | None:
+    """The entry ``key`` when a caller seeing ``tenants`` may see it, else None, as for a
+    key nobody saved. Only a row's tenant says whose it is, and decoding a row takes
+    microseconds that a missing key does not: for a caller bound to tenants a missing
+    key's stand-in row is decoded too, so that another tenant's key and a key nobody
+    saved take the same time (a timing difference of ~10 us, repeated, told them apart)."""
+    if tenants is None:
+        return index.get(key)
+    row = index.row(key)
+    record = Record.unpack(_STAND_IN_ROW if row is None else row)
+    return record if row is not None and record.tenant_id in tenants else None
+
+
 @dataclass(frozen=True)
 class ReadPin:
     pin_id: str
@@ -420,8 +459,14 @@ class LeaseTable:
         self.reservations.pop(res.lease_id, None)
         self.in_flight.pop(res.key.key, None)
 
-    def writing(self, key: bytes) -> bool:
-        return key in self.in_flight
+    def writing(self, key: bytes, tenants: Seen = None) -> bool:
+        """Whether a save of ``key`` is in flight that a caller seeing ``tenants`` may
+        see (a save without a tenant is the "" tenant's)."""
+        lease_id = self.in_flight.get(key)
+        if lease_id is None or tenants is None:
+            return lease_id is not None
+        res = self.reservations.get(lease_id)
+        return res is not None and (res.tenant_id or "") in tenants
 
     def shared_in_flight(self, ns: bytes, raw_tokens: bytes) -> int:
         """The most leading tokens of ``raw_tokens`` that a save being written in

@@ -7,14 +7,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from .. import blob as blobfmt
 from .. import keys
-from ..errors import Busy, InvalidArgument, NotFound, StoreError
+from ..errors import Busy, InvalidArgument, NotFound, QuotaExceeded, StoreError
 from ..index import Record, dir_fsync
-from .core import Part, StoreCore
+from .core import Part, Seen, StoreCore, seen_record
 
 log = logging.getLogger("kvcache")
 
@@ -40,6 +41,48 @@ def record_from(entry: keys.EntryKey, header: blobfmt.BlobHeader, meta: blobfmt.
     )
 
 
+class ExpiringPins:
+    """The entries pinned until a time: each one's end and tenant, and each tenant's
+    keys (what a tenant's pins hold is counted over its own keys only). Not thread-safe:
+    Store._cond held."""
+
+    def __init__(self, records: Iterable[Record]) -> None:
+        self.ends: dict[bytes, float] = {}
+        self._tenant: dict[bytes, str] = {}
+        self._by_tenant: dict[str, set[bytes]] = {}
+        for r in records:
+            if r.pin_expires:
+                self.add(r.key, r.pin_expires, r.tenant_id)
+
+    def add(self, key: bytes, end: float, tenant_id: str) -> None:
+        self.drop(key)
+        self.ends[key] = end
+        self._tenant[key] = tenant_id
+        self._by_tenant.setdefault(tenant_id, set()).add(key)
+
+    def drop(self, key: bytes) -> None:
+        self.ends.pop(key, None)
+        tenant_id = self._tenant.pop(key, None)
+        if tenant_id is not None:
+            keys_ = self._by_tenant[tenant_id]
+            keys_.discard(key)
+            if not keys_:
+                del self._by_tenant[tenant_id]
+
+    def of_tenant(self, tenant_id: str) -> set[bytes]:
+        return self._by_tenant.get(tenant_id, set())
+
+
+@dataclass(frozen=True)
+class TenantPin:
+    """An expiring pin the data path made: the entry as pinned, what its tenant's
+    expiring pins hold now, and the most they may hold."""
+
+    record: Record
+    held_bytes: int
+    bound: int
+
+
 class Entries(Part):
     """Published entries and the pieces built on each (parent -> children): eviction takes
     only leaves, and removing an entry removes what is built on it, in one index
@@ -60,8 +103,8 @@ class Entries(Part):
     def __init__(self, core: StoreCore) -> None:
         super().__init__(core)
         self._children: dict[bytes, set[bytes]] = {}  # pieces being committed, by parent
-        # Expiring pins' ends by key (None until the first sweep reads them from the index).
-        self._pin_ends: dict[bytes, float] | None = None
+        # Expiring pins (None until first needed: read from the index then).
+        self._pin_ends: ExpiringPins | None = None
 
     # -- pieces being committed (Store._cond held) -------------------------------------------
 
@@ -97,8 +140,9 @@ class Entries(Part):
                 todo += kids
             return out
 
-    def get(self, key: bytes) -> Record:
-        record = self._index.get(key)
+    def get(self, key: bytes, tenants: Seen = None) -> Record:
+        """The entry ``key``; NotFound when there is none that ``tenants`` may see."""
+        record = seen_record(self._index, key, tenants)
         if record is None:
             raise NotFound(f"no entry {key.hex()}")
         return record
@@ -116,7 +160,8 @@ class Entries(Part):
 
     # -- changes ----------------------------------------------------------------------------
 
-    def set_pinned(self, key: bytes, pinned: bool, ttl_seconds: float = 0.0) -> Record:
+    def set_pinned(self, key: bytes, pinned: bool, ttl_seconds: float = 0.0,
+                   tenants: Seen = None, counter: str = "pins") -> Record:
         """Pin (until unpinned; with ``ttl_seconds``, until then) or unpin. An expiring pin
         is extended by a later one, never shortened, and never turns a pin without end
         into one that ends."""
@@ -124,9 +169,7 @@ class Entries(Part):
         # never undone by a removal that chose the entry before it (tests/faults/test_load.py::
         # test_a_pin_is_never_lost_to_a_concurrent_eviction_prune_or_delete).
         with self._cond:
-            old = self._index.get(key)
-            if old is None:
-                raise NotFound(f"no entry {key.hex()}")
+            old = self.get(key, tenants)
             expires = 0.0
             if pinned and ttl_seconds > 0 and not (old.pinned and not old.pin_expires):
                 expires = max(old.pin_expires, time.time() + ttl_seconds)
@@ -134,25 +177,64 @@ class Entries(Part):
             if record is None:
                 raise NotFound(f"no entry {key.hex()}")
             if self._pin_ends is not None:
-                self._pin_ends.pop(key, None)
+                self._pin_ends.drop(key)
                 if expires:
-                    self._pin_ends[key] = expires
-            self.counters["pins" if pinned else "unpins"] += 1
+                    self._pin_ends.add(key, expires, record.tenant_id)
+            self.counters[counter if pinned else "unpins"] += 1
             return record
+
+    def pin_for_tenant(self, key: bytes, ttl_seconds: float, tenants: frozenset[str],
+                       bound: Callable[[str], int]) -> TenantPin:
+        """An expiring pin on an entry of ``tenants`` (the data path's: a runtime keeping a
+        cache_control breakpoint), refused (QuotaExceeded) when the tenant's expiring pins
+        would hold more than ``bound(its label)`` bytes: the entries pinned until a time,
+        this one included, and every entry they are built on (pins protect those too),
+        each counted once. An entry pinned without end stays so, and holds nothing here."""
+        with self._cond:
+            record = self.get(key, tenants)
+            limit = bound(record.tenant_id)
+            if record.pinned and not record.pin_expires:
+                return TenantPin(record, self.held_by_pins(record.tenant_id), limit)
+            held = self.held_by_pins(record.tenant_id, adding=record)
+            if held > limit:
+                self.counters["tenant_pins_refused"] += 1
+                raise QuotaExceeded(
+                    f"pinning entry {key.hex()} would make this tenant's expiring pins hold "
+                    f"{held} bytes (with the entries they are built on), over its limit of "
+                    f"{limit} (--max-pinned-bytes-per-tenant, and its disk quota if any)")
+            record = self.set_pinned(key, True, ttl_seconds, tenants, counter="tenant_pins")
+            return TenantPin(record, held, limit)
+
+    def held_by_pins(self, tenant_id: str, adding: Record | None = None) -> int:
+        """Bytes the expiring pins of ``tenant_id`` hold: its entries pinned until a time
+        and every entry they are built on, each once (with ``adding`` as if pinned too).
+        Store._cond held."""
+        pinned = [r for key in self._expiring_pins().of_tenant(tenant_id)
+                  if (r := self._index.get(key)) is not None and r.pinned and r.pin_expires]
+        held: dict[bytes, int] = {}
+        for record in pinned + ([adding] if adding is not None else []):
+            with contextlib.suppress(NotFound):  # a link removed meanwhile holds nothing
+                held.update((link.key, link.size) for link in self.chain(record))
+        return sum(held.values())
+
+    def _expiring_pins(self) -> ExpiringPins:
+        """The expiring pins: read from the index once (they outlive restarts there), then
+        kept here. Store._cond held."""
+        if self._pin_ends is None:
+            self._pin_ends = ExpiringPins(self._index.records())
+        return self._pin_ends
 
     def release_expired_pins(self, now: float) -> int:
         """Unpin every entry whose expiring pin ended by ``now`` (time.time()); how many.
         The ends are read from the index once (they outlive restarts there), then kept
         here: a tick looks at them, not at every row."""
         with self._cond:
-            if self._pin_ends is None:
-                self._pin_ends = {r.key: r.pin_expires for r in self._index.records()
-                                  if r.pin_expires}
-            due = [key for key, end in self._pin_ends.items() if end <= now]
+            pins = self._expiring_pins()
+            due = [key for key, end in pins.ends.items() if end <= now]
             if not due:
                 return 0
             for key in due:
-                del self._pin_ends[key]
+                pins.drop(key)
             # An entry pinned again since is not due: its row holds the later end.
             still_due = [key for key in due if (r := self._index.get(key)) is not None
                          and r.pin_expires and r.pin_expires <= now]
@@ -160,7 +242,7 @@ class Entries(Part):
             self.counters["pins_expired"] += len(released)
             return len(released)
 
-    def delete(self, key: bytes) -> list[Record]:
+    def delete(self, key: bytes, tenants: Seen = None) -> list[Record]:
         """Remove an entry and the entries built on it (they cannot be restored without
         it); refused while any of them is pinned or read by a client. Held only by the
         daemon's own work (its RAM copy being made, a check, a piece being saved on it),
@@ -171,7 +253,7 @@ class Entries(Part):
         deadline = time.monotonic() + self._config.delete_wait_seconds
         with self._cond:
             while True:
-                record = self.get(key)
+                record = self.get(key, tenants)
                 dependents = self.dependents(key)
                 busy = ""
                 for k in (key, *dependents):

@@ -20,13 +20,13 @@ import lmdb
 
 from .. import blob as blobfmt
 from .. import keys
-from ..common import TIER_DISK, TIER_RAM
+from ..common import PRIVATE_FILE_MODE, TIER_DISK, TIER_RAM
 from ..counters import COUNTERS
 from ..errors import DirectoryInUse
 from ..index import Index, Record
 from . import listing, ramtier
-from .core import Layout, ReadPin, StoreConfig, StoreCore, StoreStats
-from .entries import Entries, RamCopies, check_tokens
+from .core import Layout, ReadPin, Seen, StoreConfig, StoreCore, StoreStats
+from .entries import Entries, RamCopies, TenantPin, check_tokens
 from .eviction import Evictor
 from .integrity import Integrity
 from .ownership import claim_data_dir
@@ -75,19 +75,18 @@ class Store:
 
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
-        self._layout = layout = Layout(config.root,
-                                       ramtier.tier_dir(config.root, config.ram_dir))
-        self.root = layout.root
-        self.ram_dir = layout.ram_dir
-        self.blob_dir = layout.blob_dir
-        self.tmp_dir = layout.tmp_dir
-        self.quarantine_dir = layout.quarantine_dir
+        self.root = config.root
         claim_data_dir(self.root)
-        layout.make_dirs()
         self._lock_file = self._lock_data_dir()
         ram_lock, index = -1, None
         try:
-            ram_lock = ramtier.claim_tier(self.ram_dir, self.root)
+            ram_dir, ram_lock = ramtier.claim_tier(self.root, config.ram_dir)
+            self._layout = layout = Layout(self.root, ram_dir)
+            self.ram_dir = layout.ram_dir
+            self.blob_dir = layout.blob_dir
+            self.tmp_dir = layout.tmp_dir
+            self.quarantine_dir = layout.quarantine_dir
+            layout.make_dirs()
             index = Index(self.root / "index")
             self._ram_lock, self.index = ram_lock, index
             self._start()
@@ -154,7 +153,11 @@ class Store:
     def _lock_data_dir(self) -> BinaryIO:
         """One daemon per data directory: a second one would sweep the first one's
         in-flight temp files and take over its socket."""
-        f = open(self.root / "daemon.lock", "a+b")  # noqa: SIM115 - held for our lifetime
+        fd = os.open(self.root / "daemon.lock", os.O_RDWR | os.O_CREAT, PRIVATE_FILE_MODE)
+        st = os.fstat(fd)
+        if st.st_uid == os.getuid() and st.st_mode & 0o077:  # made by an earlier version
+            os.fchmod(fd, PRIVATE_FILE_MODE)
+        f = os.fdopen(fd, "a+b")  # held for our lifetime
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -275,12 +278,15 @@ class Store:
 
     def reserve(self, ns: bytes, raw_tokens: bytes, size: int, reason: str,
                 model_fingerprint: str, *, tenant_id: str | None = None,
-                parent: bytes = b"", base: int = 0) -> ReserveResult:
+                parent: bytes = b"", base: int = 0, tenants: Seen = None) -> ReserveResult:
         """Reserve the save of an entry. With ``parent``, the entry is a piece: its blob
         holds only the cells after its first ``base`` tokens, which the parent's chain
-        holds (checked here against the index); the parent is held until commit or abort."""
+        holds (checked here against the index, after every argument; a parent another
+        tenant's, to a caller seeing ``tenants``, is gone); the parent is held until
+        commit or abort."""
         return self._publisher.reserve(ns, raw_tokens, size, reason, model_fingerprint,
-                                       tenant_id=tenant_id, parent=parent, base=base)
+                                       tenant_id=tenant_id, parent=parent, base=base,
+                                       tenants=tenants)
 
     def lease_progress(self, lease_id: str) -> tuple[int, int]:
         """``(bytes written, bytes reserved)`` of an open lease (LeaseLost if it is gone)."""
@@ -298,19 +304,19 @@ class Store:
 
     # -- reads (reads.Reads) ----------------------------------------------------------------
 
-    def open_read(self, key: bytes, wait_ms: int = 0) -> ReadPin:
+    def open_read(self, key: bytes, wait_ms: int = 0, *, tenants: Seen = None) -> ReadPin:
         """Pin a published entry for reading and say where its bytes are."""
-        return self._reads.open_read(key, wait_ms)
+        return self._reads.open_read(key, wait_ms, tenants)
 
     def release_read(self, pin_id: str, corrupt: bool = False) -> bool:
         """Unpin a read. With ``corrupt``, re-verify the entry and quarantine it if bad."""
         return self._reads.release_read(pin_id, corrupt)
 
-    def iter_read(self, key: bytes, wait_ms: int = 0,
-                  chunk_bytes: int = 1 << 20) -> tuple[ReadPin, Iterator[memoryview]]:
+    def iter_read(self, key: bytes, wait_ms: int = 0, chunk_bytes: int = 1 << 20, *,
+                  tenants: Seen = None) -> tuple[ReadPin, Iterator[memoryview]]:
         """Stream an entry's bytes, verifying them as they go; a bad blob is quarantined
         and the iterator raises Corrupt at its end."""
-        return self._reads.iter_read(key, wait_ms, chunk_bytes)
+        return self._reads.iter_read(key, wait_ms, chunk_bytes, tenants)
 
     # -- verification and quarantine (integrity.Integrity) ----------------------------------
 
@@ -335,19 +341,8 @@ class Store:
         last). Raises NotFound when a link is missing (removed meanwhile)."""
         return self._entries.chain(record)
 
-    def get(self, key: bytes) -> Record:
-        return self._entries.get(key)
-
-    def tenant_of(self, key: bytes) -> str | None:
-        """The tenant label of the entry ``key``, published or being written (None: no
-        such key)."""
-        with self._cond:
-            record = self.index.get(key)
-            if record is not None:
-                return record.tenant_id
-            lease_id = self._leases.in_flight.get(key)
-            res = self._leases.get(lease_id) if lease_id else None
-            return None if res is None else res.tenant_id or ""
+    def get(self, key: bytes, *, tenants: Seen = None) -> Record:
+        return self._entries.get(key, tenants)
 
     def children(self, key: bytes) -> int:
         """How many entries are built directly on ``key``."""
@@ -357,20 +352,30 @@ class Store:
         """Every entry built on ``key`` (its pieces, theirs, ...), nearest first."""
         return self._entries.dependents(key)
 
-    def set_pinned(self, key: bytes, pinned: bool, ttl_seconds: float = 0.0) -> Record:
-        return self._entries.set_pinned(key, pinned, ttl_seconds)
+    def set_pinned(self, key: bytes, pinned: bool, ttl_seconds: float = 0.0, *,
+                   tenants: Seen = None) -> Record:
+        return self._entries.set_pinned(key, pinned, ttl_seconds, tenants)
 
-    def delete(self, key: bytes) -> list[Record]:
+    def pin_for_tenant(self, key: bytes, ttl_seconds: float,
+                       tenants: frozenset[str]) -> TenantPin:
+        """The data path's expiring pin on an entry of ``tenants``, refused (QuotaExceeded)
+        when its tenant's expiring pins would hold more than their bound
+        (StoreConfig.pinned_bytes_bound)."""
+        return self._entries.pin_for_tenant(
+            key, ttl_seconds, tenants,
+            lambda t: self.config.pinned_bytes_bound(self._evictor.quotas.of(TIER_DISK, t)))
+
+    def delete(self, key: bytes, *, tenants: Seen = None) -> list[Record]:
         """Remove an entry and the entries built on it (they cannot be restored without
         it); refused while any of them is pinned or being read (the daemon's own work on
         them is waited for, bounded). Returns what went, the entry first."""
-        return self._entries.delete(key)
+        return self._entries.delete(key, tenants)
 
-    def inspect(self, key: bytes, tenant_id: str | None = None
+    def inspect(self, key: bytes, tenants: Seen = None
                 ) -> tuple[Record, blobfmt.BlobHeader, blobfmt.BlobMeta, Path]:
-        """Metadata of an entry; with ``tenant_id``, another tenant's entry is reported
-        missing before its file is touched (so not even its corruption shows)."""
-        record, header, meta, path = self._integrity.inspect(key, tenant_id)
+        """Metadata of an entry; another tenant's (``tenants``) is reported missing
+        before its file is touched (so not even its corruption shows)."""
+        record, header, meta, path = self._integrity.inspect(key, tenants)
         return self._reads.with_pending(record), header, meta, path
 
     def list(self, predicate: Callable[[Record], bool] | None = None, *, sort: str = "used",

@@ -13,7 +13,7 @@ from .. import blob as blobfmt
 from .. import keys
 from ..errors import Corrupt, NotFound, StoreError
 from ..index import Record
-from .core import Part, StoreCore
+from .core import Part, Seen, StoreCore
 from .entries import Entries, RamCopies
 
 # Verify's answer for a key with no entry (nothing was checked, nothing moved).
@@ -114,13 +114,12 @@ class Integrity(Part):
                 continue
             yield key, self.check_entry(key, quarantine=not check_only), i, max(i, total)
 
-    def inspect(self, key: bytes, tenant_id: str | None = None
+    def inspect(self, key: bytes, tenants: Seen = None
                 ) -> tuple[Record, blobfmt.BlobHeader, blobfmt.BlobMeta, Path]:
-        """Metadata of an entry; with ``tenant_id``, another tenant's entry is reported
-        missing before its file is touched (so not even its corruption shows)."""
-        record = self._entries.get(key)
-        if tenant_id is not None and record.tenant_id != tenant_id:
-            raise NotFound(f"no entry {key.hex()}")
+        """Metadata of an entry (its tokens among them); an entry of a tenant the caller
+        may not see (``tenants``) is reported missing before its file is touched (so not
+        even its corruption shows)."""
+        record = self._entries.get(key, tenants)
         path = self._layout.blob_path(key)
         try:
             with open(path, "rb") as f:

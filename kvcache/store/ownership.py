@@ -15,6 +15,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ..common import make_private_dirs
+
 DATA_MARKER = ".kvcache"
 MARKER_FORMAT = 1
 # The names kvcache itself puts in a data directory (the runtime's fingerprint memo and
@@ -82,7 +84,7 @@ def claim_data_dir(root: Path) -> None:
     """Create ``root`` or adopt it as a data directory (writing the marker), or refuse."""
     check_data_dir(root)
     if not root.exists() and not root.is_symlink():
-        root.mkdir(mode=0o700, parents=True)
+        make_private_dirs(root)
     if read_marker(root / DATA_MARKER) is None:
         write_marker(root / DATA_MARKER, {
             "what": "kvcache data directory: the prompt-state cache's index and blobs. "

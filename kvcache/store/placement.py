@@ -13,6 +13,7 @@ import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
+from ..common import create_private_file
 from .core import Part, StoreCore
 from .eviction import Evictor
 
@@ -63,6 +64,9 @@ class RamPlacer(Part):
             ok = False
             try:
                 tmp = self._layout.ram_tmp_path(key)
+                # Owner-only whatever the umask: copyfile truncates the file made here and
+                # keeps its mode (and its fast in-kernel copy).
+                os.close(create_private_file(tmp))
                 shutil.copyfile(self._layout.blob_path(key), tmp)
                 os.rename(tmp, self._layout.ram_path(key))
                 ok = self._index.update(key, in_ram=True) is not None

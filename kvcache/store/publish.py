@@ -25,7 +25,7 @@ from ..errors import (
     TooManySaves,
 )
 from ..index import ParentGone, Record, dir_fsync
-from .core import Part, Reservation, StoreCore
+from .core import Part, Reservation, Seen, StoreCore, seen_record
 from .entries import Entries, check_tokens, record_from
 from .eviction import Evictor
 from .placement import RamPlacer
@@ -66,10 +66,13 @@ class Publisher(Part):
 
     def reserve(self, ns: bytes, raw_tokens: bytes, size: int, reason: str,
                 model_fingerprint: str, *, tenant_id: str | None = None,
-                parent: bytes = b"", base: int = 0) -> ReserveResult:
+                parent: bytes = b"", base: int = 0, tenants: Seen = None) -> ReserveResult:
         """Reserve the save of an entry. With ``parent``, the entry is a piece: its blob
         holds only the cells after its first ``base`` tokens, which the parent's chain
-        holds (checked here against the index); the parent is held until commit or abort."""
+        holds (checked here against the index); the parent is held until commit or abort.
+        Every argument is checked before the parent is looked for, and a parent of a
+        tenant the caller may not see (``tenants``) is a parent that is gone: the answer
+        says nothing about another tenant's keys."""
         cfg = self._config
         check_tokens(raw_tokens, cfg.max_tokens)
         if reason not in blobfmt.SAVE_REASONS:
@@ -81,13 +84,13 @@ class Publisher(Part):
             raise InvalidArgument(f"size {size} exceeds the limit of {cfg.max_blob_bytes}")
         entry = keys.entry_key(ns, raw_tokens, cfg.block_size)
         if parent or base:
-            self._check_parent(ns, raw_tokens, parent, base)
+            self._check_parent(ns, raw_tokens, parent, base, tenants)
         return self._reserve(ns, raw_tokens, size, reason, model_fingerprint, entry,
-                             tenant_id, parent, base)
+                             tenant_id, parent, base, tenants)
 
     def _reserve(self, ns: bytes, raw_tokens: bytes, size: int, reason: str,
                  model_fingerprint: str, entry: keys.EntryKey, tenant_id: str | None,
-                 parent: bytes, base: int) -> ReserveResult:
+                 parent: bytes, base: int, tenants: Seen) -> ReserveResult:
         cfg = self._config
         with self._cond:
             self.counters["reserves"] += 1
@@ -99,7 +102,7 @@ class Publisher(Part):
                 self.counters["saves_duplicate"] += 1
                 self.counters["saves_duplicate_present"] += 1
                 return ReserveResult("already_present", entry.key)
-            if parent and self._index.get(parent) is None:  # evicted since the check
+            if parent and seen_record(self._index, parent, tenants) is None:  # gone since
                 self.counters["saves_parent_gone"] += 1
                 raise NotFound(f"parent entry {parent.hex()} is gone (evicted or deleted); "
                                "save the whole state or look again")
@@ -142,12 +145,13 @@ class Publisher(Part):
             self.counters["saves_granted"] += 1
             return ReserveResult("granted", entry.key, lease_id, str(tmp_path))
 
-    def _check_parent(self, ns: bytes, raw_tokens: bytes, parent: bytes, base: int) -> None:
+    def _check_parent(self, ns: bytes, raw_tokens: bytes, parent: bytes, base: int,
+                      tenants: Seen) -> None:
         n = len(raw_tokens) // 4
         if len(parent) != keys.KEY_BYTES or not 0 < base < n:
             raise InvalidArgument(f"a piece needs a parent key and 0 < base < {n} tokens "
                                   f"(got a {len(parent)}-byte parent, base {base})")
-        record = self._index.get(parent)
+        record = seen_record(self._index, parent, tenants)
         if record is None:
             with self._cond:
                 self.counters["saves_parent_gone"] += 1

@@ -8,20 +8,33 @@ its daemon on purpose (a restart finds its copies warm); one whose data director
 is an orphan, which ``kvcache ram-tiers --remove TIER`` or ``--remove-orphans`` removes. A
 folder of the same name whose marker kvcache did not write (another program's, or none)
 is never removed.
+
+The folder's name is known to everyone who can list ``PARENT``, and ``PARENT`` may be
+shared (``/dev/shm`` is): another user can make a folder of that name first. Such a
+folder is left alone (logged) and the tier takes a name of its own beside it,
+``kvcache-<uid>-<tag>-<random>``, which nobody can guess beforehand; later starts find it
+again by its marker (tests/daemon/test_ownership.py::
+test_a_squatted_tier_name_is_left_alone_and_another_is_used).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
+import re
+import secrets
 import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .. import keys
+from ..common import make_private_dirs
 from .ownership import NotOwned, is_own_file_name, read_marker, write_marker
+
+log = logging.getLogger("kvcache")
 
 RAM_MARKER = ".kvcache-ram"
 # What kvcache's RAM markers say (always have): a marker saying anything else, even a
@@ -46,26 +59,99 @@ def tier_dir(data_dir: Path, parent: Path | None = None) -> Path:
     return parent / tier_name(data_dir)
 
 
-def _check_private(path: Path) -> None:
+def _not_private(path: Path) -> str | None:
+    """Why ``path`` is not a private folder of this user (None: it is). Reads its inode
+    only, never its contents."""
     st = path.lstat()
     if not stat.S_ISDIR(st.st_mode):
-        raise NotOwned(f"{path} exists and is not a folder: remove it or choose another "
-                       "--ram-dir")
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise NotOwned(f"{path} is not a private folder of this user: remove it or choose "
-                       "another --ram-dir")
+        return "it is not a folder"
+    if st.st_uid != os.getuid():
+        return f"it belongs to uid {st.st_uid}"
+    if st.st_mode & 0o077:
+        return f"its mode is {stat.S_IMODE(st.st_mode):04o}, not 0700"
+    return None
 
 
-def claim_tier(tier: Path, data_dir: Path) -> int:
-    """Create or adopt ``tier`` for ``data_dir`` and lock it; returns the folder's open
-    descriptor, which holds the lock until closed. Refuses a folder that is another data
-    directory's tier, is in use, or is not this user's private folder."""
+def claim_tier(data_dir: Path, parent: Path | None = None) -> tuple[Path, int]:
+    """Find or make the RAM tier of ``data_dir`` under ``parent`` (``--ram-dir``) and lock
+    it; returns the folder and its open descriptor, which holds the lock until closed.
+
+    The tier is ``tier_dir``'s folder when it is a private folder of this user (or does
+    not exist yet and no tier of another name was made before). A folder of that name
+    that is not (another user's, a loose mode, not a folder) is left untouched: the tier
+    of another name made beside it before is used, or a new one. Refuses a folder that
+    is another data directory's tier or is in use."""
+    tier = tier_dir(data_dir, parent)
+    if tier.parent == data_dir:  # no memory file system: a folder of the data directory's
+        return tier, _lock_tier(tier, data_dir)
+    make_private_dirs(tier.parent)
+    found, squatted = _find_tier(tier, data_dir)
+    if squatted is not None:
+        log.warning("%s is not this daemon's RAM tier (%s): left alone; the tier is %s",
+                    tier, squatted, found or "a folder of another name beside it")
+    if found is not None:
+        return found, _lock_tier(found, data_dir)
+    if squatted is None:  # free: the usual name
+        with contextlib.suppress(FileExistsError):  # made meanwhile: checked when locked
+            tier.mkdir(mode=0o700)
+        return tier, _lock_tier(tier, data_dir)
+    while True:
+        other = tier.with_name(f"{tier.name}-{secrets.token_hex(8)}")
+        try:
+            other.mkdir(mode=0o700)
+        except FileExistsError:
+            continue
+        return other, _lock_tier(other, data_dir)
+
+
+def tier_in_use(data_dir: Path, parent: Path | None = None) -> Path:
+    """The folder :func:`claim_tier` finds (or would make under the usual name) for
+    ``data_dir``; changes nothing."""
+    tier = tier_dir(data_dir, parent)
+    if tier.parent == data_dir or not tier.parent.is_dir():
+        return tier
+    return _find_tier(tier, data_dir)[0] or tier
+
+
+def _find_tier(tier: Path, data_dir: Path) -> tuple[Path | None, str | None]:
+    """``(the existing tier of data_dir, why tier's name is taken)``: ``tier`` itself when
+    it is a private folder of this user, else one made beside it under another name (or
+    None); the reason is None when the name is ours or free."""
+    if not tier.exists() and not tier.is_symlink():
+        return _renamed_tier(tier, data_dir), None
+    why = _not_private(tier)
+    if why is None:
+        return tier, None
+    return _renamed_tier(tier, data_dir), why
+
+
+def _renamed_tier(tier: Path, data_dir: Path) -> Path | None:
+    """A tier of ``data_dir`` made beside ``tier`` under another name (``<name>-<hex>``)
+    because ``tier``'s name was taken: a private folder of this user whose marker names
+    ``data_dir``. Folders of other users are not looked into."""
+    owner = str(data_dir.resolve())
+    pattern = re.compile(re.escape(tier.name) + r"-[0-9a-f]{16}")
+    with os.scandir(tier.parent) as entries:
+        names = sorted(e.name for e in entries if pattern.fullmatch(e.name))
+    for name in names:
+        path = tier.parent / name
+        with contextlib.suppress(OSError):
+            if _not_private(path) is None:
+                fields = kvcache_marker(path)
+                if fields is not None and fields.get("data_dir") == owner:
+                    return path
+    return None
+
+
+def _lock_tier(tier: Path, data_dir: Path) -> int:
+    """Lock ``tier`` for ``data_dir``, marking it when new; its open descriptor."""
     owner = str(data_dir.resolve())
     if not tier.exists() and not tier.is_symlink():
-        tier.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):  # made meanwhile: checked below
-            tier.mkdir(mode=0o700)
-    _check_private(tier)
+        make_private_dirs(tier)
+    why = _not_private(tier)
+    if why is not None:
+        raise NotOwned(f"{tier} is not a private folder of this user ({why}): remove it or "
+                       "choose another --ram-dir")
     fd = os.open(tier, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         try:

@@ -13,7 +13,7 @@ from .. import keys
 from ..common import TIER_DISK, TIER_RAM
 from ..errors import Corrupt, LeaseLost, NotFound, WaitTimeout
 from ..index import Record
-from .core import Part, ReadPin, StoreCore, with_usage
+from .core import Part, ReadPin, Seen, StoreCore, seen_record, with_usage
 from .integrity import Integrity
 from .placement import RamPlacer
 
@@ -27,18 +27,18 @@ class Reads(Part):
         self._placer = placer
         self._integrity = integrity
 
-    def open_read(self, key: bytes, wait_ms: int = 0) -> ReadPin:
+    def open_read(self, key: bytes, wait_ms: int = 0, tenants: Seen = None) -> ReadPin:
         """Pin a published entry for reading and say where its bytes are. A key being
         written is waited for, up to ``wait_ms``, on Store._cond (a commit or an abort
-        wakes the waiters)."""
+        wakes the waiters). Another tenant's entry (``tenants``) is a key nobody saved."""
         deadline = time.monotonic() + wait_ms / 1000.0
         waited = False
         with self._cond:
             while True:
-                record = self._index.get(key)
+                record = seen_record(self._index, key, tenants)
                 if record is not None:
                     break
-                if not self._leases.writing(key):
+                if not self._leases.writing(key, tenants):
                     if waited:
                         self.counters["read_wait_aborted"] += 1
                         raise NotFound(f"the in-flight save of {key.hex()} was aborted")
@@ -81,11 +81,11 @@ class Reads(Part):
         except FileNotFoundError:  # its RAM copy was dropped since: the disk copy remains
             return open(self._layout.blob_path(pin.key), "rb", buffering=0)  # noqa: SIM115
 
-    def iter_read(self, key: bytes, wait_ms: int = 0,
-                  chunk_bytes: int = 1 << 20) -> tuple[ReadPin, Iterator[memoryview]]:
+    def iter_read(self, key: bytes, wait_ms: int = 0, chunk_bytes: int = 1 << 20,
+                  tenants: Seen = None) -> tuple[ReadPin, Iterator[memoryview]]:
         """Stream an entry's bytes, verifying them as they go; a bad blob is quarantined
         and the iterator raises Corrupt at its end."""
-        pin = self.open_read(key, wait_ms)
+        pin = self.open_read(key, wait_ms, tenants)
 
         def chunks() -> Iterator[memoryview]:
             corrupt = False

@@ -165,6 +165,7 @@ def test_every_daemon_counter_moves(tmp_path: Path) -> None:
                       "--pin-seconds", "1", "--ram-bytes", "2000", "--disk-bytes", "30000",
                       "--metrics-port", "0", "--max-saves-per-tenant", "8",
                       "--max-reserved-bytes-per-tenant", "200000",
+                      "--max-pinned-bytes-per-tenant", "1000",
                       "--tenant-disk-quota", "quota=1500", "--tenant-ram-quota", "quota=1000")
     try:
         _daemon_traffic(d)
@@ -202,6 +203,18 @@ def _daemon_traffic(d: DaemonProcess) -> None:
         # Lookups: exact (also when max_tokens cuts the request), partial, miss.
         a = toks(10, 40)
         saved_a = c.save(IDENT, a, payload_for(a, 300), "cold")
+        # The data path's expiring pins: one taken (tenant_pins), and one more than the
+        # tenant's pins may hold (690 bytes each, 1000 at most: tenant_pins_refused). Both
+        # entries go again (their pinned RAM copy would keep later ones out of RAM).
+        held_by_pins = [c.save(IDENT, t, payload_for(t, 300), "cold").key
+                        for t in (toks(13, 40), toks(14, 40))]
+        c.pin_tenant_entry(held_by_pins[0], 60)
+        with pytest.raises(CacheError) as over:
+            c.pin_tenant_entry(held_by_pins[1], 60)
+        assert over.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        c.unpin(held_by_pins[0])
+        for key in held_by_pins:
+            c.delete(key)
         brief = toks(12, 40)  # pinned for half a second, released by time: pins_expired
         c.pin(c.save(IDENT, brief, payload_for(brief, 300), "cold").key, ttl_seconds=0.5)
         assert c.lookup(IDENT, a).matched_tokens == 40  # type: ignore[union-attr]
@@ -434,9 +447,9 @@ def _runtime_traffic(d: DaemonProcess, model: Path) -> tuple[dict[str, float], d
         marked = rt.complete(prompt="A breakpoint with a ttl. " * 12, boundary_chars=[200],
                              boundary_ttl_seconds=[60], max_tokens=2)
         assert marked.cache_hit_kind == "cold"
-        flush(rt)
-        assert rt.stats()["pins_sent"] >= 1
-        rt.engine.saver.pin(bytes(16), 60)
+        flush(rt)  # the saves; the pin queued behind them is sent just after
+        wait_for(lambda: rt.stats()["pins_sent"] >= 1, "the daemon to take the pin")
+        rt.engine.saver.pin(bytes(16), 60, "")
         wait_for(lambda: rt.stats()["pins_failed"] >= 1, "the daemon to refuse the pin")
         # sticky, then parent keys: one that resumes, one that is unknown.
         p2 = tokens(4, 50)
@@ -686,7 +699,7 @@ def _runtime_outage_traffic(d: DaemonProcess,
             # the next one waits in its queue, the rest are dropped (backlog).
             rt.complete(tokens=tokens(31, 60), max_tokens=8)
             assert rt.stats()["saves_dropped_backlog"] >= 1
-            rt.engine.saver.pin(bytes(16), 60)  # the queue is full
+            rt.engine.saver.pin(bytes(16), 60, "")  # the queue is full
             assert rt.stats()["pins_dropped"] == 1
         finally:
             d.proc.send_signal(signal.SIGCONT)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import secrets
 import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from tests.support.entries import DaemonFactory, toks
 LAYOUT = {"type_k": "f16"}
 ALICE = Identity("fp-scoped", LAYOUT, tenant="alice", model_name="tiny.gguf")
 BOB = Identity("fp-scoped", LAYOUT, tenant="bob", model_name="tiny.gguf")
+CAROL = Identity("fp-scoped", LAYOUT, tenant="carol", model_name="tiny.gguf")
 NOBODY = Identity("fp-scoped", LAYOUT, model_name="tiny.gguf")
 TOKENS = {name: secrets.token_hex(16) for name in ("admin", "alice", "bob")}
 
@@ -182,6 +184,153 @@ def test_a_runtime_token_reaches_only_its_tenants(daemon_factory: DaemonFactory,
     with d.client() as local:  # the owner-only unix socket: the operator, no token
         assert key in {e.key for e in local.list_entries()}, "bob's calls removed it"
         assert local.delete(key) == 0
+
+
+def probes(stub: object, identity: Identity, tokens: list[int]
+           ) -> dict[str, Callable[[bytes], object]]:
+    """Every call that takes a key, each with arguments valid but for the key, and with
+    an argument wrong besides it (the answer must not depend on whose the key is)."""
+    def reserve(**fields: object) -> Callable[[bytes], object]:
+        base = {"identity": identity.message(), "tokens": tokens + [7], "size": 4096,
+                "reason": "cold", "base": 20, **fields}
+        return lambda k: stub.Reserve(pb.ReserveRequest(parent=k, **base),  # type: ignore[attr-defined, arg-type]
+                                      timeout=5)
+
+    s = stub  # the stub's methods are made at run time: no types to check
+    return {
+        "Read": lambda k: list(s.Read(pb.ReadRequest(key=k, wait_ms=30_000), timeout=5)),  # type: ignore[attr-defined]
+        "OpenRead": lambda k: s.OpenRead(pb.OpenReadRequest(key=k, wait_ms=30_000),  # type: ignore[attr-defined]
+                                         timeout=5),
+        "Delete": lambda k: s.Delete(pb.KeyRequest(key=k), timeout=5),  # type: ignore[attr-defined]
+        "Pin": lambda k: s.Pin(pb.KeyRequest(key=k, ttl_seconds=5), timeout=5),  # type: ignore[attr-defined]
+        "Unpin": lambda k: s.Unpin(pb.KeyRequest(key=k), timeout=5),  # type: ignore[attr-defined]
+        "Inspect": lambda k: s.Inspect(pb.InspectRequest(key=k), timeout=5),  # type: ignore[attr-defined]
+        "Verify": lambda k: list(s.Verify(pb.VerifyRequest(keys=[k]), timeout=5)),  # type: ignore[attr-defined]
+        "Reserve(parent)": reserve(),
+        "Reserve(parent, bad reason)": reserve(reason="no-such-reason"),
+        "Reserve(parent, base 0)": reserve(base=0),
+        "Reserve(parent, base past the tokens)": reserve(base=99),
+        "Reserve(parent, size too small)": reserve(size=3),
+        "Reserve(parent, no fingerprint)": reserve(identity=pb.Identity(tenant=identity.tenant)),
+        "EntryTokens": lambda k: s.EntryTokens(  # type: ignore[attr-defined]
+            pb.EntryTokensRequest(key=k, tenant=identity.tenant), timeout=5),
+        "PinTenantEntry": lambda k: s.PinTenantEntry(  # type: ignore[attr-defined]
+            pb.PinTenantEntryRequest(key=k, tenant=identity.tenant, ttl_seconds=30), timeout=5),
+        "PinTenantEntry(ttl 0)": lambda k: s.PinTenantEntry(  # type: ignore[attr-defined]
+            pb.PinTenantEntryRequest(key=k, tenant=identity.tenant), timeout=5),
+        "PinTenantEntry(ttl past the longest)": lambda k: s.PinTenantEntry(  # type: ignore[attr-defined]
+            pb.PinTenantEntryRequest(key=k, tenant=identity.tenant, ttl_seconds=1e9),
+            timeout=5),
+    }
+
+
+def test_every_call_by_key_answers_a_foreign_key_as_an_absent_one(
+        daemon_factory: DaemonFactory, tmp_path: Path) -> None:
+    """Whatever else is wrong with a call, another tenant's key gets the answer of a key
+    nobody saved: arguments are checked first (a Reserve naming bob's entry as its parent
+    with a bad reason was NOT_FOUND, with a key nobody saved INVALID_ARGUMENT), and the
+    store hides the entry on the path of a missing key, counters included. (Their timing
+    is tools/bench_tenant_probes.py's.)"""
+    d = daemon_factory("--listen", "127.0.0.1:0", "--token-file",
+                       str(token_file(tmp_path / "tokens")), "--block-size", "16",
+                       "--tcp-admin")
+    address = tcp_address(d)
+    prompt = toks(64, 40)
+    with client_of(address, tmp_path, "alice") as alice, \
+            client_of(address, tmp_path, "bob") as bob, d.client() as operator:
+        published = bob.save(BOB, prompt, b"b" * 600, "cold").key
+        in_flight = toks(65, 40)
+        lease = bob.stub.Reserve(pb.ReserveRequest(
+            identity=BOB.message(), tokens=in_flight, size=4096, reason="cold"), timeout=5)
+        foreign = {"published": published, "being written": lease.key}
+        for name, call in probes(alice.stub, ALICE, prompt).items():
+            answers = {}
+            for kind, key in {**foreign, "absent": secrets.token_bytes(16)}.items():
+                before = dict(operator.stats().counters)
+                code, details = answer(lambda: call(key))  # noqa: B023 - called at once
+                after = dict(operator.stats().counters)
+                moved = {c: after[c] - before.get(c, 0) for c in after
+                         if after[c] != before.get(c, 0)}
+                answers[kind] = (code, details.replace(key.hex(), "KEY"), moved)
+            assert answers["published"] == answers["being written"] == answers["absent"], name
+            # A key of the wrong length is refused as such, whoever asks.
+            assert answer(lambda: call(b"short"))[0] in (  # noqa: B023
+                grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED), name
+        bob.stub.Abort(pb.AbortRequest(lease_id=lease.lease_id), timeout=5)
+        assert answer(lambda: bob.stub.Reserve(pb.ReserveRequest(
+            identity=BOB.message(), tokens=prompt + [7], size=4096, reason="no-such-reason",
+            parent=published, base=20), timeout=5))[0] == grpc.StatusCode.INVALID_ARGUMENT
+        assert bytes(bob.load(published).payload) == b"b" * 600  # nothing alice did took it
+
+
+def test_a_runtime_token_reads_and_pins_its_tenants_entries_within_bounds(
+        daemon_factory: DaemonFactory, tmp_path: Path) -> None:
+    """The data path's EntryTokens and PinTenantEntry (what a runtime needs to continue a
+    state and keep a cache_control breakpoint, where Inspect and Pin are the operator's):
+    on entries of the tenants the token is bound to, the tenant named; pins last at most
+    --max-tenant-pin-seconds, and what a tenant's pins hold (an entry and what it is built
+    on, each once) at most --max-pinned-bytes-per-tenant, or its disk quota."""
+    d = daemon_factory("--listen", "127.0.0.1:0", "--token-file",
+                       str(token_file(tmp_path / "tokens")), "--block-size", "16",
+                       "--max-tenant-pin-seconds", "60", "--max-pinned-bytes-per-tenant", "3000",
+                       "--tenant-disk-quota", "carol=2000")
+    address = tcp_address(d)
+    with client_of(address, tmp_path, "alice") as alice, \
+            client_of(address, tmp_path, "bob") as bob, d.client() as operator:
+        prompt = toks(66, 40)
+        root = alice.save(ALICE, prompt[:20], b"r" * 900, "cold").key
+        piece = alice.save(ALICE, prompt, b"p" * 600, "cold", parent=root, base=20).key
+        sizes = {e.key: e.size for e in operator.list_entries()}
+        assert alice.entry_tokens(piece, tenant="alice") == prompt
+        assert alice.entry_tokens(root, tenant="alice") == prompt[:20]
+        for call in (lambda: bob.entry_tokens(piece, tenant="alice"),
+                     lambda: bob.pin_tenant_entry(piece, 30, tenant="alice")):
+            assert answer(call)[0] == grpc.StatusCode.PERMISSION_DENIED
+        # Named for another tenant than its own, an entry is one nobody saved.
+        assert answer(lambda: alice.entry_tokens(piece, tenant=""))[0] == \
+            grpc.StatusCode.PERMISSION_DENIED
+        assert answer(lambda: operator.entry_tokens(piece, tenant="bob"))[0] == \
+            grpc.StatusCode.NOT_FOUND
+
+        # The piece pinned: it and its root are held (pins protect what they build on).
+        t0 = time.time()
+        pinned = alice.pin_tenant_entry(piece, 30, tenant="alice")
+        assert t0 + 30 <= pinned.pin_expires <= time.time() + 30
+        assert (pinned.pinned_bytes, pinned.pinned_bytes_limit) == (
+            sizes[root] + sizes[piece], 3000)
+        shown = {e.key: e for e in operator.list_entries()}
+        assert shown[piece].pinned and shown[piece].pin_expires == pinned.pin_expires
+        assert not shown[root].pinned
+        # Pinned again: extended, counted once.
+        again = alice.pin_tenant_entry(piece, 40, tenant="alice")
+        assert again.pinned_bytes == pinned.pinned_bytes and again.pin_expires > pinned.pin_expires
+        assert alice.pin_tenant_entry(root, 5, tenant="alice").pinned_bytes == \
+            pinned.pinned_bytes
+        # Past the longest pin: refused as such, the pin as it was.
+        code, words = answer(lambda: alice.pin_tenant_entry(piece, 61, tenant="alice"))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "at most 60" in words
+        # More than the tenant's pins may hold: refused, nothing pinned.
+        other = alice.save(ALICE, toks(67, 40), b"o" * 1500, "cold").key
+        code, words = answer(lambda: alice.pin_tenant_entry(other, 30, tenant="alice"))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "3000" in words, words
+        assert not {e.key: e for e in operator.list_entries()}[other].pinned
+        # Bob's pins are his own account: his entry pins within his bound.
+        bobs = bob.save(BOB, toks(68, 40), b"b" * 1500, "cold").key
+        assert bob.pin_tenant_entry(bobs, 30, tenant="bob").pinned_bytes == sizes_of(
+            operator, bobs)
+        # Carol's disk quota (2000) is below the bound: it bounds her pins.
+        carols = bob.save(CAROL, toks(69, 40), b"c" * 1200, "cold").key
+        assert bob.pin_tenant_entry(carols, 30, tenant="carol").pinned_bytes_limit == 2000
+        # An operator's pin without end stays so, and holds nothing of alice's account.
+        operator.pin(other)
+        kept = alice.pin_tenant_entry(other, 30, tenant="alice")
+        assert kept.pin_expires == 0 and kept.pinned_bytes == pinned.pinned_bytes
+        counted = dict(operator.stats().counters)
+        assert counted["tenant_pins"] == 5 and counted["tenant_pins_refused"] == 1
+
+
+def sizes_of(client: CacheClient, key: bytes) -> int:
+    return next(e.size for e in client.list_entries() if e.key == key)
 
 
 def test_tenant_salts_come_from_the_daemons_secret(daemon_factory: DaemonFactory,

@@ -10,7 +10,7 @@ import pytest
 
 from tests.support.daemon_proc import DaemonProcess
 from tests.support.redis_proc import RedisServer, redis_server
-from tests.support.remote_tier import B, Host, key_file, wait_connected
+from tests.support.remote_tier import FLEET_KEY, B, Host, key_file, wait_connected
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def host(daemon_factory: Callable[..., DaemonProcess], server: RedisServer,
     """``host("a", *extra_args, url=...)``: a daemon (its own data dir) on the shared
     remote (this test's redis-server unless ``url``), connected to it; signed with the
     fleet's key unless ``extra_args`` say how (a key of their own, --remote-unsigned)."""
-    fleet_key = key_file(tmp_path / "fleet-key", "the-fleet-signing-key-of-this-test\n")
+    fleet_key = key_file(tmp_path / "fleet-key", FLEET_KEY)
 
     def start(name: str, *extra: str, url: str | None = None,
               connected: bool = True) -> DaemonProcess:

@@ -41,14 +41,15 @@ from kvcache.remote.layout import Names, seal
 from kvcache.remote.tier import servable_tokens
 from tests.support.daemon_proc import wait_for
 from tests.support.redis_proc import RedisServer, redis_cluster, redis_server, tls_redis_server
-from tests.support.remote_tier import B, entry_keys
+from tests.support.remote_tier import B, copy_entry, entry_keys
 
 MODEL = "fingerprint-of-a-model"
 LAYOUT = {"n_ctx": "512", "type_k": "f16"}
 NS = keys.namespace(MODEL, LAYOUT)
 KEY1 = b"k" * 32
 KEY2 = b"q" * 32
-NAMES = Names("kvc")
+NAMES = Names("kvc")  # an unsigned tier's (the keys' hex)
+NAMES1 = Names("kvc", KEY1)  # keyed by the fleet's key
 # Every remote counter the tests below moved, summed over every tier they made (checked
 # by the last test: each declared counter must be provoked somewhere in this module).
 MOVED: Counter[str] = Counter()
@@ -164,7 +165,7 @@ def test_multi_part_chain_round_trip(server: RedisServer,
     for link in chain.links:
         parts = -(-link.size // 4096)
         assert parts >= 5
-        assert entry_keys(c, link.key) == {NAMES.record(link.key)} | {
+        assert entry_keys(c, link.key, NAMES) == {NAMES.record(link.key)} | {
             NAMES.part(link.key, i) for i in range(parts)}
         assert c.strlen(NAMES.part(link.key, 0)) <= 4096 + 64  # the chunk plus its header
 
@@ -400,7 +401,7 @@ def test_full_server_refuses_uploads_lookups_go_on(server: RedisServer,
     assert got["remote_full"] == 1 and got["remote_put_errors"] == 1 and got["remote_puts"] == 1
     assert tier.connected  # full is not down
     # What the failed upload wrote was removed again (DEL works on a full server).
-    assert entry_keys(server.client(), big.keys[0]) == set()
+    assert entry_keys(server.client(), big.keys[0], NAMES) == set()
     assert tier.find(NS, big.tokens) is None
     match = tier.find(NS, small.tokens)
     assert match is not None and tier.fetch(match.chain_keys, NS) == [small.blobs[small.keys[0]]]
@@ -462,15 +463,19 @@ def test_signatures(server: RedisServer, tiers: Callable[..., RemoteTier]) -> No
     match = signed.find(NS, chain.tokens)
     assert match is not None and signed.fetch(match.chain_keys, NS) is not None
 
-    # Signed with another key: refused.
+    # Signed with another key: not even found (its names are keyed by the other key),
+    # and refused once copied under the names that key reads.
     other = tiers(server.url, chunk_bytes=4096, signing_key=KEY2)
+    assert other.find(NS, chain.tokens) is None
+    c = server.client()
+    assert copy_entry(c, chain.keys[-1], NS, chain.tokens, NAMES1, Names("kvc", KEY2)) > 3
+    assert copy_entry(c, chain.keys[0], NS, chain.tokens[:40], NAMES1, Names("kvc", KEY2))
     assert other.find(NS, chain.tokens) is None
     assert other.fetch(chain.keys, NS) is None
     assert counters(other)["remote_signature_failures"] >= 2
 
     # A signed part moved to another name: refused (the name is signed too).
-    c = server.client()
-    c.set(NAMES.part(chain.keys[1], 0), c.get(NAMES.part(chain.keys[1], 1)))
+    c.set(NAMES1.part(chain.keys[1], 0), c.get(NAMES1.part(chain.keys[1], 1)))
     assert signed.fetch(chain.keys, NS) == [chain.blobs[chain.keys[0]]]
     assert counters(signed)["remote_signature_failures"] == 1
 
@@ -480,8 +485,46 @@ def test_signatures(server: RedisServer, tiers: Callable[..., RemoteTier]) -> No
     publish_all(plain, unsigned)
     assert plain.find(NS, unsigned.tokens) is not None
     assert signed.find(NS, unsigned.tokens) is None
+    assert copy_entry(c, unsigned.keys[0], NS, unsigned.tokens, NAMES, NAMES1) >= 3
+    assert signed.find(NS, unsigned.tokens) is None
     assert signed.fetch(unsigned.keys, NS) is None
     assert counters(signed)["remote_signature_failures"] >= 3
+
+
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_keyed_names_tell_nothing_without_the_fleet_key(
+        server: RedisServer, tiers: Callable[..., RemoteTier], encrypt: bool) -> None:
+    """Entries without a tenant have keys and block hashes anyone can compute from a
+    model and a guessed prompt; with the fleet's key no name on the server holds one, so
+    listing the server confirms no guess. Lookups, fetches and listings work as before,
+    and a fleet turning encryption on host by host still shares names."""
+    host = tiers(server.url, chunk_bytes=4096, signing_key=KEY1, encrypt=encrypt)
+    chain = make_chain(prompt(21), [40, 70])
+    publish_all(host, chain)
+    guessed = {k.hex() for k in chain.keys} | {h.hex() for h in keys.block_hashes(
+        NS, keys.tokens_to_bytes(chain.tokens), B)}
+    c = server.client()
+    names = [n.decode() for n in c.scan_iter(match="*", count=1000)]
+    assert len(names) >= 2 + 2 + len(chain.tokens) // B  # records, parts, block pointers
+    assert all(n.startswith("kvc:2:") for n in names), names
+    assert not [n for n in names if any(g in n for g in guessed)]
+    # The guessed prompt's plain names are not there either.
+    assert not any(c.exists(NAMES.record(k)) for k in chain.keys)
+
+    # A host of the fleet that does not encrypt reads encrypted values under the same
+    # names; one that encrypts finds values in clear there and refuses them.
+    peer = tiers(server.url, chunk_bytes=4096, signing_key=KEY1, encrypt=not encrypt)
+    match = peer.find(NS, chain.tokens)
+    if encrypt:
+        assert match is not None and match.key == chain.keys[-1]
+        assert peer.fetch(match.chain_keys, NS) == [chain.blobs[k] for k in chain.keys]
+    else:
+        assert match is None and counters(peer)["remote_signature_failures"] >= 1
+    assert host.fetch(chain.keys, NS) == [chain.blobs[k] for k in chain.keys]
+    assert sorted(r.key for r in host.list_entries(of_namespace(NS))) == sorted(chain.keys)
+    # A record copied under another entry's keyed name: refused by the listing too.
+    c.set(NAMES1.record(b"\x07" * 16), c.get(NAMES1.record(chain.keys[0])))
+    assert sorted(r.key for r in host.list_entries()) == sorted(chain.keys)
 
 
 def test_two_hosts_saving_the_same_prefix_store_it_once(
@@ -512,7 +555,7 @@ def test_two_hosts_saving_the_same_prefix_store_it_once(
     c = server.client()
     for link in chains[0].links:
         parts = -(-link.size // 4096)
-        assert entry_keys(c, link.key) == {NAMES.record(link.key)} | {
+        assert entry_keys(c, link.key, NAMES) == {NAMES.record(link.key)} | {
             NAMES.part(link.key, i) for i in range(parts)}
     # Each entry is one host's blob, whole (the root may be one's, the piece the other's:
     # a piece needs its parent's key and tokens, not its bytes).
@@ -526,7 +569,7 @@ def test_two_hosts_saving_the_same_prefix_store_it_once(
     c.set(NAMES.lock(third.keys[0]), b"another-host", px=60_000)
     publish_all(hosts[0], third)
     assert counters(hosts[0])["remote_put_skipped_in_flight"] >= 1
-    assert entry_keys(c, third.keys[0]) == {NAMES.lock(third.keys[0])}
+    assert entry_keys(c, third.keys[0], NAMES) == {NAMES.lock(third.keys[0])}
 
 
 def test_tenants_never_see_each_other(server: RedisServer,
@@ -608,7 +651,7 @@ def test_tls_with_the_server_s_ca_and_refused_without_it(
         match = b.find(NS, chain.tokens)
         assert match is not None and match.shared == 70
         assert b.fetch(match.chain_keys, NS) == [chain.blobs[k] for k in chain.keys]
-        assert entry_keys(server.client(), chain.keys[-1])  # stored on the server
+        assert entry_keys(server.client(), chain.keys[-1], NAMES)  # stored on the server
 
         plain_url = server.url.replace("rediss://", "redis://")
         for url, error in ((server.url, "CERTIFICATE_VERIFY_FAILED"), (plain_url, "")):

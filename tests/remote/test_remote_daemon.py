@@ -35,8 +35,10 @@ from tests.support.daemon_proc import DaemonProcess, wait_for
 from tests.support.metrics import metrics_port, scrape
 from tests.support.redis_proc import RedisServer, redis_cluster, redis_server, tls_redis_server
 from tests.support.remote_tier import (
+    FLEET_NAMES,
     B,
     Host,
+    copy_entry,
     counters,
     entry_keys,
     key_file,
@@ -49,7 +51,8 @@ from tests.support.runtime_calls import CONFIG, TEXT_A, TEXT_B, TEXT_C, flush, p
 IDENT = Identity("fp-remote-fleet", {"type_k": "f16"}, model_name="tiny.gguf")
 WIDTH = 64  # payload bytes per token of the daemon-level entries
 LAYOUT = b"layout-1"  # opaque to the daemon
-NAMES = Names("kvc")
+NAMES = FLEET_NAMES  # the names of the fleet's entries on the server
+PLAIN_NAMES = Names("kvc")  # an unsigned fleet's
 REMOTE_TIMEOUT = 0.2  # --remote-timeout of the fault tests
 # The runtime gives up a cache call after this long (RuntimeConfig.cache_timeout_s).
 RUNTIME_CACHE_DEADLINE = CONFIG.cache_timeout_s
@@ -214,8 +217,8 @@ def test_a_three_node_cluster_serves_the_fleet(daemon_factory: Callable[..., Dae
         clients = [n.client() for n in cluster.nodes]
         try:
             for key in (root, piece):
-                held = [found for c in clients if (found := entry_keys(c, key))]
-                assert held == [{NAMES.record(key), NAMES.part(key, 0)}]
+                held = [found for c in clients if (found := entry_keys(c, key, PLAIN_NAMES))]
+                assert held == [{PLAIN_NAMES.record(key), PLAIN_NAMES.part(key, 0)}]
         finally:
             for c in clients:
                 c.close()
@@ -349,7 +352,7 @@ def test_remote_full_with_noeviction(host: Host, server: RedisServer) -> None:
     moved = counters(a)
     assert moved["remote_put_errors"] == 1 and moved["remote_puts"] == 0
     with server.client() as c:
-        assert entry_keys(c, key) == set()  # what was written was removed
+        assert entry_keys(c, key, NAMES) == set()  # what was written was removed
     # Local saves and lookups go on; the remote stays connected (it answered).
     small = save(a, toks(7, 40))
     hit = lookup(a, t)
@@ -399,21 +402,21 @@ def test_a_piece_evicted_mid_chain_serves_the_shorter_prefix(host: Host,
 
 def test_values_overwritten_with_garbage_are_refused(host: Host, server: RedisServer) -> None:
     # Unsigned hosts: what the blob checks catch without a signature (a signed host
-    # refuses every one of these by its signature).
+    # refuses every one of these by its signature). Their names are the keys' hex.
     a, b = host("a", "--remote-unsigned"), host("b", "--remote-unsigned")
     c = server.client()
 
     def damage_part(key: bytes) -> None:  # random bytes: not even a remote value
-        c.set(NAMES.part(key, 0), os.urandom(c.strlen(NAMES.part(key, 0))))
+        c.set(PLAIN_NAMES.part(key, 0), os.urandom(c.strlen(PLAIN_NAMES.part(key, 0))))
 
     def damage_blob(key: bytes) -> None:  # a sound envelope around a blob with a byte flipped
-        name = NAMES.part(key, 0)
+        name = PLAIN_NAMES.part(key, 0)
         body = bytearray(open_value(name, c.get(name), None))
         body[-100] ^= 0xFF
         c.set(name, seal(name, body, None))
 
     def damage_record(key: bytes) -> None:
-        name = NAMES.record(key)
+        name = PLAIN_NAMES.record(key)
         c.set(name, seal(name, os.urandom(300), None))
 
     try:
@@ -435,9 +438,15 @@ def test_values_overwritten_with_garbage_are_refused(host: Host, server: RedisSe
 # --------------------------------------------------------------------------- signed
 
 
-def test_values_signed_with_another_key_are_refused(host: Host, tmp_path: Path) -> None:
+def test_values_signed_with_another_key_are_refused(host: Host, server: RedisServer,
+                                                   tmp_path: Path) -> None:
+    """Hosts of another key (or none) do not even find the fleet's entries (their names
+    are keyed by another key); its values copied under the names they read are refused
+    by their signature."""
     k1 = key_file(tmp_path / "k1", "a-fleet-signing-key-number-one\n")
     k2 = key_file(tmp_path / "k2", "another-fleet-key-number-two\n")
+    names1 = Names("kvc", b"a-fleet-signing-key-number-one")
+    names2 = Names("kvc", b"another-fleet-key-number-two")
     a = host("a", "--remote-signing-key-file", str(k1))
     b = host("b", "--remote-signing-key-file", str(k2))
     c = host("c", "--remote-signing-key-file", str(k1))
@@ -445,6 +454,9 @@ def test_values_signed_with_another_key_are_refused(host: Host, tmp_path: Path) 
     key = save(a, t)
     wait_uploads(a, 1)
 
+    assert lookup(b, t) is None
+    with server.client() as r:
+        assert copy_entry(r, key, IDENT.namespace, t, names1, names2) >= 3
     assert lookup(b, t) is None
     assert counters(b)["remote_signature_failures"] >= 1
     hit = lookup(c, t)
@@ -454,9 +466,12 @@ def test_values_signed_with_another_key_are_refused(host: Host, tmp_path: Path) 
     # An unsigned value (a host without a key wrote it) is refused by hosts with one.
     d = host("d", "--remote-unsigned")
     u = toks(14, 150)
-    save(d, u)
+    unsigned = save(d, u)
     wait_uploads(d, 1)
-    for signed in (b, c):
+    for signed, names in ((b, names2), (c, names1)):
+        assert lookup(signed, u) is None
+        with server.client() as r:
+            assert copy_entry(r, unsigned, IDENT.namespace, u, PLAIN_NAMES, names) >= 3
         before = counters(signed)
         assert lookup(signed, u) is None
         assert delta(before, counters(signed))["remote_signature_failures"] >= 1
@@ -497,7 +512,7 @@ def test_two_hosts_saving_one_prefix_at_once_store_it_once(host: Host,
         assert of_a["remote_put_errors"] + of_b["remote_put_errors"] == 0
         with server.client() as c:
             # One record and one set of parts, no claim left; the block pointers.
-            assert entry_keys(c, key) == {NAMES.record(key), NAMES.part(key, 0)}
+            assert entry_keys(c, key, NAMES) == {NAMES.record(key), NAMES.part(key, 0)}
             pointers |= {NAMES.block(h) for h in keys.block_hashes(
                 IDENT.namespace, keys.tokens_to_bytes(t), B)}
             assert set(c.scan_iter(match="kvc:*", count=1000)) == pointers | {
@@ -597,7 +612,7 @@ def test_a_tls_remote_verified_with_its_ca(daemon_factory: Callable[..., DaemonP
         wait_connected(d)
         key = save(d, toks(60, 100))
         wait_uploads(d, 1)
-        assert entry_keys(server.client(), key)  # on the server
+        assert entry_keys(server.client(), key, PLAIN_NAMES)  # on the server
         d.close()
 
         untrusted = daemon_factory("--remote", server.url, "--remote-unsigned",

@@ -9,10 +9,9 @@ import json
 from pathlib import Path
 
 from kvcache import keys
-from kvcache.remote.layout import open_value
+from kvcache.remote.layout import Names, open_value
 from tests.remote.test_remote_daemon import (
     IDENT,
-    NAMES,
     cells,
     cli,
     delta,
@@ -22,7 +21,7 @@ from tests.remote.test_remote_daemon import (
     toks,
 )
 from tests.support.redis_proc import RedisServer
-from tests.support.remote_tier import Host, counters, key_file, wait_uploads
+from tests.support.remote_tier import B, Host, counters, key_file, wait_uploads
 
 
 def test_remote_needs_a_signing_key_unless_unsigned_is_asked(tmp_path: Path) -> None:
@@ -56,6 +55,7 @@ def test_an_unsigned_shared_tier_is_logged_and_shown(host: Host) -> None:
 def test_encrypted_values_reveal_no_prompt(host: Host, server: RedisServer,
                                            tmp_path: Path) -> None:
     fleet = key_file(tmp_path / "encrypting-fleet-key", "the-encrypting-fleet-key\n")
+    names = Names("kvc", b"the-encrypting-fleet-key")
     a = host("a", "--remote-signing-key-file", str(fleet), "--remote-encrypt")
     b = host("b", "--remote-signing-key-file", str(fleet), "--remote-encrypt")
     t = toks(71, 150)
@@ -68,11 +68,17 @@ def test_encrypted_values_reveal_no_prompt(host: Host, server: RedisServer,
     # parts, not the block pointers.
     payload, packed = cells(t, 0), keys.tokens_to_bytes(t)
     with server.client() as r:
-        values = {name: r.get(name) for name in r.scan_iter(match="kvc:*", count=1000)}
-    assert NAMES.record(key) in values and NAMES.part(key, 0) in values
+        values = {name: r.get(name) for name in r.scan_iter(match="*", count=1000)}
+    assert names.record(key) in values and names.part(key, 0) in values
     for name, value in values.items():
         assert value[:5] == b"KVR1\x02", name  # the encrypted envelope, every one
         assert packed[:64] not in value and payload[:64] not in value, name
+    # Nor do the names: the entry has no tenant, so whoever knows the model and guesses
+    # the prompt computes its key and block hashes; none of them is in any name.
+    guessed = [key.hex(), *(h.hex() for h in keys.block_hashes(IDENT.namespace, packed, B))]
+    assert len(values) >= 2 + len(t) // B
+    assert not [n for n in values if any(g.encode() in n for g in guessed)]
+    assert all(n.startswith(b"kvc:2:") for n in values)  # the keyed layout, every one
     # Without the fleet key a value cannot even be opened.
     refused = 0
     for name, value in values.items():
@@ -93,9 +99,9 @@ def test_encrypted_values_reveal_no_prompt(host: Host, server: RedisServer,
     altered = save(a, u)
     wait_uploads(a, 2)
     with server.client() as r:
-        value = bytearray(r.get(NAMES.part(altered, 0)))
+        value = bytearray(r.get(names.part(altered, 0)))
         value[len(value) // 2] ^= 0x01
-        r.set(NAMES.part(altered, 0), bytes(value))
+        r.set(names.part(altered, 0), bytes(value))
     before = counters(b)
     assert lookup(b, u) is None
     assert delta(before, counters(b))["remote_signature_failures"] >= 1

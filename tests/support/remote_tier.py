@@ -8,10 +8,16 @@ from pathlib import Path
 
 import redis
 
+from kvcache import keys
+from kvcache.remote.layout import Names
 from tests.support.daemon_proc import DaemonProcess, wait_for
 
 B = 16  # the daemons' block size: short prompts span several blocks (block pointers)
 Host = Callable[..., DaemonProcess]  # host("a", *daemon args): a daemon of the fleet
+# The key file the fleet's hosts sign with (tests/remote/conftest.py::host), and the
+# names its entries take on the server (keyed by it).
+FLEET_KEY = "the-fleet-signing-key-of-this-test\n"
+FLEET_NAMES = Names("kvc", FLEET_KEY.rstrip().encode())
 
 
 def counters(d: DaemonProcess) -> dict[str, int]:
@@ -49,6 +55,26 @@ def key_file(path: Path, text: str) -> Path:
     return path
 
 
-def entry_keys(client: redis.Redis, key: bytes) -> set[bytes]:
-    """Every remote key of one entry (record, parts, upload claim)."""
-    return set(client.scan_iter(match=f"kvc:{{{key.hex()}}}:*", count=1000))
+def entry_keys(client: redis.Redis, key: bytes, names: Names) -> set[bytes]:
+    """Every remote key of one entry (record, parts, upload claim) under ``names``."""
+    tagged = names.record(key).decode().removesuffix(":rec")
+    return set(client.scan_iter(match=f"{tagged}:*", count=1000))
+
+
+def copy_entry(client: redis.Redis, key: bytes, namespace: bytes, tokens: list[int],
+               src: Names, dst: Names, block_size: int = B) -> int:
+    """Copy what ``src`` names of one entry (record, parts, its block pointers) to the
+    names ``dst`` gives them, as someone with write access to the server could; how many
+    values were copied."""
+    copied = 0
+    tag = src.record(key).decode().removesuffix(":rec")
+    pairs = [(name, dst.record(key).decode().removesuffix(":rec") + name.decode()[len(tag):])
+             for name in entry_keys(client, key, src)]
+    pairs += [(src.block(h), dst.block(h)) for h in keys.block_hashes(
+        namespace, keys.tokens_to_bytes(tokens), block_size)]
+    for name, to in pairs:
+        value = client.get(name)
+        if value is not None:
+            client.set(to, value)
+            copied += 1
+    return copied

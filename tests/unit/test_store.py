@@ -866,7 +866,7 @@ def test_inspect_for_another_tenant_is_not_found_even_when_unreadable(
     record = put(store, list(range(40)))
     store.blob_path(record.key).write_bytes(b"garbage")  # would be DATA_LOSS for its owner
     with pytest.raises(NotFound):
-        store.inspect(record.key, tenant_id=keys.tenant_id("someone-else"))
+        store.inspect(record.key, frozenset({keys.tenant_id("someone-else")}))
     assert store.index.get(record.key) is not None  # not quarantined by the probe
 
 

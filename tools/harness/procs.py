@@ -33,7 +33,7 @@ import grpc
 
 from kvcache.client import CacheClient
 from kvcache.config import ENV_DIR
-from kvcache.store.ramtier import tier_dir
+from kvcache.store.ramtier import tier_in_use
 from kvcache.v1 import kvcache_pb2 as pb
 from kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from model_runtime.client import RuntimeClient
@@ -215,7 +215,7 @@ class Daemon(Proc):
     @property
     def ram_dir(self) -> Path:
         """The RAM tier folder (what Stats reports as the RAM tier's directory)."""
-        return tier_dir(self.data_dir, self.ram_parent)
+        return tier_in_use(self.data_dir, self.ram_parent)
 
     @property
     def address(self) -> str:
