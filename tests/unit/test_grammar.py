@@ -48,7 +48,6 @@ VALID = [
     '  root ::= "a"  \r\n',
     'root::="a"',
     'root ::= "日本" [あ-ん]+',
-    'root ::= x\nx ::= "a"{0,3000}',  # a maximum above 2000 means none
 ]
 
 # (grammar, where and what) — the message must say both.
@@ -80,7 +79,11 @@ INVALID = [
 REFUSED_BEFORE_LLAMA = [
     ("root ::= <[999999]>", "token id 999999 is outside the vocabulary \\(0 to 99\\)"),
     ('root ::= "a"{2,1}', "repetition \\{2,1\\}: the minimum is above the maximum"),
-    ('root ::= "ab"{2000}{2000}', "expands to 8000000 symbols"),
+    ('root ::= "ab"{2000}{2000}', "expands to 8000001 symbols"),
+    # llama.cpp reads a maximum above 2000 as none: "a"{0,3000} would take 5000 a's.
+    ('root ::= x\nx ::= "a"{0,3000}', "at most 3000 exceeds llama.cpp's limit of 2000"),
+    ('root ::= "a"{0,100000000}', "at most 100000000 exceeds"),
+    ("root ::= " + "(" * 65 + '"a"' + ")" * 65, "parentheses nest deeper than 64"),
     ('root ::= "a"\x00"b"', "a NUL character"),
 ]
 
