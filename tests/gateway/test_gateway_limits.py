@@ -347,6 +347,31 @@ def test_a_schema_at_the_budget_s_edge_is_served(gw: GatewayProcess) -> None:
     assert body["choices"][0]["message"]["content"].startswith('{')
 
 
+# --------------------------------------------------------------------------- logit_bias
+
+
+@pytest.mark.parametrize("key", ["4294967296", "2147483648", "99999999999999999999999",
+                                 "-1", "1.5", "1e3", "abc", " 5", "+5", "٣", "5_0", ""])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_logit_bias_key_that_is_not_a_token_id_is_a_400(gw: GatewayProcess, key: str,
+                                                          path: str) -> None:
+    """Keys ≥ 2^32 used to be a 500 with a traceback; every key but a token id (ASCII
+    digits, below llama.cpp's int32 token type) is a 400 naming logit_bias."""
+    mark = len(gw.log())
+    body = {"model": "tiny", "max_tokens": 1, "logit_bias": {key: 5}}
+    body.update({"messages": MESSAGES} if "chat" in path else {"prompt": "p"})
+    assert_refused(post(gw, body, path), 400, "invalid_value", "logit_bias")
+    assert_quiet(gw, mark)
+
+
+def test_a_logit_bias_on_a_token_is_served(gw: GatewayProcess) -> None:
+    for path, extra in (("/v1/chat/completions", {"messages": MESSAGES}),
+                        ("/v1/completions", {"prompt": "p"})):
+        status, body = post(gw, {"model": "tiny", "max_tokens": 1,
+                                 "logit_bias": {"7": -100, "12": 5.5}, **extra}, path)
+        assert status == 200, body
+
+
 def hold_slot(gw: GatewayProcess, key: str, started: threading.Event,
               stop: threading.Event) -> threading.Thread:
     """A streamed request that holds ``key``'s tenant's slot until ``stop``."""
