@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from aiohttp import StreamReader, web
+from aiohttp import HttpVersion11, StreamReader, hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -219,8 +219,10 @@ def build_app(fleet: Fleet) -> web.Application:
     app.on_startup.append(start_offload)
     app.on_cleanup.append(close_offload)
     # Route names are the endpoint label of the request count.
-    app.router.add_post("/v1/chat/completions", chat_completions, name="chat")
-    app.router.add_post("/v1/completions", completions, name="text")
+    app.router.add_post("/v1/chat/completions", chat_completions, name="chat",
+                        expect_handler=expect_within_limit)
+    app.router.add_post("/v1/completions", completions, name="text",
+                        expect_handler=expect_within_limit)
     app.router.add_get("/v1/models", list_models, name="models")
     app.router.add_get("/v1/models/{model:.+}", get_model, name="model")
     from .anthropic_routes import add_routes  # it builds on this module's handlers
@@ -320,6 +322,23 @@ def refusal_error(exc: RuntimeRefused, req: GenRequest) -> ApiError:
 def failure_error(exc: WorkerFailure) -> ApiError:
     return ApiError(503, f"The request failed: {exc.detail} ({exc.reason}; it was not "
                          "retried).", type="server_error", code=exc.reason)
+
+
+async def expect_within_limit(request: web.Request) -> None:
+    """``Expect: 100-continue`` (the client waits before it sends its body) is answered
+    ``100 Continue`` only when the body may be read: one over the body limit by its
+    Content-Length is not, and its route answers 413 without waiting for it (aiohttp's
+    own handler invited every body)."""
+    expect = request.headers.get(hdrs.EXPECT, "")
+    if request.version != HttpVersion11:
+        return
+    if expect.lower() != "100-continue":
+        raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect}")
+    limit = request.app[FLEET].settings.limits.body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        return
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # (as aiohttp's: the answer has not started)
 
 
 async def read_body(request: web.Request) -> bytes:

@@ -256,6 +256,31 @@ def test_the_work_a_request_asks_for_is_bounded(gw: GatewayProcess) -> None:
     assert post(gw, {"model": "tiny", "messages": within, "max_tokens": 1})[0] == 200
 
 
+def test_expect_continue_over_the_limit_is_a_413_not_an_invitation(gw: GatewayProcess
+                                                                      ) -> None:
+    """A client that asks first (``Expect: 100-continue``) with a body over the limit gets
+    its 413 at once, never "100 Continue" (which asked it to send the whole body); one
+    within the limit is invited and served."""
+    url = urlsplit(gw.url)
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ALICE}\r\n"
+            "Content-Type: application/json\r\nExpect: 100-continue\r\n")
+    with socket.create_connection((url.hostname, url.port), timeout=10) as conn:
+        conn.sendall(f"{head}Content-Length: {MAX_BODY + 1}\r\n\r\n".encode())
+        answer = b""
+        while chunk := conn.recv(65536):  # until the gateway closes: no body is awaited
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert b"100 Continue" not in answer
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == \
+        "request_too_large"
+    body = json.dumps({"model": "tiny", "prompt": "Alpha", "max_tokens": 1}).encode()
+    with socket.create_connection((url.hostname, url.port), timeout=30) as conn:
+        conn.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode())
+        assert conn.recv(100).startswith(b"HTTP/1.1 100 Continue")
+        conn.sendall(body)
+        assert conn.recv(100).startswith(b"HTTP/1.1 200")
+
+
 # --------------------------------------------------------------------------- grammars
 
 MESSAGES = [{"role": "user", "content": "u"}]
