@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..chat.prompt import PromptPlan
 from ..config import MAX_REQUEST_MESSAGE_BYTES
 from .anthropic_api import error_body as anthropic_error_body
+from .connections import ConnectionGate
 from .fleet import Fleet
 from .keys import Caller, is_loopback
 from .metrics import NO_TENANT, TenantView
@@ -51,6 +52,7 @@ from .worker import RuntimeRefused, Worker, WorkerFailure
 
 log = logging.getLogger("model_runtime.gateway")
 FLEET = web.AppKey("fleet", Fleet)
+CONNECTIONS = web.AppKey("connections", ConnectionGate)  # set by the server, if any
 CALLER = "caller"  # the request's Caller, set by the api_keys middleware
 # Bodies larger than this are parsed and their chats rendered in a helper process, one at a
 # time (on the event loop's process, even on threads, the work holds its GIL).
@@ -78,7 +80,7 @@ def outcome_of(status: int) -> str:
     if status < 400:
         return "ok"
     return {401: "unauthorized", 403: "forbidden", 404: "not_found", 413: "too_large",
-            429: "no_slot", 503: "not_ready", 529: "not_ready",
+            408: "timeout", 429: "no_slot", 503: "not_ready", 529: "not_ready",
             CLIENT_GONE: "disconnected"}.get(status, "bad_request" if status < 500 else "error")
 
 
@@ -96,6 +98,9 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
     """Count every request once, by model, endpoint, outcome and the status answered.
     Outermost: it sees the answers the other middlewares make of refusals."""
     status = CLIENT_GONE  # unless an answer comes: the handler was cancelled
+    connections = request.app.get(CONNECTIONS)
+    if connections is not None:  # (its connection is not idle meanwhile)
+        connections.busy(request.transport)
     try:
         response = await handler(request)
         status = response.status
@@ -104,6 +109,8 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
         status = exc.status
         raise
     finally:
+        if connections is not None:
+            connections.done(request.transport)
         outcome = request.get(OUTCOME) or outcome_of(status)
         request.app[FLEET].metrics.requests.labels(
             request.get(MODEL_LABEL, ""), request.get("tenant", NO_TENANT),
@@ -158,6 +165,8 @@ async def unread_body_or_close(request: web.Request,
     if request.content.is_eof():
         return response
     length = request.content_length
+    if response.status == 408:  # a client that sends too slowly: no more waiting
+        length = None
     if length is not None and length <= DRAIN_BYTES:
         try:
             # (wait_for: asyncio.timeout is Python 3.11's, and 3.10 is supported)
@@ -343,16 +352,28 @@ async def expect_within_limit(request: web.Request) -> None:
 
 async def read_body(request: web.Request) -> bytes:
     """The body, at most the body limit: refused by its Content-Length before a byte is
-    read, or as soon as a body sent without one (chunked) passes the limit."""
-    limit = request.app[FLEET].settings.limits
+    read, or as soon as a body sent without one (chunked) passes the limit; a 408 (the
+    connection closed) when it has not all come within ``--body-timeout``."""
+    settings = request.app[FLEET].settings
+    limit = settings.limits
     if request.content_length is not None and request.content_length > limit.body_bytes:
         raise too_large(limit, request.content_length)
-    body = bytearray()
-    async for piece in request.content.iter_any():
-        body += piece
-        if len(body) > limit.body_bytes:
-            raise too_large(limit)
-    return bytes(body)
+
+    async def whole() -> bytes:
+        body = bytearray()
+        async for piece in request.content.iter_any():
+            body += piece
+            if len(body) > limit.body_bytes:
+                raise too_large(limit)
+        return bytes(body)
+
+    timeout = settings.connections.body_timeout_s
+    try:
+        # (wait_for: asyncio.timeout is Python 3.11's, and 3.10 is supported)
+        return await asyncio.wait_for(whole(), timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"The request body did not arrive within {timeout:g} s of its "
+                            "headers (--body-timeout).", code="request_timeout") from None
 
 
 def check_message_size(proto: Any) -> None:
