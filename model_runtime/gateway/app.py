@@ -30,7 +30,7 @@ from .connections import ConnectionGate
 from .fleet import Fleet
 from .keys import Caller, is_loopback
 from .metrics import NO_TENANT, TenantView
-from .offload import HEAVY_GRAMMAR, Offload, grammar_weight, parse_request, render_plan
+from .offload import Offload, parse_request, render_light
 from .openai_api import (
     PROTO_FIELDS,
     SESSION_HEADER,
@@ -399,21 +399,24 @@ async def render(request: web.Request, req: GenRequest, worker: Worker,
                  large: bool) -> PromptPlan | None:
     """A chat rendered with the worker's template (:func:`render_plan`), off the event
     loop: a large one, or one whose grammar is costly to build (its schemas' budget is
-    checked first, :func:`grammar_weight`), in the helper process (:mod:`.offload`), a
+    checked first, :func:`render_light`), in the helper process (:mod:`.offload`), a
     small one on a thread. A caller that goes away (the handler is cancelled) stops it
     within a few hundred pieces of output."""
     if req.chat is None:
         return None
-    if not large and (req.chat.tools or req.chat.json_schema is not None):
-        large = await asyncio.to_thread(grammar_weight, req) > HEAVY_GRAMMAR
-    if large and worker.template_spec is not None:
-        return await request.app[OFFLOAD].render(worker.template_spec, req)
-    gone = threading.Event()
-    try:
-        return await asyncio.to_thread(render_plan, req, worker.template, worker.chat_format,
-                                       gone.is_set)
-    finally:
-        gone.set()
+    offload = worker.template_spec is not None
+    if not large or not offload:
+        gone = threading.Event()
+        try:
+            rendered, plan = await asyncio.to_thread(
+                render_light, req, worker.template, worker.chat_format, gone.is_set,
+                not offload)
+        finally:
+            gone.set()
+        if rendered:
+            return plan
+    assert worker.template_spec is not None
+    return await request.app[OFFLOAD].render(worker.template_spec, req)
 
 
 @dataclass

@@ -83,15 +83,19 @@ def render_plan(req: GenRequest, template: ChatTemplate | None, fmt: ChatFormat 
                                     f"{exc}") from None
 
 
-def grammar_weight(req: GenRequest) -> int:
-    """The symbols of the grammar ``req``'s schemas make (0: none), its budget checked
-    before anything is built: a 400 naming the first bound or place over it."""
-    if req.chat is None:
-        return 0
-    try:
-        return grammar_cost(req.chat)
-    except SchemaError as exc:
-        raise bad_param(exc.param, exc.detail) from None
+def render_light(req: GenRequest, template: ChatTemplate | None, fmt: ChatFormat | None,
+                 cancelled: Callable[[], bool], heavy_too: bool) -> tuple[bool, PromptPlan | None]:
+    """:func:`render_plan`, unless the grammar of ``req``'s schemas holds over
+    :data:`HEAVY_GRAMMAR` symbols and not ``heavy_too``: (False, None) then, for the
+    helper to render it. Its budget is checked first either way: a 400 naming the first
+    bound or place over it, before anything is built."""
+    if req.chat is not None and not heavy_too:
+        try:
+            if grammar_cost(req.chat) > HEAVY_GRAMMAR:
+                return False, None
+        except SchemaError as exc:
+            raise bad_param(exc.param, exc.detail) from None
+    return True, render_plan(req, template, fmt, cancelled)
 
 
 Parsed = tuple[bool, Any, "GenRequest | ApiError"]
