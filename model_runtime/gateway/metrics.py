@@ -67,7 +67,7 @@ class GatewayMetrics:
         self.requests = Counter(f"{PREFIX}_requests", "Requests, refused ones included, by "
                                 "model (of a completion), endpoint (the route: chat, text, "
                                 "models, ...), outcome (ok, bad_request, unauthorized, "
-                                "forbidden, not_found, too_large, no_slot, not_ready, "
+                                "forbidden, not_found, too_large, timeout, no_slot, not_ready, "
                                 "worker_failure, disconnected, error) and the HTTP status answered (499: none, the client "
                                 "went away first)",
                                 ["model", "tenant", "endpoint", "outcome", "status"],
