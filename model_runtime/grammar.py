@@ -5,14 +5,16 @@ llama.cpp parses a grammar when its sampler is made, and on a bad one says why o
 its stderr (``llama_sampler_init_grammar`` returns NULL), so :func:`check_gbnf` parses
 the text first with the same rules, and says which line and column failed and how. It
 also refuses what llama.cpp accepts but cannot serve: a repetition ``{m,n}`` with ``m``
-above ``n`` (llama.cpp loops forever on it), one that expands beyond
-:data:`MAX_EXPANDED_SYMBOLS`, a token id outside the vocabulary, a NUL character (the C
-string would end there), and left recursion (llama.cpp refuses it, naming only a rule
-index). What passes is then compiled by llama.cpp once
+above ``n`` (llama.cpp loops forever on it) or ``n`` above 2,000 (llama.cpp reads it as
+no maximum), a grammar that expands beyond :data:`MAX_GRAMMAR_SYMBOLS` or nests
+parentheses deeper than :data:`MAX_NESTING`, a token id outside the vocabulary, a NUL
+character (the C string would end there), and left recursion (llama.cpp refuses it,
+naming only a rule index). What passes is then compiled by llama.cpp once
 (:func:`model_runtime.llama_backend.grammar_refusal`), which has the last word.
 
 JSON Schema goes through llama.cpp's own converter, as llama-cpp-python ports it (pure
-Python: :func:`json_schema_to_gbnf`).
+Python: :func:`json_schema_to_gbnf`, :mod:`.schema_converter`), once
+:mod:`.grammar_budget` has checked its bounds.
 
 The syntax, as llama.cpp's parser reads it (src/llama-grammar.cpp)::
 
@@ -26,17 +28,28 @@ The syntax, as llama.cpp's parser reads it (src/llama-grammar.cpp)::
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .config import SettingError
+from .grammar_budget import (
+    MAX_GRAMMAR_SYMBOLS,
+    MAX_NESTING,
+    MAX_REPETITIONS,
+    BudgetError,
+    schema_cost,
+)
+from .schema_converter import converter_class
 
 ROOT = "root"
-MAX_REPETITIONS = 2000  # llama.cpp's MAX_REPETITION_THRESHOLD: a larger minimum is refused
-# Symbols a grammar may expand to once its repetitions are written out (llama.cpp copies
-# the repeated item that many times): bounds the time and memory of making its sampler.
-MAX_EXPANDED_SYMBOLS = 100_000
+# Runs the parser takes whole rather than a character at a time (a grammar may be
+# megabytes of text: it is bounded by its symbols, not its length).
+_PLAIN_LITERAL = re.compile(r'[^"\\\x00]+')
+_PLAIN_SPACE = re.compile(r"[ \t]+|#[^\r\n]*")
+_PLAIN_SPACE_NEWLINES = re.compile(r"(?:[ \t\r\n]+|#[^\r\n]*)+")
+_NAME = re.compile(r"[A-Za-z0-9-]+")
 _ESCAPES = {"t": "\t", "r": "\r", "n": "\n", "\\": "\\", '"': '"', "[": "[", "]": "]",
             "-": "-"}
 _HEX_DIGITS = {"x": 2, "u": 4, "U": 8}
@@ -67,14 +80,16 @@ class _Parser:
     """llama.cpp's grammar parser, rule for rule, keeping what the checks need: each
     rule's alternatives, where each name is used and defined, and the expanded size."""
 
-    def __init__(self, src: str, n_vocab: int, token_of: Callable[[str], int | None]) -> None:
+    def __init__(self, src: str, n_vocab: int | None,
+                 token_of: Callable[[str], int | None]) -> None:
         self.src = src
-        self.n_vocab = n_vocab
+        self.n_vocab = n_vocab  # None: token references are not checked
         self.token_of = token_of
         self.rules: dict[str, list[list[_Item]]] = {}
         self.defined_at: dict[str, int] = {}
         self.used_at: dict[str, int] = {}
         self.size = 0
+        self.depth = 0  # parentheses open
 
     # -- errors ---------------------------------------------------------------------------
 
@@ -91,21 +106,18 @@ class _Parser:
     # -- lexical --------------------------------------------------------------------------
 
     def space(self, pos: int, newline_ok: bool) -> int:
-        while (c := self.at(pos)) and (c in " \t#" or (newline_ok and c in "\r\n")):
-            if c == "#":
-                while self.at(pos) and self.at(pos) not in "\r\n":
-                    pos += 1
-            else:
-                pos += 1
+        blank = _PLAIN_SPACE_NEWLINES if newline_ok else _PLAIN_SPACE
+        while match := blank.match(self.src, pos):
+            if match.end() == pos:
+                break
+            pos = match.end()
         return pos
 
     def name(self, pos: int) -> int:
-        end = pos
-        while _is_word_char(self.at(end)):
-            end += 1
-        if end == pos:
+        match = _NAME.match(self.src, pos)
+        if match is None:
             raise self.fail(pos, "expecting a rule name")
-        return end
+        return match.end()
 
     def integer(self, pos: int) -> tuple[int, int]:
         end = pos
@@ -148,11 +160,15 @@ class _Parser:
         if ROOT not in self.rules:
             raise GrammarError("grammar", f"is not valid GBNF: it has no {ROOT!r} rule "
                                           "(where the output starts)")
-        if self.size > MAX_EXPANDED_SYMBOLS:
+        self.check_size()
+        self.check_left_recursion()
+
+    def check_size(self) -> None:
+        """Checked as the grammar is read: a large one is refused before it is all read."""
+        if self.size > MAX_GRAMMAR_SYMBOLS:
             raise GrammarError("grammar", f"expands to {self.size} symbols once its "
                                           f"repetitions are written out; at most "
-                                          f"{MAX_EXPANDED_SYMBOLS} are accepted")
-        self.check_left_recursion()
+                                          f"{MAX_GRAMMAR_SYMBOLS} are accepted")
 
     def rule(self, pos: int) -> int:
         end = self.name(pos)
@@ -162,6 +178,7 @@ class _Parser:
             raise self.fail(pos, f"expecting ::= after the rule name {name!r}")
         pos = self.space(pos + 3, True)
         alternatives, pos = self.alternates(pos, nested=False)
+        self.size += 1  # (its end)
         # (A rule defined twice: llama.cpp keeps the last definition.)
         self.rules[name] = alternatives
         self.defined_at[name] = end
@@ -180,16 +197,22 @@ class _Parser:
             pos = self.space(pos + 1, True)
             seq, pos = self.sequence(pos, nested)
             alternatives.append(seq)
+            self.size += 1
         return alternatives, pos
 
     def sequence(self, pos: int, nested: bool) -> tuple[list[_Item], int]:
         items: list[_Item] = []
         while pos < len(self.src):
+            self.check_size()
             c = self.at(pos)
             if c == '"':
                 pos += 1
                 n = 0
                 while self.at(pos) != '"':
+                    if plain := _PLAIN_LITERAL.match(self.src, pos):
+                        n += plain.end() - pos
+                        pos = plain.end()
+                        continue
                     if not self.at(pos):
                         raise self.fail(pos, "unexpected end of input inside a literal")
                     _, pos = self.char(pos)
@@ -230,9 +253,14 @@ class _Parser:
                 pos = self.space(end, nested)
             elif c == "(":
                 start = pos
+                self.depth += 1
+                if self.depth > MAX_NESTING:
+                    raise self.fail(start, f"parentheses nest deeper than {MAX_NESTING} "
+                                           "levels")
                 alternatives, pos = self.alternates(self.space(pos + 1, True), nested=True)
                 if self.at(pos) != ")":
                     raise self.fail(start, "this ( is never closed")
+                self.depth -= 1
                 items.append(_Item("group", alternatives=alternatives))
                 self.size += 1
                 pos = self.space(pos + 1, nested)
@@ -259,10 +287,10 @@ class _Parser:
             digits = inner[1:-1]
             if not (digits.isascii() and digits.isdigit()):
                 raise self.fail(start, f"expecting a token id in <[...]>, got {inner!r}")
-            if int(digits) >= self.n_vocab:
+            if self.n_vocab is not None and int(digits) >= self.n_vocab:
                 raise self.fail(start, f"token id {digits} is outside the vocabulary "
                                        f"(0 to {self.n_vocab - 1})")
-        elif self.token_of(self.src[pos:end + 1]) is None:
+        elif self.n_vocab is not None and self.token_of(self.src[pos:end + 1]) is None:
             raise self.fail(start, f"{self.src[pos:end + 1]!r} is not one token of this "
                                    "model's vocabulary")
         return end + 1
@@ -291,7 +319,10 @@ class _Parser:
                 raise self.fail(start, f"a repetition of at least {low} exceeds llama.cpp's "
                                        f"limit of {MAX_REPETITIONS}")
             if high is not None and high > MAX_REPETITIONS:
-                high = None  # llama.cpp reads a larger maximum as none
+                # (llama.cpp would read it as no maximum: not the grammar given)
+                raise self.fail(start, f"a repetition of at most {high} exceeds llama.cpp's "
+                                       f"limit of {MAX_REPETITIONS} (it would allow any "
+                                       f"number); write * or + for no maximum")
             if high is not None and high < low:
                 raise self.fail(start, f"repetition {{{low},{high}}}: the minimum is above "
                                        "the maximum")
@@ -356,12 +387,23 @@ class _Parser:
                     todo.extend(firsts[other])
 
 
-def check_gbnf(text: str, n_vocab: int,
+def check_gbnf(text: str, n_vocab: int | None,
                token_of: Callable[[str], int | None] = lambda _: None) -> None:
     """Raise :class:`GrammarError` unless ``text`` is GBNF llama.cpp can run: parsed by
     its rules, every rule defined, a ``root``, no left recursion, repetitions it can
-    expand. ``token_of`` maps a ``<token>`` reference to its id (None: not one token)."""
+    expand, within :data:`MAX_GRAMMAR_SYMBOLS` and :data:`MAX_NESTING`. ``token_of`` maps
+    a ``<token>`` reference to its id (None: not one token); with ``n_vocab`` None (no
+    model at hand: the gateway) token references are not checked."""
     _Parser(text, n_vocab, token_of).parse()
+
+
+def expanded_symbols(text: str) -> int:
+    """The symbols of GBNF ``text`` once llama.cpp has written out its repetitions (the
+    measure :data:`MAX_GRAMMAR_SYMBOLS` bounds); :class:`GrammarError` as
+    :func:`check_gbnf` (token references unchecked)."""
+    parser = _Parser(text, None, lambda _: None)
+    parser.parse()
+    return parser.size
 
 
 # The port's rule for a character of a JSON string lets control characters through (raw
@@ -379,10 +421,8 @@ def json_schema_to_gbnf(schema_json: str, name: str = "root") -> str:
     JSON strings' characters limited to those JSON and UTF-8 allow unescaped): the
     grammar of one JSON value valid for the schema, its rule named ``name``. Raises what
     the converter raises on a schema it cannot convert."""
-    from llama_cpp.llama_grammar import SchemaConverter
-
-    converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False,
-                                raw_pattern=False)
+    converter = converter_class()(prop_order={}, allow_fetch=False, dotall=False,
+                                  raw_pattern=False)
     schema = converter.resolve_refs(json.loads(schema_json), "input")
     converter.visit(schema, "" if name == "root" else name)
     return "\n".join(_JSON_CHAR + line[len(_PORT_JSON_CHAR):]
@@ -403,6 +443,10 @@ def json_schema_grammar(schema: Mapping[str, Any] | str, name: str = ROOT) -> st
     if not isinstance(parsed, dict):
         raise GrammarError("json_schema", f"must be a JSON object (a schema), got "
                                           f"{type(parsed).__name__}")
+    try:
+        schema_cost(parsed, "json_schema")
+    except BudgetError as exc:
+        raise GrammarError(exc.param, exc.message) from None
     try:
         return json_schema_to_gbnf(text, name)
     except RecursionError:

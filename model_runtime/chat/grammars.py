@@ -1,10 +1,13 @@
 """GBNF grammars (llama.cpp's grammar format) for structured output and tool calls.
 
 JSON schemas become rules through llama.cpp's converter as llama-cpp-python ports it
-(``llama_cpp.llama_grammar.SchemaConverter``, pure Python), with JSON's own string rule
-(no raw control characters, which the port allows and every JSON parser refuses). Several
+(``llama_cpp.llama_grammar.SchemaConverter``, pure Python, as
+:mod:`model_runtime.schema_converter` runs it), with JSON's own string rule (no raw
+control characters, which the port allows and every JSON parser refuses). Several
 schemas share one grammar: each one's ``$defs`` are renamed apart first (the converter
-names a definition's rule after its last path segment alone).
+names a definition's rule after its last path segment alone). Every schema is checked
+against the grammar's budget (:mod:`model_runtime.grammar_budget`) before it is
+converted; :func:`constraint_cost` checks a whole request's before any is.
 
 The grammars here (tests/unit/test_chat_grammars.py parses each one with llama.cpp and feeds it
 the texts it must accept and refuse):
@@ -26,11 +29,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..grammar_budget import Budget, BudgetError
+from ..schema_converter import converter_class
 from .formats import HERMES_CLOSE, HERMES_OPEN, MISTRAL_MARKER, Family
 from .messages import Tool
 
 __all__ = ["Constraint", "SchemaError", "envelope_grammar", "gbnf_literal",
-           "schema_grammar", "tool_call_grammar"]
+           "schema_grammar", "schemas_cost", "tool_call_grammar"]
 
 # What llama.cpp's grammar decodes from bytes that are not UTF-8 (it reads 0xF5-0xFF as the
 # lead of a 4-byte sequence, and 0xED 0xA0-0xBF as any other 3-byte one): surrogates and
@@ -56,6 +61,7 @@ class SchemaError(ValueError):
     def __init__(self, param: str, detail: str) -> None:
         super().__init__(f"{param}: {detail}")
         self.param = param
+        self.detail = detail
 
 
 @dataclass(frozen=True)
@@ -86,15 +92,28 @@ def gbnf_literal(text: str) -> str:
     return '"' + "".join(out) + '"'
 
 
+def schemas_cost(schemas: Sequence[tuple[Any, str]]) -> int:
+    """The symbols of one grammar's schemas (each with the place it came from), checked
+    against one budget before any is converted: :class:`SchemaError` naming the first
+    bound or place over it."""
+    budget = Budget()
+    for schema, where in schemas:
+        try:
+            budget.add(schema, where)
+        except BudgetError as exc:
+            raise SchemaError(exc.param, exc.message) from None
+    return budget.spent
+
+
 def _char_class(chars: set[str], negate: bool) -> str:
     body = "".join("\\" + c if c in "]\\^-[" else c for c in sorted(chars))
     return f"[{'^' if negate else ''}{body}]"
 
 
 def _converter() -> Any:
-    from llama_cpp.llama_grammar import PRIMITIVE_RULES, BuiltinRule, SchemaConverter
+    from llama_cpp.llama_grammar import PRIMITIVE_RULES, BuiltinRule
 
-    class StrictConverter(SchemaConverter):  # type: ignore[misc]
+    class StrictConverter(converter_class()):  # type: ignore[misc]
         def _add_primitive(self, name: str, rule: Any) -> str:
             if name == "char":
                 rule = BuiltinRule(JSON_CHAR, [])
@@ -142,6 +161,7 @@ class Rules:
 
     def __init__(self) -> None:
         self._conv = _converter()
+        self._budget = Budget()
 
     def add(self, name: str, body: str) -> str:
         return str(self._conv._add_rule(name, body))
@@ -152,6 +172,10 @@ class Rules:
         if not isinstance(schema, Mapping):
             raise SchemaError(where, f"a JSON schema must be an object, got "
                                      f"{json.dumps(schema)[:80]}")
+        try:
+            self._budget.add(schema, where)
+        except BudgetError as exc:
+            raise SchemaError(exc.param, exc.message) from None
         try:
             prepared = _prefix_definitions(dict(schema), f"{name}-")
             resolved = self._conv.resolve_refs(prepared, f"{name}:")

@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .formats import ChatFormat, Family, template_messages
-from .grammars import Constraint, envelope_grammar, schema_grammar, tool_call_grammar
+from .grammars import (
+    Constraint,
+    envelope_grammar,
+    schema_grammar,
+    schemas_cost,
+    tool_call_grammar,
+)
 from .messages import (
     ChatInputError,
     ChatMessage,
@@ -30,7 +36,7 @@ from .messages import (
 from .parsing import OutputParser
 from .templates import ChatTemplate, TemplateError
 
-__all__ = ["ChatRequest", "PromptPlan", "plan_chat"]
+__all__ = ["ChatRequest", "PromptPlan", "grammar_cost", "plan_chat"]
 
 #: Where a lazy grammar starts, per family: the text that opens a tool call.
 TRIGGERS: Mapping[Family, tuple[str, ...]] = {
@@ -85,6 +91,19 @@ def _check(req: ChatRequest) -> None:
                                         "response_format.")
 
 
+def grammar_cost(req: ChatRequest) -> int:
+    """The symbols of the schemas ``req``'s grammar holds (the parameters of the tools it
+    may call, its response format), checked against the grammar's budget before anything
+    is rendered or built: :class:`SchemaError` naming the place over budget."""
+    choice = req.tool_choice
+    schemas = [(tool.parameters, f"tools[{i}].function.parameters")
+               for i, tool in enumerate(req.tools) if choice.mode != "none" and
+               (choice.mode != "function" or tool.name == choice.name)]
+    if req.json_schema is not None:
+        schemas.append((req.json_schema, req.schema_param))
+    return schemas_cost(schemas)
+
+
 def _constraint(req: ChatRequest, fmt: ChatFormat, envelope: bool, inside: bool,
                 closed: bool = False) -> Constraint | None:
     choice = req.tool_choice
@@ -119,6 +138,7 @@ def plan_chat(template: ChatTemplate, fmt: ChatFormat, req: ChatRequest,
     that cannot be constrained, :class:`TemplateError` when the template refuses,
     :class:`~.templates.RenderCancelled` once ``cancelled`` turns true."""
     _check(req)
+    grammar_cost(req)
     calls = check_tool_results(req.messages)
     generic = fmt.family is Family.GENERIC
     envelope = generic and bool(req.tools)

@@ -23,6 +23,7 @@ from .app import (
     account,
     check_finished,
     check_message_size,
+    expect_within_limit,
     failure_error,
     on_worker,
     one_at_a_time,
@@ -40,8 +41,10 @@ PATH_PREFIX = "/v1/messages"
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_post(PATH_PREFIX, messages, name="messages")
-    app.router.add_post(f"{PATH_PREFIX}/count_tokens", count_tokens, name="count_tokens")
+    app.router.add_post(PATH_PREFIX, messages, name="messages",
+                        expect_handler=expect_within_limit)
+    app.router.add_post(f"{PATH_PREFIX}/count_tokens", count_tokens, name="count_tokens",
+                        expect_handler=expect_within_limit)
 
 
 async def _read(request: web.Request, parse: Any) -> tuple[MessagesRequest, bool]:

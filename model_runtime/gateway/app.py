@@ -19,17 +19,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from aiohttp import StreamReader, web
+from aiohttp import HttpVersion11, StreamReader, hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..chat.prompt import PromptPlan
 from ..config import MAX_REQUEST_MESSAGE_BYTES
 from .anthropic_api import error_body as anthropic_error_body
+from .connections import ConnectionGate
 from .fleet import Fleet
 from .keys import Caller, is_loopback
 from .metrics import NO_TENANT, TenantView
-from .offload import Offload, parse_request, render_plan
+from .offload import Offload, parse_request, render_light
 from .openai_api import (
     PROTO_FIELDS,
     SESSION_HEADER,
@@ -51,6 +52,7 @@ from .worker import RuntimeRefused, Worker, WorkerFailure
 
 log = logging.getLogger("model_runtime.gateway")
 FLEET = web.AppKey("fleet", Fleet)
+CONNECTIONS = web.AppKey("connections", ConnectionGate)  # set by the server, if any
 CALLER = "caller"  # the request's Caller, set by the api_keys middleware
 # Bodies larger than this are parsed and their chats rendered in a helper process, one at a
 # time (on the event loop's process, even on threads, the work holds its GIL).
@@ -78,7 +80,7 @@ def outcome_of(status: int) -> str:
     if status < 400:
         return "ok"
     return {401: "unauthorized", 403: "forbidden", 404: "not_found", 413: "too_large",
-            429: "no_slot", 503: "not_ready", 529: "not_ready",
+            408: "timeout", 429: "no_slot", 503: "not_ready", 529: "not_ready",
             CLIENT_GONE: "disconnected"}.get(status, "bad_request" if status < 500 else "error")
 
 
@@ -96,6 +98,9 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
     """Count every request once, by model, endpoint, outcome and the status answered.
     Outermost: it sees the answers the other middlewares make of refusals."""
     status = CLIENT_GONE  # unless an answer comes: the handler was cancelled
+    connections = request.app.get(CONNECTIONS)
+    if connections is not None:  # (its connection is not idle meanwhile)
+        connections.busy(request.transport)
     try:
         response = await handler(request)
         status = response.status
@@ -104,6 +109,8 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
         status = exc.status
         raise
     finally:
+        if connections is not None:
+            connections.done(request.transport)
         outcome = request.get(OUTCOME) or outcome_of(status)
         request.app[FLEET].metrics.requests.labels(
             request.get(MODEL_LABEL, ""), request.get("tenant", NO_TENANT),
@@ -158,6 +165,8 @@ async def unread_body_or_close(request: web.Request,
     if request.content.is_eof():
         return response
     length = request.content_length
+    if response.status == 408:  # a client that sends too slowly: no more waiting
+        length = None
     if length is not None and length <= DRAIN_BYTES:
         try:
             # (wait_for: asyncio.timeout is Python 3.11's, and 3.10 is supported)
@@ -219,8 +228,10 @@ def build_app(fleet: Fleet) -> web.Application:
     app.on_startup.append(start_offload)
     app.on_cleanup.append(close_offload)
     # Route names are the endpoint label of the request count.
-    app.router.add_post("/v1/chat/completions", chat_completions, name="chat")
-    app.router.add_post("/v1/completions", completions, name="text")
+    app.router.add_post("/v1/chat/completions", chat_completions, name="chat",
+                        expect_handler=expect_within_limit)
+    app.router.add_post("/v1/completions", completions, name="text",
+                        expect_handler=expect_within_limit)
     app.router.add_get("/v1/models", list_models, name="models")
     app.router.add_get("/v1/models/{model:.+}", get_model, name="model")
     from .anthropic_routes import add_routes  # it builds on this module's handlers
@@ -322,18 +333,47 @@ def failure_error(exc: WorkerFailure) -> ApiError:
                          "retried).", type="server_error", code=exc.reason)
 
 
+async def expect_within_limit(request: web.Request) -> None:
+    """``Expect: 100-continue`` (the client waits before it sends its body) is answered
+    ``100 Continue`` only when the body may be read: one over the body limit by its
+    Content-Length is not, and its route answers 413 without waiting for it (aiohttp's
+    own handler invited every body)."""
+    expect = request.headers.get(hdrs.EXPECT, "")
+    if request.version != HttpVersion11:
+        return
+    if expect.lower() != "100-continue":
+        raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect}")
+    limit = request.app[FLEET].settings.limits.body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        return
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # (as aiohttp's: the answer has not started)
+
+
 async def read_body(request: web.Request) -> bytes:
     """The body, at most the body limit: refused by its Content-Length before a byte is
-    read, or as soon as a body sent without one (chunked) passes the limit."""
-    limit = request.app[FLEET].settings.limits
+    read, or as soon as a body sent without one (chunked) passes the limit; a 408 (the
+    connection closed) when it has not all come within ``--body-timeout``."""
+    settings = request.app[FLEET].settings
+    limit = settings.limits
     if request.content_length is not None and request.content_length > limit.body_bytes:
         raise too_large(limit, request.content_length)
-    body = bytearray()
-    async for piece in request.content.iter_any():
-        body += piece
-        if len(body) > limit.body_bytes:
-            raise too_large(limit)
-    return bytes(body)
+
+    async def whole() -> bytes:
+        body = bytearray()
+        async for piece in request.content.iter_any():
+            body += piece
+            if len(body) > limit.body_bytes:
+                raise too_large(limit)
+        return bytes(body)
+
+    timeout = settings.connections.body_timeout_s
+    try:
+        # (wait_for: asyncio.timeout is Python 3.11's, and 3.10 is supported)
+        return await asyncio.wait_for(whole(), timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"The request body did not arrive within {timeout:g} s of its "
+                            "headers (--body-timeout).", code="request_timeout") from None
 
 
 def check_message_size(proto: Any) -> None:
@@ -358,19 +398,25 @@ def one_at_a_time(request: web.Request, large: bool
 async def render(request: web.Request, req: GenRequest, worker: Worker,
                  large: bool) -> PromptPlan | None:
     """A chat rendered with the worker's template (:func:`render_plan`), off the event
-    loop: a large one in the helper process (:mod:`.offload`), a small one on a thread.
-    A caller that goes away (the handler is cancelled) stops it within a few hundred
-    pieces of output."""
+    loop: a large one, or one whose grammar is costly to build (its schemas' budget is
+    checked first, :func:`render_light`), in the helper process (:mod:`.offload`), a
+    small one on a thread. A caller that goes away (the handler is cancelled) stops it
+    within a few hundred pieces of output."""
     if req.chat is None:
         return None
-    if large and worker.template_spec is not None:
-        return await request.app[OFFLOAD].render(worker.template_spec, req)
-    gone = threading.Event()
-    try:
-        return await asyncio.to_thread(render_plan, req, worker.template, worker.chat_format,
-                                       gone.is_set)
-    finally:
-        gone.set()
+    offload = worker.template_spec is not None
+    if not large or not offload:
+        gone = threading.Event()
+        try:
+            rendered, plan = await asyncio.to_thread(
+                render_light, req, worker.template, worker.chat_format, gone.is_set,
+                not offload)
+        finally:
+            gone.set()
+        if rendered:
+            return plan
+    assert worker.template_spec is not None
+    return await request.app[OFFLOAD].render(worker.template_spec, req)
 
 
 @dataclass

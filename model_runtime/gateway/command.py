@@ -12,12 +12,14 @@ from typing import Any
 
 import click
 
+from .connections import ConnectionSettings, ConnectionSettingsError
 from .openai_api import Limits
 from .responses_store import ResponsesSettings, default_responses_dir
 from .settings import DEFAULT_LISTEN, ModelSpec, SettingsError, Supervision, model_name
 
 _SUP = Supervision()
 _LIMITS = Limits()
+_CONNECTIONS = ConnectionSettings()
 _RESPONSES = ResponsesSettings()
 FilePath = click.Path(dir_okay=False, path_type=Path)
 
@@ -58,6 +60,20 @@ FilePath = click.Path(dir_okay=False, path_type=Path)
 @click.option("--max-chars", type=click.IntRange(1), default=_LIMITS.chars,
               show_default=True, help="Most characters of text in one request, every "
                                       "string of its body together (more: 413).")
+@click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True),
+              default=_CONNECTIONS.header_timeout_s, show_default=True,
+              help="Seconds a request's headers may take to arrive, from the connection's "
+                   "opening or its last answer (an idle connection is closed then too).")
+@click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True),
+              default=_CONNECTIONS.body_timeout_s, show_default=True,
+              help="Seconds a request's body may take to arrive after its headers (later: "
+                   "408, connection closed). Answers are not timed.")
+@click.option("--max-connections", type=click.IntRange(1), default=None,
+              help="Most connections open at once (more: 503 at once). Default: what the "
+                   "open-files limit (ulimit -n) leaves beside the gateway's own files.")
+@click.option("--max-connections-per-client", type=click.IntRange(1), default=None,
+              help="Most connections open at once from one client address (more: 503 at "
+                   "once). Default: a quarter of --max-connections.")
 @click.option("--max-slots-per-tenant", type=click.IntRange(1), default=None,
               help="Most slots of a model's workers one tenant may hold at once (more: "
                    "429 tenant_slots_busy). Default: half the model's slots, rounded up, "
@@ -159,6 +175,7 @@ def gateway(listen: str, models: tuple[str, ...], config_path: Path | None, work
             api_keys_file=api_keys_file, tls_cert=tls_cert, tls_key=tls_key,
             insecure_tcp=insecure_tcp,
             limits=Limits(body_bytes=max_body_bytes, messages=max_messages, chars=max_chars),
+            connections=connection_settings(supervision),
             max_slots_per_tenant=max_slots_per_tenant,
             cache_ttls=cache_ttl_seconds(cache_ttls),
             responses=ResponsesSettings(responses_dir, responses_max_count,
@@ -169,7 +186,7 @@ def gateway(listen: str, models: tuple[str, ...], config_path: Path | None, work
         # Last: it may wait for an answer (the checks above are instant).
         address, keep_daemon = cache_choice(cache_address)
         settings = replace(settings, cache_address=address, keep_cache_daemon=keep_daemon)
-    except (SettingsError, KeyConfigError) as exc:
+    except (SettingsError, KeyConfigError, ConnectionSettingsError) as exc:
         raise click.ClickException(str(exc)) from None
     from .server import run
 
@@ -193,6 +210,13 @@ def cache_choice(given: str | None) -> tuple[str | None, bool]:
         require_daemon(os.environ[ENV_ADDRESS], ENV_ADDRESS)
         return os.environ[ENV_ADDRESS], False
     return default_address(), True
+
+
+def connection_settings(options: dict[str, Any]) -> ConnectionSettings:
+    """The connection options (taken out of ``options``, the command's other ones)."""
+    return ConnectionSettings(options.pop("header_timeout"), options.pop("body_timeout"),
+                              options.pop("max_connections"),
+                              options.pop("max_connections_per_client"))
 
 
 def default_model(workers: int, args: tuple[str, ...]) -> ModelSpec:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from kvcache.metrics import LATENCY_BUCKETS
 
+from .connections import ConnectionGate
 from .worker import Worker
 
 PREFIX = "kvcache_gateway"
@@ -66,7 +67,7 @@ class GatewayMetrics:
         self.requests = Counter(f"{PREFIX}_requests", "Requests, refused ones included, by "
                                 "model (of a completion), endpoint (the route: chat, text, "
                                 "models, ...), outcome (ok, bad_request, unauthorized, "
-                                "forbidden, not_found, too_large, no_slot, not_ready, "
+                                "forbidden, not_found, too_large, timeout, no_slot, not_ready, "
                                 "worker_failure, disconnected, error) and the HTTP status answered (499: none, the client "
                                 "went away first)",
                                 ["model", "tenant", "endpoint", "outcome", "status"],
@@ -81,7 +82,28 @@ class GatewayMetrics:
         self.tokens = Counter(f"{PREFIX}_tokens", "Tokens by kind (prompt, cached: prompt "
                               "tokens not recomputed, completion)", ["model", "tenant", "kind"],
                               registry=r)
+        self.connections = Gauge(f"{PREFIX}_connections", "Client connections open now",
+                                 registry=r)
+        self.connections_refused = Counter(
+            f"{PREFIX}_connections_refused", "Connections answered 503 at once, over the "
+            "cap of open connections from one address (per_client) or in total, every "
+            "one with a request in progress (total)", ["cap"], registry=r)
+        self.connections_idle_closed = Counter(
+            f"{PREFIX}_connections_idle_closed", "Connections closed while idle (no "
+            "request in progress) to make room for a new one, at the total cap",
+            registry=r)
         r.register(WorkerCollector(workers))
+
+    def watch_connections(self, gate: ConnectionGate) -> None:
+        self.connections.set_function(lambda: gate.open)
+
+    def connection_closed(self, why: str) -> None:
+        """A connection refused over a cap ("per_client", "total"), or closed while
+        idle to make room ("idle")."""
+        if why == "idle":
+            self.connections_idle_closed.inc()
+        else:
+            self.connections_refused.labels(why).inc()
 
     def on_restart(self, worker: Worker, reason: str) -> None:
         self.restarts.labels(worker.spec.name, reason).inc()

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 from ..chat.formats import ChatFormat, detect_format
 from ..chat.grammars import SchemaError
 from ..chat.messages import ChatInputError
-from ..chat.prompt import PromptPlan, plan_chat
+from ..chat.prompt import PromptPlan, grammar_cost, plan_chat
 from ..chat.templates import ChatTemplate, TemplateError
 from .openai_api import (
     ApiError,
@@ -46,9 +46,11 @@ from .openai_api import (
 log = logging.getLogger("model_runtime.gateway")
 PR_SET_PDEATHSIG = 1
 CANCEL_FLAGS = 64  # jobs in flight at once, at most (one runs, the others queue)
+# A chat whose grammar's schemas hold more symbols than this (grammar_budget's count) is
+# rendered in the helper: converting them takes the GIL for milliseconds (a schema at the
+# budget's edge, tens of them), which on a thread would be the event loop's.
+HEAVY_GRAMMAR = 20_000
 T = TypeVar("T")
-
-
 
 
 @dataclass(frozen=True)
@@ -74,11 +76,26 @@ def render_plan(req: GenRequest, template: ChatTemplate | None, fmt: ChatFormat 
         return plan_chat(template, fmt, req.chat, cancelled)
     except ChatInputError as exc:
         raise bad_param(exc.param, exc.message) from None
-    except SchemaError as exc:
-        raise bad_param(exc.param, str(exc)) from None
+    except SchemaError as exc:  # (the message without its place: the API names it)
+        raise bad_param(exc.param, exc.detail) from None
     except TemplateError as exc:
         raise bad_param("messages", f"The model's chat template refused these messages: "
                                     f"{exc}") from None
+
+
+def render_light(req: GenRequest, template: ChatTemplate | None, fmt: ChatFormat | None,
+                 cancelled: Callable[[], bool], heavy_too: bool) -> tuple[bool, PromptPlan | None]:
+    """:func:`render_plan`, unless the grammar of ``req``'s schemas holds over
+    :data:`HEAVY_GRAMMAR` symbols and not ``heavy_too``: (False, None) then, for the
+    helper to render it. Its budget is checked first either way: a 400 naming the first
+    bound or place over it, before anything is built."""
+    if req.chat is not None and not heavy_too:
+        try:
+            if grammar_cost(req.chat) > HEAVY_GRAMMAR:
+                return False, None
+        except SchemaError as exc:
+            raise bad_param(exc.param, exc.detail) from None
+    return True, render_plan(req, template, fmt, cancelled)
 
 
 Parsed = tuple[bool, Any, "GenRequest | ApiError"]

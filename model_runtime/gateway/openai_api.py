@@ -28,6 +28,8 @@ MAX_TEXT_LOGPROBS = 5  # completions' integer logprobs (OpenAI's bound)
 SESSION_HEADER = "X-Session-Id"
 MAX_SESSION_ID = 256
 MAX_DEPTH = 64  # nesting of the JSON body (a tool's schema is the deepest part)
+MAX_TOKEN_ID = 2**31 - 1  # llama.cpp's llama_token is an int32
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
 #: The runtime's request fields (the sampler's settings come with llama.cpp's chain).
 PROTO_FIELDS = frozenset(f.name for f in pb.CompleteRequest.DESCRIPTOR.fields)
 
@@ -411,15 +413,16 @@ def _logit_bias(data: dict[str, Any]) -> dict[int, float]:
                         code="invalid_type")
     out: dict[int, float] = {}
     for key, bias in value.items():
-        try:
-            token = int(key)
-        except (TypeError, ValueError):
-            token = -1
-        if token < 0 or isinstance(bias, bool) or not isinstance(bias, (int, float)) or \
+        # Token ids as JSON writes integers: ASCII digits (int() would also take "+5",
+        # " 5", "5_0" and other scripts' digits), below llama.cpp's int32 token type.
+        if not _TOKEN_ID.fullmatch(key) or int(key) > MAX_TOKEN_ID:
+            raise bad_param("logit_bias", f"Invalid 'logit_bias': key {key[:40]!r} is not a "
+                                          f"token id (an integer from 0 to {MAX_TOKEN_ID}).")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or \
                 not math.isfinite(bias) or not -100 <= bias <= 100:
-            raise bad_param("logit_bias", f"Invalid logit_bias entry {key!r}: {bias!r}; keys "
-                                          "are token ids, values numbers from -100 to 100.")
-        out[token] = float(bias)
+            raise bad_param("logit_bias", f"Invalid 'logit_bias': the bias of token {key} is "
+                                          f"{bias!r}; it must be a number from -100 to 100.")
+        out[int(key)] = float(bias)
     return out
 
 

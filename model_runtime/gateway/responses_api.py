@@ -135,7 +135,8 @@ def unanswered_call(messages: list[dict[str, Any]]) -> str | None:
 def _renamed(err: ApiError, n_system: int, n_history: int) -> ApiError:
     """A refusal of the chat request, named in the Responses API's terms."""
     param = err.param or ""
-    names = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
+    names = {"max_completion_tokens": "max_output_tokens",
+             "response_format.json_schema": "text.format", "response_format": "text.format"}
     for chat_name, ours in names.items():
         if param.startswith(chat_name):
             param = ours + param[len(chat_name):]

@@ -34,6 +34,7 @@ from .app import (
     account,
     check_finished,
     check_message_size,
+    expect_within_limit,
     failure_error,
     one_at_a_time,
     read_body,
@@ -83,7 +84,8 @@ def add_responses_routes(app: web.Application) -> None:
         service.store.close()
 
     app.on_cleanup.append(close_store)
-    app.router.add_post("/v1/responses", create_response, name="responses")
+    app.router.add_post("/v1/responses", create_response, name="responses",
+                        expect_handler=expect_within_limit)
     app.router.add_get("/v1/responses/{id}", get_response, name="response")
     app.router.add_delete("/v1/responses/{id}", delete_response, name="response_delete")
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from .connections import ConnectionSettings
 from .openai_api import Limits
 from .responses_store import ResponsesSettings
 
@@ -101,6 +102,8 @@ class GatewaySettings:
     insecure_tcp: bool = False
     default_tenant: str = ""  # the tenant of requests when no API keys are configured
     limits: Limits = field(default_factory=Limits)  # the work one request may ask for
+    # how long a request may take to arrive, and how many connections may be open
+    connections: ConnectionSettings = field(default_factory=ConnectionSettings)
     # The most slots of a model's pool one tenant may hold at once (None: half the pool's
     # slots rounded up with two tenants or more, no bound with one; see Fleet.tenant_bound)
     max_slots_per_tenant: int | None = None

@@ -18,6 +18,7 @@ import llama_cpp as _lc
 from ..token_seams import SpecialToken, cut_points, is_seam
 from .binding import LOG_ENV, Owner, ensure_backend
 from .errors import LlamaError, ModelFileError, TokenizeCancelled
+from .grammars import CompiledGrammars
 
 __all__ = ["GGUF_MAGIC", "GGUF_VERSIONS", "LlamaModel", "check_gguf_file"]
 
@@ -96,6 +97,7 @@ class LlamaModel(Owner):
                                  f"({LOG_ENV}=1 shows llama.cpp's reason)")
         self._model = model
         self._vocab = _lc.llama_model_get_vocab(model)
+        self.grammars = CompiledGrammars()  # compiled once, cloned per request
         self.n_layer: int = _lc.llama_model_n_layer(model)
         self.n_embd: int = _lc.llama_model_n_embd(model)
         self.n_head: int = _lc.llama_model_n_head(model)
@@ -123,6 +125,7 @@ class LlamaModel(Owner):
     def close(self) -> None:
         """Free the model. Contexts made from it must be closed first."""
         if self._model is not None:
+            self.grammars.close()
             _lc.llama_model_free(self._model)
             self._model = None
             self._vocab = None

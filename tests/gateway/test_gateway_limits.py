@@ -256,6 +256,147 @@ def test_the_work_a_request_asks_for_is_bounded(gw: GatewayProcess) -> None:
     assert post(gw, {"model": "tiny", "messages": within, "max_tokens": 1})[0] == 200
 
 
+def test_expect_continue_over_the_limit_is_a_413_not_an_invitation(gw: GatewayProcess
+                                                                      ) -> None:
+    """A client that asks first (``Expect: 100-continue``) with a body over the limit gets
+    its 413 at once, never "100 Continue" (which asked it to send the whole body); one
+    within the limit is invited and served."""
+    url = urlsplit(gw.url)
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ALICE}\r\n"
+            "Content-Type: application/json\r\nExpect: 100-continue\r\n")
+    with socket.create_connection((url.hostname, url.port), timeout=10) as conn:
+        conn.sendall(f"{head}Content-Length: {MAX_BODY + 1}\r\n\r\n".encode())
+        answer = b""
+        while chunk := conn.recv(65536):  # until the gateway closes: no body is awaited
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert b"100 Continue" not in answer
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == \
+        "request_too_large"
+    body = json.dumps({"model": "tiny", "prompt": "Alpha", "max_tokens": 1}).encode()
+    with socket.create_connection((url.hostname, url.port), timeout=30) as conn:
+        conn.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode())
+        assert conn.recv(100).startswith(b"HTTP/1.1 100 Continue")
+        conn.sendall(body)
+        assert conn.recv(100).startswith(b"HTTP/1.1 200")
+
+
+# --------------------------------------------------------------------------- grammars
+
+MESSAGES = [{"role": "user", "content": "u"}]
+# The request that cost the gateway 2.7 GB: 211 bytes.
+HUGE_MIN_LENGTH = {"model": "tiny", "messages": MESSAGES, "max_tokens": 1, "response_format": {
+    "type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "string", "minLength": 100_000_000}}}}
+
+
+def tool(parameters: dict[str, Any], name: str = "f") -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def test_a_schema_bound_over_budget_is_refused_before_anything_is_built(
+        gw: GatewayProcess) -> None:
+    """It used to build half a gigabyte of grammar, then answer 413 (the grammar was
+    larger than a worker takes)."""
+    mark = len(gw.log())
+    assert len(json.dumps(HUGE_MIN_LENGTH)) < 250
+    answer = post(gw, HUGE_MIN_LENGTH)
+    assert_refused(answer, 400, "invalid_value", "response_format.json_schema.schema.minLength")
+    assert answer[1]["error"]["message"].startswith("minLength must be an integer from 0 "
+                                                    "to 2000")
+    assert_quiet(gw, mark)
+
+
+@pytest.mark.parametrize("payload, param", [
+    ({"tools": [tool({"type": "object", "properties": {
+        "a": {"type": "array", "items": {"type": "string"}, "maxItems": 1_000_000}}})],
+      "tool_choice": "required"}, "tools[0].function.parameters.properties.a.maxItems"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "string", "pattern": "^a{0,5000}$"}}}},
+     "response_format.json_schema.schema.pattern"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "object", "properties": {"e": {"enum": list(range(1001))}}}}}},
+     "response_format.json_schema.schema.properties.e.enum"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "string", "minLength": 10, "maxLength": 5}}}},
+     "response_format.json_schema.schema.maxLength"),
+    # Thirteen strings of 2,000 characters: each bound within, the grammar over budget,
+    # refused where it passes the budget (the thirteenth).
+    ({"tools": [tool({"type": "object", "properties": {
+        f"s{i}": {"type": "string", "maxLength": 2000} for i in range(13)}})]},
+     "tools[0].function.parameters.properties.s12.maxLength"),
+    # llama.cpp would read a maximum above 2,000 as none.
+    ({"grammar": 'root ::= "x"{0,100000000}'}, "grammar"),
+])
+def test_every_bound_of_a_grammar_is_held_to_a_budget_naming_it(
+        gw: GatewayProcess, payload: dict[str, Any], param: str) -> None:
+    mark = len(gw.log())
+    answer = post(gw, {"model": "tiny", "messages": MESSAGES, "max_tokens": 1, **payload})
+    assert_refused(answer, 400, "invalid_value", param)
+    assert_quiet(gw, mark)
+
+
+def test_completions_grammar_is_held_to_the_budget(gw: GatewayProcess) -> None:
+    answer = post(gw, {"model": "tiny", "prompt": "p", "max_tokens": 1,
+                       "grammar": 'root ::= [a-z]{0,3000}'}, "/v1/completions")
+    assert_refused(answer, 400, "invalid_value", "grammar")
+
+
+def test_anthropic_and_responses_schemas_are_held_to_the_budget(gw: GatewayProcess) -> None:
+    big = {"type": "object", "properties": {"x": {"type": "string", "maxLength": 3000}}}
+    status, body = post(gw, {"model": "tiny", "max_tokens": 1, "messages": MESSAGES,
+                             "tools": [{"name": "f", "input_schema": big}],
+                             "tool_choice": {"type": "any"}}, "/v1/messages")
+    assert status == 400 and body["error"]["type"] == "invalid_request_error", body
+    assert body["error"]["message"].startswith("tools.0.input_schema.properties.x.maxLength")
+    for payload, param in (
+            ({"tools": [{"type": "function", "name": "f", "parameters": big}],
+              "tool_choice": "required"}, "tools[0].parameters.properties.x.maxLength"),
+            ({"text": {"format": {"type": "json_schema", "name": "n", "schema": big}}},
+             "text.format.schema.properties.x.maxLength")):
+        answer = post(gw, {"model": "tiny", "input": "u", "max_output_tokens": 16,
+                           "store": False, **payload}, "/v1/responses")
+        assert_refused(answer, 400, "invalid_value", param)
+
+
+def test_a_schema_at_the_budget_s_edge_is_served(gw: GatewayProcess) -> None:
+    """Eleven strings of up to 2,000 characters (about 90,000 symbols): built in the
+    helper process, compiled by the worker's llama.cpp, the reply held to it."""
+    schema = {"type": "object", "properties": {f"s{i}": {"type": "string", "maxLength": 2000}
+                                               for i in range(11)},
+              "required": [f"s{i}" for i in range(11)], "additionalProperties": False}
+    status, body = post(gw, {"model": "tiny", "messages": MESSAGES, "max_tokens": 4,
+                             "response_format": {"type": "json_schema", "json_schema": {
+                                 "name": "n", "schema": schema}}})
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"].startswith('{')
+
+
+# --------------------------------------------------------------------------- logit_bias
+
+
+@pytest.mark.parametrize("key", ["4294967296", "2147483648", "99999999999999999999999",
+                                 "-1", "1.5", "1e3", "abc", " 5", "+5", "٣", "5_0", ""])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_logit_bias_key_that_is_not_a_token_id_is_a_400(gw: GatewayProcess, key: str,
+                                                          path: str) -> None:
+    """Keys ≥ 2^32 used to be a 500 with a traceback; every key but a token id (ASCII
+    digits, below llama.cpp's int32 token type) is a 400 naming logit_bias."""
+    mark = len(gw.log())
+    body = {"model": "tiny", "max_tokens": 1, "logit_bias": {key: 5}}
+    body.update({"messages": MESSAGES} if "chat" in path else {"prompt": "p"})
+    assert_refused(post(gw, body, path), 400, "invalid_value", "logit_bias")
+    assert_quiet(gw, mark)
+
+
+def test_a_logit_bias_on_a_token_is_served(gw: GatewayProcess) -> None:
+    for path, extra in (("/v1/chat/completions", {"messages": MESSAGES}),
+                        ("/v1/completions", {"prompt": "p"})):
+        status, body = post(gw, {"model": "tiny", "max_tokens": 1,
+                                 "logit_bias": {"7": -100, "12": 5.5}, **extra}, path)
+        assert status == 200, body
+
+
 def hold_slot(gw: GatewayProcess, key: str, started: threading.Event,
               stop: threading.Event) -> threading.Thread:
     """A streamed request that holds ``key``'s tenant's slot until ``stop``."""

@@ -22,7 +22,8 @@ from model_runtime.grammar import (
     grammar_of,
     json_schema_grammar,
 )
-from model_runtime.llama_backend import LlamaModel, grammar_refusal
+from model_runtime.llama_backend import LlamaError, LlamaModel, SamplerChain, grammar_refusal
+from model_runtime.llama_backend.grammars import KEPT
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,6 @@ VALID = [
     '  root ::= "a"  \r\n',
     'root::="a"',
     'root ::= "日本" [あ-ん]+',
-    'root ::= x\nx ::= "a"{0,3000}',  # a maximum above 2000 means none
 ]
 
 # (grammar, where and what) — the message must say both.
@@ -80,7 +80,11 @@ INVALID = [
 REFUSED_BEFORE_LLAMA = [
     ("root ::= <[999999]>", "token id 999999 is outside the vocabulary \\(0 to 99\\)"),
     ('root ::= "a"{2,1}', "repetition \\{2,1\\}: the minimum is above the maximum"),
-    ('root ::= "ab"{2000}{2000}', "expands to 8000000 symbols"),
+    ('root ::= "ab"{2000}{2000}', "expands to 8000001 symbols"),
+    # llama.cpp reads a maximum above 2000 as none: "a"{0,3000} would take 5000 a's.
+    ('root ::= x\nx ::= "a"{0,3000}', "at most 3000 exceeds llama.cpp's limit of 2000"),
+    ('root ::= "a"{0,100000000}', "at most 100000000 exceeds"),
+    ("root ::= " + "(" * 65 + '"a"' + ")" * 65, "parentheses nest deeper than 64"),
     ('root ::= "a"\x00"b"', "a NUL character"),
 ]
 
@@ -104,6 +108,28 @@ def test_grammars_llama_cpp_cannot_serve_are_refused_before_it_sees_them(
         grammar: str, message: str) -> None:
     with pytest.raises(GrammarError, match=message):
         check_gbnf(grammar, n_vocab=100)
+
+
+def test_a_checked_grammar_is_compiled_once_then_cloned_by_its_samplers(
+        model: LlamaModel) -> None:
+    """The check compiles (off the model thread); samplers clone what it compiled, so
+    the model thread never waits for a compile; the least recently used go past KEPT."""
+    grammars = [f'root ::= "g{i}" [a-z]{{0,50}}' for i in range(KEPT + 1)]
+    check_grammar(model, grammars[0])
+    assert grammars[0] in model.grammars
+    chains = [SamplerChain(model, greedy=True, grammar=grammars[0]) for _ in range(2)]
+    try:
+        assert all(chain.has_grammar for chain in chains)
+    finally:
+        for chain in chains:
+            chain.close()
+    for grammar in grammars[1:]:
+        check_grammar(model, grammar)
+    assert grammars[0] not in model.grammars and len(model.grammars) == KEPT
+    with SamplerChain(model, greedy=True, grammar=grammars[0]) as chain:  # compiled again
+        assert chain.has_grammar
+    with pytest.raises(LlamaError, match="refused the grammar"):
+        SamplerChain(model, greedy=True, grammar='root ::= "a" (')
 
 
 def test_llama_cpp_s_own_reasons_are_captured(model: LlamaModel) -> None:
