@@ -1,6 +1,6 @@
 """What the cache daemon (``kvcache``) and the model runtime (``model_runtime``) share: the
-names of tiers, hit kinds and save reasons, owner-only folders and files, and the gRPC
-server both build.
+names of tiers, hit kinds and save reasons, owner-only folders and files, the gRPC server
+both build, and the probe of a daemon's lock (whether a data directory is served).
 
 A leaf: it imports nothing of either package (tests/unit/test_layering.py holds that), so the
 runtime can use it without reaching into the daemon's server, and the daemon never
@@ -11,6 +11,7 @@ depends on the runtime. Each name is defined here once; the counters of both pac
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -106,3 +107,20 @@ def grpc_server(add_service: Callable[[grpc.Server], None], service_name: str,
         (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
     return server
+
+
+def lock_is_held(path: Path) -> bool:
+    """Whether some process holds an exclusive flock on ``path`` (a file or a folder; a
+    missing one: no): a daemon's data directory lock, a RAM tier's folder. The probe is a
+    shared lock taken and dropped at once."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False

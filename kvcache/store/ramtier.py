@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .. import keys
-from ..common import make_private_dirs
+from ..common import lock_is_held, make_private_dirs
 from .ownership import NotOwned, is_own_file_name, read_marker, write_marker
 
 log = logging.getLogger("kvcache")
@@ -200,22 +200,6 @@ class TierInfo:
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
-
-
-def lock_is_held(path: Path) -> bool:
-    """Whether some process holds an exclusive flock on ``path`` (a file or a folder; a
-    missing one: no). The probe is a shared lock taken and dropped at once."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
 
 
 def describe_tier(tier: Path) -> TierInfo:

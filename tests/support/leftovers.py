@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcache.store.ramtier import TIER_PREFIX, lock_is_held
+from kvcache.common import lock_is_held
+from kvcache.store.ramtier import TIER_PREFIX
 
 SHM = Path("/dev/shm")
 # The RAM-tier folders kvcache makes, and the per-run folders the tools make for them.
