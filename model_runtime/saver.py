@@ -136,6 +136,10 @@ class Saver:
     def pending(self) -> int:
         return self._queue.qsize()
 
+    def room(self) -> int:
+        """Saves that can be queued now before the backlog is full."""
+        return self._queue.maxsize - self._queue.qsize()
+
     def in_flight(self, key: bytes) -> threading.Event | None:
         """An event set when the save of ``key`` (queued here) has finished, or None."""
         with self._lock:
