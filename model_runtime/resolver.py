@@ -206,12 +206,18 @@ class Resolver:
 
         hit = ask()
         served = max(req.live_keep, min(hit.matched_tokens, len(tokens) - 1) if hit else 0)
-        # Worth a wait only for at least min_save_tokens more: fewer are cheaper to prefill.
-        more_than = served + self.config.min_save_tokens - 1
+        # A plain state: worth a wait only for at least min_save_tokens more, fewer are
+        # cheaper to prefill. A state that cannot be cut is served only by a checkpoint at
+        # or before where the prompt leaves it: in an agent loop sent back to back, the
+        # previous request's (its prompt's end, or the one before it, where the reply
+        # re-tokenized) is still queued here, and the one the daemon holds is a whole turn
+        # older; worth its wait, as llama.cpp's server rolls back to the checkpoints it
+        # kept (tests/runtime/test_seam_checkpoints.py).
+        more_than = served + (self.config.min_save_tokens - 1 if self.plain_kv else 0)
         if more_than >= len(tokens) - 1:
             return hit
         queued = self.saver.in_flight_sharing(self.identities.namespace(req.tenant), tokens,
-                                              more_than=more_than)
+                                              more_than=more_than, whole=not self.plain_kv)
         if not queued:
             return hit
         self._count("lookups_waited_own_save")

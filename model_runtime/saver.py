@@ -147,16 +147,19 @@ class Saver:
         return entry[2] if entry is not None else None
 
     def in_flight_sharing(self, namespace: bytes, tokens: Sequence[int],
-                          more_than: int) -> list[threading.Event]:
+                          more_than: int, *, whole: bool = False) -> list[threading.Event]:
         """Events of the saves of ``namespace`` queued here whose states share more than
-        ``more_than`` leading tokens with ``tokens``: until they are published the daemon
-        cannot serve those tokens (the resolver waits for them, bounded). Another
+        ``more_than`` leading tokens with ``tokens`` (with ``whole``, only states that are
+        a prefix of ``tokens``: those that cannot be cut): until they are published the
+        daemon cannot serve those tokens (the resolver waits for them, bounded). Another
         tenant's saves are never waited for: they could serve nothing."""
         with self._lock:
             queued = list(self._in_flight.values())
+        shared = more_than + 1
         return [event for space, saved, event in queued
-                if space == namespace and len(saved) > more_than and len(tokens) > more_than
-                and saved[:more_than + 1] == tuple(tokens[:more_than + 1])]
+                if space == namespace and len(saved) >= shared and len(tokens) >= shared
+                and (saved == tuple(tokens[:len(saved)]) if whole
+                     else saved[:shared] == tuple(tokens[:shared]))]
 
     def _finish(self, job: SaveJob) -> None:
         if job.buffer is not None:  # nothing refers to the state any more

@@ -11,6 +11,7 @@ run's, as in test_whole_states.py.
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from model_runtime.request import Completion, common_prefix
 from model_runtime.runtime import Runtime
 from tests.support.daemon_proc import DaemonProcess
 from tests.support.runtime_calls import flush
+from tests.support.tiny_llama import saves_held
 from tests.support.warm_cold import BLOCKS, WORDS, agree, ask, bitwise, kind
 
 KINDS = ("swa", "hybrid", "recurrent")
@@ -124,3 +126,35 @@ def test_a_checkpoint_before_the_end_leaves_the_backlog_room_for_the_prompt_s_ow
     stats = rt.stats()
     assert stats["saves_dropped_backlog"] == 1 == stats["saves_dropped"]
 
+
+def test_a_turn_sent_at_once_waits_for_the_checkpoints_its_previous_turn_still_has_queued(
+        model: Path, daemon: DaemonProcess, runtimes: Callable[..., Runtime]) -> None:
+    """No time between the turns (a tool that answers at once): the previous turn's
+    checkpoints are still queued in this runtime when the next turn is resolved. A turn
+    adds fewer than ``min_save_tokens`` tokens, which for a plain model are cheaper to
+    prefill than to wait for; for a state that cannot be cut the alternative is the
+    checkpoint a turn older, so the wait is taken. A sliding-window sequence never
+    restored is cut in place instead (nothing to wait for)."""
+    rt = runtimes(model, daemon.address, reuse_live=True, n_seq_max=1, min_save_tokens=64,
+                  session_resume_wait_ms=10_000)
+    cold = runtimes(model, None, n_seq_max=1)
+    text = loop_text(seed=4)
+    first_prompt = rt.tokenize(text)
+    first = ask(rt, first_prompt)
+    flush(rt)
+    text = next_text(text, reply_starting_with_a_word(first), 1)
+    second_prompt = rt.tokenize(text)
+    with saves_held(rt.engine.saver) as gate:
+        second = ask(rt, second_prompt)  # its saves stay queued
+        text = next_text(text, reply_starting_with_a_word(second), 2)
+        third_prompt = rt.tokenize(text)
+        assert len(third_prompt) - len(second_prompt) < 64
+        threading.Timer(0.3, gate.set).start()
+        third = ask(rt, third_prompt)
+    assert common_prefix(second_prompt, third_prompt) == len(second_prompt) - 1
+    if rt.engine.model.is_recurrent:
+        assert kind(third) == ("partial", len(second_prompt) - BEFORE_END)
+        assert rt.stats()["lookups_waited_own_save"] >= 1
+    else:
+        assert (kind(third), third.cache_tier) == (("partial", len(second_prompt) - 1), "live")
+    agree(third, ask(cold, third_prompt), "a turn sent at once", bitwise=bitwise(cold))
