@@ -116,8 +116,9 @@ def test_an_agent_loop_of_re_tokenized_replies_resumes_every_step_at_its_seam(
 def test_a_checkpoint_before_the_end_leaves_the_backlog_room_for_the_prompt_s_own_saves(
         model: Path, daemon: DaemonProcess, runtimes: Callable[..., Runtime]) -> None:
     """With room for two saves only (the prompt's end, then its finish), the checkpoint
-    before the end is dropped, before any copy of the state, and counted."""
-    rt = runtimes(model, daemon.address, max_pending_saves=2)
+    before the end is dropped, before any copy of the state, and counted. (No aligned cold
+    boundary before it: that save would take one of the two places.)"""
+    rt = runtimes(model, daemon.address, max_pending_saves=2, save_block=4096)
     prompt = rt.tokenize(loop_text(seed=3))
     done = ask(rt, prompt)
     saves = [(s["reason"], s["tokens"]) for s in done.saves]
