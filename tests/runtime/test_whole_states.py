@@ -185,7 +185,9 @@ def test_every_reuse_path_of_a_state_that_cannot_be_cut_gives_what_a_cold_prefil
 
 def test_checkpoints_every_interval_of_a_long_prefill_serve_a_late_divergence(
         model: Path, daemon: DaemonProcess, runtimes: Callable[..., Runtime]) -> None:
-    rt = runtimes(model, daemon.address, checkpoint_interval=40, save_block=512)
+    # (a backlog that holds every checkpoint of the prefill, however slow the sender)
+    rt = runtimes(model, daemon.address, checkpoint_interval=40, save_block=512,
+                  max_pending_saves=32)
     cold = runtimes(model, None, n_seq_max=1)
     p = prompts(cold, 1, seed=5)[0] + words(cold, 150, seed=5)
     first = rt.complete(tokens=p, max_tokens=4)
