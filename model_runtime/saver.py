@@ -35,6 +35,18 @@ from .state_buffers import StateBuffers
 log = logging.getLogger("model_runtime.saver")
 
 
+def holds_more(saved: Sequence[int], tokens: Sequence[int], more_than: int, *,
+               whole: bool = False) -> bool:
+    """Whether a state of ``saved`` holds more than ``more_than`` leading tokens of
+    ``tokens``; with ``whole`` only as a prefix of them (a state that cannot be cut)."""
+    shared = more_than + 1
+    if len(saved) < shared or len(tokens) < shared:
+        return False
+    if whole:
+        return tuple(saved) == tuple(tokens[:len(saved)])
+    return tuple(saved[:shared]) == tuple(tokens[:shared])
+
+
 @dataclass(frozen=True)
 class Waypoint:
     """An entry stored on the way to a save's own, from the same captured state: its
@@ -146,20 +158,17 @@ class Saver:
             entry = self._in_flight.get(key)
         return entry[2] if entry is not None else None
 
-    def in_flight_sharing(self, namespace: bytes, tokens: Sequence[int],
-                          more_than: int, *, whole: bool = False) -> list[threading.Event]:
-        """Events of the saves of ``namespace`` queued here whose states share more than
-        ``more_than`` leading tokens with ``tokens`` (with ``whole``, only states that are
-        a prefix of ``tokens``: those that cannot be cut): until they are published the
-        daemon cannot serve those tokens (the resolver waits for them, bounded). Another
-        tenant's saves are never waited for: they could serve nothing."""
+    def in_flight_sharing(self, namespace: bytes, tokens: Sequence[int], more_than: int, *,
+                          whole: bool = False) -> list[tuple[tuple[int, ...], threading.Event]]:
+        """The saves of ``namespace`` queued here that hold more than ``more_than`` leading
+        tokens of ``tokens`` (see :func:`holds_more`): each state's tokens and an event set
+        when it is done. Until they are published the daemon cannot serve those tokens (the
+        resolver waits for them, bounded). Another tenant's saves are never waited for:
+        they could serve nothing."""
         with self._lock:
             queued = list(self._in_flight.values())
-        shared = more_than + 1
-        return [event for space, saved, event in queued
-                if space == namespace and len(saved) >= shared and len(tokens) >= shared
-                and (saved == tuple(tokens[:len(saved)]) if whole
-                     else saved[:shared] == tuple(tokens[:shared]))]
+        return [(saved, event) for space, saved, event in queued
+                if space == namespace and holds_more(saved, tokens, more_than, whole=whole)]
 
     def _finish(self, job: SaveJob) -> None:
         if job.buffer is not None:  # nothing refers to the state any more
