@@ -128,6 +128,14 @@ def test_a_checkpoint_before_the_end_leaves_the_backlog_room_for_the_prompt_s_ow
     assert stats["saves_dropped_backlog"] == 1 == stats["saves_dropped"]
 
 
+def open_once_waited(rt: Runtime, gate: threading.Event, done: threading.Event) -> None:
+    """Let the held saves go once the runtime waits for them (or the request is done
+    without waiting), so that they are still queued when it looks them up."""
+    while not done.is_set() and rt.stats()["lookups_waited_own_save"] == 0:
+        done.wait(0.005)
+    gate.set()
+
+
 def test_a_turn_sent_at_once_waits_for_the_checkpoints_its_previous_turn_still_has_queued(
         model: Path, daemon: DaemonProcess, runtimes: Callable[..., Runtime]) -> None:
     """No time between the turns (a tool that answers at once): the previous turn's
@@ -150,8 +158,14 @@ def test_a_turn_sent_at_once_waits_for_the_checkpoints_its_previous_turn_still_h
         text = next_text(text, reply_starting_with_a_word(second), 2)
         third_prompt = rt.tokenize(text)
         assert len(third_prompt) - len(second_prompt) < 64
-        threading.Timer(0.3, gate.set).start()
-        third = ask(rt, third_prompt)
+        done = threading.Event()
+        opener = threading.Thread(target=open_once_waited, args=(rt, gate, done))
+        opener.start()
+        try:
+            third = ask(rt, third_prompt)
+        finally:
+            done.set()
+            opener.join()
     assert common_prefix(second_prompt, third_prompt) == len(second_prompt) - 1
     if rt.engine.model.is_recurrent:
         assert kind(third) == ("partial", len(second_prompt) - BEFORE_END)
