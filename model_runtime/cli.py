@@ -80,6 +80,12 @@ def runtime_options(f: Any) -> Any:
                      default=_DEFAULTS.checkpoint_interval, show_default=True,
                      help="Models whose states cannot be cut (sliding-window, recurrent, "
                           "hybrid): save a checkpoint every N prefilled tokens (0: off)."),
+        click.option("--checkpoint-before-end", type=int,
+                     default=_DEFAULTS.checkpoint_before_end, show_default=True,
+                     help="Models whose states cannot be cut: save a checkpoint N tokens "
+                          "before a prompt's end, where a next prompt that tokenizes the "
+                          "end otherwise (an agent loop's reply merging with it) resumes "
+                          "(0: off)."),
         click.option("--reuse-live/--no-reuse-live", default=_DEFAULTS.reuse_live,
                      show_default=True,
                      help="Serve a prompt from an idle sequence's KV in place when it covers "

@@ -80,6 +80,12 @@ class RuntimeConfig:
     # every N tokens of a prefill, so a prompt that diverges late in a long prefix still
     # finds a state near the divergence (0: off).
     checkpoint_interval: int = 1024
+    # ... and one this many tokens before a prompt's end: the next prompt of an agent loop
+    # is this one's text, the reply's and more, tokenized again, and the reply's first
+    # characters may merge with this prompt's last tokens (a trailing space or newline),
+    # which the state at the prompt's end then does not hold (0: off). llama.cpp's server
+    # keeps a checkpoint 4 tokens before the end for the same reason.
+    checkpoint_before_end: int = 4
     save_finish: bool = True
     save_evict: bool = True
     save_shutdown: bool = True
@@ -109,7 +115,7 @@ class RuntimeConfig:
             check_int(name, getattr(self, name), 1)
         check_int("n_seq_max", self.n_seq_max, 1, max_parallel_sequences())
         for name in ("trim", "min_save_tokens", "continued_interval", "checkpoint_interval",
-                     "session_resume_wait_ms", "in_flight_wait_ms"):
+                     "checkpoint_before_end", "session_resume_wait_ms", "in_flight_wait_ms"):
             check_int(name, getattr(self, name), 0)
         check_number("shutdown_deadline_s", self.shutdown_deadline_s, 0)
         check_number("cache_timeout_s", self.cache_timeout_s, 0, above=True)

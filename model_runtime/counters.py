@@ -71,7 +71,10 @@ COUNTERS: dict[str, str] = {
     **{f"saves_skipped_{status}": f"Saves the daemon skipped as {status.replace('_', ' ')}"
        for status in SKIP_STATUSES},
     "saves_dropped": "Saves dropped (backlog, daemon unavailable, or refused)",
-    "saves_dropped_backlog": "Saves dropped because max_pending_saves were already queued",
+    "saves_dropped_backlog": "Saves dropped because max_pending_saves were already queued "
+                             "(a checkpoint for a prefill's sake: when fewer than three "
+                             "places were left, two being kept for the saves of the "
+                             "prompt's end and its finish)",
     "saves_skipped_copy_pending": "Saves not taken of a prompt copied to a request's other "
                                   "choices before the decode that makes the copy (a "
                                   "choice that ended at its first token)",

@@ -185,15 +185,21 @@ class Executor:
 
     # -- saves ----------------------------------------------------------------------------
 
-    def save(self, seq: Seq, reason: str, req: Request | None) -> bytes:
-        """Copy a sequence's state out (model thread) and queue it for the daemon.
-        Returns the key of the sequence's saved state (also when it was saved before, or
-        restored as it is), or b"" when there is none."""
+    def save(self, seq: Seq, reason: str, req: Request | None, *, leave_room: int = 0
+             ) -> bytes:
+        """Copy a sequence's state out (model thread) and queue it for the daemon; with
+        ``leave_room``, only where the backlog keeps that many places free after it (else
+        dropped and counted, before any copy). Returns the key of the sequence's saved
+        state (also when it was saved before, or restored as it is), or b"" for none."""
         n = len(seq.tokens)
         if n < self.config.min_save_tokens or self.cache is None:
             return b""
         if n == seq.saved_len:
             return seq.saved_key or self.key_of(seq.tokens, seq.tenant)
+        if leave_room and self.saver.room() <= leave_room:
+            self.count("saves_dropped")
+            self.count("saves_dropped_backlog")
+            return b""
         if self.copy_pending(seq):
             # A prompt just copied to other choices' sequences, before the decode that
             # makes the copy: its state cannot be read yet. Only a state of the prompt

@@ -175,6 +175,10 @@ class Request:
     seq: Seq | None = None
     n_past: int = 0  # prompt tokens in the sequence so far
     save_at: int = 0  # cold save boundary still to take (0: none)
+    # Whether the state at save_at is saved with the scores after it: the cold boundary's
+    # is, a checkpoint taken for the prefill's sake is not (no prompt is expected to end
+    # there; Gemma 3's scores are 1 MB).
+    save_scores: bool = False
     # Prompt tokens an idle sequence's live KV can serve in place (0: none). Resolution
     # restores from the daemon only when that covers more; a live sequence wins a tie.
     live_keep: int = 0

@@ -38,7 +38,7 @@ from kvcache.common import TIER_REMOTE
 from .config import RuntimeConfig
 from .identity import Identities
 from .request import Request, SessionKey, common_prefix, servable
-from .saver import Saver
+from .saver import Saver, holds_more
 
 log = logging.getLogger("model_runtime")
 
@@ -205,8 +205,9 @@ class Resolver:
     def _lookup(self, req: Request, limit: int) -> LookupResult | None:
         """The daemon's longest-common-prefix answer; asked again after waiting (up to
         ``session_resume_wait_ms``) where a save still queued in this runtime would serve
-        at least ``min_save_tokens`` more of the prompt than that answer or a live
-        sequence. Otherwise a conversation's next turn whose sequence another request has
+        more of the prompt than that answer or a live sequence: at least
+        ``min_save_tokens`` more for a plain state, any more for one that cannot be cut
+        (see below). Otherwise a conversation's next turn whose sequence another request has
         taken since would be prefilled cold when it comes back before its ``finish`` save
         is published
         (tests/runtime/test_runtime.py::test_a_prompt_waits_for_this_runtime_s_queued_save_of_its_prefix)."""
@@ -225,19 +226,28 @@ class Resolver:
                                 common_prefix=self.plain_kv, open_min_tokens=open_min,
                                 timeout=self.config.cache_timeout_s)
 
+        whole = not self.plain_kv
+        # Listed before the daemon is asked: a save published in between is then in its
+        # answer or, listed here, waited for (done already) and asked again.
+        queued = self.saver.in_flight_sharing(self.identities.namespace(req.tenant), tokens,
+                                              more_than=req.live_keep, whole=whole)
         hit = ask()
         served = max(req.live_keep, min(hit.matched_tokens, len(tokens) - 1) if hit else 0)
-        # Worth a wait only for at least min_save_tokens more: fewer are cheaper to prefill.
-        more_than = served + self.config.min_save_tokens - 1
-        if more_than >= len(tokens) - 1:
-            return hit
-        queued = self.saver.in_flight_sharing(self.identities.namespace(req.tenant), tokens,
-                                              more_than=more_than)
-        if not queued:
+        # A plain state: worth a wait only for at least min_save_tokens more, fewer are
+        # cheaper to prefill. A state that cannot be cut is served only by a checkpoint at
+        # or before where the prompt leaves it: in an agent loop sent back to back, the
+        # previous request's (its prompt's end, or the one before it, where the reply
+        # re-tokenized) is still queued here, and the one the daemon holds is a whole turn
+        # older; worth its wait, as llama.cpp's server rolls back to the checkpoints it
+        # kept (tests/runtime/test_seam_checkpoints.py).
+        more_than = served + (self.config.min_save_tokens - 1 if self.plain_kv else 0)
+        waits = [event for saved, event in queued
+                 if holds_more(saved, tokens, more_than, whole=whole)]
+        if more_than >= len(tokens) - 1 or not waits:
             return hit
         self._count("lookups_waited_own_save")
         deadline = time.monotonic() + self.config.session_resume_wait_ms / 1000
-        for event in queued:
+        for event in waits:
             event.wait(max(0.0, deadline - time.monotonic()))
         if hit is not None:
             cache.release(hit)

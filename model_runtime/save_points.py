@@ -6,7 +6,10 @@
                       the last ``save_block``-aligned position at least ``trim`` tokens
                       before the prompt's end. The scheduler stops prefill chunks there.
                       For states that cannot be cut (sliding-window, recurrent, hybrid
-                      models) also every ``checkpoint_interval`` tokens of a prefill.
+                      models) also every ``checkpoint_interval`` tokens of a prefill and
+                      ``checkpoint_before_end`` tokens before the prompt's end (where a
+                      next prompt that tokenizes this one's end otherwise still finds a
+                      state); these without the scores after them.
 ``prompt``            states that cannot be cut: at the prompt's end, with the scores of
                       its next token (the same prompt again decodes nothing; a next turn
                       whose template re-renders the reply still finds the prompt's end).
@@ -54,21 +57,30 @@ class SavePoints:
 
     def plan_cold(self, req: Request) -> None:
         """Where prefill must stop next to save a reusable prefix (``req.save_at``; 0:
-        nowhere): the cold save boundary, and for states that cannot be cut every
-        ``checkpoint_interval`` tokens before it and after it."""
+        nowhere): the cold save boundary, with the scores after it (``req.save_scores``);
+        and for states that cannot be cut, checkpoints for the prefill's sake, without
+        them: every ``checkpoint_interval`` tokens, and ``checkpoint_before_end`` tokens
+        before the prompt's end (tests/runtime/test_seam_checkpoints.py)."""
         cfg = self.config
         past = max(req.n_past, req.cache.tokens_read)
         # Explicit boundaries (the system message's end, cache_control breakpoints) replace
         # the aligned one: a caller that says where its prefixes end is taken at its word.
-        stops = [at for at in (req.boundary, *(at for at, _ in req.boundaries)) if at] or \
+        scored = [at for at in (req.boundary, *(at for at, _ in req.boundaries)) if at] or \
             [(len(req.tokens) - cfg.trim) // cfg.save_block * cfg.save_block]
-        if cfg.checkpoint_interval and not self.executor.ctx.can_truncate_restored():
-            step = cfg.checkpoint_interval
-            following = (past // step + 1) * step
-            if following < len(req.tokens):
-                stops.append(following)
-        stops = [at for at in stops if at >= cfg.min_save_tokens and at > past]
+        unscored = []
+        if not self.executor.ctx.can_truncate_restored():
+            if cfg.checkpoint_interval:
+                step = cfg.checkpoint_interval
+                unscored.append((past // step + 1) * step)
+            if cfg.checkpoint_before_end:
+                # The next prompt of an agent loop is this one's text and more, tokenized
+                # again: where its first new characters merge with this prompt's last
+                # tokens, the state at the prompt's end is no prefix of it, this one is.
+                unscored.append(len(req.tokens) - cfg.checkpoint_before_end)
+            unscored = [at for at in unscored if at < len(req.tokens)]
+        stops = [at for at in (*scored, *unscored) if at >= cfg.min_save_tokens and at > past]
         req.save_at = min(stops, default=0)
+        req.save_scores = req.save_at in scored
 
     def after_prefill(self, req: Request) -> None:
         """A prefill chunk ran: the ``cold`` save when it reached the next stop, and the
@@ -76,7 +88,10 @@ class SavePoints:
         seq = req.seq
         assert seq is not None
         if req.save_at and req.n_past == req.save_at:
-            self.executor.save(seq, "cold", req)
+            # A checkpoint for the prefill's sake leaves the backlog room for the saves of
+            # the prompt's end and of its finish, which serve more (a next request that
+            # re-tokenizes nothing, or the same prompt again).
+            self.executor.save(seq, "cold", req, leave_room=0 if req.save_scores else 2)
             self.plan_cold(req)
         elif req.n_past == len(req.tokens) and not self.executor.ctx.can_truncate_restored():
             self.executor.save(seq, "prompt", req)

@@ -35,6 +35,18 @@ from .state_buffers import StateBuffers
 log = logging.getLogger("model_runtime.saver")
 
 
+def holds_more(saved: Sequence[int], tokens: Sequence[int], more_than: int, *,
+               whole: bool = False) -> bool:
+    """Whether a state of ``saved`` holds more than ``more_than`` leading tokens of
+    ``tokens``; with ``whole`` only as a prefix of them (a state that cannot be cut)."""
+    shared = more_than + 1
+    if len(saved) < shared or len(tokens) < shared:
+        return False
+    if whole:
+        return tuple(saved) == tuple(tokens[:len(saved)])
+    return tuple(saved[:shared]) == tuple(tokens[:shared])
+
+
 @dataclass(frozen=True)
 class Waypoint:
     """An entry stored on the way to a save's own, from the same captured state: its
@@ -140,23 +152,27 @@ class Saver:
     def pending(self) -> int:
         return self._queue.qsize()
 
+    def room(self) -> int:
+        """Saves that can be queued now before the backlog is full."""
+        return self._queue.maxsize - self._queue.qsize()
+
     def in_flight(self, key: bytes) -> threading.Event | None:
         """An event set when the save of ``key`` (queued here) has finished, or None."""
         with self._lock:
             entry = self._in_flight.get(key)
         return entry[2] if entry is not None else None
 
-    def in_flight_sharing(self, namespace: bytes, tokens: Sequence[int],
-                          more_than: int) -> list[threading.Event]:
-        """Events of the saves of ``namespace`` queued here whose states share more than
-        ``more_than`` leading tokens with ``tokens``: until they are published the daemon
-        cannot serve those tokens (the resolver waits for them, bounded). Another
-        tenant's saves are never waited for: they could serve nothing."""
+    def in_flight_sharing(self, namespace: bytes, tokens: Sequence[int], more_than: int, *,
+                          whole: bool = False) -> list[tuple[tuple[int, ...], threading.Event]]:
+        """The saves of ``namespace`` queued here that hold more than ``more_than`` leading
+        tokens of ``tokens`` (see :func:`holds_more`): each state's tokens and an event set
+        when it is done. Until they are published the daemon cannot serve those tokens (the
+        resolver waits for them, bounded). Another tenant's saves are never waited for:
+        they could serve nothing."""
         with self._lock:
             queued = list(self._in_flight.values())
-        return [event for space, saved, event in queued
-                if space == namespace and len(saved) > more_than and len(tokens) > more_than
-                and saved[:more_than + 1] == tuple(tokens[:more_than + 1])]
+        return [(saved, event) for space, saved, event in queued
+                if space == namespace and holds_more(saved, tokens, more_than, whole=whole)]
 
     def _finish(self, job: SaveJob) -> None:
         if job.buffer is not None:  # nothing refers to the state any more

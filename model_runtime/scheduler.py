@@ -261,12 +261,15 @@ class Scheduler:
         for req in [r for r in self.running if r.phase is Phase.PREFILL]:
             if budget == 0:
                 break
-            stop = req.save_at if req.save_at > req.n_past else len(req.tokens)
+            at_boundary = req.save_at > req.n_past
+            stop = req.save_at if at_boundary else len(req.tokens)
             n = min(prefill_chunk, budget, stop - req.n_past)
-            # Scores at the prompt's end, and at the save boundary (saved with that state,
-            # so a prompt ending there needs no decode after its restore).
+            # Scores at the prompt's end, and at the cold save boundary (saved with that
+            # state, so a prompt ending there needs no decode after its restore); not at a
+            # checkpoint taken for the prefill's sake (see SavePoints.plan_cold).
             plan.add(req, req.tokens[req.n_past : req.n_past + n], req.n_past, decode=False,
-                     wants_logits=req.n_past + n == stop)
+                     wants_logits=req.n_past + n == stop and (req.save_scores or
+                                                              not at_boundary))
             budget -= n
         return plan if plan.rows else None
 

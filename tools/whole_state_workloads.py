@@ -10,6 +10,10 @@ them, so they see identical prompts.
   the whole is tokenized again (so the reply's tokens may come out otherwise, as in agent
   loops over a raw completion endpoint). Each prompt extends the previous prompt and its
   reply, up to how the reply re-tokenizes.
+* :class:`SeamLoop`: the same with a tool result that ends in a space ("Thought: "), as
+  ReAct prompts do: a reply starting with a word takes that space into its first token
+  when the next prompt is tokenized, so the previous prompt's last token changes (its
+  state at the prompt's end is no prefix of the next prompt).
 * :class:`ThinkingChat`: a chat rendered with the ``<think>`` template of
   ``tools/make_tiny_gguf.py`` (Qwen 3's shape): each reply is stored as
   ``<think>reasoning</think>answer`` and the template drops the reasoning of every turn
@@ -30,6 +34,8 @@ AGENT_SYSTEM = ("You are a careful agent. Tools: search(query), open(url), "
                 "write(path, text). Think step by step, call one tool per step, and report "
                 "what you found. ")
 OBSERVATION = "\nObservation: the tool returned {n} results about the cat and the dog.\nAction:"
+SEAM_OBSERVATION = ("\nObservation: the tool returned {n} results about the cat and the "
+                    "dog.\nThought: ")
 CHAT_QUESTIONS = ("Which of the two pets needs more care in winter, the cat or the dog?",
                   "And how often should each of them see a vet?",
                   "What should I feed them when I travel for a week?",
@@ -61,6 +67,7 @@ class AgentLoop:
     """A raw agent loop: system text, then reply + observation per step."""
 
     name = "agent_loop"
+    observation = OBSERVATION  # what follows each reply (its {n}: the step, from 1)
 
     def __init__(self, system: str) -> None:
         self.text = system
@@ -69,7 +76,17 @@ class AgentLoop:
         return self.text, ""
 
     def advance(self, reply: str, step: int) -> None:
-        self.text += reply + OBSERVATION.format(n=step + 1)
+        self.text += reply + self.observation.format(n=step + 1)
+
+
+class SeamLoop(AgentLoop):
+    """A raw agent loop whose tool results end in a space (see the module's docstring)."""
+
+    name = "seam_loop"
+    observation = SEAM_OBSERVATION
+
+    def __init__(self, system: str) -> None:
+        super().__init__(system + SEAM_OBSERVATION.format(n=0))
 
 
 def think_reply(reply: str) -> str:
@@ -102,7 +119,7 @@ class ThinkingChat:
                           {"role": "user", "content": question}]
 
 
-WORKLOADS = {"agent_loop": AgentLoop, "thinking_chat": ThinkingChat}
+WORKLOADS = {"agent_loop": AgentLoop, "seam_loop": SeamLoop, "thinking_chat": ThinkingChat}
 
 
 def step_columns(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:

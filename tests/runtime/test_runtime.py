@@ -754,8 +754,9 @@ def test_sliding_window_states_are_never_truncated(make_runtime: Callable[..., R
     assert not rt.ctx.can_truncate_restored()
     p = prompt(rt, 100)
     first = rt.complete(tokens=p, max_tokens=8)
+    # (96: a checkpoint before the prompt's end, tests/runtime/test_seam_checkpoints.py)
     assert [(s["reason"], s["tokens"]) for s in first.saves] == [
-        ("cold", 64), ("prompt", 100), ("finish", 107)]
+        ("cold", 64), ("cold", 96), ("prompt", 100), ("finish", 107)]
     flush(rt)
 
     def check(tokens: list[int], expected: tuple[str, int], session: str = "") -> Completion:

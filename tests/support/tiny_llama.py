@@ -125,15 +125,21 @@ def saves_held(saver: Any) -> Iterator[threading.Event]:
     queued in the runtime, with the real client and daemon behind it."""
     gate = threading.Event()
     client = saver.client
-    lookup_before_save = client.lookup_before_save
+    # A piece asks for its parent first; a whole state (a recurrent model's) is saved at
+    # once.
+    originals = {name: getattr(client, name) for name in ("lookup_before_save", "save")}
 
-    def held(*args: Any, **kwargs: Any) -> Any:
-        gate.wait(30)
-        return lookup_before_save(*args, **kwargs)
+    def holding(call: Any) -> Any:
+        def held(*args: Any, **kwargs: Any) -> Any:
+            gate.wait(30)
+            return call(*args, **kwargs)
+        return held
 
-    client.lookup_before_save = held
+    for name, call in originals.items():
+        setattr(client, name, holding(call))
     try:
         yield gate
     finally:
         gate.set()
-        client.lookup_before_save = lookup_before_save
+        for name, call in originals.items():
+            setattr(client, name, call)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from model_runtime.config import RuntimeConfig
 from model_runtime.request import Completion
 from model_runtime.runtime import Runtime
@@ -52,3 +54,21 @@ def ask(rt: Runtime, tokens: list[int], seed: int | None = None, **kw: object) -
 
 def kind(c: Completion) -> tuple[str, int]:
     return c.cache_hit_kind, c.cache_delta["tokens_read"]
+
+
+def agree(warm: Completion, cold: Completion, what: object, *, bitwise: bool = True) -> None:
+    """The same tokens and log probabilities: bit for bit (``bitwise``), or within 1e-3
+    for a sliding-window model, whose restored window cache holds its cells in other
+    places than a cold run's full-size one, so that attention adds the same terms in
+    another order (log probabilities measured up to ~1e-4 apart; the tokens the same)."""
+    if bitwise:
+        assert outcome(warm) == outcome(cold), what
+        return
+    assert warm.tokens == cold.tokens, what
+    for w, c in zip(warm.logprobs, cold.logprobs, strict=True):
+        assert w.token == c.token and w.logprob == pytest.approx(c.logprob, abs=1e-3), what
+
+
+def bitwise(rt: Runtime) -> bool:
+    """Whether restores of the model give a cold run's numbers bit for bit (see agree)."""
+    return rt.engine.model.n_swa == 0

@@ -8,7 +8,9 @@ from pathlib import Path
 
 from whole_state_workloads import (
     OBSERVATION,
+    SEAM_OBSERVATION,
     AgentLoop,
+    SeamLoop,
     ThinkingChat,
     ratio,
     repeat_to_tokens,
@@ -24,6 +26,17 @@ def test_agent_loop_prompt_extends_the_previous_prompt_and_its_reply() -> None:
     loop.advance("search(cats)", 0)
     second, _ = loop.prompt()
     assert second == first + "search(cats)" + OBSERVATION.format(n=1)
+
+
+def test_seam_loop_prompts_end_in_a_space_the_reply_follows() -> None:
+    loop = SeamLoop("System. ")
+    first, head = loop.prompt()
+    assert head == "" and first == "System. " + SEAM_OBSERVATION.format(n=0)
+    assert first.endswith("Thought: ")
+    loop.advance("search(cats)", 0)
+    second, _ = loop.prompt()
+    assert second == first + "search(cats)" + SEAM_OBSERVATION.format(n=1)
+    assert second.endswith("Thought: ")
 
 
 def test_thinking_chat_drops_the_reasoning_of_earlier_turns() -> None:
@@ -73,8 +86,8 @@ def test_llama_server_arm_that_cannot_start_is_reported(tmp_path: Path) -> None:
     from bench_whole_states import Sent, server_arm
 
     args = argparse.Namespace(threads=1, max_tokens=4)
-    sent = [Sent([1, 2, 3], 0, "reply")]
+    sent = [Sent("abc", [1, 2, 3], 0, "reply")]
     doc = server_arm(tmp_path / "no-llama-server", tmp_path / "model.gguf", sent,
-                     Sent([1, 2, 3, 4], 0, ""), args, tmp_path / "server.log")
+                     Sent("abcd", [1, 2, 3, 4], 0, ""), args, tmp_path / "server.log")
     assert "llama-server binary not found" in doc["error"]
     assert "in_process" not in doc  # no figures made up for an arm that did not run
