@@ -62,8 +62,8 @@ class RamPlacer(Part):
                     return
                 self._tally.claim_ram(record)
             ok = False
+            tmp = self._layout.ram_tmp_path(key)
             try:
-                tmp = self._layout.ram_tmp_path(key)
                 # Owner-only whatever the umask: copyfile truncates the file made here and
                 # keeps its mode (and its fast in-kernel copy).
                 os.close(create_private_file(tmp))
@@ -79,7 +79,8 @@ class RamPlacer(Part):
                         self.counters["ram_placements"] += 1
                     else:
                         self._tally.unclaim_ram(record)
-                if not ok:
+                if not ok:  # (the copy made first: its blob may be gone meanwhile)
+                    tmp.unlink(missing_ok=True)
                     self._layout.ram_path(key).unlink(missing_ok=True)
         finally:
             with self._cond:

@@ -591,6 +591,22 @@ def test_a_ram_copy_cut_short_by_a_crash_is_not_taken_for_the_copy(
     assert present(reopened, A) == [True]
 
 
+def test_a_ram_copy_whose_blob_went_meanwhile_leaves_nothing_in_the_ram_tier(
+        make_store: Callable[..., Store]) -> None:
+    """A RAM placement whose disk blob is gone by the time it copies (evicted or deleted
+    meanwhile) fails: its temporary copy goes with it. A <key>.part left behind made the
+    RAM tier look busy for ever (tests/faults/test_load.py waits for it to settle)."""
+    store = make_store()
+    gate = threading.Event()
+    store._ram_worker.submit(gate.wait, 30)  # the placement of A waits behind this
+    key = put(store, A).key
+    store.blob_path(key).unlink()
+    gate.set()
+    ram_settled(store)
+    assert [p.name for p in store.ram_dir.iterdir()] == [RAM_MARKER]
+    assert store.ram_used == 0 and not store.index.get(key).in_ram
+
+
 def test_a_new_block_size_rekeys_the_entries(make_store: Callable[..., Store]) -> None:
     store = make_store()
     prompt = list(range(100, 200))
