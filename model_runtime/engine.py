@@ -139,8 +139,9 @@ class Engine:
     def submit(self, tokens: list[int], sampling: SamplingParams, *, session_id: str = "",
                parent_key: bytes = b"", boundary: int = 0,
                boundaries: tuple[tuple[int, int], ...] = (), n: int = 1,
-               tenant: str | None = None) -> Request:
-        """Queue a request of ``n`` choices under ``tenant`` (None: the runtime's)."""
+               tenant: str | None = None, received: float = 0.0) -> Request:
+        """Queue a request of ``n`` choices under ``tenant`` (None: the runtime's).
+        ``received``: when its caller got it (perf_counter), for its timeline."""
         if not tokens:
             raise RequestError("invalid_argument", "empty prompt")
         if len(tokens) + 1 > self.ctx.n_ctx:
@@ -162,6 +163,7 @@ class Engine:
                       boundary if 0 < boundary < len(tokens) else 0,
                       boundaries=tuple((at, ttl) for at, ttl in boundaries
                                        if 0 < at < len(tokens)), n=n, tenant=tenant)
+        req.timings.received = received
         # Checked and queued under the lock close() takes to set _stopping: a request is
         # either refused here or queued before the shutdown message (which answers it).
         # Queued after it, nothing would ever answer it and its caller would hang.
@@ -271,6 +273,9 @@ class EngineCore:
         self.observers = engine.observers
         self.count = engine.count
         self._post = post  # into the model thread's inbox
+        # When the last llama_decode returned (time.monotonic_ns): the start of the way
+        # of each token sampled from its scores to its reader (TokenEvent.decoded_ns).
+        self._decoded_ns = 0
 
     def handle(self, msg: Message) -> None:
         match msg:
@@ -320,6 +325,7 @@ class EngineCore:
                 self.executor.clear(other)
             self.scheduler.hold(req, other)
         binding = self.scheduler.bind(req, seq)
+        req.timings.admitted = time.perf_counter()
         try:
             self.executor.new_sampler(req)
         except LlamaError as exc:  # (a grammar is checked before, so hardly ever)
@@ -354,6 +360,7 @@ class EngineCore:
         place, or nothing (cold); then prefill the rest."""
         seq = req.seq
         assert seq is not None
+        req.timings.resolved = time.perf_counter()
         if req.cancelled:
             self._finish(req, "cancelled")
             return
@@ -382,11 +389,14 @@ class EngineCore:
             self._first_token(req)
 
     def _first_token(self, req: Request) -> None:
-        req.timings.first = time.perf_counter()
+        req.timings.prompt_done = time.perf_counter()
         req.events.put(req.prompt_done())  # the prompt's side is known: told at once
+        if req.n_past == req.cache.tokens_read:  # served whole: scores came with its state
+            self._decoded_ns = time.monotonic_ns()
         others = self._fork(req) if req.reserved else []
         for choice in (req, *others):
             self._next_token(choice)
+        req.timings.first = time.perf_counter()
         req.restored_from = []  # unmapped now, after the first token
 
     def _fork(self, req: Request) -> list[Request]:
@@ -428,6 +438,7 @@ class EngineCore:
                 self._fail(row.request, RequestError("decode_failed",
                                                      f"llama_decode failed: {exc}"))
             return
+        self._decoded_ns = time.monotonic_ns()
         elapsed = time.perf_counter() - t0
         for row in plan.rows:
             req = row.request
@@ -457,7 +468,8 @@ class EngineCore:
             req.logprobs.append(logprob)
         req.pending = token
         text, stopped = req.stream.add(self.model.token_to_piece(token))
-        req.events.put(TokenEvent(token, text, logprob, choice=req.choice))
+        req.events.put(TokenEvent(token, text, logprob, choice=req.choice,
+                                  decoded_ns=self._decoded_ns))
         if stopped:
             self._finish(req, "stop")
             return

@@ -116,6 +116,10 @@ class TokenEvent:
     text: str
     logprob: TokenLogprob | None = None  # when the request asked for logprobs
     choice: int = 0  # which of the request's n choices it belongs to
+    # time.monotonic_ns() when llama_decode returned the scores this token was sampled
+    # from (0: none, flushed text): the start of the token's way to its reader, which
+    # any process on this host can measure against (CLOCK_MONOTONIC is system-wide).
+    decoded_ns: int = 0
 
 
 @dataclass
@@ -132,22 +136,42 @@ class CacheUse:
 
 @dataclass
 class Timings:
-    """Seconds (perf_counter): when it arrived and its first token came, and the time
-    spent restoring, prefilling and decoding (a batch's time is shared by its tokens)."""
+    """A request's timeline, in seconds (perf_counter): when the runtime received it
+    (before its prompt was tokenized), queued it, gave it a sequence, had its cache
+    lookup's answer, had its prompt in the sequence and sampled its first token; and the
+    time spent restoring, prefilling and decoding (a batch's time is shared by its
+    tokens). A step that did not happen keeps 0 (a live hit looks nothing up)."""
 
-    arrived: float = field(default_factory=time.perf_counter)
+    arrived: float = field(default_factory=time.perf_counter)  # queued (Engine.submit)
+    received: float = 0.0  # Runtime.submit called (0: the engine was called directly)
+    admitted: float = 0.0
+    resolved: float = 0.0
+    prompt_done: float = 0.0
     first: float = 0.0
     restore: float = 0.0
     prefill: float = 0.0
     decode: float = 0.0
 
     def to_ms(self, now: float) -> dict[str, float]:
+        """Milliseconds: ``ttft`` and ``total`` from receipt; the steps before the first
+        token (``tokenize`` .. ``sample``, which add up to ``ttft`` with the gaps between
+        them: the model thread finishing the batch it was running), and the time spent
+        restoring, prefilling and decoding."""
+        start = self.received or self.arrived
+
+        def span(a: float, b: float) -> float:
+            return round((b - a) * 1000, 3) if a and b else 0.0
+
         return {
-            "ttft_ms": round(((self.first or now) - self.arrived) * 1000, 3),
+            "ttft_ms": span(start, self.first or now),
             "restore_ms": round(self.restore * 1000, 3),
             "prefill_ms": round(self.prefill * 1000, 3),
             "decode_ms": round(self.decode * 1000, 3),
-            "total_ms": round((now - self.arrived) * 1000, 3),
+            "total_ms": span(start, now),
+            "tokenize_ms": span(self.received, self.arrived),
+            "queue_ms": span(self.arrived, self.admitted),
+            "lookup_ms": span(self.admitted, self.resolved),
+            "sample_ms": span(self.prompt_done, self.first),
         }
 
 

@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -434,6 +435,7 @@ class Runtime:
         refused with ``cancelled``). Once queued, :meth:`cancel` ends the request at
         once, between two prefill chunks at the latest.
         """
+        received = time.perf_counter()
         head_chars = prefix_chars
         if prompt is not None and boundary_chars and not prefix_chars:
             for chars in boundary_chars:
@@ -463,7 +465,8 @@ class Runtime:
         self._check_vocab(sampling)
         return self.engine.submit(toks, sampling, session_id=session_id, parent_key=parent,
                                   boundary=boundary, boundaries=boundaries, n=n,
-                                  tenant=self.config.tenant if tenant is None else tenant)
+                                  tenant=self.config.tenant if tenant is None else tenant,
+                                  received=received)
 
     def _continue(self, parent: bytes, prompt: str | None, tokens: Sequence[int] | None,
                   messages: Sequence[Message] | None, system: str | None,

@@ -158,7 +158,8 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
                         yield pb.CompleteEvent(text=event.text, token=max(event.token, 0),
                                                logprob=logprob_message(event.logprob,
                                                                        self.piece),
-                                               choice=event.choice)
+                                               choice=event.choice,
+                                               decoded_ns=event.decoded_ns)
                 else:
                     yield pb.CompleteEvent(done=completion_message(event))
         # Messages are cut (details): one echoing a long field did not fit gRPC's 16 KiB

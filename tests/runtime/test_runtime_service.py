@@ -163,6 +163,37 @@ def test_the_prompt_is_told_once_before_the_first_token(
             # (the next request restores it: another sequence of the runtime, or live)
 
 
+def test_each_request_carries_its_timeline_and_each_token_when_it_was_decoded(
+        stack: tuple[DaemonProcess, RuntimeProcess], stub: pb_grpc.ModelRuntimeStub,
+        tokenize: Callable[[str], list[int]]) -> None:
+    """The final record's timings give the steps before the first token (each within
+    the TTFT, together no more than it), a cold request looking the cache up and a live
+    one not; every text event carries when llama_decode returned its token's scores, on
+    this host's monotonic clock, in order and before the event was read."""
+    tokens = sample_prompt(tokenize, 120)[5:]
+    records = []
+    for prompt in (tokens, tokens + tokens[1:9]):  # cold, then the live sequence
+        before = time.monotonic_ns()
+        stamps: list[tuple[int, int]] = []
+        for event in stub.Complete(request(tokens=prompt, max_tokens=6), timeout=60):
+            if event.WhichOneof("event") == "text":
+                stamps.append((event.decoded_ns, time.monotonic_ns()))
+            elif event.WhichOneof("event") == "done":
+                records.append(event.done)
+        assert stamps and all(before < decoded <= read for decoded, read in stamps)
+        assert [d for d, _ in stamps] == sorted(d for d, _ in stamps)
+    cold, live = records
+    assert (cold.cache_hit_kind, live.cache_tier) == ("cold", "live")
+    for t in (cold.timings, live.timings):
+        steps = [t.tokenize_ms, t.queue_ms, t.lookup_ms, t.restore_ms, t.prefill_ms,
+                 t.sample_ms]
+        assert all(0 <= step <= t.ttft_ms for step in steps)
+        assert sum(steps) <= t.ttft_ms + 0.01 and t.ttft_ms <= t.total_ms
+        assert t.tokenize_ms > 0 and t.sample_ms > 0 and t.prefill_ms > 0
+    assert cold.timings.lookup_ms > 0  # asked the daemon
+    assert live.timings.lookup_ms > 0 or live.cache_delta.tokens_read == len(tokens)
+
+
 def test_client_record_and_stats(stack: tuple[DaemonProcess, RuntimeProcess]) -> None:
     with RuntimeClient(stack[1].address, timeout=60) as client:
         done = client.complete(prompt="The quick brown fox", max_tokens=5, temperature=0.7,
