@@ -1,1 +1,7 @@
 """llama-cpp-python model runtime: contexts, sequences, scheduler, restore and save points."""
+
+from .kernels import choose as _choose_kernels
+
+# Before any module of this package can import llama_cpp, which loads llama.cpp's
+# libraries once per process: the kernel set is chosen now (kernels.py).
+_choose_kernels()

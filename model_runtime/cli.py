@@ -28,6 +28,7 @@ from kvcache.config import default_address, default_dir
 from kvcache.unix_socket import OwnedSocket
 from kvcache.v1 import kvcache_pb2 as cache_pb
 
+from . import kernels
 from .config import RuntimeConfig
 from .gateway.command import gateway
 from .identity import model_fingerprint
@@ -53,6 +54,13 @@ KV_TYPES = ", ".join(sorted(KV_CACHE_TYPES))
 def default_server_address() -> str:
     """Where ``model-runtime serve`` listens when given neither --socket nor --listen."""
     return f"unix:{default_dir() / RUNTIME_SOCKET}"
+
+
+def _choose_kernels(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """--kernels: llama.cpp is loaded already (this module imports it), so another set
+    than the one loaded means starting the command again with it (kernels.py)."""
+    if value is not None:
+        kernels.relaunch_with(value)
 
 
 def runtime_options(f: Any) -> Any:
@@ -91,6 +99,11 @@ def runtime_options(f: Any) -> Any:
                      help="Serve a prompt from an idle sequence's KV in place when it covers "
                           "at least as much as the cache (off: only the cache serves)."),
         click.option("--tenant", default="", help="Tenant salt: isolates this runtime's entries."),
+        click.option("--kernels", type=click.Choice(kernels.CHOICES), default=None,
+                     expose_value=False, is_eager=True, callback=_choose_kernels,
+                     help=f"llama.cpp's CPU kernels: deterministic (warm equals cold) or "
+                          f"fast (llama.cpp's defaults) [default: ${kernels.ENV}, else "
+                          f"{kernels.DEFAULT}]."),
         click.option("--verbose", is_flag=True, help="Show llama.cpp's own log."),
     ]
     for option in reversed(options):
@@ -145,6 +158,8 @@ def build_runtime(model_path: str | None, cache_address: str | None, verbose: bo
     except LlamaLoadError as exc:
         raise click.ClickException(f"{exc} (--verbose or {LOG_ENV}=1 shows llama.cpp's "
                                    "reason)") from None
+    except kernels.KernelsError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def complete_locally(runtime: Any, request: dict[str, Any]) -> Completion:

@@ -26,6 +26,7 @@ from kvcache.client import CacheClient, CacheError
 from kvcache.common import TIER_LIVE
 from kvcache.metrics import LatencySummary, LatencyWindows, Metrics
 
+from . import kernels
 from .chat.templates import ChatTemplate, TemplateError
 from .config import RuntimeConfig, SettingError, check_int
 from .counters import COUNTERS
@@ -181,6 +182,7 @@ class Runtime:
                  cache: CacheClient | None = None, verbose: bool = False) -> None:
         self.config = config or RuntimeConfig()
         self.model_path = Path(model_path) if model_path else default_model_path()
+        self.kernels = kernels.check()  # raises KernelsError: not the set asked for
         self.model = LlamaModel(self.model_path, verbose=verbose)
         try:
             cfg = self.config
@@ -195,12 +197,17 @@ class Runtime:
         # Checked before any request: a reused state continued gives exactly what a cold
         # prefill gives only where llama.cpp computes a token alike alone or in a batch.
         self.batch_invariant = self.ctx.computes_batches_alike()
-        if not self.batch_invariant:
-            log.warning("kvcache: this llama.cpp build computes a token decoded alone "
-                        "otherwise than inside a batch (%s): output after a restore or "
-                        "reuse may differ from a cold run's. tools/setup.sh builds "
-                        "llama-cpp-python without those options; %s=0 (the default) "
-                        "turns off the tiled K-quant kernels.",
+        if self.kernels == kernels.FAST:
+            log.info("kvcache: the fast kernels (llama.cpp's defaults): output after a "
+                     "restore or reuse may differ from a cold run's (%s)",
+                     "as this start-up check found" if not self.batch_invariant else
+                     "though this start-up check found no difference")
+        elif not self.batch_invariant:
+            log.warning("kvcache: the %s kernels compute a token decoded alone otherwise "
+                        "than inside a batch here (%s): output after a restore or reuse "
+                        "may differ from a cold run's. tools/build_kernels.sh builds the "
+                        "deterministic set; %s=0 (the default) turns off the tiled "
+                        "K-quant kernels.", self.kernels,
                         ", ".join(batch_variant_options()) or "kernel choice", TILED_MM_ENV)
         if cache is None and cache_address:
             cache = CacheClient(cache_address, timeout=self.config.cache_timeout_s)

@@ -193,6 +193,7 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
             model_fingerprint=rt.identity.model_fingerprint, kv_layout=rt.identity.kv_layout,
             n_seq_max=rt.ctx.n_seq_max, n_ctx=rt.ctx.n_ctx, cache_reachable=rt.cache_reachable(),
             batch_invariant=rt.batch_invariant, batch_variant_options=batch_variant_options(),
+            kernels=rt.kernels,
             latencies={name: pb.LatencySummary(**vars(summary))
                        for name, summary in rt.latencies().items()})
 

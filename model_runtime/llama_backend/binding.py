@@ -15,6 +15,8 @@ from typing import TypeVar
 
 import llama_cpp as _lc
 
+from .. import kernels
+
 __all__ = [
     "BATCH_VARIANT_OPTIONS",
     "LOG_ENV",
@@ -85,12 +87,14 @@ TILED_MM_ENV = "GGML_CPU_TILED_MM"
 
 def ensure_backend(verbose: bool) -> None:
     """Initialize llama.cpp's backend, once per process, its log on or off as
-    :data:`LOG_ENV` says (and its tiled K-quant kernels off, see :data:`TILED_MM_ENV`);
+    :data:`LOG_ENV` says (and, but for the fast kernel set, its tiled K-quant kernels
+    off, see :data:`TILED_MM_ENV`);
     ``verbose`` turns the log on."""
     global _backend_ready
     with _backend_lock:
         if not _backend_ready:
-            if TILED_MM_ENV not in os.environ and f"{TILED_MM_ENV}_FORCE" not in os.environ:
+            if TILED_MM_ENV not in os.environ and f"{TILED_MM_ENV}_FORCE" not in os.environ \
+                    and kernels.active() != kernels.FAST:  # (llama.cpp's default: on)
                 os.environ[TILED_MM_ENV] = "0"
             env = os.environ.get(LOG_ENV, "").strip().lower()
             set_llama_logging(env not in ("", "0", "false", "no", "off"))
@@ -127,9 +131,12 @@ def build_options() -> dict[str, str]:
 
 
 def batch_variant_options() -> list[str]:
-    """The options of this llama.cpp build that make results depend on batching."""
+    """The options of this llama.cpp build that make results depend on batching (the
+    deterministic kernel set's llamafile is patched not to: see model_runtime/kernels.py)."""
     options = build_options()
-    return [name for name in BATCH_VARIANT_OPTIONS if options.get(name) == "1"]
+    patched = {"LLAMAFILE"} if kernels.active() == kernels.DETERMINISTIC else set()
+    return [name for name in BATCH_VARIANT_OPTIONS
+            if options.get(name) == "1" and name not in patched]
 
 
 class Owner:

@@ -33,7 +33,7 @@ from typing import Any
 import llama_cpp as _lc
 import numpy as np
 
-from .. import kv_build, kv_cells, kv_layout
+from .. import kernels, kv_build, kv_cells, kv_layout
 from .binding import Owner
 from .errors import LlamaDecodeError, LlamaError, LlamaLoadError
 from .model import LlamaModel
@@ -481,6 +481,9 @@ class LlamaContext(Owner):
             if (self._plain_kv or self._n_stream == 1)
             else f"split:{self._n_stream}",
             "llama_cpp_python": _lc.__version__,
+            # States of one kernel set are continued by another with other rounding: a
+            # deterministic runtime never restores a fast one's (model_runtime/kernels.py).
+            "kernels": kernels.active(),
         }
         return layout
 

@@ -136,6 +136,7 @@ def check_every_path(model: Path, daemon: DaemonProcess, make: Callable[..., Run
 
 def test_this_build_computes_a_token_alike_alone_or_in_a_batch(tiny_model: Path) -> None:
     with Runtime(tiny_model, cache_address=None, config=CONFIG) as rt:
+        assert rt.kernels == "deterministic"  # (tests/runtime/test_kernels.py)
         assert rt.batch_invariant
         assert batch_variant_options() == []
 

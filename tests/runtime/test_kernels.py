@@ -1,0 +1,110 @@
+"""The kernel sets a runtime chooses from (model_runtime/kernels.py): the deterministic set
+by default, the fast one when asked for (by environment, or ``--kernels``, which starts
+the command again with it), each named in the cache namespace; a set asked for and not
+there is a clear error. Each case runs in a process of its own: llama.cpp is loaded once
+per process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from model_runtime import kernels
+from model_runtime.v1 import runtime_pb2 as pb
+from model_runtime.v1 import runtime_pb2_grpc as pb_grpc
+from tests.support.daemon_proc import DaemonProcess
+from tests.support.runtime_proc import RuntimeProcess
+
+REPORT = """
+import json, sys
+from model_runtime import kernels
+from model_runtime.config import RuntimeConfig
+from model_runtime.llama_backend import batch_variant_options, build_options
+from model_runtime.runtime import Runtime
+with Runtime(sys.argv[1], cache_address=None, config=RuntimeConfig(n_threads=1, n_ctx=512,
+                                                                    n_seq_max=1)) as rt:
+    print(json.dumps({"kernels": rt.kernels, "batch_invariant": rt.batch_invariant,
+                      "layout": rt.identity.kv_layout["kernels"],
+                      "namespace": rt.identity.namespace.hex(),
+                      "variant_options": batch_variant_options(),
+                      "llamafile": build_options().get("LLAMAFILE"),
+                      "repack": build_options().get("REPACK")}))
+"""
+
+
+def report(model: Path, **env: str) -> dict[str, object]:
+    environ = {k: v for k, v in os.environ.items()
+               if k not in (kernels.ENV, kernels.LIB_PATH_ENV)}
+    done = subprocess.run([sys.executable, "-c", REPORT, str(model)], capture_output=True,
+                          text=True, timeout=120, env={**environ, **env})
+    assert done.returncode == 0, done.stderr[-2000:]
+    result: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.fixture(scope="module")
+def sets_built() -> None:
+    for name in kernels.CHOICES:
+        assert kernels.built(name), f"{kernels.folder_of(name)}: run tools/build_kernels.sh"
+
+
+def test_the_deterministic_set_runs_by_default_with_llamafile_and_computes_batches_alike(
+        tiny_model: Path, sets_built: None) -> None:
+    det = report(tiny_model)
+    assert det["kernels"] == det["layout"] == "deterministic"
+    assert det["batch_invariant"] is True and det["variant_options"] == []
+    assert det["llamafile"] == "1" and det["repack"] is None  # tinyBLAS, patched
+
+
+def test_the_fast_set_is_llama_cpp_s_defaults_and_another_namespace(
+        tiny_model: Path, sets_built: None) -> None:
+    det = report(tiny_model)
+    fast = report(tiny_model, **{kernels.ENV: "fast"})
+    assert fast["kernels"] == fast["layout"] == "fast"
+    assert fast["llamafile"] == fast["repack"] == "1"
+    assert fast["namespace"] != det["namespace"]  # never restored by the other set
+
+
+def test_a_fast_set_not_built_is_a_clear_error(tiny_model: Path, tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "model_runtime.cli", "complete", "--model", str(tiny_model),
+         "--cache", "none", "--threads", "1", "--n-ctx", "256", "--max-tokens", "2",
+         "--kernels", "fast", "--prompt", "Hello"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, kernels.DIR_ENV: str(tmp_path)})
+    assert done.returncode == 1
+    assert "fast" in done.stderr and "tools/build_kernels.sh" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_an_unknown_set_in_the_environment_is_a_clear_error(tiny_model: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "model_runtime.cli", "complete", "--model", str(tiny_model),
+         "--cache", "none", "--threads", "1", "--n-ctx", "256", "--max-tokens", "2", "--prompt", "Hi"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, kernels.ENV: "turbo"})
+    assert done.returncode == 1
+    assert "turbo" in done.stderr and "deterministic, fast" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_serve_with_kernels_fast_starts_again_with_them(
+        tiny_model: Path, tmp_path: Path, sets_built: None) -> None:
+    daemon = DaemonProcess(tmp_path / "data").start()
+    runtime = RuntimeProcess(tiny_model, daemon.address, tmp_path / "rt.log",
+                             "--kernels", "fast")
+    try:
+        runtime.start()
+        with grpc.insecure_channel(runtime.address) as channel:
+            stats = pb_grpc.ModelRuntimeStub(channel).Stats(pb.RuntimeStatsRequest(),
+                                                            timeout=10)
+        assert stats.kernels == "fast" and stats.kv_layout["kernels"] == "fast"
+    finally:
+        runtime.close()
+        daemon.close()
