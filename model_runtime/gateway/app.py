@@ -25,20 +25,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..chat.prompt import PromptPlan
 from ..config import MAX_REQUEST_MESSAGE_BYTES
-from .anthropic_api import error_body as anthropic_error_body
-from .connections import ConnectionGate
-from .fleet import Fleet
-from .keys import Caller, is_loopback
-from .metrics import NO_TENANT, TenantView
-from .offload import Offload, parse_request, render_light
-from .openai_api import (
+from .apis.anthropic.adapter import error_body as anthropic_error_body
+from .apis.openai.adapter import (
     PROTO_FIELDS,
     SESSION_HEADER,
     ApiError,
     GenRequest,
     too_large,
 )
-from .openai_output import (
+from .apis.openai.formatter import (
     DONE,
     Choice,
     chunk,
@@ -48,7 +43,12 @@ from .openai_output import (
     sse,
     usage,
 )
-from .worker import RuntimeRefused, Worker, WorkerFailure
+from .connections import ConnectionGate
+from .fleet import Fleet
+from .keys import Caller, is_loopback
+from .metrics import NO_TENANT, TenantView
+from .pipeline.offload import Offload, parse_request, render_light
+from .workers.worker import RuntimeRefused, Worker, WorkerFailure
 
 log = logging.getLogger("model_runtime.gateway")
 FLEET = web.AppKey("fleet", Fleet)
@@ -234,13 +234,13 @@ def build_app(fleet: Fleet) -> web.Application:
                         expect_handler=expect_within_limit)
     app.router.add_get("/v1/models", list_models, name="models")
     app.router.add_get("/v1/models/{model:.+}", get_model, name="model")
-    from .anthropic_routes import add_routes  # it builds on this module's handlers
+    from .apis.anthropic.routes import add_routes  # it builds on this module's handlers
 
     add_routes(app)
     app.router.add_get("/health", health, name="health")
     app.router.add_get("/metrics", metrics, name="metrics")
     app.router.add_get("/status", status, name="status")
-    from .responses_routes import add_responses_routes  # its handlers use this module's
+    from .apis.responses.routes import add_responses_routes  # its handlers use this module's
 
     add_responses_routes(app)
     return app

@@ -13,9 +13,9 @@ from typing import Any
 import click
 
 from .. import kernels
+from .apis.openai.adapter import Limits
+from .apis.responses.store import ResponsesSettings, default_responses_dir
 from .connections import ConnectionSettings, ConnectionSettingsError
-from .openai_api import Limits
-from .responses_store import ResponsesSettings, default_responses_dir
 from .settings import DEFAULT_LISTEN, ModelSpec, SettingsError, Supervision, model_name
 
 _SUP = Supervision()
@@ -211,7 +211,7 @@ def cache_choice(given: str | None) -> tuple[str | None, bool]:
     gets a daemon started by the gateway when none answers (cache_daemon.py)."""
     from kvcache.config import ENV_ADDRESS, default_address
 
-    from .cache_daemon import require_daemon
+    from .workers.cache_daemon import require_daemon
 
     if given == "none":
         return None, False

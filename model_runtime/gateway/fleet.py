@@ -31,13 +31,13 @@ from typing import Any
 
 from kvcache.config import default_dir
 
-from .cache_daemon import CacheDaemon
+from .apis.openai.adapter import ApiError
 from .keys import ApiKeys
 from .metrics import GatewayMetrics
-from .openai_api import ApiError
-from .router import NoFreeSlot, NoReadyWorker, SessionMap, choose, tenant_text
 from .settings import GatewaySettings
-from .worker import FAILED, Flight, Worker
+from .workers.cache_daemon import CacheDaemon
+from .workers.router import NoFreeSlot, NoReadyWorker, SessionMap, choose, tenant_text
+from .workers.worker import FAILED, Flight, Worker
 
 log = logging.getLogger("model_runtime.gateway")
 RETRY_AFTER_S = 1  # what a refused client is told to wait: a slot frees per completion

@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 from kvcache.metrics import LATENCY_BUCKETS
 
 from .connections import ConnectionGate
-from .worker import Worker
+from .workers.worker import Worker
 
 PREFIX = "kvcache_gateway"
 NO_TENANT = "(none)"  # a request refused before its key named a tenant (no tenant has it)

@@ -14,7 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from model_runtime.gateway.openai_api import CHAT_FIELDS, COMPLETION_FIELDS
+from model_runtime.gateway.apis.openai.adapter import CHAT_FIELDS, COMPLETION_FIELDS
 from model_runtime.llama_backend import LlamaModel
 from tests.support.daemon_proc import DaemonProcess
 from tests.support.gateway_proc import GatewayProcess, kill_leftovers, wait_gone

@@ -26,9 +26,9 @@ from model_runtime.chat.formats import detect_format
 from model_runtime.chat.parsing import OutputParser
 from model_runtime.chat.prompt import plan_chat
 from model_runtime.chat.templates import ChatTemplate
-from model_runtime.gateway.anthropic_api import error_body, parse_messages_request
-from model_runtime.gateway.anthropic_output import BlockStream
-from model_runtime.gateway.openai_api import ApiError
+from model_runtime.gateway.apis.anthropic.adapter import error_body, parse_messages_request
+from model_runtime.gateway.apis.anthropic.formatter import BlockStream
+from model_runtime.gateway.apis.openai.adapter import ApiError
 from tests.support.daemon_proc import DaemonProcess, wait_for
 from tests.support.entries import IDENT, toks
 from tests.support.gateway_proc import GatewayProcess, kill_leftovers, wait_gone

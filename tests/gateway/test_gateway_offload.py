@@ -1,4 +1,4 @@
-"""The gateway's helper process for large requests (model_runtime/gateway/offload.py), a
+"""The gateway's helper process for large requests (model_runtime/gateway/pipeline/offload.py), a
 real spawned process: it parses and renders as the gateway's own process does, answers
 refusals as the same errors, stops rendering for a caller gone, and is started again when
 it died.
@@ -25,8 +25,8 @@ from harness.procs import pythonpath_env
 
 from model_runtime.chat.formats import detect_format
 from model_runtime.chat.templates import ChatTemplate
-from model_runtime.gateway.offload import Offload, TemplateSpec, parse_request, render_plan
-from model_runtime.gateway.openai_api import ApiError, GenRequest, Limits, parse_chat
+from model_runtime.gateway.apis.openai.adapter import ApiError, GenRequest, Limits, parse_chat
+from model_runtime.gateway.pipeline.offload import Offload, TemplateSpec, parse_request, render_plan
 
 SPEC = TemplateSpec(CHATML_TEMPLATE, "", "<|im_end|>", False)
 

@@ -18,16 +18,16 @@ from typing import Any, Literal
 import openai
 import pytest
 from harness.make_tiny_gguf import HERMES_TEMPLATE, THINK_TEMPLATE
+from model_runtime.v1 import runtime_pb2 as pb
 from pydantic import BaseModel
 
 from model_runtime.chat.formats import detect_format
 from model_runtime.chat.parsing import OutputParser
 from model_runtime.chat.templates import ChatTemplate
-from model_runtime.gateway.responses_api import RESPONSES_FIELDS, parse_responses
-from model_runtime.gateway.responses_output import ResponseBuilder, reply_messages
+from model_runtime.gateway.apis.responses.adapter import RESPONSES_FIELDS, parse_responses
+from model_runtime.gateway.apis.responses.formatter import ResponseBuilder, reply_messages
 from model_runtime.llama_backend import LlamaModel
 from model_runtime.request import common_prefix
-from model_runtime.v1 import runtime_pb2 as pb
 from tests.support.daemon_proc import DaemonProcess
 from tests.support.gateway_proc import ALICE, BOB, GatewayProcess, kill_leftovers, wait_gone
 

@@ -10,15 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from model_runtime.v1 import runtime_pb2 as pb
 
-from model_runtime.gateway.keys import (
-    ApiKeys,
-    Caller,
-    KeyConfigError,
-    check_listener,
-    is_loopback,
-)
-from model_runtime.gateway.openai_api import (
+from model_runtime.gateway.apis.openai.adapter import (
     ApiError,
     Limits,
     parse_chat,
@@ -26,17 +20,13 @@ from model_runtime.gateway.openai_api import (
     parse_json,
     served_text,
 )
-from model_runtime.gateway.openai_output import chunk, usage
-from model_runtime.gateway.ring import LogRing
-from model_runtime.gateway.router import (
-    MIN_ROUTE_CHARS,
-    NoFreeSlot,
-    NoReadyWorker,
-    PrefixTracker,
-    SessionMap,
-    choose,
-    common_prefix_len,
-    tenant_text,
+from model_runtime.gateway.apis.openai.formatter import chunk, usage
+from model_runtime.gateway.keys import (
+    ApiKeys,
+    Caller,
+    KeyConfigError,
+    check_listener,
+    is_loopback,
 )
 from model_runtime.gateway.settings import (
     GatewaySettings,
@@ -46,8 +36,18 @@ from model_runtime.gateway.settings import (
     load_config,
     split_listen,
 )
-from model_runtime.gateway.worker import READY, Flight, Worker, process_cpu_seconds
-from model_runtime.v1 import runtime_pb2 as pb
+from model_runtime.gateway.workers.ring import LogRing
+from model_runtime.gateway.workers.router import (
+    MIN_ROUTE_CHARS,
+    NoFreeSlot,
+    NoReadyWorker,
+    PrefixTracker,
+    SessionMap,
+    choose,
+    common_prefix_len,
+    tenant_text,
+)
+from model_runtime.gateway.workers.worker import READY, Flight, Worker, process_cpu_seconds
 
 # --------------------------------------------------------------------------- openai_api
 

@@ -1,4 +1,4 @@
-"""The stored responses (model_runtime/gateway/responses_store.py) on real SQLite files:
+"""The stored responses (model_runtime/gateway/apis/responses/store.py) on real SQLite files:
 owner-only, bounded in count and bytes (oldest first), expired by age, per tenant, kept
 across a reopen."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from model_runtime.gateway.responses_store import (
+from model_runtime.gateway.apis.responses.store import (
     ResponsesSettings,
     ResponseStore,
     StoredResponse,

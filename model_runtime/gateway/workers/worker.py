@@ -30,13 +30,13 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from ..chat.formats import ChatFormat, detect_format
-from ..chat.templates import ChatTemplate, TemplateError
-from ..v1 import runtime_pb2 as pb
-from ..v1 import runtime_pb2_grpc as pb_grpc
-from .offload import TemplateSpec
+from ...chat.formats import ChatFormat, detect_format
+from ...chat.templates import ChatTemplate, TemplateError
+from ...v1 import runtime_pb2 as pb
+from ...v1 import runtime_pb2_grpc as pb_grpc
+from ..pipeline.offload import TemplateSpec
+from ..settings import ModelSpec, Supervision
 from .router import PrefixTracker, tenant_text
-from .settings import ModelSpec, Supervision
 from .supervisor import (
     FAILED,
     READY,

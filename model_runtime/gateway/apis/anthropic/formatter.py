@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..chat.parsing import ContentDelta, Delta, ParsedOutput, ReasoningDelta, ToolCallDelta
-from ..v1 import runtime_pb2 as pb
-from .anthropic_api import MessagesRequest
+from ....chat.parsing import ContentDelta, Delta, ParsedOutput, ReasoningDelta, ToolCallDelta
+from ....v1 import runtime_pb2 as pb
+from .adapter import MessagesRequest
 
 __all__ = ["BlockStream", "event", "input_usage", "message_body", "message_start",
            "stop_reason", "usage"]

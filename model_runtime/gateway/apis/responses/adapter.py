@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .openai_api import ApiError, GenRequest, bad_param, parse_chat
+from ..openai.adapter import ApiError, GenRequest, bad_param, parse_chat
 
 __all__ = ["RESPONSES_FIELDS", "ResponsesRequest", "chat_messages_of_input", "new_id",
            "parse_responses", "unanswered_call"]

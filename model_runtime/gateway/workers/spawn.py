@@ -1,5 +1,5 @@
 """Start a child of the gateway (a worker, the cache daemon it starts) so that it dies with
-the gateway: ``python -m model_runtime.gateway.spawn PARENT_PID -- COMMAND...``.
+the gateway: ``python -m model_runtime.gateway.workers.spawn PARENT_PID -- COMMAND...``.
 
 The gateway starts each child in a new session (its own process group, which the gateway
 signals as a whole) through this wrapper, which asks the kernel to SIGKILL the process
@@ -21,7 +21,7 @@ PR_SET_PDEATHSIG = 1
 
 def main(argv: list[str]) -> None:
     if len(argv) < 4 or argv[2] != "--":
-        sys.exit("usage: python -m model_runtime.gateway.spawn PARENT_PID -- COMMAND...")
+        sys.exit("usage: python -m model_runtime.gateway.workers.spawn PARENT_PID -- COMMAND...")
     parent = int(argv[1])
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:

@@ -13,10 +13,8 @@ from typing import Any
 
 from aiohttp import web
 
-from ..chat.parsing import OutputParser
-from .anthropic_api import MessagesRequest, error_body, parse_count_tokens, parse_messages_request
-from .anthropic_output import BlockStream, event, message_body, message_start, stop_reason, usage
-from .app import (
+from ....chat.parsing import OutputParser
+from ...app import (
     FLEET,
     LARGE_BODY,
     MODEL_LABEL,
@@ -31,9 +29,11 @@ from .app import (
     refusal_error,
     render,
 )
-from .openai_api import parse_json, served_text
-from .openai_output import kvcache_details
-from .worker import RuntimeRefused, Worker, WorkerFailure
+from ...workers.worker import RuntimeRefused, Worker, WorkerFailure
+from ..openai.adapter import parse_json, served_text
+from ..openai.formatter import kvcache_details
+from .adapter import MessagesRequest, error_body, parse_count_tokens, parse_messages_request
+from .formatter import BlockStream, event, message_body, message_start, stop_reason, usage
 
 __all__ = ["PATH_PREFIX", "add_routes"]
 

@@ -28,12 +28,12 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..chat.formats import ChatFormat, detect_format
-from ..chat.grammars import SchemaError
-from ..chat.messages import ChatInputError
-from ..chat.prompt import PromptPlan, grammar_cost, plan_chat
-from ..chat.templates import ChatTemplate, TemplateError
-from .openai_api import (
+from ...chat.formats import ChatFormat, detect_format
+from ...chat.grammars import SchemaError
+from ...chat.messages import ChatInputError
+from ...chat.prompt import PromptPlan, grammar_cost, plan_chat
+from ...chat.templates import ChatTemplate, TemplateError
+from ..apis.openai.adapter import (
     ApiError,
     GenRequest,
     Limits,

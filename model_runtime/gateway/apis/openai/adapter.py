@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..chat.messages import ChatInputError
-from ..chat.prompt import ChatRequest, PromptPlan
-from ..v1 import runtime_pb2 as pb
-from .openai_chat import parse_messages, parse_response_format, parse_tool_choice, parse_tools
+from ....chat.messages import ChatInputError
+from ....chat.prompt import ChatRequest, PromptPlan
+from ....v1 import runtime_pb2 as pb
+from .chat import parse_messages, parse_response_format, parse_tool_choice, parse_tools
 
 MAX_STOP = 4  # OpenAI accepts up to 4 stop sequences
 MAX_N = 128

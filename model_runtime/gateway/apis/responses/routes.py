@@ -26,7 +26,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import Counter
 
-from .app import (
+from ...app import (
     FLEET,
     LARGE_BODY,
     MODEL_LABEL,
@@ -41,14 +41,21 @@ from .app import (
     refusal_error,
     render,
 )
-from .fleet import Fleet
-from .metrics import PREFIX
-from .openai_api import PROTO_FIELDS, SESSION_HEADER, ApiError, GenRequest, bad_param, parse_json
-from .openai_output import Choice, kvcache_details
-from .responses_api import ResponsesRequest, parse_responses
-from .responses_output import ResponseBuilder, reply_messages, sse_event
-from .responses_store import ResponseStore, StoredResponse
-from .worker import RuntimeRefused, WorkerFailure
+from ...fleet import Fleet
+from ...metrics import PREFIX
+from ...workers.worker import RuntimeRefused, WorkerFailure
+from ..openai.adapter import (
+    PROTO_FIELDS,
+    SESSION_HEADER,
+    ApiError,
+    GenRequest,
+    bad_param,
+    parse_json,
+)
+from ..openai.formatter import Choice, kvcache_details
+from .adapter import ResponsesRequest, parse_responses
+from .formatter import ResponseBuilder, reply_messages, sse_event
+from .store import ResponseStore, StoredResponse
 
 __all__ = ["add_responses_routes"]
 

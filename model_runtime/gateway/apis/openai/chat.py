@@ -10,7 +10,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from ..chat.messages import (
+from ....chat.messages import (
     ROLES,
     ChatInputError,
     ChatMessage,

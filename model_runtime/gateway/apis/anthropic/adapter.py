@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..chat.messages import (
+from ....chat.messages import (
     ChatInputError,
     ChatMessage,
     Tool,
@@ -24,9 +24,9 @@ from ..chat.messages import (
     ToolChoice,
     tool_from_openai,
 )
-from ..chat.prompt import ChatRequest, PromptPlan
-from ..v1 import runtime_pb2 as pb
-from .openai_api import ApiError, GenRequest, check_text
+from ....chat.prompt import ChatRequest, PromptPlan
+from ....v1 import runtime_pb2 as pb
+from ..openai.adapter import ApiError, GenRequest, check_text
 
 __all__ = ["COUNT_FIELDS", "MESSAGES_FIELDS", "MessagesRequest", "error_body",
            "parse_count_tokens", "parse_messages_request"]

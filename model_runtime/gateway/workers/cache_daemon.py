@@ -35,7 +35,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvcache.client import CacheClient
 from kvcache.common import lock_is_held
 
-from .settings import SettingsError, Supervision
+from ..settings import SettingsError, Supervision
 from .supervisor import READY, StartError, Supervised, spawned_command
 
 log = logging.getLogger("model_runtime.gateway")

@@ -9,9 +9,9 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from ..chat.parsing import ContentDelta, Delta, OutputParser, ReasoningDelta, ToolCallDelta
-from ..v1 import runtime_pb2 as pb
-from .openai_api import GenRequest, served_text
+from ....chat.parsing import ContentDelta, Delta, OutputParser, ReasoningDelta, ToolCallDelta
+from ....v1 import runtime_pb2 as pb
+from .adapter import GenRequest, served_text
 
 __all__ = ["DONE", "Choice", "chunk", "finish_reason", "kvcache_details", "response_body",
            "sse", "usage"]

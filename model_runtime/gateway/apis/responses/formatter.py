@@ -11,9 +11,9 @@ import json
 import time
 from typing import Any
 
-from ..chat.parsing import ContentDelta, Delta, ReasoningDelta, ToolCallDelta
-from ..v1 import runtime_pb2 as pb
-from .responses_api import ResponsesRequest, new_id
+from ....chat.parsing import ContentDelta, Delta, ReasoningDelta, ToolCallDelta
+from ....v1 import runtime_pb2 as pb
+from .adapter import ResponsesRequest, new_id
 
 __all__ = ["ResponseBuilder", "reply_messages", "responses_usage", "sse_event"]
 

@@ -27,8 +27,8 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ..settings import Supervision
 from .ring import LogRing
-from .settings import Supervision
 
 log = logging.getLogger("model_runtime.gateway")
 
@@ -42,7 +42,7 @@ class StartError(Exception):
 
 def spawned_command(argv: list[str]) -> list[str]:
     """``argv`` run through spawn.py, so that it dies with this process."""
-    return [sys.executable, "-m", "model_runtime.gateway.spawn", str(os.getpid()), "--",
+    return [sys.executable, "-m", "model_runtime.gateway.workers.spawn", str(os.getpid()), "--",
             *argv]
 
 

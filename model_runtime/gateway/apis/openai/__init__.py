@@ -1,0 +1,1 @@
+"""OpenAI's chat completions and completions."""
