@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 from benchlib import emit_json, log, machine_info, summarize
 from harness.procs import Gateway, short_workdir
 
-from model_runtime.gateway.apis.openai.adapter import Limits
+from model_runtime.gateway.limits import Limits
 
 
 def memory_kib(pid: int) -> dict[str, int]:

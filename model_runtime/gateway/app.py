@@ -26,13 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..chat.prompt import PromptPlan
 from ..config import MAX_REQUEST_MESSAGE_BYTES
 from .apis.anthropic.adapter import error_body as anthropic_error_body
-from .apis.openai.adapter import (
-    PROTO_FIELDS,
-    SESSION_HEADER,
-    ApiError,
-    GenRequest,
-    too_large,
-)
+from .apis.openai.adapter import SESSION_HEADER
 from .apis.openai.formatter import (
     DONE,
     Choice,
@@ -44,10 +38,13 @@ from .apis.openai.formatter import (
     usage,
 )
 from .connections import ConnectionGate
+from .errors import ApiError
 from .fleet import Fleet
 from .keys import Caller, is_loopback
+from .limits import too_large
 from .metrics import NO_TENANT, TenantView
 from .pipeline.offload import Offload, parse_request, render_light
+from .pipeline.request import PROTO_FIELDS, GenRequest
 from .workers.worker import RuntimeRefused, Worker, WorkerFailure
 
 log = logging.getLogger("model_runtime.gateway")

@@ -13,9 +13,9 @@ from typing import Any
 import click
 
 from .. import kernels
-from .apis.openai.adapter import Limits
 from .apis.responses.store import ResponsesSettings, default_responses_dir
 from .connections import ConnectionSettings, ConnectionSettingsError
+from .limits import Limits
 from .settings import DEFAULT_LISTEN, ModelSpec, SettingsError, Supervision, model_name
 
 _SUP = Supervision()

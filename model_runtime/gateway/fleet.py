@@ -31,7 +31,7 @@ from typing import Any
 
 from kvcache.config import default_dir
 
-from .apis.openai.adapter import ApiError
+from .errors import ApiError
 from .keys import ApiKeys
 from .metrics import GatewayMetrics
 from .settings import GatewaySettings

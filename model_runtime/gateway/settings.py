@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from .apis.openai.adapter import Limits
 from .apis.responses.store import ResponsesSettings
 from .connections import ConnectionSettings
+from .limits import Limits
 
 DEFAULT_LISTEN = "127.0.0.1:8000"
 # Anthropic's cache_control ttls and the seconds each pins its entry in the daemon.

@@ -28,7 +28,7 @@ from model_runtime.chat.prompt import plan_chat
 from model_runtime.chat.templates import ChatTemplate
 from model_runtime.gateway.apis.anthropic.adapter import error_body, parse_messages_request
 from model_runtime.gateway.apis.anthropic.formatter import BlockStream
-from model_runtime.gateway.apis.openai.adapter import ApiError
+from model_runtime.gateway.errors import ApiError
 from tests.support.daemon_proc import DaemonProcess, wait_for
 from tests.support.entries import IDENT, toks
 from tests.support.gateway_proc import GatewayProcess, kill_leftovers, wait_gone

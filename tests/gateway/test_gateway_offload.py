@@ -25,8 +25,11 @@ from harness.procs import pythonpath_env
 
 from model_runtime.chat.formats import detect_format
 from model_runtime.chat.templates import ChatTemplate
-from model_runtime.gateway.apis.openai.adapter import ApiError, GenRequest, Limits, parse_chat
+from model_runtime.gateway.apis.openai.adapter import parse_chat
+from model_runtime.gateway.errors import ApiError
+from model_runtime.gateway.limits import Limits
 from model_runtime.gateway.pipeline.offload import Offload, TemplateSpec, parse_request, render_plan
+from model_runtime.gateway.pipeline.request import GenRequest
 
 SPEC = TemplateSpec(CHATML_TEMPLATE, "", "<|im_end|>", False)
 

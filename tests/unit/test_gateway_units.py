@@ -10,17 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from model_runtime.v1 import runtime_pb2 as pb
 
-from model_runtime.gateway.apis.openai.adapter import (
-    ApiError,
-    Limits,
-    parse_chat,
-    parse_completion,
-    parse_json,
-    served_text,
-)
+from model_runtime.gateway.apis.openai.adapter import parse_chat, parse_completion
 from model_runtime.gateway.apis.openai.formatter import chunk, usage
+from model_runtime.gateway.errors import ApiError
 from model_runtime.gateway.keys import (
     ApiKeys,
     Caller,
@@ -28,6 +21,8 @@ from model_runtime.gateway.keys import (
     check_listener,
     is_loopback,
 )
+from model_runtime.gateway.limits import Limits, parse_json
+from model_runtime.gateway.pipeline.request import served_text
 from model_runtime.gateway.settings import (
     GatewaySettings,
     ModelSpec,
@@ -48,6 +43,7 @@ from model_runtime.gateway.workers.router import (
     tenant_text,
 )
 from model_runtime.gateway.workers.worker import READY, Flight, Worker, process_cpu_seconds
+from model_runtime.v1 import runtime_pb2 as pb
 
 # --------------------------------------------------------------------------- openai_api
 

@@ -33,15 +33,10 @@ from ...chat.grammars import SchemaError
 from ...chat.messages import ChatInputError
 from ...chat.prompt import PromptPlan, grammar_cost, plan_chat
 from ...chat.templates import ChatTemplate, TemplateError
-from ..apis.openai.adapter import (
-    ApiError,
-    GenRequest,
-    Limits,
-    bad_param,
-    parse_chat,
-    parse_completion,
-    parse_json,
-)
+from ..apis.openai.adapter import parse_chat, parse_completion
+from ..errors import ApiError, bad_param
+from ..limits import Limits, parse_json
+from .request import GenRequest
 
 log = logging.getLogger("model_runtime.gateway")
 PR_SET_PDEATHSIG = 1

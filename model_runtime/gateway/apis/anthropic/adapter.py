@@ -26,7 +26,9 @@ from ....chat.messages import (
 )
 from ....chat.prompt import ChatRequest, PromptPlan
 from ....v1 import runtime_pb2 as pb
-from ..openai.adapter import ApiError, GenRequest, check_text
+from ...errors import ApiError
+from ...limits import check_text
+from ...pipeline.request import GenRequest
 
 __all__ = ["COUNT_FIELDS", "MESSAGES_FIELDS", "MessagesRequest", "error_body",
            "parse_count_tokens", "parse_messages_request"]

@@ -29,8 +29,9 @@ from ...app import (
     refusal_error,
     render,
 )
+from ...limits import parse_json
+from ...pipeline.request import served_text
 from ...workers.worker import RuntimeRefused, Worker, WorkerFailure
-from ..openai.adapter import parse_json, served_text
 from ..openai.formatter import kvcache_details
 from .adapter import MessagesRequest, error_body, parse_count_tokens, parse_messages_request
 from .formatter import BlockStream, event, message_body, message_start, stop_reason, usage

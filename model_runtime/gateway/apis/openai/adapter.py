@@ -7,18 +7,16 @@ I/O: the HTTP routes (``app``) call them; the answers' shapes are in ``openai_ou
 
 from __future__ import annotations
 
-import json
 import math
 import re
-import secrets
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from ....chat.messages import ChatInputError
-from ....chat.prompt import ChatRequest, PromptPlan
-from ....v1 import runtime_pb2 as pb
+from ....chat.prompt import ChatRequest
+from ...errors import ApiError, bad_param
+from ...limits import check_text
+from ...pipeline.request import PROTO_FIELDS, GenRequest
 from .chat import parse_messages, parse_response_format, parse_tool_choice, parse_tools
 
 MAX_STOP = 4  # OpenAI accepts up to 4 stop sequences
@@ -27,11 +25,8 @@ MAX_TOP_LOGPROBS = 20  # chat (OpenAI's bound)
 MAX_TEXT_LOGPROBS = 5  # completions' integer logprobs (OpenAI's bound)
 SESSION_HEADER = "X-Session-Id"
 MAX_SESSION_ID = 256
-MAX_DEPTH = 64  # nesting of the JSON body (a tool's schema is the deepest part)
 MAX_TOKEN_ID = 2**31 - 1  # llama.cpp's llama_token is an int32
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
-#: The runtime's request fields (the sampler's settings come with llama.cpp's chain).
-PROTO_FIELDS = frozenset(f.name for f in pb.CompleteRequest.DESCRIPTOR.fields)
 
 _COMMON_FIELDS = {
     "model": "the served model's name (GET /v1/models)",
@@ -108,240 +103,7 @@ _SAMPLER = {"frequency_penalty": ("frequency_penalty", (None, 0)),
             "n": ("n", (None, 1))}
 
 
-class ApiError(Exception):
-    """An answer in OpenAI's error format: ``{"error": {message, type, param, code}}``."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-    def __reduce__(self) -> tuple[Any, ...]:  # pickled whole (it comes from the helper)
-        return (_api_error, (self.status, self.message, self.type, self.param, self.code,
-                             self.headers))
-
-
-def _api_error(status: int, message: str, type: str, param: str | None, code: str | None,
-               headers: dict[str, str]) -> ApiError:
-    return ApiError(status, message, type=type, param=param, code=code, headers=headers)
-
-
-def bad_param(param: str, message: str, code: str = "invalid_value") -> ApiError:
-    return ApiError(400, message, param=param, code=code)
-
-
-@dataclass
-class GenRequest:
-    """One completion request, checked: what goes to a worker, and how to answer."""
-
-    endpoint: str  # "chat" | "text"
-    model: str
-    stream: bool
-    include_usage: bool
-    max_tokens: int | None  # None: until the context is full
-    temperature: float
-    top_p: float
-    seed: int | None
-    stop: list[str]
-    session_id: str
-    n: int = 1
-    route_key: str = ""  # prompt_cache_key / user: a routing preference
-    top_k: int = 0
-    min_p: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repeat_penalty: float | None = None
-    repeat_last_n: int | None = None
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    logprobs: bool = False
-    top_logprobs: int = 0
-    grammar: str | None = None  # completions (chat: in ``chat``)
-    chat: ChatRequest | None = None
-    prompt: str | None = None
-    tokens: list[int] | None = None
-    created: int = field(default_factory=lambda: int(time.time()))
-    id: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.id:
-            prefix = "chatcmpl" if self.endpoint == "chat" else "cmpl"
-            self.id = f"{prefix}-{secrets.token_hex(12)}"
-
-    def to_proto(self, plan: PromptPlan | None = None) -> pb.CompleteRequest:
-        """The runtime's request; a chat needs its ``plan`` (the prompt the gateway
-        rendered with the worker's template)."""
-        # A max_tokens given must fit with the prompt (the runtime refuses it otherwise, as
-        # OpenAI does); none given: until the context is full.
-        req = pb.CompleteRequest(
-            session_id=self.session_id, max_tokens=self.max_tokens or 0,
-            until_context_full=self.max_tokens is None, temperature=self.temperature,
-            top_p=self.top_p, top_k=self.top_k, stop=self.stop, logprobs=self.logprobs,
-            top_logprobs=self.top_logprobs)
-        if self.seed is not None:
-            req.seed = self.seed
-        sampler: dict[str, Any] = {
-            "n": self.n if self.n > 1 else None, "min_p": self.min_p,
-            "presence_penalty": self.presence_penalty or None,
-            "frequency_penalty": self.frequency_penalty or None,
-            "repeat_penalty": self.repeat_penalty, "penalty_last_n": self.repeat_last_n}
-        for name, value in sampler.items():
-            if value is not None and name in PROTO_FIELDS:
-                setattr(req, name, value)
-        if self.logit_bias and "logit_bias" in PROTO_FIELDS:
-            req.logit_bias.update(self.logit_bias)
-        grammar = self.grammar
-        triggers: tuple[str, ...] = ()
-        if plan is not None:
-            req.prompt = plan.text
-            req.prefix_chars = plan.head_chars
-            if plan.constraint is not None:
-                grammar, triggers = plan.constraint.grammar, plan.constraint.triggers
-        elif self.tokens is not None:
-            req.tokens.ids.extend(self.tokens)
-        else:
-            req.prompt = self.prompt or ""
-        if grammar is not None:
-            if "grammar" not in PROTO_FIELDS:  # a runtime without constrained decoding
-                param = "tool_choice" if self.chat and self.chat.tools else \
-                    "response_format" if self.chat and self.chat.json_schema else "grammar"
-                raise bad_param(param, "This needs constrained decoding (a grammar), which "
-                                       "this server's runtime does not have.",
-                                code="unsupported_parameter")
-            req.grammar = grammar
-            for trigger in triggers:  # literals: the text that opens a tool call
-                req.grammar_triggers.add(value=trigger)
-        return req
-
-    def routing_text(self, served: str | None = None) -> str:
-        """The request as one string whose prefixes match those of a later request that
-        continues it: the tools and a chat's messages (plus ``served``, the reply as the
-        next turn will carry it), or a raw prompt (plus its completion). Used only to
-        route, never sent."""
-        if self.chat is not None:
-            tools = json.dumps([t.as_openai() for t in self.chat.tools], sort_keys=True)
-            parts = [f"{m.role}\x1f{m.content}\x1f" +
-                     "".join(f"{c.name}{c.arguments}" for c in m.tool_calls) + "\x1e"
-                     for m in self.chat.messages]
-            if served is not None:
-                parts.append(f"assistant\x1f{served}")
-            return "\x00chat\x00" + tools + "\x00" + "".join(parts)
-        if self.tokens is not None:
-            return "\x00tokens\x00" + "".join(f"{t}," for t in self.tokens)
-        return "\x00text\x00" + (self.prompt or "") + (served or "")
-
-
-def served_text(content: str, calls: list[tuple[str, str]]) -> str:
-    """A reply as :meth:`GenRequest.routing_text` writes an assistant turn."""
-    return f"{content}\x1f" + "".join(f"{name}{args}" for name, args in calls) + "\x1e"
-
-
-# --------------------------------------------------------------------------- parsing
-
-
-@dataclass(frozen=True)
-class Limits:
-    """The work one request may ask for; each bound is refused with a 4xx naming it.
-    ``body_bytes`` is checked before the body is read (Content-Length) and while it is
-    (a body sent without one); the others once it is parsed, before any rendering.
-    (tests/gateway/test_gateway_limits.py)"""
-
-    body_bytes: int = 4 << 20
-    messages: int = 4096
-    chars: int = 2_000_000  # characters of every string in the body together
-    depth: int = MAX_DEPTH
-
-    def __post_init__(self) -> None:
-        for name in ("body_bytes", "messages", "chars", "depth"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"limit {name} must be an integer >= 1, got {value!r}")
-
-
-def too_large(limits: Limits, size: int | None = None) -> ApiError:
-    given = f" ({size} bytes)" if size is not None else ""
-    return ApiError(413, f"The request body{given} is larger than this server's limit of "
-                         f"{limits.body_bytes} bytes (--max-body-bytes).",
-                    code="request_too_large")
-
-
-def parse_json(body: bytes, limits: Limits | None = None) -> dict[str, Any]:
-    """The body as a JSON object, held to ``limits``: nesting depth, valid Unicode in every
-    string (a lone surrogate such as ``\\ud800`` cannot be encoded for the worker), the
-    characters of all strings together, and the number of chat messages."""
-    limits = limits or Limits()
-    try:
-        data = json.loads(body)
-    except RecursionError:  # nested deeper than the parser's own stack allows
-        raise _too_deep(limits) from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"We could not parse the JSON body of your request ({exc}). The "
-                            "body must be a JSON object.", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "The request body must be a JSON object.", code="invalid_json")
-    chars = 0
-    for name, value in data.items():
-        chars += check_text(name, name)
-        chars += _check_value(name, value, limits)
-        if chars > limits.chars:
-            raise ApiError(413, f"The request's text is longer than this server's limit of "
-                                f"{limits.chars} characters (--max-chars).", param=name,
-                           code="request_too_large")
-    messages = data.get("messages")
-    if isinstance(messages, list) and len(messages) > limits.messages:
-        raise bad_param("messages", f"Invalid 'messages': array too long. Expected an array "
-                                    f"with maximum length {limits.messages} (--max-messages), "
-                                    f"but got an array with length {len(messages)} instead.",
-                        code="array_above_max_length")
-    return data
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def check_text(param: str, text: str) -> int:
-    """``text``'s length; a 400 naming ``param`` if it holds a lone surrogate (JSON's
-    ``\\ud800`` escapes, or a header's bytes that are not UTF-8)."""
-    if _SURROGATE.search(text):
-        raise bad_param(param, f"'{param}' holds a lone surrogate or bytes that are not "
-                               "UTF-8: text must be valid Unicode.")
-    return len(text)
-
-
-def _too_deep(limits: Limits) -> ApiError:
-    return ApiError(400, f"The request body is nested deeper than {limits.depth} levels.",
-                    code="invalid_json")
-
-
-def _check_value(param: str, value: Any, limits: Limits) -> int:
-    """Characters of every string in ``value`` (keys included), checked by
-    :func:`check_text`; a 400 if it nests deeper than ``limits.depth``. Iterative, linear
-    in the value's size."""
-    chars = 0
-    stack: list[tuple[Any, int]] = [(value, 2)]  # the body's object is level 1
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, str):
-            chars += check_text(param, item)
-        elif isinstance(item, (list, dict)):
-            if depth > limits.depth:
-                raise _too_deep(limits)
-            if isinstance(item, dict):
-                for key, sub in item.items():
-                    chars += check_text(param, key)
-                    stack.append((sub, depth + 1))
-            else:
-                stack.extend((sub, depth + 1) for sub in item)
-    return chars
 
 
 def _number(data: dict[str, Any], name: str, default: float, low: float, high: float,
@@ -551,6 +313,5 @@ def parse_completion(data: dict[str, Any], session_header: str | None = None) ->
                     code="invalid_type" if prompt is not None else "missing_required")
 
 
-__all__ = ["CHAT_FIELDS", "COMPLETION_FIELDS", "SESSION_HEADER", "ApiError", "GenRequest",
-           "Limits", "bad_param", "check_text", "parse_chat", "parse_completion", "parse_json",
-           "served_text", "too_large"]
+__all__ = ["CHAT_FIELDS", "COMPLETION_FIELDS", "SESSION_HEADER", "parse_chat",
+           "parse_completion"]

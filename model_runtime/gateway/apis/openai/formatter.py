@@ -11,7 +11,7 @@ from typing import Any
 
 from ....chat.parsing import ContentDelta, Delta, OutputParser, ReasoningDelta, ToolCallDelta
 from ....v1 import runtime_pb2 as pb
-from .adapter import GenRequest, served_text
+from ...pipeline.request import GenRequest, served_text
 
 __all__ = ["DONE", "Choice", "chunk", "finish_reason", "kvcache_details", "response_body",
            "sse", "usage"]

@@ -17,7 +17,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..openai.adapter import ApiError, GenRequest, bad_param, parse_chat
+from ...errors import ApiError, bad_param
+from ...pipeline.request import GenRequest
+from ..openai.adapter import parse_chat
 
 __all__ = ["RESPONSES_FIELDS", "ResponsesRequest", "chat_messages_of_input", "new_id",
            "parse_responses", "unanswered_call"]

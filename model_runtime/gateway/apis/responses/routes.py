@@ -41,17 +41,13 @@ from ...app import (
     refusal_error,
     render,
 )
+from ...errors import ApiError, bad_param
 from ...fleet import Fleet
+from ...limits import parse_json
 from ...metrics import PREFIX
+from ...pipeline.request import PROTO_FIELDS, GenRequest
 from ...workers.worker import RuntimeRefused, WorkerFailure
-from ..openai.adapter import (
-    PROTO_FIELDS,
-    SESSION_HEADER,
-    ApiError,
-    GenRequest,
-    bad_param,
-    parse_json,
-)
+from ..openai.adapter import SESSION_HEADER
 from ..openai.formatter import Choice, kvcache_details
 from .adapter import ResponsesRequest, parse_responses
 from .formatter import ResponseBuilder, reply_messages, sse_event
