@@ -45,7 +45,8 @@ from .limits import too_large
 from .metrics import NO_TENANT, TenantView
 from .pipeline.offload import Offload, parse_request, render_light
 from .pipeline.request import PROTO_FIELDS, GenRequest
-from .workers.worker import RuntimeRefused, Worker, WorkerFailure
+from .workers.errors import RuntimeRefused, WorkerFailure
+from .workers.worker import Worker
 
 log = logging.getLogger("model_runtime.gateway")
 FLEET = web.AppKey("fleet", Fleet)
@@ -401,19 +402,19 @@ async def render(request: web.Request, req: GenRequest, worker: Worker,
     within a few hundred pieces of output."""
     if req.chat is None:
         return None
-    offload = worker.template_spec is not None
+    offload = worker.process.info.template_spec is not None
     if not large or not offload:
         gone = threading.Event()
         try:
             rendered, plan = await asyncio.to_thread(
-                render_light, req, worker.template, worker.chat_format, gone.is_set,
+                render_light, req, worker.process.info.template, worker.process.info.chat_format, gone.is_set,
                 not offload)
         finally:
             gone.set()
         if rendered:
             return plan
-    assert worker.template_spec is not None
-    return await request.app[OFFLOAD].render(worker.template_spec, req)
+    assert worker.process.info.template_spec is not None
+    return await request.app[OFFLOAD].render(worker.process.info.template_spec, req)
 
 
 @dataclass
@@ -450,7 +451,7 @@ async def on_worker(request: web.Request, req: GenRequest, worker: Worker, fligh
     finally:
         if served.outcome == "disconnected" and computes:
             served.text = req.routing_text()
-        worker.release(flight, served.text)
+        request.app[FLEET].release(worker, flight, served.text)
         request[OUTCOME] = served.outcome
 
 
@@ -483,7 +484,7 @@ async def complete(request: web.Request, endpoint: str) -> web.StreamResponse:
         check_message_size(proto)
         choices = [Choice(i, prompt.parser() if prompt is not None else None)
                    for i in range(req.n)]
-        events = worker.events(flight, proto)
+        events = worker.client.events(flight, proto)
         async with contextlib.aclosing(events):
             if req.stream:
                 response, served.text, served.outcome = await stream(

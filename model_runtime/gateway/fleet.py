@@ -37,7 +37,9 @@ from .metrics import GatewayMetrics
 from .settings import GatewaySettings
 from .workers.cache_daemon import CacheDaemon
 from .workers.router import NoFreeSlot, NoReadyWorker, SessionMap, choose, tenant_text
-from .workers.worker import FAILED, Flight, Worker
+from .workers.slots import Flight, SlotLedger
+from .workers.supervisor import FAILED
+from .workers.worker import Worker
 
 log = logging.getLogger("model_runtime.gateway")
 RETRY_AFTER_S = 1  # what a refused client is told to wait: a slot frees per completion
@@ -85,7 +87,8 @@ class Fleet:
         else:
             self.run_dir = settings.run_dir
             self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.metrics = GatewayMetrics(lambda: self.workers)
+        self.metrics = GatewayMetrics(self.slot_rows)
+        self.ledger = SlotLedger()  # every worker's slots: who holds them
         self.workers: list[Worker] = []
         self.pools: dict[str, list[Worker]] = {}  # by model: every tenant's
         for spec in settings.models:
@@ -93,7 +96,7 @@ class Fleet:
             for _ in range(spec.workers):
                 name = f"w{len(self.workers)}"
                 worker = Worker(name, spec, self.run_dir / f"{name}.sock",
-                                settings.cache_address, settings.supervision,
+                                settings.cache_address, settings.supervision, self.ledger,
                                 on_restart=self.metrics.on_restart)
                 pool.append(worker)
                 self.workers.append(worker)
@@ -114,11 +117,11 @@ class Fleet:
 
     def start(self) -> None:
         for worker in self.workers:
-            worker.start()
+            worker.process.start()
 
     async def stop(self) -> None:
         self.stopping = True
-        await asyncio.gather(*(w.stop() for w in self.workers))
+        await asyncio.gather(*(w.process.stop() for w in self.workers))
         # After the workers: they save their live sequences to it as they stop.
         if self.cache_daemon is not None:
             await self.cache_daemon.stop()
@@ -127,7 +130,7 @@ class Fleet:
         else:  # only what the workers made there (a killed runtime leaves its socket)
             for worker in self.workers:
                 with contextlib.suppress(OSError):
-                    worker.socket_path.unlink()
+                    worker.process.socket_path.unlink()
 
     # -- what clients see -------------------------------------------------------------------
 
@@ -141,7 +144,8 @@ class Fleet:
     def models(self) -> list[dict[str, Any]]:
         out = []
         for spec in self.settings.models:
-            n_ctx = max((w.n_ctx for w in self.workers if w.spec.name == spec.name), default=0)
+            n_ctx = max((w.process.info.n_ctx for w in self.workers
+                         if w.spec.name == spec.name), default=0)
             out.append({"id": spec.name, "object": "model", "created": 0,
                         "owned_by": "kvcache", "context_length": n_ctx or None,
                         "max_model_len": n_ctx or None, "workers": spec.workers,
@@ -156,7 +160,23 @@ class Fleet:
                             self.tenant_bound(self.pools[model["id"]])}
                            for model in self.models()],
                 "cache": self.cache_status(),
-                "workers": [w.status() for w in self.workers]}
+                "workers": [self.worker_status(w) for w in self.workers]}
+
+    def worker_status(self, worker: Worker) -> dict[str, Any]:
+        """A worker's process (state, pid, restarts, logs) and its slots."""
+        return {
+            **worker.process.status(), "model": worker.spec.name,
+            "socket": str(worker.process.socket_path), "slots_total": worker.slots,
+            "slots_busy": self.ledger.busy(worker.name),
+            "slots_busy_by_tenant": self.ledger.busy_by_tenant(worker.name),
+            "served": worker.served, "n_ctx": worker.process.info.n_ctx,
+        }
+
+    def slot_rows(self) -> list[tuple[str, str, int, dict[str, int]]]:
+        """Each worker's model, state, slots (0 unless ready) and busy slots by tenant,
+        for the metrics."""
+        return [(w.spec.name, w.process.state, w.slots if w.ready else 0,
+                 self.ledger.busy_by_tenant(w.name)) for w in self.workers]
 
     def cache_status(self) -> dict[str, Any]:
         """The workers' cache daemon: the one the gateway keeps (its state, and whether
@@ -178,10 +198,9 @@ class Fleet:
             return None
         return math.ceil(total / 2)
 
-    @staticmethod
-    def tenant_busy(pool: list[Worker], tenant: str) -> int:
+    def tenant_busy(self, pool: list[Worker], tenant: str) -> int:
         """Slots of ``pool`` that ``tenant``'s requests hold now."""
-        return sum(w.tenant_slots(tenant) for w in pool)
+        return self.ledger.tenant_busy((w.name for w in pool), tenant)
 
     def _tenant_full(self, pool: list[Worker], tenant: str, slots: int = 1) -> bool:
         bound = self.tenant_bound(pool)
@@ -252,7 +271,7 @@ class Fleet:
                                type="rate_limit_error", code="no_slot_available",
                                headers={"Retry-After": str(RETRY_AFTER_S)}) from None
             except NoReadyWorker:
-                if self.stopping or all(w.state == FAILED for w in pool):
+                if self.stopping or all(w.process.state == FAILED for w in pool):
                     raise ApiError(503, f"No worker of model '{model}' can serve (crash "
                                         "loop; see the status endpoint).", type="server_error",
                                    code="worker_failed") from None
@@ -264,7 +283,14 @@ class Fleet:
                 await asyncio.sleep(0.05)
         if key:
             self.sessions.set(session_key, worker.name)
-        return worker, worker.acquire(tenant, slots)
+        return worker, self.ledger.acquire(worker.name, tenant, slots)
+
+    def release(self, worker: Worker, flight: Flight, served_text: str | None = None) -> None:
+        """A request's slots back; ``served_text`` (its prompt and reply, whose KV the
+        worker now holds) remembered for routing, unless the worker failed it."""
+        self.ledger.release(flight)
+        if served_text is not None and flight.failure is None:
+            worker.remember(tenant_text(flight.tenant, served_text))
 
 
 def tenant_busy_error(model: str | None, bound: int | None = None) -> ApiError:

@@ -17,17 +17,20 @@ from prometheus_client.registry import Collector
 from kvcache.metrics import LATENCY_BUCKETS
 
 from .connections import ConnectionGate
-from .workers.worker import Worker
 
 PREFIX = "kvcache_gateway"
 NO_TENANT = "(none)"  # a request refused before its key named a tenant (no tenant has it)
 
 
-class WorkerCollector(Collector):
-    """Slots and worker states, read from the workers at each scrape."""
+# Each worker's model, state, slots (0 unless ready) and busy slots by tenant.
+SlotRow = tuple[str, str, int, dict[str, int]]
 
-    def __init__(self, workers: Callable[[], Iterable[Worker]]) -> None:
-        self.workers = workers
+
+class WorkerCollector(Collector):
+    """Slots and worker states, read from the fleet at each scrape."""
+
+    def __init__(self, rows: Callable[[], Iterable[SlotRow]]) -> None:
+        self.rows = rows
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         slots = GaugeMetricFamily(f"{PREFIX}_slots", "Request slots of ready workers "
@@ -41,13 +44,12 @@ class WorkerCollector(Collector):
         total: dict[str, int] = {}
         by_tenant: dict[tuple[str, str], int] = {}
         by_state: dict[tuple[str, str], int] = {}
-        for w in self.workers():
-            model = w.spec.name
-            for tenant, n in w.busy_by_tenant().items():
+        for model, state, ready_slots, busy_by_tenant in self.rows():
+            for tenant, n in busy_by_tenant.items():
                 busy[model] = busy.get(model, 0) + n
                 by_tenant[(model, tenant)] = by_tenant.get((model, tenant), 0) + n
-            total[model] = total.get(model, 0) + (w.slots if w.ready else 0)
-            by_state[(model, w.state)] = by_state.get((model, w.state), 0) + 1
+            total[model] = total.get(model, 0) + ready_slots
+            by_state[(model, state)] = by_state.get((model, state), 0) + 1
         for model in total:
             slots.add_metric([model, "busy"], busy.get(model, 0))
             slots.add_metric([model, "free"], max(0, total[model] - busy.get(model, 0)))
@@ -61,7 +63,7 @@ class WorkerCollector(Collector):
 
 
 class GatewayMetrics:
-    def __init__(self, workers: Callable[[], Iterable[Worker]]) -> None:
+    def __init__(self, slot_rows: Callable[[], Iterable[SlotRow]]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(f"{PREFIX}_requests", "Requests, refused ones included, by "
@@ -92,7 +94,7 @@ class GatewayMetrics:
             f"{PREFIX}_connections_idle_closed", "Connections closed while idle (no "
             "request in progress) to make room for a new one, at the total cap",
             registry=r)
-        r.register(WorkerCollector(workers))
+        r.register(WorkerCollector(slot_rows))
 
     def watch_connections(self, gate: ConnectionGate) -> None:
         self.connections.set_function(lambda: gate.open)
@@ -105,8 +107,8 @@ class GatewayMetrics:
         else:
             self.connections_refused.labels(why).inc()
 
-    def on_restart(self, worker: Worker, reason: str) -> None:
-        self.restarts.labels(worker.spec.name, reason).inc()
+    def on_restart(self, model: str, reason: str) -> None:
+        self.restarts.labels(model, reason).inc()
 
 
 class TenantView:

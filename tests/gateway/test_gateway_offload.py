@@ -28,8 +28,9 @@ from model_runtime.chat.templates import ChatTemplate
 from model_runtime.gateway.apis.openai.adapter import parse_chat
 from model_runtime.gateway.errors import ApiError
 from model_runtime.gateway.limits import Limits
-from model_runtime.gateway.pipeline.offload import Offload, TemplateSpec, parse_request, render_plan
+from model_runtime.gateway.pipeline.offload import Offload, parse_request, render_plan
 from model_runtime.gateway.pipeline.request import GenRequest
+from model_runtime.gateway.workers.process import TemplateSpec
 
 SPEC = TemplateSpec(CHATML_TEMPLATE, "", "<|im_end|>", False)
 

@@ -31,6 +31,12 @@ from model_runtime.gateway.settings import (
     load_config,
     split_listen,
 )
+from model_runtime.gateway.workers.process import (
+    ProcessHooks,
+    RuntimeInfo,
+    RuntimeProcess,
+    process_cpu_seconds,
+)
 from model_runtime.gateway.workers.ring import LogRing
 from model_runtime.gateway.workers.router import (
     MIN_ROUTE_CHARS,
@@ -42,7 +48,8 @@ from model_runtime.gateway.workers.router import (
     common_prefix_len,
     tenant_text,
 )
-from model_runtime.gateway.workers.worker import READY, Flight, Worker, process_cpu_seconds
+from model_runtime.gateway.workers.slots import Flight
+from model_runtime.gateway.workers.supervisor import READY
 from model_runtime.v1 import runtime_pb2 as pb
 
 # --------------------------------------------------------------------------- openai_api
@@ -329,10 +336,11 @@ def test_a_tenant_s_share_of_a_pool(tmp_path: Path, key_file: str | None,
     pool = fleet.pools["m"]
     assert len(pool) == 2 and fleet.workers == pool  # one pool, whatever the tenants
     # Workers that serve: slots split between the two (one with none left over).
-    pool[0].state = pool[1].state = READY
-    pool[0].slots, pool[1].slots = slots - slots // 2, slots // 2
+    pool[0].process.state = pool[1].process.state = READY
+    pool[0].process.info = RuntimeInfo(slots=slots - slots // 2)
+    pool[1].process.info = RuntimeInfo(slots=slots // 2)
     assert fleet.tenant_bound(pool) == bound
-    pool[0].acquire("alice")
+    fleet.ledger.acquire(pool[0].name, "alice")
     assert fleet.tenant_busy(pool, "alice") == 1 and fleet.tenant_busy(pool, "bob") == 0
 
 
@@ -348,14 +356,16 @@ def test_log_ring_keeps_the_last_lines() -> None:
 
 
 def test_stall_rule_counts_events_and_cpu_as_progress(tmp_path: Path) -> None:
-    worker = Worker("w0", ModelSpec("m", tmp_path), tmp_path / "s.sock", None,
-                    Supervision(stall_window_s=1.0))
     now = time.monotonic()
-    waiting = Flight(1, now - 5, "", wait_since=now - 2)
-    writing = Flight(2, now - 5, "", wait_since=None)  # the gateway is writing to its client
-    worker.flights = {2: writing}
+    waiting = Flight("w0", "", wait_since=now - 2)
+    writing = Flight("w0", "", wait_since=None)  # the gateway is writing to its client
+    flights = [writing]
+    worker = RuntimeProcess("w0", ModelSpec("m", tmp_path), tmp_path / "s.sock", None,
+                            Supervision(stall_window_s=1.0), ProcessHooks(
+                                spawned=lambda: None, failing=lambda reason, detail: None,
+                                waits=lambda: [f.wait_since for f in flights]))
     assert worker._stalled_for(now) is None
-    worker.flights[1] = waiting
+    flights.append(waiting)
     assert worker._stalled_for(now) == pytest.approx(2)
     worker.cpu_progress_at = now - 0.5  # the process computes (a prefill): not stalled
     assert worker._stalled_for(now) is None

@@ -25,7 +25,6 @@ import signal
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ...chat.formats import ChatFormat, detect_format
@@ -36,6 +35,7 @@ from ...chat.templates import ChatTemplate, TemplateError
 from ..apis.openai.adapter import parse_chat, parse_completion
 from ..errors import ApiError, bad_param
 from ..limits import Limits, parse_json
+from ..workers.process import TemplateSpec
 from .request import GenRequest
 
 log = logging.getLogger("model_runtime.gateway")
@@ -46,16 +46,6 @@ CANCEL_FLAGS = 64  # jobs in flight at once, at most (one runs, the others queue
 # budget's edge, tens of them), which on a thread would be the event loop's.
 HEAVY_GRAMMAR = 20_000
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class TemplateSpec:
-    """What a worker's runtime says of its chat template: enough to rebuild it."""
-
-    source: str
-    bos: str
-    eos: str
-    add_bos: bool
 
 
 def render_plan(req: GenRequest, template: ChatTemplate | None, fmt: ChatFormat | None,

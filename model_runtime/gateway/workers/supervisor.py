@@ -112,6 +112,17 @@ class Supervised:
         return self.proc.pid if self.proc is not None and self.proc.returncode is None \
             else None
 
+    async def exited_within(self, seconds: float) -> int | None:
+        """The process's exit status if it exits within ``seconds`` (the supervisor learns
+        of an exit within a tick); None while it runs, or when none was started."""
+        exited = self._exited
+        if exited is None:
+            return None
+        try:
+            return await asyncio.wait_for(asyncio.shield(exited), seconds)
+        except asyncio.TimeoutError:
+            return None
+
     def status(self) -> dict[str, Any]:
         return {
             "name": self.name, "state": self.state, "pid": self.pid,

@@ -31,7 +31,8 @@ from ...app import (
 )
 from ...limits import parse_json
 from ...pipeline.request import served_text
-from ...workers.worker import RuntimeRefused, Worker, WorkerFailure
+from ...workers.errors import RuntimeRefused, WorkerFailure
+from ...workers.worker import Worker
 from ..openai.formatter import kvcache_details
 from .adapter import MessagesRequest, error_body, parse_count_tokens, parse_messages_request
 from .formatter import BlockStream, event, message_body, message_start, stop_reason, usage
@@ -82,7 +83,7 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
         assert plan is not None  # a chat, always
         proto = req.to_proto(plan)
         check_message_size(proto)
-        tokens = await worker.count_tokens(flight, proto)
+        tokens = await worker.client.count_tokens(flight, proto)
         served.outcome = "ok"
         return web.json_response({"input_tokens": tokens})
 
@@ -101,7 +102,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         proto = mreq.to_proto(plan)
         check_message_size(proto)
         parser = plan.parser()
-        events = worker.events(flight, proto)
+        events = worker.client.events(flight, proto)
         async with contextlib.aclosing(events):
             if req.stream:
                 response, served.text, served.outcome = await _stream(

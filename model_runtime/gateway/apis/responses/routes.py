@@ -46,7 +46,7 @@ from ...fleet import Fleet
 from ...limits import parse_json
 from ...metrics import PREFIX
 from ...pipeline.request import PROTO_FIELDS, GenRequest
-from ...workers.worker import RuntimeRefused, WorkerFailure
+from ...workers.errors import RuntimeRefused, WorkerFailure
 from ..openai.adapter import SESSION_HEADER
 from ..openai.formatter import Choice, kvcache_details
 from .adapter import ResponsesRequest, parse_responses
@@ -201,7 +201,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                                         "the operator about --responses-dir.",
                                    type="server_error", code="store_failed") from None
 
-        events = worker.events(flight, proto)
+        events = worker.client.events(flight, proto)
         async with contextlib.aclosing(events):
             result = await run(request, rreq, req, worker, events, choice, builder, arrived,
                                finished)
@@ -224,7 +224,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     finally:
         if outcome == "disconnected":
             served = req.routing_text()
-        worker.release(flight, served)
+        fleet.release(worker, flight, served)
         request[OUTCOME] = outcome
 
 

@@ -1,0 +1,103 @@
+"""The calls to one worker's runtime: a request's events, a prompt's token count, and what
+a call's error means (:func:`WorkerClient.classify`): the runtime refused the request
+(:class:`RuntimeRefused`), or the worker failed (:class:`WorkerFailure`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator
+
+import grpc
+import grpc.aio
+
+from ...v1 import runtime_pb2 as pb
+from ...v1 import runtime_pb2_grpc as pb_grpc
+from .errors import RuntimeRefused, WorkerFailure
+from .process import RuntimeProcess
+from .slots import Flight
+
+__all__ = ["WorkerClient"]
+
+
+class WorkerClient:
+    """Calls to the runtime ``process`` serves, on its current channel."""
+
+    def __init__(self, process: RuntimeProcess) -> None:
+        self.process = process
+        self._stub: tuple[grpc.aio.Channel, pb_grpc.ModelRuntimeStub] | None = None
+
+    def _serving_stub(self) -> pb_grpc.ModelRuntimeStub:
+        """A stub on the channel of the process serving now; a failure when none is."""
+        process = self.process
+        channel = process.channel
+        if channel is None or not process.ready:
+            raise WorkerFailure("worker_restarted", f"worker {process.name} is not serving")
+        if self._stub is None or self._stub[0] is not channel:  # a new process's channel
+            self._stub = (channel, pb_grpc.ModelRuntimeStub(channel))
+        return self._stub[1]
+
+    async def events(self, flight: Flight,
+                     request: pb.CompleteRequest) -> AsyncGenerator[pb.CompleteEvent, None]:
+        """The runtime's events for ``request``. Raises :class:`WorkerFailure` when the
+        worker fails meanwhile, :class:`RuntimeRefused` when the runtime refuses it.
+        Closing the iterator early (a client gone) cancels the call, which frees the
+        runtime's sequence."""
+        stub = self._serving_stub()
+        # Every call carries the tenant of the flight's API key, set here, on the one way
+        # to a worker, so no route can forget it: workers serve every tenant, and a
+        # caller cannot name one (a "tenant" field of a body is refused as unknown).
+        request.tenant = flight.tenant
+        call = stub.Complete(request)
+        flight.call = call
+        try:
+            while True:
+                flight.wait_since = time.monotonic()
+                try:
+                    event = await call.read()
+                except asyncio.CancelledError:
+                    if flight.failure is not None:  # cancelled by supervision, not by us
+                        raise flight.failure from None
+                    raise
+                except grpc.aio.AioRpcError as exc:
+                    raise await self.classify(flight, exc) from None
+                finally:
+                    flight.wait_since = None
+                if event is grpc.aio.EOF:
+                    return
+                yield event
+        finally:
+            call.cancel()
+
+    async def count_tokens(self, flight: Flight, request: pb.CompleteRequest) -> int:
+        """The request's prompt length in tokens, as the runtime tokenizes it."""
+        stub = self._serving_stub()
+        request.tenant = flight.tenant  # as in events()
+        try:
+            answer = await stub.CountTokens(request, timeout=self.process.sup.stall_window_s)
+        except grpc.aio.AioRpcError as exc:
+            raise await self.classify(flight, exc) from None
+        return int(answer.tokens)
+
+    async def classify(self, flight: Flight, exc: grpc.aio.AioRpcError) -> Exception:
+        """What a call's error means: the request's failure when supervision failed it
+        first, the runtime's refusal, or the worker's failure (did its process die?)."""
+        if flight.failure is not None:
+            return flight.failure
+        code, details = exc.code(), exc.details() or ""
+        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+            runtime_code, _, message = details.partition(": ")
+            return RuntimeRefused(code, runtime_code, message or details)
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
+            # gRPC's own limit on a message's size: the request's fault, not the worker's
+            return RuntimeRefused(code, "request_too_large", f"The request is larger than "
+                                                             f"a worker accepts ({details}).")
+        # The connection broke or the runtime is going away: did the process die? The
+        # supervisor learns it within a tick; wait that long for the verdict.
+        name = self.process.name
+        status = await self.process.exited_within(1.0)
+        if status is not None:
+            return WorkerFailure("worker_died", f"worker {name} exited with status {status}")
+        if flight.failure is not None:
+            return flight.failure
+        return WorkerFailure("worker_error", f"worker {name}: {code.name}: {details}")
