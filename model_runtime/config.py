@@ -15,6 +15,8 @@ from numbers import Integral, Real
 # The largest request message the runtime's gRPC server accepts (a gateway refuses a
 # larger one itself, with a 413, rather than sending it).
 MAX_REQUEST_MESSAGE_BYTES = 16 << 20
+# The trailing metadata a refused request's status carries its Refusal in (runtime.proto).
+REFUSAL_METADATA_KEY = "model-runtime-refusal-bin"
 # KV cache types llama.cpp stores without quantizing; the others need flash attention for V.
 UNQUANTIZED_KV_TYPES = frozenset({"f32", "f16", "bf16"})
 

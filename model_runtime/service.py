@@ -7,7 +7,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, overload
+from typing import Any, NoReturn, overload
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -16,7 +16,7 @@ from kvcache.auth import ServerAuth, add_tcp_port, refuse_unprotected_tcp, tcp_s
 from kvcache.common import details, grpc_server
 from kvcache.unix_socket import OwnedSocket
 
-from .config import MAX_REQUEST_MESSAGE_BYTES
+from .config import MAX_REQUEST_MESSAGE_BYTES, REFUSAL_METADATA_KEY, SettingError
 from .llama_backend import batch_variant_options
 from .request import Completion, PromptDone, RequestError, TokenEvent
 from .runtime import Runtime
@@ -132,6 +132,23 @@ def request_kwargs(request: pb.CompleteRequest) -> dict[str, Any]:
     return kwargs
 
 
+def refuse(context: Any, exc: RequestError | ValueError) -> NoReturn:
+    """End the call with the runtime's own error of the request: its status, a
+    :class:`pb.Refusal` (code, the field refused, message) in the trailing metadata for
+    programs (the gateway names the field in its API's terms), and "<code>: <message>" in
+    the details for people. Messages are cut (``details``): one echoing a long field did
+    not fit gRPC's 16 KiB of metadata, and the refusal arrived as RESOURCE_EXHAUSTED."""
+    if isinstance(exc, RequestError):
+        code, status = exc.code, ERROR_CODES.get(exc.code, grpc.StatusCode.UNKNOWN)
+    else:  # a setting checked on its way in (SettingError, or llama.cpp's own checks)
+        code, status = "invalid_argument", grpc.StatusCode.INVALID_ARGUMENT
+    param = exc.setting if isinstance(exc, SettingError) else ""
+    refusal = pb.Refusal(code=code, param=param, message=details(exc))
+    context.set_trailing_metadata(((REFUSAL_METADATA_KEY, refusal.SerializeToString()),))
+    context.abort(status, details(RuntimeError(f"{code}: {exc}")))
+    raise AssertionError("unreachable")  # context.abort raises
+
+
 class RuntimeService(pb_grpc.ModelRuntimeServicer):
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
@@ -162,14 +179,8 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
                                                decoded_ns=event.decoded_ns)
                 else:
                     yield pb.CompleteEvent(done=completion_message(event))
-        # Messages are cut (details): one echoing a long field did not fit gRPC's 16 KiB
-        # of metadata, and the refusal arrived as RESOURCE_EXHAUSTED.
-        except RequestError as exc:
-            context.abort(ERROR_CODES.get(exc.code, grpc.StatusCode.UNKNOWN),
-                          details(RuntimeError(f"{exc.code}: {exc}")))
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          details(ValueError(f"invalid_argument: {exc}")))
+        except (RequestError, ValueError) as exc:
+            refuse(context, exc)
 
     def CountTokens(self, request: pb.CompleteRequest, context: Any) -> pb.TokenCount:
         kwargs = request_kwargs(request)
@@ -178,9 +189,7 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
                 **{k: kwargs[k] for k in ("prompt", "tokens", "messages", "system")
                    if k in kwargs}, cancelled=lambda: not context.is_active()))
         except RequestError as exc:
-            context.abort(ERROR_CODES.get(exc.code, grpc.StatusCode.UNKNOWN),
-                          details(RuntimeError(f"{exc.code}: {exc}")))
-        raise AssertionError("unreachable")  # context.abort raises
+            refuse(context, exc)
 
     def Stats(self, request: pb.RuntimeStatsRequest, context: Any) -> pb.RuntimeStatsResponse:
         rt = self.runtime
