@@ -12,7 +12,6 @@ import json
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,36 +20,21 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from model_runtime.client import RuntimeClient
-from tests.support.daemon_proc import DaemonProcess
-from tests.support.gateway_proc import SYSTEM, GatewayProcess, chat, kill_leftovers, wait_gone
+from tests.support.gateway_proc import (
+    SYSTEM,
+    GatewayProcess,
+    Gateways,
+    chat,
+    model_entry,
+)
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path,
-       tiny_model_no_eog: Path) -> Iterator[GatewayProcess]:
-    tmp = tmp_path_factory.mktemp("gateway")
-    daemon = DaemonProcess(tmp / "data").start()
-    config = tmp / "gateway.json"
-    config.write_text(json.dumps({"models": [
-        {"name": "tiny", "path": str(tiny_model), "workers": 2,
-         "args": ["--n-ctx", "1024", "--n-seq-max", "4"]},
-        {"name": "long", "path": str(tiny_model_no_eog), "workers": 1,
-         "args": ["--n-ctx", "8192", "--n-seq-max", "2", "--continued-interval", "0"]}]}))
-    gateway = GatewayProcess(tmp / "gateway.log", "--config", str(config),
-                             cache=daemon.address)
-    pids: list[int] = []
-    try:
-        gateway.start()
-        pids = [w["pid"] for w in gateway.status()["workers"]]
-        yield gateway
-        # SIGTERM: a clean exit, and no worker left.
-        pids = [w["pid"] for w in gateway.status()["workers"]]
-        assert gateway.stop() == 0, gateway.log()[-3000:]
-        assert wait_gone(pids), "workers outlived the gateway"
-    finally:
-        gateway.close()
-        kill_leftovers(pids)
-        daemon.close()
+def gw(gateways: Gateways, tiny_model: Path, tiny_model_no_eog: Path) -> GatewayProcess:
+    return gateways.start("gateway", models=[
+        model_entry("tiny", tiny_model, "--n-ctx", "1024", "--n-seq-max", "4", workers=2),
+        model_entry("long", tiny_model_no_eog, "--n-ctx", "8192", "--n-seq-max", "2",
+              "--continued-interval", "0")])
 
 
 def extra(response: Any) -> dict[str, Any]:

@@ -6,7 +6,6 @@ real cache daemon."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,8 +15,7 @@ from pydantic import BaseModel, Field
 
 from model_runtime.gateway.apis.openai.adapter import CHAT_FIELDS, COMPLETION_FIELDS
 from model_runtime.llama_backend import LlamaModel
-from tests.support.daemon_proc import DaemonProcess
-from tests.support.gateway_proc import GatewayProcess, kill_leftovers, wait_gone
+from tests.support.gateway_proc import GatewayProcess, Gateways, model_entry
 
 SYSTEM = ("You are the dispatcher of a delivery company. Answer briefly; look things up with "
           "the tools rather than guessing. ") * 3
@@ -51,29 +49,12 @@ class Parcel(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, tiny_hermes_model: Path,
-       tiny_think_model: Path) -> Iterator[GatewayProcess]:
-    tmp = tmp_path_factory.mktemp("agents")
-    daemon = DaemonProcess(tmp / "data").start()
-    args = ["--n-ctx", "2048", "--n-seq-max", "4"]
-    config = tmp / "gateway.json"
-    config.write_text(json.dumps({"models": [
-        {"name": "generic", "path": str(tiny_model), "args": args},
-        {"name": "hermes", "path": str(tiny_hermes_model), "args": args},
-        {"name": "think", "path": str(tiny_think_model), "args": args}]}))
-    gateway = GatewayProcess(tmp / "gateway.log", "--config", str(config),
-                             cache=daemon.address)
-    pids: list[int] = []
-    try:
-        gateway.start()
-        pids = [w["pid"] for w in gateway.status()["workers"]]
-        yield gateway
-        assert gateway.stop() == 0, gateway.log()[-3000:]
-        assert wait_gone(pids), "workers outlived the gateway"
-    finally:
-        gateway.close()
-        kill_leftovers(pids)
-        daemon.close()
+def gw(gateways: Gateways, tiny_model: Path, tiny_hermes_model: Path,
+       tiny_think_model: Path) -> GatewayProcess:
+    args = ("--n-ctx", "2048", "--n-seq-max", "4")
+    return gateways.start("agents", models=[model_entry("generic", tiny_model, *args),
+                                            model_entry("hermes", tiny_hermes_model, *args),
+                                            model_entry("think", tiny_think_model, *args)])
 
 
 def ask(question: str, system: str = SYSTEM) -> list[dict[str, Any]]:

@@ -10,8 +10,6 @@ The tool output's way back to the model is tested with OpenAI's client
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,34 +25,15 @@ from agents import (
 from agents.items import ToolCallItem, ToolCallOutputItem
 from openai import AsyncOpenAI
 
-from tests.support.daemon_proc import DaemonProcess
-from tests.support.gateway_proc import GatewayProcess, kill_leftovers, wait_gone
+from tests.support.gateway_proc import GatewayProcess, Gateways, model_entry
 
 set_tracing_disabled(True)  # traces would be sent to OpenAI's servers
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory,
-       tiny_hermes_model: Path) -> Iterator[GatewayProcess]:
-    tmp = tmp_path_factory.mktemp("agents_sdk")
-    daemon = DaemonProcess(tmp / "data").start()
-    config = tmp / "gateway.json"
-    config.write_text(json.dumps({"models": [
-        {"name": "hermes", "path": str(tiny_hermes_model),
-         "args": ["--n-ctx", "2048", "--n-seq-max", "2"]}]}))
-    gateway = GatewayProcess(tmp / "gateway.log", "--config", str(config), "--responses-dir",
-                             str(tmp / "responses"), cache=daemon.address)
-    pids: list[int] = []
-    try:
-        gateway.start()
-        pids = [w["pid"] for w in gateway.status()["workers"]]
-        yield gateway
-        assert gateway.stop() == 0, gateway.log()[-3000:]
-        assert wait_gone(pids)
-    finally:
-        gateway.close()
-        kill_leftovers(pids)
-        daemon.close()
+def gw(gateways: Gateways, tiny_hermes_model: Path) -> GatewayProcess:
+    return gateways.start("agents_sdk", models=[
+        model_entry("hermes", tiny_hermes_model, "--n-ctx", "2048", "--n-seq-max", "2")])
 
 
 def run_agent(gw: GatewayProcess, api: str) -> tuple[list[str], object]:

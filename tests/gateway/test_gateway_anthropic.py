@@ -10,7 +10,6 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -31,7 +30,7 @@ from model_runtime.gateway.apis.anthropic.formatter import BlockStream
 from model_runtime.gateway.errors import ApiError
 from tests.support.daemon_proc import DaemonProcess, wait_for
 from tests.support.entries import IDENT, toks
-from tests.support.gateway_proc import GatewayProcess, kill_leftovers, wait_gone
+from tests.support.gateway_proc import GatewayProcess, Gateways, kill_leftovers, model_entry
 
 KEY = "k" * 40  # the key file's one key (an operator's: the fixture reads /status)
 SYSTEM = ("You are the dispatcher of a delivery company. Answer briefly; look things up with "
@@ -60,30 +59,12 @@ class Gateway:
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory, tiny_hermes_model: Path) -> Iterator[Gateway]:
-    tmp = tmp_path_factory.mktemp("anthropic")
-    daemon = DaemonProcess(tmp / "data").start()
-    keys = tmp / "keys"
-    keys.write_text(f"{KEY} acme role=admin\n")
-    keys.chmod(0o600)
-    config = tmp / "gateway.json"
-    config.write_text(json.dumps({"models": [
-        {"name": "hermes", "path": str(tiny_hermes_model),
-         "args": ["--n-ctx", "2048", "--n-seq-max", "2"]}]}))
-    gateway = GatewayProcess(tmp / "gateway.log", "--config", str(config), "--api-keys",
-                             str(keys), "--cache-ttl", f"1h={SHORT_TTL}",
-                             cache=daemon.address, admin_key=KEY)
-    pids: list[int] = []
-    try:
-        gateway.start()
-        pids = [w["pid"] for w in gateway.status()["workers"]]
-        yield Gateway(gateway, daemon)
-        assert gateway.stop() == 0, gateway.log()[-3000:]
-        assert wait_gone(pids), "workers outlived the gateway"
-    finally:
-        gateway.close()
-        kill_leftovers(pids)
-        daemon.close()
+def gw(gateways: Gateways, tiny_hermes_model: Path) -> Gateway:
+    gateway = gateways.start("anthropic", models=[
+        model_entry("hermes", tiny_hermes_model, "--n-ctx", "2048", "--n-seq-max", "2")],
+        keys=f"{KEY} acme role=admin\n", args=("--cache-ttl", f"1h={SHORT_TTL}"),
+        admin_key=KEY)
+    return Gateway(gateway, gateways.daemon(gateway))
 
 
 def user(text: str) -> list[dict[str, Any]]:

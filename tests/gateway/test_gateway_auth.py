@@ -10,23 +10,21 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 import trustme
 
-from tests.support.daemon_proc import DaemonProcess
 from tests.support.gateway_proc import (
     ALICE,
     BOB,
     OPERATOR,
     SYSTEM,
     GatewayProcess,
+    Gateways,
     chat,
     kill_leftovers,
-    wait_gone,
 )
 
 
@@ -77,29 +75,19 @@ def test_listener_beyond_loopback_is_refused_without_keys_and_tls(
 
 
 @pytest.fixture(scope="module")
-def tls_gw(tmp_path_factory: pytest.TempPathFactory, pki: dict[str, Path],
-           tiny_model: Path) -> Iterator[GatewayProcess]:
+def tls_gw(gateways: Gateways, pki: dict[str, Path], tiny_model: Path) -> GatewayProcess:
     """Beyond loopback, with keys and TLS: one worker for both tenants, one daemon."""
-    tmp = tmp_path_factory.mktemp("tls_gw")
-    daemon = DaemonProcess(tmp / "data").start()
-    gateway = GatewayProcess(tmp / "gateway.log", "--model", f"tiny={tiny_model}",
-                             "--n-ctx", "1024", "--n-seq-max", "2", "--listen", "0.0.0.0:0",
-                             "--api-keys", str(pki["keys"]), "--tls-cert", str(pki["cert"]),
-                             "--tls-key", str(pki["key"]), cache=daemon.address)
-    pids: list[int] = []
-    try:
-        gateway.start(workers_ready=False)
-        gateway.url = gateway.url.replace("0.0.0.0", "127.0.0.1")
-        assert gateway.url.startswith("https://")
-        context = ssl.create_default_context(cafile=str(pki["ca"]))
-        status = wait_status(gateway, context)
-        pids = [w["pid"] for w in status["workers"]]
-        yield gateway
-    finally:
-        gateway.close()
-        wait_gone(pids)
-        kill_leftovers(pids)
-        daemon.close()
+    gateway = gateways.start(
+        "tls_gw", args=("--model", f"tiny={tiny_model}", "--n-ctx", "1024", "--n-seq-max", "2",
+                        "--listen", "0.0.0.0:0", "--api-keys", str(pki["keys"]),
+                        "--tls-cert", str(pki["cert"]), "--tls-key", str(pki["key"])),
+        workers_ready=False, clean_stop=False)
+    gateway.url = gateway.url.replace("0.0.0.0", "127.0.0.1")
+    assert gateway.url.startswith("https://")
+    context = ssl.create_default_context(cafile=str(pki["ca"]))
+    status = wait_status(gateway, context)
+    gateways.worker_pids(gateway, [w["pid"] for w in status["workers"]])
+    return gateway
 
 
 def wait_status(gateway: GatewayProcess, context: ssl.SSLContext) -> dict[str, object]:

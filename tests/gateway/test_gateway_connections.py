@@ -19,7 +19,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -29,6 +28,7 @@ from tests.support.gateway_proc import (
     ALICE,
     OPERATOR,
     GatewayProcess,
+    Gateways,
     kill_leftovers,
     metrics,
     wait_gone,
@@ -41,27 +41,14 @@ PER_CLIENT = 4
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory,
-       tiny_model_no_eog: Path) -> Iterator[GatewayProcess]:
-    tmp = tmp_path_factory.mktemp("gateway_connections")
-    keys = tmp / "api-keys"
-    keys.write_text(f"{ALICE} alice\n{OPERATOR} alice role=admin\n")
-    keys.chmod(0o600)
-    gateway = GatewayProcess(tmp / "gateway.log", "--model", f"tiny={tiny_model_no_eog}",
-                             "--n-ctx", "4096", "--n-seq-max", "2", "--api-keys", str(keys),
-                             "--header-timeout", str(HEADER_TIMEOUT), "--body-timeout",
-                             str(BODY_TIMEOUT), "--max-connections", str(TOTAL),
-                             "--max-connections-per-client", str(PER_CLIENT),
-                             admin_key=OPERATOR)
-    pids: list[int] = []
-    try:
-        gateway.start()
-        pids = [w["pid"] for w in gateway.status()["workers"]]
-        yield gateway
-    finally:
-        gateway.close()
-        wait_gone(pids)
-        kill_leftovers(pids)
+def gw(gateways: Gateways, tiny_model_no_eog: Path) -> GatewayProcess:
+    return gateways.start(
+        "gateway_connections", keys=f"{ALICE} alice\n{OPERATOR} alice role=admin\n",
+        args=("--model", f"tiny={tiny_model_no_eog}", "--n-ctx", "4096", "--n-seq-max", "2",
+              "--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT),
+              "--max-connections", str(TOTAL), "--max-connections-per-client",
+              str(PER_CLIENT)),
+        cache="none", admin_key=OPERATOR, clean_stop=False)
 
 
 def connect(gw: GatewayProcess, source: str, timeout: float = 10.0) -> socket.socket:

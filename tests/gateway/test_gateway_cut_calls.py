@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,7 @@ from typing import Any
 import anthropic
 import pytest
 
-from tests.support.daemon_proc import DaemonProcess
-from tests.support.gateway_proc import GatewayProcess, kill_leftovers, wait_gone
+from tests.support.gateway_proc import GatewayProcess, Gateways, model_entry
 
 WEATHER = {"name": "get_weather",
            "parameters": {"type": "object",
@@ -43,28 +41,10 @@ ARGUMENTS = re.compile(rb'"arguments"\s*:\s*')
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path,
-       tiny_hermes_model: Path) -> Iterator[GatewayProcess]:
-    tmp = tmp_path_factory.mktemp("cut_calls")
-    daemon = DaemonProcess(tmp / "data").start()
-    args = ["--n-ctx", "2048", "--n-seq-max", "2"]
-    config = tmp / "gateway.json"
-    config.write_text(json.dumps({"models": [
-        {"name": "generic", "path": str(tiny_model), "args": args},
-        {"name": "hermes", "path": str(tiny_hermes_model), "args": args}]}))
-    gateway = GatewayProcess(tmp / "gateway.log", "--config", str(config),
-                             cache=daemon.address)
-    pids: list[int] = []
-    try:
-        gateway.start()
-        pids = [w["pid"] for w in gateway.status()["workers"]]
-        yield gateway
-        assert gateway.stop() == 0, gateway.log()[-3000:]
-        assert wait_gone(pids), "workers outlived the gateway"
-    finally:
-        gateway.close()
-        kill_leftovers(pids)
-        daemon.close()
+def gw(gateways: Gateways, tiny_model: Path, tiny_hermes_model: Path) -> GatewayProcess:
+    args = ("--n-ctx", "2048", "--n-seq-max", "2")
+    return gateways.start("cut_calls", models=[model_entry("generic", tiny_model, *args),
+                                               model_entry("hermes", tiny_hermes_model, *args)])
 
 
 @dataclass

@@ -20,7 +20,13 @@ import openai
 import pytest
 
 from tests.support.daemon_proc import DaemonProcess
-from tests.support.gateway_proc import GatewayProcess, kill_leftovers, wait_gone
+from tests.support.gateway_proc import (
+    GatewayProcess,
+    Gateways,
+    kill_leftovers,
+    model_entry,
+    wait_gone,
+)
 
 STALL_WINDOW = 1.0
 PROMPT = "Kilo lima mike november oscar papa. " * 24  # > 512 tokens: a cold save is taken
@@ -47,21 +53,14 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory, tiny_model_no_eog: Path,
-       daemon: DaemonProcess) -> Iterator[GatewayProcess]:
+def gw(daemon: DaemonProcess, gateways: Gateways, tiny_model_no_eog: Path) -> GatewayProcess:
     """Stall window 1 s; health checks too lenient to act first."""
-    gateway = supervised(tmp_path_factory.mktemp("gw"), "gateway", tiny_model_no_eog,
-                         daemon.address, {"stall_window_s": STALL_WINDOW,
-                                          "health_interval_s": 0.5, "health_failures": 30})
-    pids: list[int] = []
-    try:
-        gateway.start()
-        pids = [w["pid"] for w in gateway.status()["workers"]]
-        yield gateway
-        pids = [w["pid"] for w in gateway.status()["workers"] if w["pid"]]
-    finally:
-        gateway.close()
-        kill_leftovers(pids)
+    return gateways.start("gw", models=[
+        model_entry("long", tiny_model_no_eog, "--n-ctx", "16384", "--n-seq-max", "2",
+              "--continued-interval", "0")],
+        supervision={"kill_grace_s": 1.0, "backoff_s": 0.1, "stall_window_s": STALL_WINDOW,
+                     "health_interval_s": 0.5, "health_failures": 30},
+        cache=daemon, clean_stop=False)
 
 
 def read_until_failure(stream: Any) -> tuple[openai.APIError, int]:

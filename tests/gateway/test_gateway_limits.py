@@ -18,7 +18,6 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -32,10 +31,10 @@ from tests.support.gateway_proc import (
     BOB,
     OPERATOR,
     GatewayProcess,
+    Gateways,
     chat,
     kill_leftovers,
     metrics,
-    wait_gone,
 )
 
 MAX_BODY = 20 << 20  # above a worker's 16 MiB message limit: the rendered prompt is checked
@@ -44,26 +43,13 @@ MAX_MESSAGES = 64
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory,
-       tiny_model_no_eog: Path) -> Iterator[GatewayProcess]:
-    tmp = tmp_path_factory.mktemp("gateway_limits")
-    keys = tmp / "api-keys"
-    keys.write_text(f"{ALICE} alice\n{BOB} bob\n{OPERATOR} alice role=admin\n")
-    keys.chmod(0o600)
-    gateway = GatewayProcess(tmp / "gateway.log", "--model", f"tiny={tiny_model_no_eog}",
-                             "--n-ctx", "16384", "--n-seq-max", "2", "--api-keys", str(keys),
-                             "--max-body-bytes", str(MAX_BODY), "--max-chars",
-                             str(MAX_CHARS), "--max-messages", str(MAX_MESSAGES),
-                             admin_key=OPERATOR)
-    pids: list[int] = []
-    try:
-        gateway.start()
-        pids = [w["pid"] for w in gateway.status()["workers"]]
-        yield gateway
-    finally:
-        gateway.close()
-        wait_gone(pids)
-        kill_leftovers(pids)
+def gw(gateways: Gateways, tiny_model_no_eog: Path) -> GatewayProcess:
+    return gateways.start(
+        "gateway_limits", keys=f"{ALICE} alice\n{BOB} bob\n{OPERATOR} alice role=admin\n",
+        args=("--model", f"tiny={tiny_model_no_eog}", "--n-ctx", "16384", "--n-seq-max", "2",
+              "--max-body-bytes", str(MAX_BODY), "--max-chars", str(MAX_CHARS),
+              "--max-messages", str(MAX_MESSAGES)),
+        cache="none", admin_key=OPERATOR, clean_stop=False)
 
 
 def raw(gw: GatewayProcess, path: str, body: bytes, headers: dict[str, Any] | None = None,

@@ -18,7 +18,6 @@ from typing import Any, Literal
 import openai
 import pytest
 from harness.make_tiny_gguf import HERMES_TEMPLATE, THINK_TEMPLATE
-from model_runtime.v1 import runtime_pb2 as pb
 from pydantic import BaseModel
 
 from model_runtime.chat.formats import detect_format
@@ -28,8 +27,17 @@ from model_runtime.gateway.apis.responses.adapter import RESPONSES_FIELDS, parse
 from model_runtime.gateway.apis.responses.formatter import ResponseBuilder, reply_messages
 from model_runtime.llama_backend import LlamaModel
 from model_runtime.request import common_prefix
+from model_runtime.v1 import runtime_pb2 as pb
 from tests.support.daemon_proc import DaemonProcess
-from tests.support.gateway_proc import ALICE, BOB, GatewayProcess, kill_leftovers, wait_gone
+from tests.support.gateway_proc import (
+    ALICE,
+    BOB,
+    GatewayProcess,
+    Gateways,
+    kill_leftovers,
+    model_entry,
+    wait_gone,
+)
 
 INSTRUCTIONS = ("You are the dispatcher of a delivery company. Answer briefly; look things "
                 "up with the tools rather than guessing. ") * 3
@@ -65,30 +73,14 @@ def worker_pids(gateway: GatewayProcess, key: str | None = None) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory, tiny_hermes_model: Path,
-        tiny_think_model: Path) -> Iterator[tuple[GatewayProcess, Path]]:
-    tmp = tmp_path_factory.mktemp("responses")
-    keys = tmp / "api-keys"
-    keys.write_text(f"{ALICE} alice role=admin\n{BOB} bob\n")
-    keys.chmod(0o600)
-    daemon = DaemonProcess(tmp / "data").start()
-    args = ["--n-ctx", "2048", "--n-seq-max", "2"]
-    gateway = None
-    pids: list[int] = []
-    try:
-        gateway = start_gateway(tmp, daemon, [
-            {"name": "hermes", "path": str(tiny_hermes_model), "args": args},
-            {"name": "think", "path": str(tiny_think_model), "args": args}],
-            "--api-keys", str(keys), admin_key=ALICE)
-        pids = worker_pids(gateway)
-        yield gateway, tmp
-        assert gateway.stop() == 0, gateway.log()[-3000:]
-        assert wait_gone(pids), "workers outlived the gateway"
-    finally:
-        if gateway is not None:
-            gateway.close()
-        kill_leftovers(pids)
-        daemon.close()
+def env(gateways: Gateways, tiny_hermes_model: Path,
+        tiny_think_model: Path) -> tuple[GatewayProcess, Path]:
+    """The gateway, and its folder (its stored responses are in ``responses``)."""
+    args = ("--n-ctx", "2048", "--n-seq-max", "2")
+    gateway = gateways.start("responses", models=[model_entry("hermes", tiny_hermes_model, *args),
+                                                  model_entry("think", tiny_think_model, *args)],
+                             keys=f"{ALICE} alice role=admin\n{BOB} bob\n", admin_key=ALICE)
+    return gateway, gateways.folder(gateway)
 
 
 @pytest.fixture(scope="module")

@@ -33,9 +33,9 @@ from tests.support.gateway_proc import (
     BOB,
     OPERATOR,
     GatewayProcess,
-    kill_leftovers,
+    Gateways,
     metrics,
-    wait_gone,
+    model_entry,
 )
 
 INSTRUCTIONS = ("You are the dispatcher of a delivery company. Answer briefly; look things "
@@ -54,37 +54,33 @@ class Env:
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory, tiny_hermes_model: Path) -> Iterator[Env]:
-    tmp = tmp_path_factory.mktemp("scoped-token")
+def scoped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProcess, Path]]:
+    """A daemon on TCP with tokens, and the file of the runtimes' token (scoped to the
+    tenants alice and bob)."""
+    tmp = tmp_path_factory.mktemp("scoped-token-daemon")
     runtime_token = secrets.token_hex(16)
     tokens = tmp / "daemon-tokens"
     tokens.write_text(f"{secrets.token_hex(16)} admin\n{runtime_token} tenants=alice,bob\n")
     tokens.chmod(0o600)
     daemon = DaemonProcess(tmp / "data", "--listen", "127.0.0.1:0", "--token-file",
                            str(tokens)).start()
-    keys = tmp / "api-keys"
-    keys.write_text(f"{ALICE} alice\n{BOB} bob\n{OPERATOR} alice role=admin\n")
-    keys.chmod(0o600)
-    config = tmp / "gateway.json"
-    config.write_text(json.dumps({"models": [
-        {"name": "hermes", "path": str(tiny_hermes_model),
-         "args": ["--n-ctx", "2048", "--n-seq-max", "2"]}]}))
-    worker_env = {**os.environ,
-                  ENV_TOKEN_FILE: str(write_token(tmp / "runtime-token", runtime_token))}
-    gateway = GatewayProcess(tmp / "gateway.log", "--config", str(config), "--api-keys",
-                             str(keys), "--responses-dir", str(tmp / "responses"),
-                             cache=tcp_address(daemon), env=worker_env, admin_key=OPERATOR)
-    pids: list[int] = []
     try:
-        gateway.start()
-        pids = [w["pid"] for w in gateway.status()["workers"]]
-        yield Env(gateway, daemon)
-        assert gateway.stop() == 0, gateway.log()[-3000:]
-        assert wait_gone(pids), "workers outlived the gateway"
+        yield daemon, write_token(tmp / "runtime-token", runtime_token)
     finally:
-        gateway.close()
-        kill_leftovers(pids)
         daemon.close()
+
+
+@pytest.fixture(scope="module")
+def env(scoped: tuple[DaemonProcess, Path], gateways: Gateways,
+        tiny_hermes_model: Path) -> Env:
+    daemon, token_file = scoped
+    gateway = gateways.start(
+        "scoped-token", models=[model_entry("hermes", tiny_hermes_model, "--n-ctx", "2048",
+                                      "--n-seq-max", "2")],
+        keys=f"{ALICE} alice\n{BOB} bob\n{OPERATOR} alice role=admin\n",
+        cache=tcp_address(daemon), env={**os.environ, ENV_TOKEN_FILE: str(token_file)},
+        admin_key=OPERATOR)
+    return Env(gateway, daemon)
 
 
 def test_a_continuation_resumes_from_the_whole_saved_state(env: Env) -> None:

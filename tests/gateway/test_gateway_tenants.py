@@ -28,10 +28,9 @@ from tests.support.gateway_proc import (
     BOB,
     OPERATOR,
     GatewayProcess,
+    Gateways,
     chat,
-    kill_leftovers,
     metrics,
-    wait_gone,
 )
 
 PROMPT_TOKENS = 400  # long enough to be saved, and a leak would show as hundreds cached
@@ -45,24 +44,11 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory, tiny_model_no_eog: Path,
-       daemon: DaemonProcess) -> Iterator[GatewayProcess]:
-    tmp = tmp_path_factory.mktemp("gateway_tenants")
-    keys = tmp / "api-keys"
-    keys.write_text(f"{ALICE} alice\n{BOB} bob\n{OPERATOR} alice role=admin\n")
-    keys.chmod(0o600)
-    gateway = GatewayProcess(tmp / "gateway.log", "--model", f"tiny={tiny_model_no_eog}",
-                             "--n-ctx", "4096", "--n-seq-max", "2", "--api-keys", str(keys),
-                             cache=daemon.address, admin_key=OPERATOR)
-    pids: list[int] = []
-    try:
-        gateway.start()
-        pids = [w["pid"] for w in gateway.status()["workers"]]
-        yield gateway
-    finally:
-        gateway.close()
-        wait_gone(pids)
-        kill_leftovers(pids)
+def gw(daemon: DaemonProcess, gateways: Gateways, tiny_model_no_eog: Path) -> GatewayProcess:
+    return gateways.start(
+        "gateway_tenants", keys=f"{ALICE} alice\n{BOB} bob\n{OPERATOR} alice role=admin\n",
+        args=("--model", f"tiny={tiny_model_no_eog}", "--n-ctx", "4096", "--n-seq-max", "2"),
+        cache=daemon, admin_key=OPERATOR, clean_stop=False)
 
 
 def tokens(first: int) -> list[int]:
