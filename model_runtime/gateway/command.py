@@ -13,10 +13,17 @@ from typing import Any
 import click
 
 from .. import kernels
-from .apis.responses.store import ResponsesSettings, default_responses_dir
 from .connections import ConnectionSettings, ConnectionSettingsError
 from .limits import Limits
-from .settings import DEFAULT_LISTEN, ModelSpec, SettingsError, Supervision, model_name
+from .settings import (
+    DEFAULT_LISTEN,
+    ModelSpec,
+    ResponsesSettings,
+    SettingsError,
+    Supervision,
+    default_responses_dir,
+    model_name,
+)
 
 _SUP = Supervision()
 _LIMITS = Limits()

@@ -32,7 +32,8 @@ from kvcache.config import ENV_DIR, parse_listen
 from kvcache.store.ownership import DATA_MARKER
 from kvcache.store.ramtier import RAM_MARKER, RAM_MARKER_WHAT, SHM, tier_dir, tier_name
 from model_runtime.cli import RUNTIME_SOCKET
-from model_runtime.gateway.apis.responses.store import ResponsesSettings, ResponseStore
+from model_runtime.gateway.apis.responses.store import ResponseStore
+from model_runtime.gateway.settings import ResponsesSettings
 from model_runtime.identity import model_fingerprint
 from tests.support.daemon_proc import DaemonProcess, wait_for
 from tests.support.entries import IDENT, toks

@@ -10,11 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from model_runtime.gateway.apis.responses.store import (
-    ResponsesSettings,
-    ResponseStore,
-    StoredResponse,
-)
+from model_runtime.gateway.apis.responses.store import ResponseStore, StoredResponse
+from model_runtime.gateway.settings import ResponsesSettings
 
 
 def item(rid: str, tenant: str = "t", text: str = "hi", created: float | None = None

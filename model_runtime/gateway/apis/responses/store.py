@@ -22,38 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcache.config import default_dir
+from ...settings import ResponsesSettings
 
-__all__ = ["ResponsesSettings", "ResponseStore", "StoredResponse", "default_responses_dir"]
+__all__ = ["ResponseStore", "StoredResponse"]
 
 DB_NAME = "responses.sqlite3"
-
-
-def default_responses_dir() -> Path:
-    """Beside the cache daemon's default data (``~/.cache/kvcache``)."""
-    return default_dir() / "gateway-responses"
-
-
-@dataclass(frozen=True)
-class ResponsesSettings:
-    """Where stored responses live and how many are kept."""
-
-    directory: Path | None = None  # None: default_responses_dir()
-    max_count: int = 10_000
-    max_bytes: int = 256 << 20
-    ttl_s: float = 30 * 86400.0  # OpenAI keeps responses 30 days
-
-    def __post_init__(self) -> None:
-        for name in ("max_count", "max_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"responses {name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.ttl_s, (int, float)) or self.ttl_s <= 0:
-            raise ValueError(f"responses ttl must be > 0 seconds, got {self.ttl_s!r}")
-
-    @property
-    def folder(self) -> Path:
-        return (self.directory or default_responses_dir()).expanduser()
 
 
 @dataclass(frozen=True)
