@@ -492,11 +492,11 @@ def test_breakpoints_are_the_ends_of_their_messages() -> None:
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
                                           "content": "Rain.", "is_error": True}]}]},
         {"5m": 300, "1h": 3600})
-    chat = mreq.gen.chat
+    chat = mreq.request.chat
     assert chat is not None
     assert [m.role for m in chat.messages] == ["system", "user", "assistant", "tool"]
     assert chat.messages[3].content == "Error: Rain."
-    assert mreq.ttls == {0: 300, 1: 3600}
+    assert mreq.request.breakpoint_ttls == {0: 300, 1: 3600}
     template = ChatTemplate(HERMES_TEMPLATE, eos_token="<|im_end|>")
     plan = plan_chat(template, detect_format(HERMES_TEMPLATE), chat)
     (system, system_end), (user_index, user_end) = plan.boundaries
@@ -504,7 +504,7 @@ def test_breakpoints_are_the_ends_of_their_messages() -> None:
     assert plan.text[:system_end].rstrip().endswith("<|im_end|>")
     assert "get_weather" in plan.text[:system_end]  # the tools are in the system message
     assert plan.text[:user_end].rstrip().endswith("Oslo?<|im_end|>")
-    proto = mreq.to_proto(plan)
+    proto = mreq.request.to_proto(plan)
     assert proto.prefix_chars == 0
     assert list(proto.boundary_chars) == [system_end, user_end]
     assert list(proto.boundary_ttl_seconds) == [300, 3600]

@@ -25,10 +25,11 @@ from harness.procs import pythonpath_env
 
 from model_runtime.chat.formats import detect_format
 from model_runtime.chat.templates import ChatTemplate
-from model_runtime.gateway.apis.openai.adapter import parse_chat
+from model_runtime.gateway.apis.openai.adapter import OpenAICall, parse_chat, parse_request
 from model_runtime.gateway.errors import ApiError
 from model_runtime.gateway.limits import Limits
-from model_runtime.gateway.pipeline.offload import Offload, parse_request, render_plan
+from model_runtime.gateway.pipeline.offload import Offload
+from model_runtime.gateway.pipeline.prompt import render_plan
 from model_runtime.gateway.pipeline.request import GenRequest
 from model_runtime.gateway.workers.process import TemplateSpec
 
@@ -38,7 +39,7 @@ SPEC = TemplateSpec(CHATML_TEMPLATE, "", "<|im_end|>", False)
 def chat_request(n: int) -> GenRequest:
     return parse_chat({"model": "m", "messages": [
         {"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"}
-        for i in range(n)]}, None)
+        for i in range(n)]}, None).request
 
 
 def in_process(req: GenRequest) -> Any:
@@ -54,18 +55,19 @@ async def scenario() -> None:
         assert (await offload.render(SPEC, req)).text == in_process(req).text
         body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
                           "max_tokens": 2}).encode()
-        there = await offload.parse(body, Limits(), "chat", "sid")
+        there = await offload.parse(parse_request, body, Limits(), "chat", "sid")
         here = parse_request(body, Limits(), "chat", "sid")
         assert there[:2] == here[:2] == (True, "m")
-        assert isinstance(there[2], GenRequest) and isinstance(here[2], GenRequest)
+        assert isinstance(there[2], OpenAICall) and isinstance(here[2], OpenAICall)
         # (Each request gets its own id and creation time.)
         assert replace(there[2], id="x", created=0) == replace(here[2], id="x", created=0)
         # Refusals come back as the same errors, with whether the body was JSON at all.
-        is_json, model, refused = await offload.parse(b'{"model": "m", "messages": 3}',
-                                                      Limits(), "chat", None)
+        is_json, model, refused = await offload.parse(
+            parse_request, b'{"model": "m", "messages": 3}', Limits(), "chat", None)
         assert is_json and model == "m" and isinstance(refused, ApiError)
         assert (refused.status, refused.param) == (400, "messages")
-        is_json, _, refused = await offload.parse(b'{"mod', Limits(), "chat", None)
+        is_json, _, refused = await offload.parse(parse_request, b'{"mod', Limits(), "chat",
+                                                  None)
         assert not is_json and isinstance(refused, ApiError) and refused.status == 400
 
         # A long rendering whose caller goes away: the helper is free again long before

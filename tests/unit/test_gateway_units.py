@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import pytest
 
 from model_runtime.gateway.apis.openai.adapter import parse_chat, parse_completion
@@ -22,6 +23,7 @@ from model_runtime.gateway.keys import (
     is_loopback,
 )
 from model_runtime.gateway.limits import Limits, parse_json
+from model_runtime.gateway.pipeline.refusals import refusal_error
 from model_runtime.gateway.pipeline.request import served_text
 from model_runtime.gateway.settings import (
     GatewaySettings,
@@ -31,6 +33,7 @@ from model_runtime.gateway.settings import (
     load_config,
     split_listen,
 )
+from model_runtime.gateway.workers.errors import RuntimeRefused
 from model_runtime.gateway.workers.process import (
     ProcessHooks,
     RuntimeInfo,
@@ -56,16 +59,17 @@ from model_runtime.v1 import runtime_pb2 as pb
 
 
 def test_chat_defaults_follow_openai() -> None:
-    req = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    call = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    req = call.request
     assert (req.temperature, req.top_p, req.max_tokens, req.seed) == (1.0, 1.0, None, None)
-    assert not req.stream and not req.include_usage and req.stop == []
+    assert not req.stream and not call.include_usage and req.stop == []
     proto = req.to_proto()
     assert proto.max_tokens == 0 and proto.until_context_full  # no limit given
     assert not proto.HasField("seed")
 
 
 def test_chat_fields_are_mapped() -> None:
-    req = parse_chat({
+    call = parse_chat({
         "model": "m", "max_tokens": 5, "max_completion_tokens": 7, "seed": 3, "stop": "END",
         "stream": True, "stream_options": {"include_usage": True},
         "messages": [{"role": "developer", "content": "be brief"},
@@ -73,16 +77,17 @@ def test_chat_fields_are_mapped() -> None:
                                                   {"type": "text", "text": "b"}]},
                      {"role": "assistant", "content": None}]},
         session_header="from-header")
+    req = call.request
     assert req.max_tokens == 7 and req.seed == 3 and req.stop == ["END"]
     proto = req.to_proto()  # a limit given: it must fit with the prompt, or be refused
     assert proto.max_tokens == 7 and not proto.until_context_full
-    assert req.include_usage and req.session_id == "from-header"
+    assert call.include_usage and req.session_id == "from-header"
     assert req.chat is not None
     assert [(m.role, m.content) for m in req.chat.messages] == [
         ("developer", "be brief"), ("user", "ab"), ("assistant", "")]
     body_wins = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}],
                             "session_id": "from-body"}, session_header="from-header")
-    assert body_wins.session_id == "from-body"
+    assert body_wins.request.session_id == "from-body"
 
 
 def test_image_parts_are_refused() -> None:
@@ -94,9 +99,9 @@ def test_image_parts_are_refused() -> None:
 
 
 def test_completion_prompts() -> None:
-    assert parse_completion({"model": "m", "prompt": ["one"]}).prompt == "one"
-    assert parse_completion({"model": "m", "prompt": [1, 2, 3]}).tokens == [1, 2, 3]
-    assert parse_completion({"model": "m", "prompt": [[4, 5]]}).tokens == [4, 5]
+    assert parse_completion({"model": "m", "prompt": ["one"]}).request.prompt == "one"
+    assert parse_completion({"model": "m", "prompt": [1, 2, 3]}).request.tokens == [1, 2, 3]
+    assert parse_completion({"model": "m", "prompt": [[4, 5]]}).request.tokens == [4, 5]
     for bad in (["a", "b"], [], "", None, [1.5], [True]):
         with pytest.raises(ApiError) as err:
             parse_completion({"model": "m", "prompt": bad})
@@ -137,23 +142,63 @@ def test_chunks_have_openai_s_shape() -> None:
 
 def test_a_conversation_s_next_turn_extends_its_routing_text() -> None:
     first = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"}]
-    turn1 = parse_chat({"model": "m", "messages": first})
+    turn1 = parse_chat({"model": "m", "messages": first}).request
     turn2 = parse_chat({"model": "m", "messages": [*first,
                                                    {"role": "assistant", "content": "A1"},
-                                                   {"role": "user", "content": "Q2"}]})
+                                                   {"role": "user", "content": "Q2"}]}).request
     assert turn2.routing_text().startswith(turn1.routing_text(served_text("A1", [])))
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     tools = [{"type": "function", "function": {"name": "f"}}]
-    calling = parse_chat({"model": "m", "messages": first, "tools": tools})
+    calling = parse_chat({"model": "m", "messages": first, "tools": tools}).request
     round_trip = parse_chat({"model": "m", "tools": tools, "messages": [
         *first, {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "content": "r", "tool_call_id": "c1"}]})
+        {"role": "tool", "content": "r", "tool_call_id": "c1"}]}).request
     assert round_trip.routing_text().startswith(calling.routing_text(served_text("",
                                                                                 [("f", "{}")])))
-    raw = parse_completion({"model": "m", "prompt": "abc"})
-    assert parse_completion({"model": "m", "prompt": "abcdef!"}).routing_text().startswith(
+    raw = parse_completion({"model": "m", "prompt": "abc"}).request
+    assert parse_completion({"model": "m", "prompt": "abcdef!"}).request.routing_text().startswith(
         raw.routing_text("def"))
     assert not turn1.routing_text().startswith(raw.routing_text()[:8])  # kinds never mix
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def refused(message: str, param: str = "", code: str = "invalid_argument",
+            status: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> RuntimeRefused:
+    return RuntimeRefused(status, code, message, param)
+
+
+def test_a_refusal_names_the_field_the_runtime_names_in_the_request_s_terms() -> None:
+    chat = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).request
+    text = parse_completion({"model": "m", "prompt": "hi"}).request
+    err = refusal_error(refused("penalty_last_n must be an integer >= -1, got -2",
+                                "penalty_last_n"), text)
+    assert (err.status, err.param, err.code) == (400, "repeat_last_n", "invalid_value")
+    assert err.message == "penalty_last_n must be an integer >= -1, got -2"
+    assert refusal_error(refused("seed must be ...", "seed"), chat).param == "seed"
+    # A message that begins with a field's name names nothing the runtime did not name.
+    assert refusal_error(refused("top_k words first, no field named"), chat).param is None
+    long = refusal_error(refused("a prompt of 9 tokens ...", code="prompt_too_long"), chat)
+    assert (long.param, long.code) == ("messages", "context_length_exceeded")
+    assert refusal_error(refused("...", code="prompt_too_long"), text).param == "prompt"
+    busy = refusal_error(refused("session s is busy", code="sticky_busy",
+                                 status=grpc.StatusCode.FAILED_PRECONDITION), chat)
+    assert (busy.status, busy.param, busy.code) == (409, "session_id", "session_busy")
+
+
+def test_a_grammar_the_gateway_made_is_named_by_the_field_that_asked_for_it() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    messages = [{"role": "user", "content": "hi"}]
+    grammar = refused("grammar is not valid GBNF: ...", "grammar")
+    called = parse_chat({"model": "m", "messages": messages, "tools": tools,
+                         "tool_choice": "required"}).request
+    assert refusal_error(grammar, called).param == "tool_choice"
+    shaped = parse_chat({"model": "m", "messages": messages,
+                         "response_format": {"type": "json_object"}}).request
+    assert refusal_error(grammar, shaped).param == "response_format"
+    given = parse_completion({"model": "m", "prompt": "hi", "grammar": "root ::= \"a\""})
+    assert refusal_error(grammar, given.request).param == "grammar"
 
 
 # --------------------------------------------------------------------------- router

@@ -28,78 +28,17 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
 from ...chat.formats import ChatFormat, detect_format
-from ...chat.grammars import SchemaError
-from ...chat.messages import ChatInputError
-from ...chat.prompt import PromptPlan, grammar_cost, plan_chat
-from ...chat.templates import ChatTemplate, TemplateError
-from ..apis.openai.adapter import parse_chat, parse_completion
-from ..errors import ApiError, bad_param
-from ..limits import Limits, parse_json
+from ...chat.prompt import PromptPlan
+from ...chat.templates import ChatTemplate
+from ..errors import ApiError
 from ..workers.process import TemplateSpec
+from .prompt import render_plan
 from .request import GenRequest
 
 log = logging.getLogger("model_runtime.gateway")
 PR_SET_PDEATHSIG = 1
 CANCEL_FLAGS = 64  # jobs in flight at once, at most (one runs, the others queue)
-# A chat whose grammar's schemas hold more symbols than this (grammar_budget's count) is
-# rendered in the helper: converting them takes the GIL for milliseconds (a schema at the
-# budget's edge, tens of them), which on a thread would be the event loop's.
-HEAVY_GRAMMAR = 20_000
 T = TypeVar("T")
-
-
-def render_plan(req: GenRequest, template: ChatTemplate | None, fmt: ChatFormat | None,
-                cancelled: Callable[[], bool] | None = None) -> PromptPlan | None:
-    """A chat rendered with its model's template: the prompt, its save boundary, the
-    grammar and how to read the output. Refusals are 400s naming their place."""
-    if req.chat is None:
-        return None
-    if template is None or fmt is None:
-        raise bad_param("messages", f"The model '{req.model}' has no chat template: use "
-                                    "/v1/completions with a prompt.")
-    try:
-        return plan_chat(template, fmt, req.chat, cancelled)
-    except ChatInputError as exc:
-        raise bad_param(exc.param, exc.message) from None
-    except SchemaError as exc:  # (the message without its place: the API names it)
-        raise bad_param(exc.param, exc.detail) from None
-    except TemplateError as exc:
-        raise bad_param("messages", f"The model's chat template refused these messages: "
-                                    f"{exc}") from None
-
-
-def render_light(req: GenRequest, template: ChatTemplate | None, fmt: ChatFormat | None,
-                 cancelled: Callable[[], bool], heavy_too: bool) -> tuple[bool, PromptPlan | None]:
-    """:func:`render_plan`, unless the grammar of ``req``'s schemas holds over
-    :data:`HEAVY_GRAMMAR` symbols and not ``heavy_too``: (False, None) then, for the
-    helper to render it. Its budget is checked first either way: a 400 naming the first
-    bound or place over it, before anything is built."""
-    if req.chat is not None and not heavy_too:
-        try:
-            if grammar_cost(req.chat) > HEAVY_GRAMMAR:
-                return False, None
-        except SchemaError as exc:
-            raise bad_param(exc.param, exc.detail) from None
-    return True, render_plan(req, template, fmt, cancelled)
-
-
-Parsed = tuple[bool, Any, "GenRequest | ApiError"]
-
-
-def parse_request(body: bytes, limits: Limits, endpoint: str,
-                  session_header: str | None) -> Parsed:
-    """Whether the body is a JSON object within the limits, its ``model`` (whatever it
-    is: the request's label, refused or not), and the request or the :class:`ApiError`
-    that refuses it."""
-    try:
-        data = parse_json(body, limits)
-    except ApiError as err:
-        return False, None, err
-    parse = parse_chat if endpoint == "chat" else parse_completion
-    try:
-        return True, data.get("model"), parse(data, session_header)
-    except ApiError as err:
-        return True, data.get("model"), err
 
 
 # --------------------------------------------------------------------------- in the helper
@@ -170,9 +109,10 @@ class Offload:
         """Start the helper now rather than at the first large request."""
         await self._run(_ping)
 
-    async def parse(self, body: bytes, limits: Limits, endpoint: str,
-                    session_header: str | None) -> Parsed:
-        return await self._run(parse_request, body, limits, endpoint, session_header)
+    async def parse(self, parse: Callable[..., T], *args: Any) -> T:
+        """``parse(*args)`` in the helper: an API's parsing of a large body (a function
+        of its module, so that the helper can import it)."""
+        return await self._run(parse, *args)
 
     async def render(self, spec: TemplateSpec, req: GenRequest) -> PromptPlan | None:
         job = next(self._jobs)

@@ -1,30 +1,24 @@
-"""The gateway's one request: what every API's adapter reads its requests into, and what
-the pipeline runs on a worker (:class:`GenRequest`). Pure."""
+"""The gateway's one request: what every API's adapter reads its requests into (an API's
+own answer settings stay with its call, pipeline/contract.py), and what the pipeline runs
+on a worker (:class:`GenRequest`). Pure."""
 
 from __future__ import annotations
 
 import json
-import secrets
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...chat.prompt import ChatRequest, PromptPlan
 from ...v1 import runtime_pb2 as pb
-from ..errors import bad_param
-
-#: The runtime's request fields (the sampler's settings come with llama.cpp's chain).
-PROTO_FIELDS = frozenset(f.name for f in pb.CompleteRequest.DESCRIPTOR.fields)
 
 
 @dataclass
 class GenRequest:
-    """One completion request, checked: what goes to a worker, and how to answer."""
+    """One completion request, checked: its input (a chat, a prompt or token ids), how to
+    sample, where its cache may come from, and how it is routed."""
 
-    endpoint: str  # "chat" | "text"
     model: str
     stream: bool
-    include_usage: bool
     max_tokens: int | None  # None: until the context is full
     temperature: float
     top_p: float
@@ -46,13 +40,14 @@ class GenRequest:
     chat: ChatRequest | None = None
     prompt: str | None = None
     tokens: list[int] | None = None
-    created: int = field(default_factory=lambda: int(time.time()))
-    id: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.id:
-            prefix = "chatcmpl" if self.endpoint == "chat" else "cmpl"
-            self.id = f"{prefix}-{secrets.token_hex(12)}"
+    # Cache hints. A chat's breakpoints (Anthropic's cache_control): chat message index ->
+    # seconds its entry stays pinned (0: not pinned); the ends of those messages become
+    # the save boundaries.
+    breakpoint_ttls: dict[int, int] = field(default_factory=dict)
+    # An earlier finish save to resume from (the Responses API's previous_response_id),
+    # whose own tokens stand for the text they were generated as (continue_parent).
+    parent_key: str = ""
+    continue_parent: bool = False
 
     def to_proto(self, plan: PromptPlan | None = None) -> pb.CompleteRequest:
         """The runtime's request; a chat needs its ``plan`` (the prompt the gateway
@@ -72,10 +67,9 @@ class GenRequest:
             "frequency_penalty": self.frequency_penalty or None,
             "repeat_penalty": self.repeat_penalty, "penalty_last_n": self.repeat_last_n}
         for name, value in sampler.items():
-            if value is not None and name in PROTO_FIELDS:
+            if value is not None:
                 setattr(req, name, value)
-        if self.logit_bias and "logit_bias" in PROTO_FIELDS:
-            req.logit_bias.update(self.logit_bias)
+        req.logit_bias.update(self.logit_bias)
         grammar = self.grammar
         triggers: tuple[str, ...] = ()
         if plan is not None:
@@ -88,15 +82,19 @@ class GenRequest:
         else:
             req.prompt = self.prompt or ""
         if grammar is not None:
-            if "grammar" not in PROTO_FIELDS:  # a runtime without constrained decoding
-                param = "tool_choice" if self.chat and self.chat.tools else \
-                    "response_format" if self.chat and self.chat.json_schema else "grammar"
-                raise bad_param(param, "This needs constrained decoding (a grammar), which "
-                                       "this server's runtime does not have.",
-                                code="unsupported_parameter")
             req.grammar = grammar
             for trigger in triggers:  # literals: the text that opens a tool call
                 req.grammar_triggers.add(value=trigger)
+        if plan is not None and self.breakpoint_ttls and plan.boundaries:
+            # The client said where its prefixes end: those are the save boundaries, in
+            # place of the system message's end, each pinned for its ttl.
+            req.prefix_chars = 0
+            req.boundary_chars.extend(chars for _, chars in plan.boundaries)
+            req.boundary_ttl_seconds.extend(self.breakpoint_ttls[index]
+                                            for index, _ in plan.boundaries)
+        if self.parent_key:
+            req.parent_key = self.parent_key
+            req.continue_parent = self.continue_parent
         return req
 
     def routing_text(self, served: str | None = None) -> str:

@@ -11,13 +11,23 @@ from collections.abc import AsyncGenerator
 import grpc
 import grpc.aio
 
+from ...config import REFUSAL_METADATA_KEY
 from ...v1 import runtime_pb2 as pb
 from ...v1 import runtime_pb2_grpc as pb_grpc
 from .errors import RuntimeRefused, WorkerFailure
 from .process import RuntimeProcess
 from .slots import Flight
 
-__all__ = ["WorkerClient"]
+__all__ = ["WorkerClient", "refusal_of"]
+
+
+def refusal_of(exc: grpc.aio.AioRpcError) -> pb.Refusal:
+    """The runtime's Refusal of a call (its trailing metadata); an empty one when the
+    status came without it."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == REFUSAL_METADATA_KEY and isinstance(value, bytes):
+            return pb.Refusal.FromString(value)
+    return pb.Refusal()
 
 
 class WorkerClient:
@@ -86,8 +96,9 @@ class WorkerClient:
             return flight.failure
         code, details = exc.code(), exc.details() or ""
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
-            runtime_code, _, message = details.partition(": ")
-            return RuntimeRefused(code, runtime_code, message or details)
+            refusal = refusal_of(exc)
+            return RuntimeRefused(code, refusal.code, refusal.message or details,
+                                  refusal.param)
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
             # gRPC's own limit on a message's size: the request's fault, not the worker's
             return RuntimeRefused(code, "request_too_large", f"The request is larger than "

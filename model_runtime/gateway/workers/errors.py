@@ -20,10 +20,14 @@ class WorkerFailure(Exception):
 
 class RuntimeRefused(Exception):
     """The runtime answered the request with an error of its own (a bad request, a busy
-    session): the worker is fine."""
+    session): the worker is fine. ``code`` is the runtime's (prompt_too_long, sticky_busy,
+    invalid_argument, ...), ``param`` the request field it refused ("": none named), as
+    its Refusal says them (runtime.proto)."""
 
-    def __init__(self, status: grpc.StatusCode, code: str, message: str) -> None:
+    def __init__(self, status: grpc.StatusCode, code: str, message: str,
+                 param: str = "") -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
+        self.param = param

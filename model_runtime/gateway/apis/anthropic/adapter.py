@@ -1,10 +1,10 @@
-"""Anthropic's Messages API requests read into the same request the OpenAI routes make
+"""Anthropic's Messages API requests read into the gateway's one request
 (:class:`GenRequest` with a chat front end :class:`ChatRequest`): ``system``, content
 blocks (``text``, ``tool_use``, ``tool_result``, ``thinking``), ``tools`` with
 ``input_schema``, ``tool_choice``, the sampling fields and ``cache_control``
 breakpoints. Every field is applied or refused (:data:`MESSAGES_FIELDS` says which and
 how), in Anthropic's error shape (:func:`error_body`). Pure: the routes are in
-``anthropic_routes``, the answers' shapes in ``anthropic_output``.
+``routes``, the answers' shapes in ``formatter``.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from ....chat.messages import (
     ToolChoice,
     tool_from_openai,
 )
-from ....chat.prompt import ChatRequest, PromptPlan
-from ....v1 import runtime_pb2 as pb
+from ....chat.prompt import ChatRequest
 from ...errors import ApiError
 from ...limits import check_text
+from ...pipeline.contract import Call
 from ...pipeline.request import GenRequest
 
 __all__ = ["COUNT_FIELDS", "MESSAGES_FIELDS", "MessagesRequest", "error_body",
@@ -102,25 +102,12 @@ def invalid(param: str, message: str) -> ApiError:
 
 
 @dataclass
-class MessagesRequest:
-    """A checked /v1/messages request: what goes to a worker (``gen``), and the pin of
-    each cache_control breakpoint (chat message index -> seconds; 0: not pinned)."""
+class MessagesRequest(Call):
+    """A checked /v1/messages request: the gateway's request (with each cache_control
+    breakpoint's pin: ``request.breakpoint_ttls``), and the message's ``id``."""
 
-    gen: GenRequest
-    ttls: dict[int, int] = field(default_factory=dict)
-    boundaries_sent: int = 0  # breakpoints the rendered prompt has a place for
-
-    def to_proto(self, plan: PromptPlan) -> pb.CompleteRequest:
-        """The runtime's request: with breakpoints, the ends of their messages are the save
-        boundaries (in place of the system message's end: the client said where its
-        prefixes end), each pinned for its ttl."""
-        proto = self.gen.to_proto(plan)
-        if self.ttls and plan.boundaries:
-            proto.prefix_chars = 0
-            proto.boundary_chars.extend(chars for _, chars in plan.boundaries)
-            proto.boundary_ttl_seconds.extend(self.ttls[index] for index, _ in plan.boundaries)
-        self.boundaries_sent = len(plan.boundaries) if self.ttls else 0
-        return proto
+    request: GenRequest
+    id: str = field(default_factory=lambda: f"msg_{secrets.token_hex(12)}")
 
 
 class _Breakpoints:
@@ -424,12 +411,11 @@ def parse_messages_request(data: Mapping[str, Any], ttls: Mapping[str, int]
     if top_p == 0:
         raise invalid("top_p", "top_p must be > 0 and <= 1.")
     chat, at = _chat(data, ttls)
-    gen = GenRequest(
-        endpoint="chat", model=model, stream=stream, include_usage=False,
-        max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
+    return MessagesRequest(GenRequest(
+        model=model, stream=stream, max_tokens=max_tokens,
+        temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p, seed=None, stop=list(stops), session_id="",
-        route_key=user, top_k=top_k or 0, chat=chat, id=f"msg_{secrets.token_hex(12)}")
-    return MessagesRequest(gen, at)
+        route_key=user, top_k=top_k or 0, chat=chat, breakpoint_ttls=at))
 
 
 def parse_count_tokens(data: Mapping[str, Any], ttls: Mapping[str, int]) -> MessagesRequest:
@@ -440,6 +426,5 @@ def parse_count_tokens(data: Mapping[str, Any], ttls: Mapping[str, int]) -> Mess
         raise invalid("model", "Field required")
     chat, at = _chat(data, ttls)
     return MessagesRequest(GenRequest(
-        endpoint="chat", model=model, stream=False, include_usage=False, max_tokens=1,
-        temperature=1.0, top_p=1.0, seed=None, stop=[], session_id="", chat=chat,
-        id=f"msg_{secrets.token_hex(12)}"), at)
+        model=model, stream=False, max_tokens=1, temperature=1.0, top_p=1.0, seed=None,
+        stop=[], session_id="", chat=chat, breakpoint_ttls=at))

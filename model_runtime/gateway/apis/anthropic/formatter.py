@@ -1,7 +1,7 @@
 """Anthropic's Messages API answers: the message body, usage with its cache fields,
-``stop_reason``, and the streamed events (:class:`BlockStream` turns the chat front end's
-parsed deltas into content blocks). Pure: the routes (``anthropic_routes``) write what
-these make.
+``stop_reason``, the streamed events (:class:`BlockStream` turns the chat front end's
+parsed deltas into content blocks), its error shape, and :class:`MessagesFormatter`, a
+request's answer from the worker's events. Pure: the pipeline writes what these make.
 """
 
 from __future__ import annotations
@@ -10,34 +10,38 @@ import json
 from typing import Any
 
 from ....chat.parsing import ContentDelta, Delta, ParsedOutput, ReasoningDelta, ToolCallDelta
+from ....chat.prompt import PromptPlan
 from ....v1 import runtime_pb2 as pb
-from .adapter import MessagesRequest
+from ...errors import ApiError
+from ...pipeline.contract import Formatter, kvcache_details
+from ...pipeline.request import served_text
+from .adapter import MessagesRequest, error_body
 
-__all__ = ["BlockStream", "event", "input_usage", "message_body", "message_start",
-           "stop_reason", "usage"]
+__all__ = ["BlockStream", "MessagesFormatter", "event", "input_usage", "message_body",
+           "message_start", "stop_reason", "usage"]
 
 
-def input_usage(record: pb.PromptDone | pb.Completion, mreq: MessagesRequest
-                ) -> dict[str, int]:
+def input_usage(record: pb.PromptDone | pb.Completion, breakpoints: bool) -> dict[str, int]:
     """The input side of Anthropic's usage, from the runtime's account of the prompt
     (its PromptDone, or the final record, which repeats it). ``cache_read_input_tokens``:
     prompt tokens served from a saved state or a live sequence;
     ``cache_creation_input_tokens``: with cache_control, the tokens up to the farthest
     breakpoint this request computed and saved (its ``cold`` saves, which with
     breakpoints are taken at them only, during the prefill); ``input_tokens``: the rest.
-    The three add up to the prompt."""
+    The three add up to the prompt. ``breakpoints``: the prompt had a place for the
+    request's cache_control breakpoints (they were sent as save boundaries)."""
     read = min(record.cache_delta.tokens_read, record.prompt_tokens)
     created = 0
-    if mreq.boundaries_sent:
+    if breakpoints:
         saved = max((s.tokens for s in record.saves if s.reason == "cold"), default=0)
         created = max(0, min(saved, record.prompt_tokens) - read)
     return {"input_tokens": record.prompt_tokens - read - created,
             "cache_creation_input_tokens": created, "cache_read_input_tokens": read}
 
 
-def usage(done: pb.Completion, mreq: MessagesRequest) -> dict[str, Any]:
+def usage(done: pb.Completion, breakpoints: bool) -> dict[str, Any]:
     """Anthropic's usage: the input side (:func:`input_usage`) and the output tokens."""
-    return {**input_usage(done, mreq), "output_tokens": len(done.tokens),
+    return {**input_usage(done, breakpoints), "output_tokens": len(done.tokens),
             "service_tier": "standard"}
 
 
@@ -75,22 +79,23 @@ def content_blocks(out: ParsedOutput) -> list[dict[str, Any]]:
 
 
 def message_body(mreq: MessagesRequest, out: ParsedOutput, done: pb.Completion,
-                 extra: dict[str, Any]) -> dict[str, Any]:
+                 extra: dict[str, Any], breakpoints: bool) -> dict[str, Any]:
     reason, sequence = stop_reason(done, bool(out.tool_calls))
-    return {"id": mreq.gen.id, "type": "message", "role": "assistant",
-            "model": mreq.gen.model, "content": content_blocks(out), "stop_reason": reason,
-            "stop_sequence": sequence, "usage": usage(done, mreq), "kvcache": extra}
+    return {"id": mreq.id, "type": "message", "role": "assistant",
+            "model": mreq.request.model, "content": content_blocks(out),
+            "stop_reason": reason, "stop_sequence": sequence,
+            "usage": usage(done, breakpoints), "kvcache": extra}
 
 
-def message_start(mreq: MessagesRequest, prompt: pb.PromptDone | pb.Completion
-                  ) -> dict[str, Any]:
+def message_start(mreq: MessagesRequest, prompt: pb.PromptDone | pb.Completion,
+                  breakpoints: bool) -> dict[str, Any]:
     """The first event's message: no content yet, and usage's input side as Anthropic
     sends it there (``prompt``: the runtime's account of the prompt); message_delta
     repeats it with the output tokens."""
     return {"type": "message_start", "message": {
-        "id": mreq.gen.id, "type": "message", "role": "assistant", "model": mreq.gen.model,
+        "id": mreq.id, "type": "message", "role": "assistant", "model": mreq.request.model,
         "content": [], "stop_reason": None, "stop_sequence": None,
-        "usage": {**input_usage(prompt, mreq), "output_tokens": 0,
+        "usage": {**input_usage(prompt, breakpoints), "output_tokens": 0,
                   "service_tier": "standard"}}}
 
 
@@ -157,3 +162,55 @@ class BlockStream:
         if self.index < 0:
             return self._start({"type": "text", "text": ""}) + self.stop()
         return self.stop()
+
+
+class MessagesFormatter(Formatter):
+    """A message's answer: its text parsed into thinking, text and tool_use blocks as it
+    comes; streamed, Anthropic's events: message_start (the input side of usage, held
+    until the first token), ping, each content block's start, deltas and stop,
+    message_delta (stop_reason, usage), message_stop."""
+
+    def __init__(self, call: MessagesRequest, plan: PromptPlan | None, worker: str,
+                 tenant: str) -> None:
+        super().__init__(call.request.stream)
+        assert plan is not None  # a chat, always
+        self.call = call
+        self.worker = worker
+        self.tenant = tenant
+        self.parser = plan.parser()
+        self.blocks = BlockStream()
+        self.breakpoints = bool(call.request.breakpoint_ttls and plan.boundaries)
+
+    def opening(self, prompt: pb.PromptDone | pb.Completion) -> bytes:
+        return event("message_start", message_start(self.call, prompt, self.breakpoints)) + \
+            event("ping", {"type": "ping"})
+
+    def text(self, item: pb.CompleteEvent) -> bytes:
+        deltas = self.parser.feed(item.text)
+        if not self.stream:
+            return b""
+        return b"".join(event(name, data) for delta in deltas
+                        for name, data in self.blocks.feed(delta))
+
+    def finish(self, finished: list[pb.Completion]) -> tuple[dict[str, Any], bytes]:
+        (done,) = finished
+        closing = self.parser.close()
+        extra = kvcache_details(done, self.worker, self.tenant)
+        if not self.stream:
+            return message_body(self.call, self.parser.output, done, extra,
+                                self.breakpoints), b""
+        out = [e for d in closing for e in self.blocks.feed(d)] + self.blocks.finish()
+        reason, sequence = stop_reason(done, bool(self.parser.output.tool_calls))
+        out.append(("message_delta", {
+            "type": "message_delta",
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": usage(done, self.breakpoints), "kvcache": extra}))
+        out.append(("message_stop", {"type": "message_stop"}))
+        return {}, b"".join(event(name, data) for name, data in out)
+
+    def error(self, err: ApiError) -> bytes:
+        return event("error", error_body(err)[1])
+
+    def served(self) -> str:
+        out = self.parser.output
+        return served_text(out.content, [(c.name, c.arguments) for c in out.tool_calls])

@@ -1,22 +1,28 @@
 """The OpenAI API's requests: every field of chat completions and completions either
 applied or refused with OpenAI's error body and status (:data:`CHAT_FIELDS`,
 :data:`COMPLETION_FIELDS` say which and how), none accepted and ignored; a field this
-server does not know is refused as OpenAI refuses it. Pure functions and small types, no
-I/O: the HTTP routes (``app``) call them; the answers' shapes are in ``openai_output``.
+server does not know is refused as OpenAI refuses it. A request becomes the gateway's
+request (:class:`GenRequest`) in an :class:`OpenAICall` with OpenAI's own answer
+settings. Pure functions and small types, no I/O: the routes (``routes``) call them; the
+answers' shapes are in ``formatter``.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import secrets
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from ....chat.messages import ChatInputError
 from ....chat.prompt import ChatRequest
 from ...errors import ApiError, bad_param
-from ...limits import check_text
-from ...pipeline.request import PROTO_FIELDS, GenRequest
+from ...limits import Limits, check_text, parse_json
+from ...pipeline.contract import Call
+from ...pipeline.request import GenRequest
 from .chat import parse_messages, parse_response_format, parse_tool_choice, parse_tools
 
 MAX_STOP = 4  # OpenAI accepts up to 4 stop sequences
@@ -94,16 +100,31 @@ _ONLY = {"metadata": (None,), "audio": (None,), "prediction": (None,),
          "store": (None, False), "service_tier": (None, "auto", "default"),
          "modalities": (None, ["text"]), "echo": (None, False), "suffix": (None, ""),
          "best_of": (None, 1)}
-# Sampler fields: the runtime's name for each, and the values that change nothing.
-_SAMPLER = {"frequency_penalty": ("frequency_penalty", (None, 0)),
-            "presence_penalty": ("presence_penalty", (None, 0)),
-            "logit_bias": ("logit_bias", (None, {})), "min_p": ("min_p", (None, 0)),
-            "repeat_penalty": ("repeat_penalty", (None, 1)),
-            "repeat_last_n": ("penalty_last_n", (None,)), "grammar": ("grammar", (None,)),
-            "n": ("n", (None, 1))}
 
 
 
+
+
+@dataclass
+class OpenAICall(Call):
+    """A chat completions (``endpoint`` "chat") or completions ("text") request: the
+    gateway's request and how OpenAI answers it (``include_usage``: a last chunk with
+    usage; the answer's ``id`` and ``created``)."""
+
+    request: GenRequest
+    endpoint: str
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            prefix = "chatcmpl" if self.endpoint == "chat" else "cmpl"
+            self.id = f"{prefix}-{secrets.token_hex(12)}"
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint == "chat"
 
 
 def _number(data: dict[str, Any], name: str, default: float, low: float, high: float,
@@ -160,10 +181,6 @@ def _check_fields(data: dict[str, Any], known: Mapping[str, str]) -> None:
         if name in known and name in data and data[name] not in allowed:
             raise bad_param(name, f"'{name}' is not supported by this server "
                                   f"({known[name]}).", code="unsupported_parameter")
-    for name, (proto, neutral) in _SAMPLER.items():
-        if data.get(name) not in neutral and proto not in PROTO_FIELDS:
-            raise bad_param(name, f"'{name}' is not supported by this server.",
-                            code="unsupported_parameter")
 
 
 def _logit_bias(data: dict[str, Any]) -> dict[int, float]:
@@ -263,9 +280,10 @@ def _chat_input(exc: ChatInputError) -> ApiError:
     return bad_param(exc.param, exc.message)
 
 
-def parse_chat(data: dict[str, Any], session_header: str | None = None) -> GenRequest:
+def parse_chat(data: dict[str, Any], session_header: str | None = None) -> OpenAICall:
     _check_fields(data, CHAT_FIELDS)
     common = _common(data, "chat", ("max_completion_tokens", "max_tokens"), session_header)
+    answer = _answer(common)
     grammar = common.pop("grammar")
     route = _string(data, "prompt_cache_key", 1024) or common["route_key"]
     logprobs = _bool(data, "logprobs")
@@ -287,13 +305,14 @@ def parse_chat(data: dict[str, Any], session_header: str | None = None) -> GenRe
         raise bad_param(exc.param, exc.message, code=code) from None
     chat = ChatRequest(messages, tools, choice, _bool(data, "parallel_tool_calls", True),
                        schema, schema_param, grammar, variables)
-    return GenRequest(**{**common, "route_key": route}, logprobs=logprobs, top_logprobs=top,
-                      chat=chat)
+    return OpenAICall(GenRequest(**{**common, "route_key": route}, logprobs=logprobs,
+                                 top_logprobs=top, chat=chat), **answer)
 
 
-def parse_completion(data: dict[str, Any], session_header: str | None = None) -> GenRequest:
+def parse_completion(data: dict[str, Any], session_header: str | None = None) -> OpenAICall:
     _check_fields(data, COMPLETION_FIELDS)
     common = _common(data, "text", ("max_tokens",), session_header)
+    answer = _answer(common)
     prompt = data.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -302,16 +321,40 @@ def parse_completion(data: dict[str, Any], session_header: str | None = None) ->
     if isinstance(prompt, str):
         if not prompt:
             raise bad_param("prompt", "'prompt' must not be empty.")
-        return GenRequest(**common, logprobs=logprobs, top_logprobs=top_logprobs,
-                          prompt=prompt)
+        return OpenAICall(GenRequest(**common, logprobs=logprobs, top_logprobs=top_logprobs,
+                                     prompt=prompt), **answer)
     if isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt):
-        return GenRequest(**common, logprobs=logprobs, top_logprobs=top_logprobs,
-                          tokens=list(prompt))
+        return OpenAICall(GenRequest(**common, logprobs=logprobs, top_logprobs=top_logprobs,
+                                     tokens=list(prompt)), **answer)
     raise bad_param("prompt", "'prompt' must be a non-empty string or list of token ids (a "
                               "batch of one; batches of several are not supported).",
                     code="invalid_type" if prompt is not None else "missing_required")
 
 
-__all__ = ["CHAT_FIELDS", "COMPLETION_FIELDS", "SESSION_HEADER", "parse_chat",
-           "parse_completion"]
+def _answer(common: dict[str, Any]) -> dict[str, Any]:
+    """The fields of :func:`_common` that say how OpenAI answers, taken out of it."""
+    return {"endpoint": common.pop("endpoint"), "include_usage": common.pop("include_usage")}
+
+
+Parsed = tuple[bool, Any, "OpenAICall | ApiError"]
+
+
+def parse_request(body: bytes, limits: Limits, endpoint: str,
+                  session_header: str | None) -> Parsed:
+    """Whether the body is a JSON object within the limits, its ``model`` (whatever it
+    is: the request's label, refused or not), and the call or the :class:`ApiError`
+    that refuses it. Runs on a thread, or in the helper process for a large body."""
+    try:
+        data = parse_json(body, limits)
+    except ApiError as err:
+        return False, None, err
+    parse = parse_chat if endpoint == "chat" else parse_completion
+    try:
+        return True, data.get("model"), parse(data, session_header)
+    except ApiError as err:
+        return True, data.get("model"), err
+
+
+__all__ = ["CHAT_FIELDS", "COMPLETION_FIELDS", "SESSION_HEADER", "OpenAICall", "parse_chat",
+           "parse_completion", "parse_request"]

@@ -1,6 +1,7 @@
-"""The OpenAI API's answers: response bodies, streamed chunks, logprobs, usage and error
-bodies, and :class:`Choice`, one choice being answered (its output parsed into content,
-reasoning and tool calls as it streams). Pure: the routes (``app``) write what these make.
+"""The OpenAI API's answers: response bodies, streamed chunks, logprobs and usage;
+:class:`Choice`, one choice being answered (its output parsed into content, reasoning and
+tool calls as it streams), and :class:`OpenAIFormatter`, a request's answer from the
+worker's events. Pure: the pipeline writes what these make.
 """
 
 from __future__ import annotations
@@ -10,10 +11,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from ....chat.parsing import ContentDelta, Delta, OutputParser, ReasoningDelta, ToolCallDelta
+from ....chat.prompt import PromptPlan
 from ....v1 import runtime_pb2 as pb
-from ...pipeline.request import GenRequest, served_text
+from ...errors import ApiError
+from ...pipeline.contract import Formatter, kvcache_details
+from ...pipeline.request import served_text
+from .adapter import OpenAICall
 
-__all__ = ["DONE", "Choice", "chunk", "finish_reason", "kvcache_details", "response_body",
+__all__ = ["DONE", "Choice", "OpenAIFormatter", "chunk", "finish_reason", "response_body",
            "sse", "usage"]
 
 
@@ -25,18 +30,6 @@ def usage(done: pb.Completion, completion_tokens: int | None = None) -> dict[str
     return {"prompt_tokens": done.prompt_tokens, "completion_tokens": generated,
             "total_tokens": done.prompt_tokens + generated,
             "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def kvcache_details(done: pb.Completion, worker: str, tenant: str) -> dict[str, Any]:
-    """kvcache's own account of the request, beside OpenAI's fields."""
-    t = done.timings
-    return {"hit_kind": done.cache_hit_kind, "tier": done.cache_tier,
-            "tokens_restored": done.cache_delta.tokens_read,
-            "tokens_saved": done.cache_delta.tokens_saved,
-            "ttft_ms": round(t.ttft_ms, 3), "restore_ms": round(t.restore_ms, 3),
-            "prefill_ms": round(t.prefill_ms, 3), "decode_ms": round(t.decode_ms, 3),
-            "finish_key": done.finish_key, "session_id": done.session_id,
-            "worker": worker, "tenant": tenant}
 
 
 def finish_reason(done: pb.Completion, tool_calls: bool = False) -> str:
@@ -144,7 +137,7 @@ class Choice:
         return served_text(out.content, [(c.name, c.arguments) for c in out.tool_calls])
 
 
-def response_body(req: GenRequest, choices: Sequence[Choice],
+def response_body(call: OpenAICall, choices: Sequence[Choice],
                   finished: Sequence[pb.Completion], extra: dict[str, Any],
                   completion_tokens: int) -> dict[str, Any]:
     """The whole answer; ``finished``: each choice's final record (the prompt's usage
@@ -153,26 +146,26 @@ def response_body(req: GenRequest, choices: Sequence[Choice],
     done = finished[0]
     bodies = []
     for c in choices:
-        logprobs = c.logprobs_body(c.logprobs, req.endpoint == "chat") if req.logprobs \
+        logprobs = c.logprobs_body(c.logprobs, call.chat) if call.request.logprobs \
             else None
         reason = finish_reason(records.get(c.index, done), c.has_tool_calls)
-        if req.endpoint == "chat":
+        if call.chat:
             bodies.append({"index": c.index, "message": c.message(), "logprobs": logprobs,
                            "finish_reason": reason})
         else:
             bodies.append({"index": c.index, "text": c.text, "logprobs": logprobs,
                            "finish_reason": reason})
     body: dict[str, Any] = {
-        "id": req.id, "object": "chat.completion" if req.endpoint == "chat"
-        else "text_completion", "created": req.created, "model": req.model,
+        "id": call.id, "object": "chat.completion" if call.chat
+        else "text_completion", "created": call.created, "model": call.request.model,
         "system_fingerprint": None, "choices": bodies,
         "usage": usage(done, completion_tokens), "kvcache": extra}
-    if req.endpoint == "chat":
+    if call.chat:
         body["service_tier"] = "default"
     return body
 
 
-def chunk(req: GenRequest, text: str | None = None, *, first: bool = False,
+def chunk(call: OpenAICall, text: str | None = None, *, first: bool = False,
           finish: str | None = None, usage_body: dict[str, Any] | None = None,
           extra: dict[str, Any] | None = None, delta: dict[str, Any] | None = None,
           index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -181,7 +174,7 @@ def chunk(req: GenRequest, text: str | None = None, *, first: bool = False,
     include_usage is set)."""
     choices: list[dict[str, Any]] = []
     if usage_body is None:
-        if req.endpoint == "chat":
+        if call.chat:
             body: dict[str, Any] = dict(delta or {})
             if first:
                 body["role"] = "assistant"
@@ -193,12 +186,12 @@ def chunk(req: GenRequest, text: str | None = None, *, first: bool = False,
             choices = [{"index": index, "text": text or "", "logprobs": logprobs,
                         "finish_reason": finish}]
     out: dict[str, Any] = {
-        "id": req.id, "object": "chat.completion.chunk" if req.endpoint == "chat"
-        else "text_completion", "created": req.created, "model": req.model,
+        "id": call.id, "object": "chat.completion.chunk" if call.chat
+        else "text_completion", "created": call.created, "model": call.request.model,
         "system_fingerprint": None, "choices": choices}
-    if req.endpoint == "chat":
+    if call.chat:
         out["service_tier"] = "default"
-    if req.include_usage:
+    if call.include_usage:
         out["usage"] = usage_body  # null on every chunk but the last, as OpenAI does
     if extra is not None:
         out["kvcache"] = extra
@@ -211,3 +204,77 @@ def sse(data: dict[str, Any] | str) -> bytes:
 
 
 DONE = sse("[DONE]")
+
+
+class OpenAIFormatter(Formatter):
+    """A chat completion's or a completion's answer: each choice's text parsed (chat) as
+    it comes; streamed, OpenAI's chunks (the role first, then deltas, each choice's
+    finish_reason, the usage chunk when asked for, then ``[DONE]``); kvcache's details
+    ride on the last chunk (the usage chunk when asked for, where clients read usage,
+    else the last finish_reason chunk)."""
+
+    def __init__(self, call: OpenAICall, plan: PromptPlan | None, worker: str,
+                 tenant: str) -> None:
+        super().__init__(call.request.stream)
+        self.call = call
+        self.worker = worker
+        self.tenant = tenant
+        self.choices = [Choice(i, plan.parser() if plan is not None else None)
+                        for i in range(call.request.n)]
+
+    def opening(self, prompt: pb.PromptDone | pb.Completion) -> bytes:
+        if not self.call.chat:
+            return b""
+        return b"".join(sse(chunk(self.call, "", first=True, index=c.index))
+                        for c in self.choices)  # OpenAI's first chunk names the role
+
+    def text(self, event: pb.CompleteEvent) -> bytes:
+        choice = self.choices[event.choice]
+        if not self.stream:
+            choice.feed(event.text)
+            if event.HasField("logprob"):
+                choice.logprobs.append(event.logprob)
+            return b""
+        chat = self.call.chat
+        logprobs = choice.logprobs_body([event.logprob], chat) \
+            if event.HasField("logprob") else None
+        pieces = choice.feed(event.text)
+        if not pieces and logprobs is not None:
+            pieces = [{}] if chat else [{"text": ""}]
+        out = []
+        for piece in pieces:
+            if chat:
+                body = chunk(self.call, delta=piece, index=choice.index, logprobs=logprobs)
+            else:
+                body = chunk(self.call, piece["text"], index=choice.index, logprobs=logprobs)
+            logprobs = None  # the token's logprobs ride on its first chunk
+            out.append(sse(body))
+        return b"".join(out)
+
+    def choice_done(self, done: pb.Completion, extra: dict[str, Any] | None = None) -> bytes:
+        choice = self.choices[done.choice]
+        deltas = choice.close()
+        if not self.stream:
+            return b""
+        out = [sse(chunk(self.call, delta=delta, index=choice.index)) for delta in deltas]
+        out.append(sse(chunk(self.call, finish=finish_reason(done, choice.has_tool_calls),
+                             index=choice.index, extra=extra)))
+        return b"".join(out)
+
+    def finish(self, finished: list[pb.Completion]) -> tuple[dict[str, Any], bytes]:
+        done = finished[0]  # the prompt's usage and cache use are the same in each
+        generated = sum(len(d.tokens) for d in finished)
+        extra = kvcache_details(done, self.worker, self.tenant)
+        include_usage = self.call.include_usage
+        closing = self.choice_done(finished[-1], None if include_usage else extra)
+        if not self.stream:
+            return response_body(self.call, self.choices, finished, extra, generated), b""
+        if include_usage:
+            closing += sse(chunk(self.call, usage_body=usage(done, generated), extra=extra))
+        return {}, closing + DONE
+
+    def error(self, err: ApiError) -> bytes:
+        return sse(err.body())
+
+    def served(self) -> str:
+        return self.choices[0].served()

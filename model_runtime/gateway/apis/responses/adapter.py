@@ -5,8 +5,8 @@ accepted and ignored.
 A request is translated into the chat completions request it amounts to (instructions as
 the system message, input items as messages, the flat function tools into chat's, and
 ``text.format`` into ``response_format``) and checked by the same code
-(``openai_api.parse_chat``), so both APIs render, constrain and parse alike. Pure: the
-routes (``responses_routes``) look up the previous response and run it.
+(the OpenAI adapter's ``parse_chat``), so both APIs render, constrain and parse alike.
+Pure: the routes (``routes``) look up the previous response and run it.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import ApiError, bad_param
+from ...pipeline.contract import Call
 from ...pipeline.request import GenRequest
 from ..openai.adapter import parse_chat
 
-__all__ = ["RESPONSES_FIELDS", "ResponsesRequest", "chat_messages_of_input", "new_id",
+__all__ = ["RESPONSES_FIELDS", "ResponsesCall", "ResponsesRequest", "chat_messages_of_input", "new_id",
            "parse_responses", "unanswered_call"]
 
 #: Every field /v1/responses reads, and how: applied, or refused (a 400 naming it) for
@@ -109,16 +110,30 @@ class ResponsesRequest:
         messages = system + history + self.input_messages
         data = {**self.chat_body, "messages": messages}
         try:
-            req = parse_chat(data, session_header)
+            return parse_chat(data, session_header).request
         except ApiError as err:
             raise self.renamed(err, len(history)) from None
-        req.id = self.id
-        return req
 
     def renamed(self, err: ApiError, n_history: int) -> ApiError:
         """A refusal of the chat request (parsed or rendered), named in the Responses
         API's terms."""
         return _renamed(err, 1 if self.instructions else 0, n_history)
+
+
+class ResponsesCall(Call):
+    """A Responses request as the pipeline runs it: the checked request (``responses``),
+    the chat request it amounts to after its history (``request``), and how many of that
+    chat's messages came from the previous response (``n_history``: an error naming one
+    is named as the Responses API names it)."""
+
+    def __init__(self, responses: ResponsesRequest, request: GenRequest,
+                 n_history: int) -> None:
+        self.responses = responses
+        self.request = request
+        self.n_history = n_history
+
+    def rename(self, err: ApiError) -> ApiError:
+        return self.responses.renamed(err, self.n_history)
 
 
 def unanswered_call(messages: list[dict[str, Any]]) -> str | None:

@@ -2,7 +2,8 @@
 ``message``, ``function_call``), usage, and the streamed events, each numbered
 (``sequence_number``). One builder serves both: it turns the parsed output's deltas into
 items and the events that announce them, and a request that does not stream drops the
-events. Pure: the routes write what it makes.
+events. :class:`ResponsesFormatter` is a request's answer from the worker's events. Pure:
+the pipeline writes what these make.
 """
 
 from __future__ import annotations
@@ -12,10 +13,15 @@ import time
 from typing import Any
 
 from ....chat.parsing import ContentDelta, Delta, ReasoningDelta, ToolCallDelta
+from ....chat.prompt import PromptPlan
 from ....v1 import runtime_pb2 as pb
-from .adapter import ResponsesRequest, new_id
+from ...errors import ApiError
+from ...pipeline.contract import Formatter, kvcache_details
+from ...pipeline.request import served_text
+from .adapter import ResponsesCall, ResponsesRequest, new_id
 
-__all__ = ["ResponseBuilder", "reply_messages", "responses_usage", "sse_event"]
+__all__ = ["ResponseBuilder", "ResponsesFormatter", "reply_messages",
+           "responses_usage", "sse_event", "state_tokens"]
 
 
 def responses_usage(done: pb.Completion, output_tokens: int,
@@ -212,3 +218,54 @@ class ResponseBuilder:
         events.append(self.event("response.incomplete" if incomplete
                                  else "response.completed", response=body))
         return body, events
+
+
+def state_tokens(done: pb.Completion) -> int:
+    """Tokens of the state at ``finish_key``: the prompt and the reply as decoded (the
+    last token sampled is not decoded unless generation went on)."""
+    for save in done.saves:
+        if save.key == done.finish_key:
+            return int(save.tokens)
+    return int(done.prompt_tokens) + max(0, len(done.tokens) - 1)
+
+
+class ResponsesFormatter(Formatter):
+    """A response's answer: its items built from the parsed output as it comes;
+    streamed, the response.* events, each numbered."""
+
+    def __init__(self, call: ResponsesCall, plan: PromptPlan | None, worker: str,
+                 tenant: str) -> None:
+        super().__init__(call.responses.stream)
+        assert plan is not None  # a chat, always
+        self.worker = worker
+        self.tenant = tenant
+        self.parser = plan.parser()
+        self.builder = ResponseBuilder(call.responses)
+
+    def _events(self, events: list[dict[str, Any]]) -> bytes:
+        return b"".join(sse_event(e) for e in events) if self.stream else b""
+
+    def opening(self, prompt: pb.PromptDone | pb.Completion) -> bytes:
+        return self._events(self.builder.start())
+
+    def text(self, event: pb.CompleteEvent) -> bytes:
+        deltas = self.parser.feed(event.text)
+        self.builder.count_token(deltas)
+        return self._events(self.builder.feed(deltas))
+
+    def finish(self, finished: list[pb.Completion]) -> tuple[dict[str, Any], bytes]:
+        (done,) = finished
+        out = self.builder.feed(self.parser.close())
+        extra = kvcache_details(done, self.worker, self.tenant)
+        extra["state_tokens"] = state_tokens(done)  # what a continuation reuses
+        body, closing = self.builder.finish(done, len(done.tokens), extra)
+        return body, self._events(out + closing)
+
+    def error(self, err: ApiError) -> bytes:
+        return sse_event(self.builder.event(
+            "error", code=err.code, message=err.message, param=err.param,
+            error=err.body()["error"]))
+
+    def served(self) -> str:
+        out = self.parser.output
+        return served_text(out.content, [(c.name, c.arguments) for c in out.tool_calls])
