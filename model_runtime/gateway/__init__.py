@@ -1,13 +1,20 @@
 """An OpenAI-compatible HTTP gateway over supervised ``model-runtime serve`` workers.
 
-Folders, one concern each: ``apis`` (each API's requests read in, its answers written
-out), ``pipeline`` (what every API's request goes through: the helper process that
-parses and renders large requests), ``workers`` (the processes the gateway keeps: its
-workers and the cache daemon, their supervision, and routing among a model's workers).
-Beside them: ``command`` (the command line), ``settings`` (what to run), ``keys`` (API
-keys, TLS and the listener's rules), ``fleet`` (every model's pool of workers, shared by
-every tenant, and admission to their slots with each tenant's share), ``metrics``
-(Prometheus), ``app`` (the HTTP routes) and ``server`` (the gateway's lifetime).
+In layers, bottom up (tests/unit/test_gateway_layering.py holds them):
+
+* ``workers``: the processes the gateway keeps (its workers and the cache daemon), the
+  calls to a worker, the slot ledger, and cache-aware routing among a model's workers.
+* ``fleet``: every model's pool of workers, shared by every tenant, and admission to their
+  slots with each tenant's share.
+* ``pipeline``: what every API's request goes through, once: the door (the body read
+  within limits), the one internal request, rendering, the worker's events written,
+  accounting, failures and cancellation (``pipeline/run.py``: start here).
+* ``apis``: per API (OpenAI, Anthropic Messages, Responses), an adapter that converts its
+  requests at the door, a formatter that writes its answers, and its routes.
+* ``app`` (middlewares, the gateway's own routes), ``server`` (its lifetime), ``command``
+  (the command line).
+
+Beside them: ``errors``, ``limits``, ``connections``, ``keys``, ``settings``, ``metrics``.
 
 Kept free of imports: ``workers.spawn`` runs as ``python -m
 model_runtime.gateway.workers.spawn`` before every worker, so this package (and

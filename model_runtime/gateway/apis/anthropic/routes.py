@@ -6,7 +6,7 @@ Anthropic's events) and ``POST /v1/messages/count_tokens``, through the pipeline
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -31,7 +31,7 @@ def error_response(err: ApiError) -> web.Response:
 
 
 def _converter(parse: Callable[[Mapping[str, Any], Mapping[str, int]], MessagesRequest]
-               ) -> Callable[[web.Request, bytes, bool], Any]:
+               ) -> Callable[[web.Request, bytes, bool], Awaitable[MessagesRequest]]:
     async def convert(request: web.Request, body: bytes, large: bool) -> MessagesRequest:
         """The body parsed on a thread (the event loop keeps serving)."""
         settings = request.app[FLEET].settings

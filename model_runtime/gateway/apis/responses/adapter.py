@@ -22,8 +22,8 @@ from ...pipeline.contract import Call
 from ...pipeline.request import GenRequest
 from ..openai.adapter import parse_chat
 
-__all__ = ["RESPONSES_FIELDS", "ResponsesCall", "ResponsesRequest", "chat_messages_of_input", "new_id",
-           "parse_responses", "unanswered_call"]
+__all__ = ["RESPONSES_FIELDS", "ResponsesCall", "ResponsesRequest", "chat_messages_of_input",
+           "new_id", "parse_responses", "unanswered_call"]
 
 #: Every field /v1/responses reads, and how: applied, or refused (a 400 naming it) for
 #: any value but null and those noted.
