@@ -9,9 +9,11 @@
 from __future__ import annotations
 
 import codecs
+import contextlib
 import functools
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -574,15 +576,30 @@ class Runtime:
 
     def _events(self, req: Request, timeout: float | None
                 ) -> Iterator[PromptDone | TokenEvent | Completion]:
+        for batch in self.event_batches(req, timeout):
+            yield from batch
+
+    def event_batches(self, req: Request, timeout: float | None = None
+                      ) -> Iterator[list[PromptDone | TokenEvent | Completion]]:
+        """The events of :meth:`events` in batches: each what had been queued by the
+        time its reader came back for more (one event when it keeps up; a reader that
+        fell behind takes what is ready at once, e.g. to send it in one message).
+        Closing the iterator early cancels the request."""
         try:
             left = req.n  # choices still running
             while left:
-                event = req.events.get(timeout=timeout)
-                if isinstance(event, Exception):
-                    raise event
-                yield event
-                if isinstance(event, Completion):
-                    left -= 1
+                batch = [req.events.get(timeout=timeout)]
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        batch.append(req.events.get_nowait())
+                for i, event in enumerate(batch):
+                    if isinstance(event, Exception):
+                        if i:
+                            yield batch[:i]
+                        raise event
+                    if isinstance(event, Completion):
+                        left -= 1
+                yield batch
         finally:
             if req.phase is not Phase.DONE:
                 self.engine.cancel(req)

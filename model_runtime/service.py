@@ -149,6 +149,39 @@ def refuse(context: Any, exc: RequestError | ValueError) -> NoReturn:
     raise AssertionError("unreachable")  # context.abort raises
 
 
+def event_messages(batch: list[PromptDone | TokenEvent | Completion],
+                   piece: Callable[[int], bytes]) -> Iterator[pb.CompleteEvent]:
+    """The stream's messages for events that were ready at once: the text of tokens
+    in a row of one choice (without logprobs) in one message, which carries when the
+    first of them was decoded, so a reader that fell behind catches up in one step."""
+    text: pb.CompleteEvent | None = None
+    for event in batch:
+        if isinstance(event, TokenEvent) and event.logprob is None and text is not None \
+                and text.choice == event.choice:
+            text.text += event.text
+            text.token = max(event.token, 0)
+            continue
+        if text is not None:
+            yield text
+            text = None
+        if isinstance(event, PromptDone):
+            yield pb.CompleteEvent(prompt=prompt_message(event))
+        elif isinstance(event, TokenEvent):
+            if event.text or event.logprob is not None:  # (-1: held-back text, flushed)
+                message = pb.CompleteEvent(
+                    text=event.text, token=max(event.token, 0),
+                    logprob=logprob_message(event.logprob, piece),
+                    choice=event.choice, decoded_ns=event.decoded_ns)
+                if event.logprob is None:
+                    text = message  # more may join it
+                else:
+                    yield message
+        else:
+            yield pb.CompleteEvent(done=completion_message(event))
+    if text is not None:
+        yield text
+
+
 class RuntimeService(pb_grpc.ModelRuntimeServicer):
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
@@ -166,19 +199,8 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
             req = rt.submit(**request_kwargs(request), cancelled=lambda: not context.is_active())
             if not context.add_callback(lambda: rt.cancel(req)):
                 rt.cancel(req)  # it terminated already
-            for event in rt.events(req):
-                if isinstance(event, PromptDone):
-                    yield pb.CompleteEvent(prompt=prompt_message(event))
-                elif isinstance(event, TokenEvent):
-                    # (token -1: held-back text flushed at the end)
-                    if event.text or event.logprob is not None:
-                        yield pb.CompleteEvent(text=event.text, token=max(event.token, 0),
-                                               logprob=logprob_message(event.logprob,
-                                                                       self.piece),
-                                               choice=event.choice,
-                                               decoded_ns=event.decoded_ns)
-                else:
-                    yield pb.CompleteEvent(done=completion_message(event))
+            for batch in rt.event_batches(req):
+                yield from event_messages(batch, self.piece)
         except (RequestError, ValueError) as exc:
             refuse(context, exc)
 

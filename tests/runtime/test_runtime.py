@@ -900,3 +900,22 @@ def test_saver_survives_a_save_that_fails_unexpectedly(daemon: DaemonProcess) ->
         saver.close()
         assert counters["saves_failed"] == 1 and counters["saves_cold"] == 1, counters
         assert client.lookup(ident, list(good)) is not None
+
+
+def test_a_reader_that_fell_behind_takes_what_is_ready_in_one_batch(plain: Runtime) -> None:
+    """Runtime.event_batches: read while the request runs, one event a batch at most
+    (a reader keeping up); read after it ended, everything in one batch, in order: the
+    same events either way (the service sends such a batch as one message)."""
+    tokens = plain.tokenize("The quick brown fox jumps over the lazy dog. " * 3)
+    live = list(plain.event_batches(plain.submit(tokens=tokens, max_tokens=8)))
+    req = plain.submit(tokens=tokens, max_tokens=8)
+    while req.phase.value != "done":
+        time.sleep(0.01)
+    late = list(plain.event_batches(req))
+    assert len(late) == 1 and len(late[0]) > 2
+    flat = [e for batch in live for e in batch]
+
+    def texts(events: list[Any]) -> list[str]:
+        return [e.text for e in events if isinstance(e, TokenEvent)]
+
+    assert texts(flat) == texts(late[0]) and isinstance(late[0][-1], Completion)
