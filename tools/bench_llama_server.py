@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 from bench_llama_server_arms import (
+    TIMELINE_STEPS,
     Served,
     ServerArm,
     SideArm,
@@ -225,12 +226,23 @@ def run_chat_side(arms: list[SideArm], wl: Workload, st: Settings) -> dict[str, 
 def side_summary(result: dict[str, Any]) -> dict[str, Any]:
     turns = result["turns"]
     ttft = [t["ttft_ms"] for t in turns]
-    return {"requests": len(turns), "ttft_ms": summary_ms(ttft),
-            "ttft_ms_after_first": summary_ms(ttft[1:]),
-            "prompt_tokens_total": sum(t["prompt_tokens"] for t in turns),
-            "prefilled_total": sum(t["prefilled"] for t in turns),
-            "reused_total": sum(t["reused"] for t in turns),
-            "stored_bytes": result["stored"].get("bytes")}
+    summary = {"requests": len(turns), "ttft_ms": summary_ms(ttft),
+               "ttft_ms_after_first": summary_ms(ttft[1:]),
+               "prompt_tokens_total": sum(t["prompt_tokens"] for t in turns),
+               "prefilled_total": sum(t["prefilled"] for t in turns),
+               "reused_total": sum(t["reused"] for t in turns),
+               "stored_bytes": result["stored"].get("bytes")}
+    timelines = [t["info"]["timeline_ms"] for t in turns[1:] if "timeline_ms" in t["info"]]
+    if timelines:  # the runtime's arms: where the TTFT after the first request went
+        summary["timeline_ms_after_first_median"] = {
+            step: round(float(np.median([tl[step] for tl in timelines])), 3)
+            for step in TIMELINE_STEPS}
+        # The rest of the TTFT the client saw: between the steps (the model thread busy
+        # with a batch already running) and around them (the caller's thread, the queue).
+        summary["timeline_ms_after_first_median"]["other"] = round(float(np.median(
+            [t["ttft_ms"] - sum(t["info"]["timeline_ms"].values()) for t in turns[1:]
+             if "timeline_ms" in t["info"]])), 3)
+    return summary
 
 
 def side_agreement(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -438,6 +450,13 @@ def side_table(doc: dict[str, Any]) -> str:
             rows.append(f"{w:9} {arm:13} {fmt_ms(s[key]['median']):>12} "
                         f"{s['prefilled_total']:>10,} {s['prompt_tokens_total']:>10,} "
                         f"{stored:>14}")
+    rows.append("where a runtime's TTFT went (after each workload's first request), median ms:")
+    for w, res in doc["workloads"].items():
+        for arm, s in res["summary"].items():
+            steps = s.get("timeline_ms_after_first_median")
+            if steps:
+                rows.append(f"  {w:9} {arm:13} " + ", ".join(f"{k} {v:g}"
+                                                         for k, v in steps.items()))
     return "\n".join(rows)
 
 

@@ -64,6 +64,10 @@ class SideArm:
         raise NotImplementedError
 
 
+# The runtime's steps before a first token (Completion.timings), in order.
+TIMELINE_STEPS = ("tokenize", "queue", "lookup", "restore", "prefill", "sample")
+
+
 def serve_runtime(rt: Runtime, max_tokens: int, **prompt: Any) -> Served:
     ttft_ms, e2e_ms, done = stream_runtime(rt, max_tokens, **prompt)
     read = done.cache_delta["tokens_read"]
@@ -73,6 +77,7 @@ def serve_runtime(rt: Runtime, max_tokens: int, **prompt: Any) -> Served:
                   {"hit": done.cache_hit_kind, "tier": done.cache_tier,
                    "finish_reason": done.finish_reason, "engine_ttft_ms": t["ttft_ms"],
                    "restore_ms": t["restore_ms"], "prefill_ms": t["prefill_ms"],
+                   "timeline_ms": {step: t[f"{step}_ms"] for step in TIMELINE_STEPS},
                    "saves": [(s["reason"], s["tokens"]) for s in done.saves]})
 
 
