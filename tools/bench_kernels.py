@@ -1,17 +1,23 @@
-"""What turning llama.cpp's tiled K-quant kernels off costs (the runtime's default, for warm
-equals cold: see README, "Warm equals cold"), side by side in one run.
+"""What each kernel set costs (model_runtime/kernels.py), side by side in one run:
 
     python tools/bench_kernels.py [--model PATH] [--threads 2] [--prompt 512]
-                                  [--decode 64] [--rounds 3]
+                                  [--context 1800] [--suffix 32] [--decode 48] [--rounds 3]
+                                  [--sets deterministic,fast,builtin] [--out FILE.json]
 
-Each round runs, in a fresh process per arm (llama.cpp reads the switch once), a prefill
-of ``--prompt`` tokens in one batch and ``--decode`` single-token decodes, with
-``GGML_CPU_TILED_MM=0`` (the runtime's default) and ``=1`` (llama.cpp's); the arms
-alternate so that a noisy machine weighs on both. Reports per arm the median prefill
-seconds, milliseconds per decoded token and whether a token's scores are the same in any
-batch (``computes_batches_alike``), and the ratios off / on. JSON on stdout. Models
-without K-quant weights (SmolLM2's Q4_1, the default) show no difference: pass a K-quant
-GGUF, e.g. Gemma-3-270M's Q4_K_M (``tools/bench_whole_states.py`` installs it).
+The sets: ``deterministic`` (the default: llamafile's tinyBLAS for every float product,
+single tokens included; no repacking; tiled K-quant kernels off), ``fast`` (llama.cpp's
+defaults: what llama-server runs) and ``builtin`` (the library llama-cpp-python was built
+with by tools/setup.sh: no llamafile, no repacking; the deterministic choice before the
+sets existed). Each round runs every set in a fresh process (the kernels load once per
+process), in alternating order so a noisy machine weighs on all: a prefill of
+``--prompt`` tokens in one batch; a context of ``--context`` tokens, then a suffix of
+``--suffix`` tokens on it (a new user message after a long shared system prompt: what a
+live or restored prefix hit prefills) and ``--decode`` single-token decodes (median ms).
+Also whether llama.cpp's start-up check finds a token computed alike alone and in a
+batch. Reports the medians per set and each set's ratios to the deterministic one. JSON
+on stdout. SmolLM2 (Q4_1) shows llamafile's effect on attention; a K-quant model (e.g.
+Gemma-3-270M's Q4_K_M, which tools/bench_whole_states.py installs) shows repacking and
+the tiled kernels too.
 """
 
 from __future__ import annotations
@@ -22,38 +28,72 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
+from benchlib import emit_json, log, machine_info
+
+from model_runtime import kernels
 from model_runtime.runtime import default_model_path
 
 ARM = """
-import json, sys, time
+import json, statistics, sys, time
+import model_runtime
+from model_runtime import kernels
 from model_runtime.llama_backend import ContextParams, LlamaContext, LlamaModel
-path, threads, n_prompt, n_decode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+path = sys.argv[1]
+threads, n_prompt, n_context, n_suffix, n_decode = map(int, sys.argv[2:7])
+n_ctx = max(n_prompt, n_context + n_suffix + n_decode) + 16
 with LlamaModel(path) as model, LlamaContext(model, ContextParams(
-        n_ctx=n_prompt + n_decode + 16, n_batch=n_prompt, n_ubatch=n_prompt, n_seq_max=1,
-        n_threads=threads)) as ctx:
+        n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_seq_max=1, n_threads=threads)) as ctx:
     alike = ctx.computes_batches_alike()
-    tokens = [(7 * i + 11) % (model.n_vocab - 20) + 10 for i in range(n_prompt + n_decode)]
-    t = time.perf_counter()
-    ctx.decode(tokens[:n_prompt], list(range(n_prompt)), [0] * n_prompt,
-               [False] * (n_prompt - 1) + [True])
-    prefill = time.perf_counter() - t
-    t = time.perf_counter()
-    for i in range(n_prompt, n_prompt + n_decode):
-        ctx.decode([tokens[i]], [i], [0], [True])
-    decode = (time.perf_counter() - t) / n_decode
-print(json.dumps({"alike": alike, "prefill_s": prefill, "decode_ms": decode * 1000}))
+    toks = [(7 * i + 11) % (model.n_vocab - 20) + 10 for i in range(n_ctx)]
+
+    def prefill(start, end):
+        for s in range(start, end, 512):
+            e = min(s + 512, end)
+            ctx.decode(toks[s:e], list(range(s, e)), [0] * (e - s),
+                       [False] * (e - s - 1) + [True])
+
+    t = time.perf_counter(); prefill(0, n_prompt); prompt_s = time.perf_counter() - t
+    ctx.seq_clear(0)
+    prefill(0, n_context)
+    t = time.perf_counter(); prefill(n_context, n_context + n_suffix)
+    suffix_ms = (time.perf_counter() - t) * 1e3
+    steps = []
+    for i in range(n_context + n_suffix, n_context + n_suffix + n_decode):
+        t = time.perf_counter()
+        ctx.decode([toks[i]], [i], [0], [True])
+        steps.append((time.perf_counter() - t) * 1e3)
+print(json.dumps({"kernels": kernels.active(), "alike": alike, "prefill_s": prompt_s,
+                  "suffix_ms": suffix_ms, "decode_ms": statistics.median(steps)}))
 """
 
 
-def run_arm(tiled: str, args: argparse.Namespace) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GGML_CPU_TILED")}
-    env["GGML_CPU_TILED_MM"] = tiled
+def arm_env(name: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("GGML_CPU_TILED") and k not in (kernels.ENV,
+                                                              kernels.LIB_PATH_ENV)}
+    if name == kernels.BUILTIN:
+        import importlib.util
+
+        spec = importlib.util.find_spec("llama_cpp")
+        assert spec is not None and spec.origin is not None
+        env[kernels.LIB_PATH_ENV] = str(Path(spec.origin).parent / "lib")
+    else:
+        env[kernels.ENV] = name
+    return env
+
+
+def run_arm(name: str, args: argparse.Namespace) -> dict[str, Any]:
     done = subprocess.run([sys.executable, "-c", ARM, str(args.model), str(args.threads),
-                           str(args.prompt), str(args.decode)], env=env, capture_output=True,
-                          text=True, timeout=1200, check=True)
-    return json.loads(done.stdout.splitlines()[-1])
+                           str(args.prompt), str(args.context), str(args.suffix),
+                           str(args.decode)], env=arm_env(name), capture_output=True,
+                          text=True, timeout=3600)
+    if done.returncode != 0:
+        raise SystemExit(f"{name}: {done.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    return result
 
 
 def main() -> int:
@@ -61,24 +101,34 @@ def main() -> int:
     ap.add_argument("--model", default=str(default_model_path()))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--context", type=int, default=1800)
+    ap.add_argument("--suffix", type=int, default=32)
+    ap.add_argument("--decode", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--sets", default="deterministic,fast,builtin")
+    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
-    for _ in range(args.rounds):
-        for arm, tiled in (("off", "0"), ("on", "1")):
-            runs[arm].append(run_arm(tiled, args))
-    arms = {arm: {"batch_invariant": all(r["alike"] for r in rows),
-                  "prefill_s": round(statistics.median(r["prefill_s"] for r in rows), 3),
-                  "decode_ms": round(statistics.median(r["decode_ms"] for r in rows), 2)}
-            for arm, rows in runs.items()}
-    print(json.dumps({
-        "model": os.path.basename(args.model), "threads": args.threads,
-        "prompt_tokens": args.prompt, "decoded_tokens": args.decode, "rounds": args.rounds,
-        "tiled_off": arms["off"], "tiled_on": arms["on"],
-        "prefill_off_over_on": round(arms["off"]["prefill_s"] / arms["on"]["prefill_s"], 3),
-        "decode_off_over_on": round(arms["off"]["decode_ms"] / arms["on"]["decode_ms"], 3),
-    }, indent=1))
+    names = args.sets.split(",")
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for round_no in range(args.rounds):
+        for name in names if round_no % 2 == 0 else names[::-1]:
+            log(f"round {round_no + 1}: {name}")
+            runs[name].append(run_arm(name, args))
+    sets = {name: {"loaded": rows[0]["kernels"],
+                   "batch_invariant_check": all(r["alike"] for r in rows),
+                   **{k: round(statistics.median(r[k] for r in rows), 3)
+                      for k in ("prefill_s", "suffix_ms", "decode_ms")}}
+            for name, rows in runs.items()}
+    base = sets.get(kernels.DETERMINISTIC)
+    ratios = {name: {f"{k}_over_deterministic": round(s[k] / base[k], 3)
+                     for k in ("prefill_s", "suffix_ms", "decode_ms")}
+              for name, s in sets.items() if base is not None and name != kernels.DETERMINISTIC}
+    emit_json({"benchmark": "kernels", "command": "python tools/bench_kernels.py " +
+               " ".join(sys.argv[1:]), "model": os.path.basename(args.model),
+               "threads": args.threads, "prompt_tokens": args.prompt,
+               "context_tokens": args.context, "suffix_tokens": args.suffix,
+               "decoded_tokens": args.decode, "rounds": args.rounds,
+               "machine": machine_info(), "sets": sets, "ratios": ratios}, args.out)
     return 0
 
 
