@@ -19,6 +19,10 @@ from kvcache.metrics import LATENCY_BUCKETS
 from .connections import ConnectionGate
 
 PREFIX = "kvcache_gateway"
+
+# A token's way is a fraction of a decode step (~10 ms here): finer than LATENCY_BUCKETS.
+TOKEN_PATH_BUCKETS = (0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064,
+                      0.128)
 NO_TENANT = "(none)"  # a request refused before its key named a tenant (no tenant has it)
 
 
@@ -81,6 +85,11 @@ class GatewayMetrics:
         self.ttft = Histogram(f"{PREFIX}_ttft_seconds", "From the request's arrival to its "
                               "first token", ["model", "tenant"], buckets=LATENCY_BUCKETS,
                               registry=r)
+        self.token_path = Histogram(
+            f"{PREFIX}_token_path_seconds", "A streamed token's way from llama.cpp "
+            "returning its scores to its bytes handed to the client's connection "
+            "(sampling, the worker's message, formatting, the write)", ["model"],
+            buckets=TOKEN_PATH_BUCKETS, registry=r)
         self.tokens = Counter(f"{PREFIX}_tokens", "Tokens by kind (prompt, cached: prompt "
                               "tokens not recomputed, completion)", ["model", "tenant", "kind"],
                               registry=r)

@@ -95,6 +95,39 @@ def test_kvcache_details_ride_on_the_last_chunk(gw: GatewayProcess) -> None:
             assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
+def test_each_request_says_where_its_time_went_and_a_stream_each_tokens_way(
+        gw: GatewayProcess) -> None:
+    """The runtime's steps to the first token (timeline) and the gateway's time before
+    the worker had the request in every answer; streamed, each token's way from
+    llama.cpp's scores to the socket, in the last chunk and in a Prometheus histogram."""
+    client = gw.client()
+    messages = chat("Time it. " + SYSTEM, "Where are the clamps?")
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
+                                           temperature=0)
+    details = extra(whole)
+    timeline = details["timeline"]
+    assert list(timeline) == ["tokenize_ms", "queue_ms", "lookup_ms", "restore_ms",
+                              "prefill_ms", "sample_ms"]
+    assert all(v >= 0 for v in timeline.values()) and timeline["prefill_ms"] > 0
+    assert sum(timeline.values()) <= details["ttft_ms"] + 0.01
+    assert details["gateway"]["before_worker_ms"] > 0
+    assert "token_path_ms" not in details["gateway"]  # not streamed: no token's way
+
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, temperature=0, stream=True))
+    path = extra(chunks[-1])["gateway"]["token_path_ms"]
+    texts = sum(1 for c in chunks if c.choices and c.choices[0].delta.content)
+    assert 1 <= path["messages"] <= texts  # several tokens ready at once share a message
+    assert 0 <= path["p50"] <= path["p99"] <= path["max"] < 60_000
+
+    status, _, body = gw.http("GET", "/metrics")
+    assert status == 200
+    counts = {s.labels["model"]: s.value
+              for family in text_string_to_metric_families(body.decode())
+              for s in family.samples if s.name == "kvcache_gateway_token_path_seconds_count"}
+    assert counts.get("tiny", 0) >= path["messages"]
+
+
 def test_completions_streamed_and_not_agree_and_take_token_prompts(gw: GatewayProcess) -> None:
     client = gw.client()
     whole = client.completions.create(model="tiny", prompt="The quick brown fox",

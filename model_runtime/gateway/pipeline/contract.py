@@ -25,6 +25,9 @@ from .request import GenRequest
 __all__ = ["SSE_HEADERS", "Call", "Endpoint", "Formatter", "kvcache_details"]
 
 # A stream's headers, whatever the API: no cache, and no proxy buffering its events.
+# The runtime's steps within its time to the first token, in order (pb.Timings).
+TIMELINE = ("tokenize_ms", "queue_ms", "lookup_ms", "restore_ms", "prefill_ms", "sample_ms")
+
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 
@@ -53,6 +56,9 @@ class Formatter(ABC):
 
     def __init__(self, stream: bool) -> None:
         self.stream = stream
+        # The gateway's own account of the request (pipeline/timeline.py), filled in by
+        # the pipeline before :meth:`finish` and given with kvcache_details.
+        self.gateway: dict[str, Any] = {}
 
     @abstractmethod
     def opening(self, prompt: pb.PromptDone | pb.Completion) -> bytes:
@@ -95,13 +101,21 @@ class Endpoint(Generic[C]):
     formatter: Callable[[C, PromptPlan | None, str, str], Formatter]
 
 
-def kvcache_details(done: pb.Completion, worker: str, tenant: str) -> dict[str, Any]:
-    """kvcache's own account of the request, beside each API's fields."""
+def kvcache_details(done: pb.Completion, worker: str, tenant: str,
+                    gateway: dict[str, Any]) -> dict[str, Any]:
+    """kvcache's own account of the request, beside each API's fields: its cache hit,
+    where its time to the first token went in the runtime (``timeline``: tokenize,
+    queue, cache lookup, restore, prefill, the first token's sampling; the runtime's
+    ``ttft_ms`` counts from its receipt), and the gateway's (``gateway``: the time
+    before the worker had the request; streamed, each token's way from llama.cpp to the
+    socket in ``token_path_ms``)."""
     t = done.timings
     return {"hit_kind": done.cache_hit_kind, "tier": done.cache_tier,
             "tokens_restored": done.cache_delta.tokens_read,
             "tokens_saved": done.cache_delta.tokens_saved,
             "ttft_ms": round(t.ttft_ms, 3), "restore_ms": round(t.restore_ms, 3),
             "prefill_ms": round(t.prefill_ms, 3), "decode_ms": round(t.decode_ms, 3),
+            "timeline": {name: round(getattr(t, name), 3) for name in TIMELINE},
+            "gateway": dict(gateway),
             "finish_key": done.finish_key, "session_id": done.session_id,
             "worker": worker, "tenant": tenant}

@@ -44,6 +44,7 @@ from .door import (
 from .prompt import render_light
 from .refusals import failure_error, refusal_error
 from .request import GenRequest
+from .timeline import TokenPath
 
 __all__ = ["complete", "count_tokens"]
 
@@ -63,6 +64,7 @@ async def complete(request: web.Request, endpoint: Endpoint[C]) -> web.StreamRes
         plan, proto = await _prepared(request, req, worker, large)
         formatter = endpoint.formatter(call, plan, worker.name, tenant)
         events = worker.client.events(flight, proto)
+        formatter.gateway["before_worker_ms"] = round((time.monotonic() - arrived) * 1000, 3)
         async with contextlib.aclosing(events):
             return await Exchange(request, call, formatter, served, arrived).run(events)
 
@@ -184,6 +186,7 @@ class Exchange:
         self.response: web.StreamResponse | None = None  # a stream, once started
         self.prompt: pb.PromptDone | None = None  # the runtime's account of the prompt
         self.finished: list[pb.Completion] = []  # each choice's final record
+        self.token_path = TokenPath()  # each streamed token's way from llama.cpp
 
     async def run(self, events: AsyncIterator[pb.CompleteEvent]) -> web.StreamResponse:
         """The answer. Raises before the stream starts (so errors keep their status),
@@ -206,6 +209,8 @@ class Exchange:
                         return answer
                 else:
                     await self.write(self.formatter.text(event))
+                    if self.response is not None:
+                        self.passed(event.decoded_ns)
             raise WorkerFailure("worker_error", "the stream ended without a final record")
         except (RuntimeRefused, WorkerFailure, ApiError) as exc:
             if self.response is None:
@@ -221,6 +226,13 @@ class Exchange:
         """The one place where the stream is written."""
         if data and self.response is not None:
             await self.response.write(data)
+
+    def passed(self, decoded_ns: int) -> None:
+        """A streamed token's bytes are on their way to the client: its way from
+        llama.cpp's scores to here, counted (timeline.py)."""
+        way = self.token_path.passed(decoded_ns, time.monotonic_ns())
+        if way is not None:
+            self.fleet.metrics.token_path.labels(self.call.request.model).observe(way)
 
     async def start(self, first: pb.CompleteEvent) -> None:
         """The runtime accepted the request: from here on, errors are events."""
@@ -244,6 +256,9 @@ class Exchange:
             await self.write(self.formatter.choice_done(done))
             return None
         self.account()
+        token_path = self.token_path.summary()
+        if token_path is not None:
+            self.formatter.gateway["token_path_ms"] = token_path
         body, closing = self.formatter.finish(self.finished)
         await self.call.completed(self.finished[0], body)
         self.served.text = req.routing_text(self.formatter.served())

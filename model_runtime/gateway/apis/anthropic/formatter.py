@@ -195,7 +195,7 @@ class MessagesFormatter(Formatter):
     def finish(self, finished: list[pb.Completion]) -> tuple[dict[str, Any], bytes]:
         (done,) = finished
         closing = self.parser.close()
-        extra = kvcache_details(done, self.worker, self.tenant)
+        extra = kvcache_details(done, self.worker, self.tenant, self.gateway)
         if not self.stream:
             return message_body(self.call, self.parser.output, done, extra,
                                 self.breakpoints), b""

@@ -264,7 +264,7 @@ class OpenAIFormatter(Formatter):
     def finish(self, finished: list[pb.Completion]) -> tuple[dict[str, Any], bytes]:
         done = finished[0]  # the prompt's usage and cache use are the same in each
         generated = sum(len(d.tokens) for d in finished)
-        extra = kvcache_details(done, self.worker, self.tenant)
+        extra = kvcache_details(done, self.worker, self.tenant, self.gateway)
         include_usage = self.call.include_usage
         closing = self.choice_done(finished[-1], None if include_usage else extra)
         if not self.stream:

@@ -256,7 +256,7 @@ class ResponsesFormatter(Formatter):
     def finish(self, finished: list[pb.Completion]) -> tuple[dict[str, Any], bytes]:
         (done,) = finished
         out = self.builder.feed(self.parser.close())
-        extra = kvcache_details(done, self.worker, self.tenant)
+        extra = kvcache_details(done, self.worker, self.tenant, self.gateway)
         extra["state_tokens"] = state_tokens(done)  # what a continuation reuses
         body, closing = self.builder.finish(done, len(done.tokens), extra)
         return body, self._events(out + closing)

@@ -1,0 +1,54 @@
+"""Where a request's time went, as the gateway sees it: before its worker got it (the
+body read, converted, admitted and rendered), and each streamed token's way from
+llama.cpp to the client's socket.
+
+A token's way starts when ``llama_decode`` returned the scores it was sampled from (the
+runtime stamps each text event with it: ``decoded_ns``, CLOCK_MONOTONIC, a clock every
+process on the host shares) and ends when the gateway has handed its bytes to the
+client's connection. That is the runtime's sampling and detokenizing, its gRPC message,
+the gateway's parsing and formatting, and the write: everything this project adds to
+llama.cpp per token.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+__all__ = ["TokenPath", "percentile"]
+
+# A stamp further back than this is not this host's clock (a worker elsewhere): ignored.
+MAX_PLAUSIBLE_NS = 60 * 10**9
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values`` by the nearest rank (the p99 of fewer
+    than 100 tokens is their largest)."""
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 1))  # ceil(n * q), at least the first
+    return ordered[int(rank) - 1]
+
+
+class TokenPath:
+    """The milliseconds each streamed token took from llama.cpp to the socket."""
+
+    def __init__(self) -> None:
+        self.ms: list[float] = []
+
+    def passed(self, decoded_ns: int, written_ns: int) -> float | None:
+        """Record a token written at ``written_ns`` whose scores were ready at
+        ``decoded_ns``; its way in seconds, or None when it carries no usable stamp."""
+        way = written_ns - decoded_ns
+        if decoded_ns <= 0 or not 0 <= way < MAX_PLAUSIBLE_NS:
+            return None
+        self.ms.append(way / 1e6)
+        return way / 1e9
+
+    def summary(self) -> dict[str, Any] | None:
+        """Median, p99 and largest way in ms and how many messages were measured (one
+        message may carry several tokens that were ready at once); None: none was."""
+        if not self.ms:
+            return None
+        return {"p50": round(statistics.median(self.ms), 3),
+                "p99": round(percentile(self.ms, 0.99), 3),
+                "max": round(max(self.ms), 3), "messages": len(self.ms)}

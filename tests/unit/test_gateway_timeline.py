@@ -1,0 +1,24 @@
+"""The gateway's account of a streamed token's way (pure parts)."""
+
+from __future__ import annotations
+
+from model_runtime.gateway.pipeline.timeline import TokenPath, percentile
+
+
+def test_percentile_is_the_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 0.5) == 50.0
+    assert percentile(values, 0.99) == 99.0
+    assert percentile([3.0, 1.0, 2.0], 0.99) == 3.0  # fewer than 100: the largest
+    assert percentile([7.0], 0.01) == 7.0
+
+
+def test_a_token_path_counts_stamped_tokens_and_ignores_foreign_clocks() -> None:
+    path = TokenPath()
+    assert path.summary() is None
+    assert path.passed(1_000_000, 1_500_000) == 0.0005  # seconds
+    assert path.passed(2_000_000, 4_000_000) == 0.002
+    assert path.passed(0, 5_000_000) is None  # no stamp (an older runtime)
+    assert path.passed(9_000_000, 8_000_000) is None  # after its write: another clock
+    assert path.passed(1, 120 * 10**9) is None  # minutes back: another host's clock
+    assert path.summary() == {"p50": 1.25, "p99": 2.0, "max": 2.0, "messages": 2}
