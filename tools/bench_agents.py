@@ -21,8 +21,11 @@ Prints ONE JSON document on stdout (progress on stderr).
 * ``concurrent``: 4 concurrent streaming clients over a shared ~1,000-token system prompt,
   ``--requests`` requests each (a distinct user message, 32 tokens, greedy); one worker
   with 4 slots against ``llama-server -np 4``; ``--rounds`` rounds, the arms' order
-  alternating. Aggregate completion tokens per second, TTFT median and inter-token median
-  (gaps between content chunks), with ratios kvcache / llama-server.
+  alternating. Aggregate completion tokens per second, TTFT median, inter-token median
+  (gaps between content chunks) and per token ((last - first chunk) / (completion tokens
+  - 1): blind to how a server groups tokens in chunks), with ratios kvcache /
+  llama-server; on kvcache's arm, each token's way from llama.cpp to the socket as its
+  gateway measured it (``token_path_ms``).
 * ``json``: decoding speed under a JSON schema (``response_format`` json_schema, strict:
   nested object, array, enum, integer) against the same requests unconstrained, on each
   arm, one client, ``--requests`` x ``--rounds`` requests each, alternating. Tokens per
@@ -106,6 +109,7 @@ class Arm:
         calls: dict[int, dict[str, Any]] = {}
         usage: Any = None
         timings: dict[str, Any] = {}
+        details: dict[str, Any] = {}  # kvcache's own field (the gateway's arm)
         for chunk in self.client.chat.completions.create(
                 model=self.model, messages=messages, max_tokens=max_tokens, temperature=0,
                 stream=True, stream_options={"include_usage": True}, **extra):
@@ -113,6 +117,7 @@ class Arm:
             if chunk.usage is not None:
                 usage = chunk.usage
             timings = (chunk.model_extra or {}).get("timings") or timings
+            details = (chunk.model_extra or {}).get("kvcache") or details
             if not chunk.choices:
                 continue
             delta = chunk.choices[0].delta
@@ -135,12 +140,19 @@ class Arm:
         if calls:
             message["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
                 "name": c["name"], "arguments": c["arguments"]}} for c in calls.values()]
+        tokens = usage.completion_tokens if usage else 0
         return {"ttft_s": (first or time.perf_counter()) - start,
                 "total_s": time.perf_counter() - start,
                 "gaps_s": [b - a for a, b in zip(stamps, stamps[1:], strict=False)],
+                # Per token, blind to how a server groups tokens in chunks: (last - first
+                # chunk) / (completion tokens - 1).
+                "per_token_s": (stamps[-1] - stamps[0]) / (tokens - 1)
+                if tokens > 1 and len(stamps) > 1 else None,
                 "prompt_tokens": usage.prompt_tokens if usage else None,
-                "completion_tokens": usage.completion_tokens if usage else 0,
+                "completion_tokens": tokens,
                 "cached_tokens": cached, "server_prompt_n": timings.get("prompt_n"),
+                "timeline_ms": details.get("timeline"),
+                "gateway_ms": details.get("gateway"),
                 "message": message}
 
 
@@ -236,6 +248,11 @@ def concurrent_round(arm: Arm, system: str, requests: int, round_no: int) -> dic
     return {"seconds": elapsed, "completion_tokens": tokens, "errors": errors,
             "ttft_s": [r["ttft_s"] for r in results],
             "gaps_s": [g for r in results for g in r["gaps_s"]],
+            "per_token_s": [r["per_token_s"] for r in results if r["per_token_s"]],
+            "token_path_p50_ms": [r["gateway_ms"]["token_path_ms"]["p50"] for r in results
+                                  if (r["gateway_ms"] or {}).get("token_path_ms")],
+            "token_path_p99_ms": [r["gateway_ms"]["token_path_ms"]["p99"] for r in results
+                                  if (r["gateway_ms"] or {}).get("token_path_ms")],
             "prompt_tokens": [r["prompt_tokens"] for r in results],
             "prefilled": [(r["prompt_tokens"] or 0) - r["cached_tokens"] for r in results]}
 
@@ -302,12 +319,21 @@ def json_runs(arms: list[Arm], requests: int, rounds: int) -> dict[str, Any]:
 def concurrent_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     ttft = [t for r in rounds for t in r["ttft_s"]]
     gaps = [g for r in rounds for g in r["gaps_s"]]
+    per_token = [g for r in rounds for g in r["per_token_s"]]
+    path_p50 = [p for r in rounds for p in r["token_path_p50_ms"]]
+    path_p99 = [p for r in rounds for p in r["token_path_p99_ms"]]
     seconds = sum(r["seconds"] for r in rounds)
     tokens = sum(r["completion_tokens"] for r in rounds)
     return {"requests": len(ttft), "errors": [e for r in rounds for e in r["errors"]][:5],
             "aggregate_tokens_per_s": round(tokens / seconds, 2) if seconds else None,
             "ttft": summarize(ttft) if ttft else None,
             "inter_token": summarize(gaps) if gaps else None,
+            "per_token": summarize(per_token) if per_token else None,
+            # The gateway's arm: each request's median and p99 token way (llama.cpp's
+            # scores to the socket), their medians and largest over the requests.
+            "token_path_ms": {"p50_median": round(statistics.median(path_p50), 3),
+                              "p99_median": round(statistics.median(path_p99), 3),
+                              "p99_max": round(max(path_p99), 3)} if path_p50 else None,
             "prompt_tokens_median": statistics.median(
                 [p for r in rounds for p in r["prompt_tokens"] if p] or [0]),
             "prefilled_median": statistics.median(
@@ -411,7 +437,9 @@ def main() -> None:
                                                 theirs["aggregate_tokens_per_s"], 3),
                 "ttft_median": round(ours["ttft"]["median"] / theirs["ttft"]["median"], 3),
                 "inter_token_median": round(ours["inter_token"]["median"] /
-                                            theirs["inter_token"]["median"], 3)}
+                                            theirs["inter_token"]["median"], 3),
+                "per_token_median": round(ours["per_token"]["median"] /
+                                          theirs["per_token"]["median"], 3)}
             doc["concurrent"] = summary
         if "json" in workloads:
             doc["json"] = json_runs(arms, args.requests, args.rounds)
