@@ -17,16 +17,17 @@ from collections.abc import Callable, Sequence
 from kvcache.client import CacheClient, LoadedBlob
 from kvcache.common import HIT_EXACT, HIT_PARTIAL, TIER_LIVE
 
-from . import kv_build, pieces
 from .config import RuntimeConfig
 from .identity import Identities
-from .kv_cells import StateFormatError
 from .llama_backend import LlamaContext
 from .request import Request, Seq, common_prefix, servable
 from .sampler import RequestSampler
 from .sampling import TokenLogprob, token_logprob
 from .saver import SaveJob, Saver, Waypoint
 from .scheduler import BatchPlan
+from .state import build as kv_build
+from .state import pieces
+from .state.layout import StateFormatError
 
 log = logging.getLogger("model_runtime")
 

@@ -28,9 +28,9 @@ import numpy as np
 
 from kvcache.client import CacheClient, CacheError, CacheUnavailable, Identity, SaveResult
 
-from . import pieces
-from .kv_cells import StateFormatError
-from .state_buffers import StateBuffers
+from .state import pieces
+from .state.buffers import StateBuffers
+from .state.layout import StateFormatError
 
 log = logging.getLogger("model_runtime.saver")
 

@@ -33,7 +33,10 @@ from typing import Any
 import llama_cpp as _lc
 import numpy as np
 
-from .. import kernels, kv_build, kv_cells, kv_layout
+from .. import kernels
+from ..state import build as kv_build
+from ..state import layout as kv_layout
+from ..state import parse as kv_cells
 from .binding import Owner
 from .errors import LlamaDecodeError, LlamaError, LlamaLoadError
 from .model import LlamaModel

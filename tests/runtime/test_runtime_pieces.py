@@ -21,9 +21,11 @@ import pytest
 from kvcache.blob import BlobMeta, encode_blob
 from kvcache.client import CacheClient, LoadedBlob
 from kvcache.v1 import kvcache_pb2 as pb
-from model_runtime import kv_build, kv_cells, pieces
 from model_runtime.llama_backend import LlamaModel
 from model_runtime.runtime import Runtime
+from model_runtime.state import build as kv_build
+from model_runtime.state import parse as kv_cells
+from model_runtime.state import pieces
 from tests.support.daemon_proc import DaemonProcess, wait_for
 from tests.support.runtime_calls import (
     CONFIG,
@@ -35,8 +37,8 @@ from tests.support.runtime_calls import (
     prompt,
 )
 from tests.support.tiny_llama import prefill
-from tests.unit.test_kv_cells import fresh_state, new_ctx
-from tests.unit.test_kv_cells import prompt as model_prompt
+from tests.unit.test_state_format import fresh_state, new_ctx
+from tests.unit.test_state_format import prompt as model_prompt
 
 # These tests follow the daemon path (no live reuse), with states of at least 8 tokens.
 PIECES_CONFIG = replace(CONFIG, n_seq_max=1)

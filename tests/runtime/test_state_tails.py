@@ -21,9 +21,11 @@ from harness.procs import Daemon
 
 from kvcache.blob import BlobMeta
 from kvcache.client import LoadedBlob
-from model_runtime import pieces
-from model_runtime.kv_build import build_state
-from model_runtime.kv_cells import (
+from model_runtime.llama_backend import ContextParams, LlamaContext, LlamaModel
+from model_runtime.runtime import Runtime
+from model_runtime.state import pieces
+from model_runtime.state.build import build_state
+from model_runtime.state.parse import (
     FORM_CELLS,
     FORM_PLANES,
     FORM_STATE,
@@ -34,8 +36,6 @@ from model_runtime.kv_cells import (
     planes_bytes,
     window_of,
 )
-from model_runtime.llama_backend import ContextParams, LlamaContext, LlamaModel
-from model_runtime.runtime import Runtime
 from tests.support.runtime_calls import flush
 from tests.support.tiny_llama import generate_greedy, prefill, sample_prompt
 from tests.support.warm_cold import BLOCKS

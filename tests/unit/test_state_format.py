@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 from harness.make_tiny_gguf import write_tiny_llama_gguf
 
-from model_runtime.kv_build import Scratch, build_state
-from model_runtime.kv_cells import (
+from model_runtime.llama_backend import ContextParams, LlamaContext, LlamaLoadError, LlamaModel
+from model_runtime.state.build import Scratch, build_state
+from model_runtime.state.parse import (
     FORM_CELLS,
     FORM_PLANES,
     FORM_STATE,
@@ -34,7 +35,6 @@ from model_runtime.kv_cells import (
     planes_bytes,
     run_size,
 )
-from model_runtime.llama_backend import ContextParams, LlamaContext, LlamaLoadError, LlamaModel
 from tests.support.tiny_llama import generate_greedy, prefill, sample_prompt
 
 N_NEW = 8

@@ -24,7 +24,7 @@ The format (llama.cpp as vendored by llama-cpp-python 0.3.36, ``llama-context.cp
 usually, but not always, position order.
 
 Three forms of a run of ``n`` cells (:func:`run_size`), all consumed by
-:func:`~model_runtime.kv_build.build_state` (runs of any forms join in one state):
+:func:`~model_runtime.state.build.build_state` (runs of any forms join in one state):
 
 - planes (:func:`planes_bytes`, what pieces are stored in): llama.cpp's own data section
   restricted to the run, without headers: every layer's ``n`` K rows, then every layer's
@@ -66,7 +66,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .kv_layout import (
+from .layout import (
     DATA_HEADER,
     FORM_CELLS,
     FORM_PLANES,
@@ -336,7 +336,7 @@ def layout_of(state: BytesLike | np.ndarray | CellState) -> Layout:
 def planes_bytes(state: BytesLike | np.ndarray | CellState, start: int, end: int) -> memoryview:
     """Cells ``[start, end)`` in position order, in the planar form (see the module
     docstring): ``(end - start) * layout.cell_width`` bytes, a read-only buffer.
-    Runs of any cuts passed to :func:`~model_runtime.kv_build.build_state` with ``forms=FORM_PLANES`` and the
+    Runs of any cuts passed to :func:`~model_runtime.state.build.build_state` with ``forms=FORM_PLANES`` and the
     same positions give back the state byte for byte."""
     cs, cells = _cut_range(state, start, end)
     layout, n = cs.layout, end - start
@@ -373,7 +373,7 @@ def cells_bytes(state: BytesLike | np.ndarray | CellState, start: int, end: int)
     layout.cell_width`` bytes (a read-only buffer; ``bytes()`` it to own a copy).
 
     For the usual state (cells stored in position order) cell ``i`` is the state's
-    ``i``-th cell, and the runs of any cuts passed to :func:`~model_runtime.kv_build.build_state` with the same
+    ``i``-th cell, and the runs of any cuts passed to :func:`~model_runtime.state.build.build_state` with the same
     positions give back the state byte for byte.
     """
     cs, cells = _cut_range(state, start, end)

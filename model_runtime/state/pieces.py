@@ -31,8 +31,10 @@ import numpy as np
 
 from kvcache.client import LoadedBlob
 
-from . import kv_build, kv_cells, kv_layout
-from .kv_cells import Layout, StateFormatError
+from . import build as kv_build
+from . import layout as kv_layout
+from . import parse as kv_cells
+from .parse import Layout, StateFormatError
 
 __all__ = ["Cut", "JoinedState", "cut", "decode_layout", "encode_layout", "join",
            "stored_logits"]

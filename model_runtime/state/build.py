@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kv_cells import as_items, parse_state_run
-from .kv_layout import (
+from .layout import (
     DATA_HEADER,
     FORM_CELLS,
     FORM_PLANES,
@@ -29,6 +28,7 @@ from .kv_layout import (
     Layout,
     StateFormatError,
 )
+from .parse import as_items, parse_state_run
 
 __all__ = ["Scratch", "build_state", "is_single_stream", "to_single_stream", "widen_streams"]
 
