@@ -23,9 +23,11 @@ from kvcache.client import CacheClient, LoadedBlob
 from kvcache.v1 import kvcache_pb2 as pb
 from model_runtime.llama_backend import LlamaModel
 from model_runtime.runtime import Runtime
-from model_runtime.state import build as kv_build
-from model_runtime.state import parse as kv_cells
 from model_runtime.state import pieces
+from model_runtime.state.build import build_state
+from model_runtime.state.cut import cells_bytes, planes_bytes
+from model_runtime.state.layout import FORM_CELLS, FORM_PLANES, FORM_STATE, form_of
+from model_runtime.state.parse import layout_of, parse
 from tests.support.daemon_proc import DaemonProcess, wait_for
 from tests.support.runtime_calls import (
     CONFIG,
@@ -121,7 +123,7 @@ def test_a_root_is_stored_as_llama_cpp_s_bytes_and_restored_as_stored(
         state = fresh_state(ctx, 0, tokens)
         root = pieces.cut(state, 0)
         assert bytes(root.payload) == state and root.n_cells == 120
-        assert kv_cells.form_of(msgpack.unpackb(root.cell_layout)) == kv_cells.FORM_STATE
+        assert form_of(msgpack.unpackb(root.cell_layout)) == FORM_STATE
         chain = [blob(tokens, root.payload, layout=root.cell_layout)]
         # Set as stored into another sequence and cut: llama.cpp's state of the prefix.
         joined = pieces.join(chain, 90, seq_id=2)
@@ -129,9 +131,9 @@ def test_a_root_is_stored_as_llama_cpp_s_bytes_and_restored_as_stored(
         assert ctx.seq_truncate(2, 90)
         assert bytes(ctx.state_seq_get(2)) == fresh_state(ctx, 2, tokens[:90])
         # A root that does not hold positions 0..n-1 is refused, not handed to llama.cpp.
-        layout = kv_cells.layout_of(state)
-        shifted = kv_build.build_state(layout, kv_cells.planes_bytes(state, 0, 120),
-                                       seq_id=0, forms=kv_cells.FORM_PLANES, first_pos=1)
+        layout = layout_of(state)
+        shifted = build_state(layout, planes_bytes(state, 0, 120), seq_id=0,
+                              forms=FORM_PLANES, first_pos=1)
         with pytest.raises(pieces.StateFormatError, match="positions 0..n-1"):
             pieces.join([blob(tokens, shifted, layout=root.cell_layout)], 90, seq_id=2)
 
@@ -141,9 +143,9 @@ def test_cell_major_pieces_of_the_first_piece_format_join_with_planar_ones(
     with LlamaModel(tiny_model) as model, new_ctx(model) as ctx:
         tokens = model_prompt(model, 120)
         state = fresh_state(ctx, 0, tokens)
-        cells = kv_cells.parse(fresh_state(ctx, 0, tokens[:70]))
-        old_layout = msgpack.packb(cells.layout.to_dict(kv_cells.FORM_CELLS))
-        old_root = blob(tokens[:70], kv_cells.cells_bytes(cells, 0, 70), layout=old_layout)
+        cells = parse(fresh_state(ctx, 0, tokens[:70]))
+        old_layout = msgpack.packb(cells.layout.to_dict(FORM_CELLS))
+        old_root = blob(tokens[:70], cells_bytes(cells, 0, 70), layout=old_layout)
         child = pieces.cut(state, 70)
         chain = [old_root, blob(tokens, child.payload, 70, b"p" * 16, child.cell_layout)]
         assert bytes(pieces.join(chain, 120, seq_id=0).state) == state
@@ -158,7 +160,7 @@ def test_a_join_for_a_split_cache_is_taken_as_it_is(tiny_model: Path) -> None:
         root = pieces.cut(state, 0)
         joined = pieces.join([blob(tokens[:120], root.payload, layout=root.cell_layout)],
                              90, seq_id=2, n_stream=ctx.state_streams)
-        assert kv_cells.parse(joined.state).layout.n_stream == 4
+        assert parse(joined.state).layout.n_stream == 4
         # All of it consumed as written: no widening copy, nothing added.
         assert ctx.state_seq_set(2, joined.state) == len(joined.state)
         restored = bytes(ctx.state_seq_get(2))
