@@ -180,3 +180,13 @@ def test_the_state_modules_build_only_on_those_before_them() -> None:
     assert {"model_runtime.state.cut", "model_runtime.state.build"} <= imported_names(
         STATE / "pieces.py")
 
+
+def test_an_entry_record_belongs_to_neither_the_index_nor_the_ordering() -> None:
+    """kvcache.index keeps the ordering's tables in its transactions, so it imports
+    kvcache.ordering; the ordering reads records, which kvcache.record defines: it imports
+    nothing of the index, not even for an annotation, and the record neither of them."""
+    ordering = imported_names(REPO / "kvcache" / "ordering.py")
+    record = imported_names(REPO / "kvcache" / "record.py")
+    assert "kvcache.index" not in ordering
+    assert "kvcache.record" in ordering  # the scan saw its imports
+    assert {"kvcache.index", "kvcache.ordering"} & record == set()
