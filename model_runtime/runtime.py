@@ -14,24 +14,19 @@ import functools
 import logging
 import os
 import queue
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from kvcache import keys
 from kvcache.client import CacheClient, CacheError
-from kvcache.common import TIER_LIVE
-from kvcache.metrics import LatencySummary, LatencyWindows, Metrics
+from kvcache.metrics import LatencySummary, LatencyWindows
 
 from . import kernels
+from .cache_monitor import CacheMonitor
 from .chat.templates import ChatTemplate, TemplateError
 from .config import RuntimeConfig, SettingError, check_int
-from .counters import COUNTERS
 from .engine import Engine
 from .grammar import check_grammar, grammar_of
 from .identity import runtime_identity
@@ -43,6 +38,7 @@ from .llama_backend import (
     TokenizeCancelled,
     batch_variant_options,
 )
+from .metrics import runtime_metrics
 from .request import (
     Completion,
     Phase,
@@ -109,58 +105,6 @@ def parse_parent_key(value: str | bytes) -> bytes:
     except ValueError:
         raise SettingError("parent_key", f"must be {2 * keys.KEY_BYTES} hex digits "
                                          f"(a finish_key), got {value!r}") from None
-
-
-class CacheMonitor:
-    """Says when the cache daemon cannot be reached, and when it answers again.
-
-    Without it a runtime whose daemon is gone serves every request cold and drops every
-    save with nothing said. The daemon's health service is probed every ``interval_s``:
-    a warning once per outage (also at start-up), an info line when it is back.
-    """
-
-    def __init__(self, cache: CacheClient, interval_s: float, timeout_s: float) -> None:
-        self.address = cache.address
-        self.interval_s = interval_s
-        self.timeout_s = timeout_s
-        self._health = health_pb2_grpc.HealthStub(cache.channel)
-        self.reachable: bool | None = None  # None until the first probe
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def probe(self) -> bool:
-        try:
-            answer = self._health.Check(health_pb2.HealthCheckRequest(), timeout=self.timeout_s)
-        except grpc.RpcError:
-            return False
-        # A daemon shutting down answers NOT_SERVING: it is going away.
-        return answer.status == health_pb2.HealthCheckResponse.SERVING
-
-    def check(self) -> bool:
-        """Probe once and report a change."""
-        reachable = self.probe()
-        if reachable != self.reachable:
-            if not reachable:
-                log.warning("kvcache: no cache daemon at %s; running without a cache "
-                            "(requests run cold, saves are dropped)", self.address)
-            elif self.reachable is not None:
-                log.info("kvcache: the cache daemon at %s is back; requests use the cache "
-                         "again", self.address)
-            self.reachable = reachable
-        return reachable
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="kvcache-monitor", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.check()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
 
 
 def default_model_path() -> Path:
@@ -636,39 +580,3 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def runtime_metrics(engine: Engine, windows: LatencyWindows | None = None) -> Metrics:
-    """Engine counters (every declared one, zeros included) and gauges, latency
-    histograms per hit kind, restores per tier, and save latencies per reason."""
-    metrics = Metrics("model_runtime")
-    metrics.describe_counters(COUNTERS)
-    metrics.add_snapshot(engine.stats, engine.gauges)
-    phases = {name: metrics.histogram(f"{name}_seconds", f"{name} per request", ("hit_kind",))
-              for name in ("ttft", "restore", "prefill", "decode")}
-    restore_tier = metrics.histogram("restore_tier_seconds",
-                                     "Restore of a state, by the daemon tier it came from",
-                                     ("tier",))
-    windows = windows if windows is not None else LatencyWindows()
-
-    def observe(c: Completion) -> None:
-        for name, hist in phases.items():
-            hist.labels(c.cache_hit_kind).observe(c.timings[f"{name}_ms"] / 1000)
-        windows.observe(f"ttft_{c.cache_hit_kind}", c.timings["ttft_ms"] / 1000)
-        if c.cache_tier and c.cache_tier != TIER_LIVE:  # a state restored from a tier
-            restore_tier.labels(c.cache_tier).observe(c.timings["restore_ms"] / 1000)
-            windows.observe(f"restore_{c.cache_tier}", c.timings["restore_ms"] / 1000)
-
-    engine.observers.append(observe)
-    state_get = metrics.histogram("state_get_seconds",
-                                  "llama_state_seq_get_data on the model thread")
-    engine.on_latency = lambda name, seconds: state_get.observe(seconds)
-    save = metrics.histogram("save_seconds", "Reserve, write and commit of a published save",
-                             ("reason",))
-
-    def saved(reason: str, seconds: float) -> None:
-        save.labels(reason).observe(seconds)
-        windows.observe(f"save_{reason}", seconds)
-
-    engine.saver.on_saved = saved
-    return metrics
