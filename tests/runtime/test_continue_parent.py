@@ -25,16 +25,9 @@ PROMPT = ("<|im_start|>system\nYou answer in one line.<|im_end|>\n<|im_start|>us
 TURN = "<|im_end|>\n<|im_start|>user\nAnd the next one?<|im_end|>\n<|im_start|>assistant\n"
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path_factory.mktemp("continue") / "data").start()
-    yield d
-    d.close()
-
-
 @pytest.fixture
-def runtime(daemon: DaemonProcess, tiny_model: Path) -> Iterator[Runtime]:
-    rt = Runtime(tiny_model, cache_address=daemon.address, config=CONFIG)
+def runtime(module_daemon: DaemonProcess, tiny_model: Path) -> Iterator[Runtime]:
+    rt = Runtime(tiny_model, cache_address=module_daemon.address, config=CONFIG)
     yield rt
     rt.close()
 
@@ -49,9 +42,9 @@ def state_of(runtime: Runtime, daemon: DaemonProcess, key: str) -> list[int]:
 
 
 def test_the_state_is_continued_with_its_own_tokens(runtime: Runtime,
-                                                    daemon: DaemonProcess) -> None:
+                                                    module_daemon: DaemonProcess) -> None:
     first = runtime.complete(prompt=PROMPT, max_tokens=12, temperature=0)
-    state = state_of(runtime, daemon, first.finish_key)
+    state = state_of(runtime, module_daemon, first.finish_key)
     assert state[-1] == first.tokens[-2]  # the last token sampled was not decoded
     again = runtime.submit(prompt=PROMPT + first.text + TURN, parent_key=first.finish_key,
                            continue_parent=True, max_tokens=4, temperature=0)

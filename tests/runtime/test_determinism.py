@@ -19,7 +19,7 @@ The tiny model runs on one thread; the same suite on SmolLM2 is marked slow.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -45,15 +45,9 @@ from tests.support.warm_cold import (
 )
 
 N_PROMPTS = 50
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    # Short blocks: the tests' entries spread over blocks rather than crowding one (where
-    # more than 32 end, a lookup may fall short by less than a block; README, Keys).
-    d = DaemonProcess(tmp_path_factory.mktemp("determinism") / "data", *BLOCKS).start()
-    yield d
-    d.close()
+# module_daemon's short blocks: the tests' entries spread over blocks rather than crowding
+# one (where more than 32 end, a lookup may fall short by less than a block; README, Keys).
+DAEMON_ARGS = BLOCKS
 
 
 def check_every_path(model: Path, daemon: DaemonProcess, make: Callable[..., Runtime],
@@ -142,8 +136,8 @@ def test_this_build_computes_a_token_alike_alone_or_in_a_batch(tiny_model: Path)
 
 
 def test_every_reuse_path_gives_what_a_cold_prefill_gives(
-        tiny_model: Path, daemon: DaemonProcess, runtimes: Callable[..., Runtime]) -> None:
-    ran = check_every_path(tiny_model, daemon, runtimes, N_PROMPTS)
+        tiny_model: Path, module_daemon: DaemonProcess, runtimes: Callable[..., Runtime]) -> None:
+    ran = check_every_path(tiny_model, module_daemon, runtimes, N_PROMPTS)
     assert min(ran.values()) == N_PROMPTS and len(ran) == 14, ran
 
 
@@ -261,6 +255,6 @@ def test_states_from_the_shared_tier_give_what_a_cold_prefill_gives(
 @pytest.mark.slow
 @pytest.mark.timeout(2400)  # ~170 SmolLM2 requests: ~6 minutes on 2 quiet cores
 def test_every_reuse_path_gives_what_a_cold_prefill_gives_on_smollm2(
-        daemon: DaemonProcess, runtimes: Callable[..., Runtime]) -> None:
-    ran = check_every_path(default_model_path(), daemon, runtimes, 12)
+        module_daemon: DaemonProcess, runtimes: Callable[..., Runtime]) -> None:
+    ran = check_every_path(default_model_path(), module_daemon, runtimes, 12)
     assert min(ran.values()) == 12 and len(ran) == 14, ran
