@@ -75,7 +75,7 @@ def module_daemon(module_daemon_factory: Callable[..., Daemon],
                   request: pytest.FixtureRequest) -> Daemon:
     """One daemon the module's tests share, started with its DAEMON_ARGS (tests sharing
     it keep apart by tenant or by prompt)."""
-    return module_daemon_factory(*daemon_args(request))
+    return module_daemon_factory(*daemon_args(request), name="shared")
 
 
 # --------------------------------------------------------------------------- tiny models

@@ -139,18 +139,17 @@ def private_kvcache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory,
-           tiny_model: Path) -> Iterator[tuple[DaemonProcess, ServeProcess]]:
+def served(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path,
+           module_daemon: DaemonProcess) -> Iterator[tuple[DaemonProcess, ServeProcess]]:
     """A daemon and a ``model-runtime serve`` on its default socket, for this module."""
     tmp = tmp_path_factory.mktemp("served")
-    daemon = DaemonProcess(tmp / "data").start()
-    serve = ServeProcess(tiny_model, daemon.address, tmp / "serve.log", default_socket=True)
+    serve = ServeProcess(tiny_model, module_daemon.address, tmp / "serve.log",
+                         default_socket=True)
     try:
         serve.start()
-        yield daemon, serve
+        yield module_daemon, serve
     finally:
         serve.close()
-        daemon.close()
 
 
 @pytest.fixture

@@ -26,6 +26,8 @@ def started_daemons(root: Path) -> Iterator[Callable[..., DaemonProcess]]:
     started: list[DaemonProcess] = []
 
     def start(*args: str, name: str = "data") -> DaemonProcess:
+        # Two daemons on one data folder would share (or fight over) one store.
+        assert all(d.data_dir != root / name for d in started), f"a second daemon in {name}"
         d = DaemonProcess(root / name, *args)
         started.append(d)
         return d.start()

@@ -80,3 +80,53 @@ def test_no_function_takes_more_than_12_parameters() -> None:
     assert set(over) - set(DEFERRED) == set(), over
     # An exception whose function was fixed goes: the list stays the list of what is left.
     assert set(DEFERRED) - set(over) == set(), "fixed: remove it from DEFERRED"
+
+
+# --------------------------------------------------------------------------- tests
+
+DAEMON_FIXTURES = {"daemon", "daemon_factory", "module_daemon", "module_daemon_factory"}
+DAEMON_CLASSES = {"DaemonProcess", "Daemon"}  # the harness's class, by either name
+
+
+def fixtures(tree: ast.AST) -> list[tuple[ast.FunctionDef, str]]:
+    """The fixture functions of a module, with their scope."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        for decorator in node.decorator_list:
+            if not ast.unparse(decorator).startswith("pytest.fixture"):
+                continue
+            keywords = decorator.keywords if isinstance(decorator, ast.Call) else []
+            scope = next((ast.literal_eval(k.value) for k in keywords if k.arg == "scope"),
+                         "function")
+            found.append((node, scope))
+    return found
+
+
+def gives_only_daemons(fn: ast.FunctionDef) -> bool:
+    """Whether a fixture's value is a daemon or daemons (its return annotation names the
+    daemon's class and no other process: not a daemon with a runtime or a gateway)."""
+    if fn.returns is None:
+        return False
+    names = {n.id for n in ast.walk(fn.returns) if isinstance(n, ast.Name)}
+    others = {n for n in names if n.endswith("Process") and n not in DAEMON_CLASSES}
+    return bool(names & DAEMON_CLASSES) and not others
+
+
+def test_the_daemon_fixtures_are_defined_once() -> None:
+    """tests/conftest.py's daemon fixtures are the only ones of their names, and a daemon
+    shared beyond one test comes from them: no module starts its own for its tests to
+    share (a fixture holding a daemon with a runtime or gateway of its own may)."""
+    redefined, own_shared = [], []
+    paths = sorted((REPO / "tests").rglob("*.py"))
+    for path in paths:
+        name = relative(path)
+        for fn, scope in fixtures(ast.parse(path.read_text(), name)):
+            if fn.name in DAEMON_FIXTURES and name != "tests/conftest.py":
+                redefined.append(f"{name}::{fn.name}")
+            calls = {ast.unparse(n.func) for n in ast.walk(fn) if isinstance(n, ast.Call)}
+            if scope != "function" and calls & DAEMON_CLASSES and gives_only_daemons(fn):
+                own_shared.append(f"{name}::{fn.name}")
+    assert len(paths) > 100, "the scan found almost nothing: is it broken?"
+    assert (redefined, own_shared) == ([], [])
