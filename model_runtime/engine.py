@@ -515,29 +515,34 @@ class EngineCore:
         seq, spec = req.seq, req.spec
         assert seq is not None and spec is not None and spec.pending_draft is not None
         draft, spec.pending_draft = spec.pending_draft, None
+        # Counted before any token is emitted: a token that ends the request makes its
+        # Completion at once, with these counts.
+        self.speculator.verifying(spec, draft)
         accepted = 0
-        for i in range(len(row.drafts) + 1):
-            self.executor.keep_logits(req, row.start + i, decoded=True)
-            try:
-                token = self.executor.sample(req)
-            except GrammarDeadEnd as exc:
-                self.speculator.verified(spec, draft, accepted)
-                self._fail(req, RequestError(
-                    "grammar_dead_end", f"after {len(req.generated)} generated tokens: {exc}"))
-                return
-            hit = i < len(row.drafts) and token == row.drafts[i]
-            if hit:
-                accepted += 1
-            else:
-                self.executor.settle(seq)
-            if not self._after_sample(req, token, save=False):
-                self.speculator.verified(spec, draft, accepted)
-                return
-            if not hit:
-                break
-            self.executor.accept_draft(seq, token)
-        self.speculator.verified(spec, draft, accepted)
-        self.save_points.after_token(req, emitted=accepted + 1)
+        try:
+            for i in range(len(row.drafts) + 1):
+                self.executor.keep_logits(req, row.start + i, decoded=True)
+                try:
+                    token = self.executor.sample(req)
+                except GrammarDeadEnd as exc:
+                    self._fail(req, RequestError(
+                        "grammar_dead_end",
+                        f"after {len(req.generated)} generated tokens: {exc}"))
+                    return
+                hit = i < len(row.drafts) and token == row.drafts[i]
+                if hit:
+                    accepted += 1
+                    spec.took(draft)
+                else:
+                    self.executor.settle(seq)
+                if not self._after_sample(req, token, save=False):
+                    return
+                if not hit:
+                    break
+                self.executor.accept_draft(seq, token)
+            self.save_points.after_token(req, emitted=accepted + 1)
+        finally:
+            self.speculator.learn(draft, accepted)
 
     def _after_sample(self, req: Request, token: int, *, save: bool = True) -> bool:
         """``token`` was sampled for the request: emitted, or its end. True while the

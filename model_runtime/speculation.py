@@ -152,6 +152,12 @@ class Speculation:
         return Speculation(self.lookup.fork() if self.lookup is not None else None,
                            self.use_model, n_prediction=self.n_prediction)
 
+    def took(self, draft: Draft) -> None:
+        """A token of ``draft`` was verified and taken."""
+        self.accepted += 1
+        if draft.source == PREDICTION:
+            self.accepted_prediction += 1
+
     def emitted(self, token: int) -> None:
         """A token joined the output (it is the pending token now)."""
         if self.lookup is not None:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from .draft_model import DraftJob, DraftModel
-from .drafts import MODEL, NO_DRAFT, PREDICTION, Draft, Lookup
+from .drafts import MODEL, NO_DRAFT, Draft, Lookup
 from .speculation import (
     DRAFT_MODE,
     OFF,
@@ -99,13 +99,13 @@ class Speculator:
                 out[i] = Draft(tuple(tokens), 0, MODEL)
         return out
 
-    def verified(self, spec: Speculation, draft: Draft, accepted: int) -> None:
-        """``draft`` was verified: its first ``accepted`` tokens were taken."""
-        drafted = len(draft.tokens)
-        spec.drafted += drafted
-        spec.accepted += accepted
-        if draft.source == PREDICTION:
-            spec.accepted_prediction += accepted
-        self.table.record(draft, drafted, accepted)
-        self.count("draft_tokens", drafted)
+    def verifying(self, spec: Speculation, draft: Draft) -> None:
+        """``draft`` is about to be verified: its tokens count as drafted."""
+        spec.drafted += len(draft.tokens)
+        self.count("draft_tokens", len(draft.tokens))
+
+    def learn(self, draft: Draft, accepted: int) -> None:
+        """``draft`` was verified, its first ``accepted`` tokens taken (each told to its
+        request's :meth:`Speculation.took` as it was): the acceptance statistics learn."""
+        self.table.record(draft, len(draft.tokens), accepted)
         self.count("draft_tokens_accepted", accepted)

@@ -146,7 +146,10 @@ def test_a_speculator_drafts_within_each_requests_limit_and_records_what_was_tak
     mine.emitted(CODE[5])
     [draft] = spec.drafts([Candidate(mine, 0, "", list, limit=3)], n_rows=1)
     assert draft.tokens == tuple(CODE[6:9])
-    spec.verified(mine, draft, 2)
+    spec.verifying(mine, draft)
+    mine.took(draft)
+    mine.took(draft)
+    spec.learn(draft, 2)
     assert (mine.drafted, mine.accepted) == (3, 2)
     assert counted == {"draft_tokens": 3, "draft_tokens_accepted": 2}
     [none] = spec.drafts([Candidate(mine, 0, "", list, limit=0)], n_rows=1)
