@@ -27,6 +27,7 @@ from . import kernels
 from .cache_monitor import CacheMonitor
 from .chat.templates import ChatTemplate, TemplateError
 from .config import RuntimeConfig, SettingError, check_int
+from .draft_model import DraftModel
 from .engine import Engine
 from .grammar import check_grammar, grammar_of
 from .identity import runtime_identity
@@ -56,6 +57,8 @@ from .sampling import (
     as_triggers,
     logit_bias_pairs,
 )
+from .speculation import DRAFT_MODE, NGRAM_MODE, StepCost, measure_step_cost
+from .speculator import Speculator
 
 Message = dict[str, str]
 log = logging.getLogger("model_runtime")
@@ -125,7 +128,8 @@ def default_model_path() -> Path:
 class Runtime:
     def __init__(self, model_path: str | os.PathLike[str] | None = None, *,
                  cache_address: str | None = None, config: RuntimeConfig | None = None,
-                 cache: CacheClient | None = None, verbose: bool = False) -> None:
+                 cache: CacheClient | None = None, verbose: bool = False,
+                 draft_model_path: str | os.PathLike[str] | None = None) -> None:
         self.config = config or RuntimeConfig()
         self.model_path = Path(model_path) if model_path else default_model_path()
         self.kernels = kernels.check()  # raises KernelsError: not the set asked for
@@ -155,10 +159,18 @@ class Runtime:
                         "deterministic set; %s=0 (the default) turns off the tiled "
                         "K-quant kernels.", self.kernels,
                         ", ".join(batch_variant_options()) or "kernel choice", TILED_MM_ENV)
+        self.draft_model: DraftModel | None = None
+        try:
+            speculator = self._speculator(draft_model_path, verbose)
+        except Exception:
+            self.ctx.close()
+            self.model.close()
+            raise
         if cache is None and cache_address:
             cache = CacheClient(cache_address, timeout=self.config.cache_timeout_s)
         self.cache = cache
-        self.engine = Engine(self.model, self.ctx, self.identity, cache, self.config)
+        self.engine = Engine(self.model, self.ctx, self.identity, cache, self.config,
+                             speculator)
         self.cache_monitor: CacheMonitor | None = None
         if cache is not None:
             self.cache_monitor = CacheMonitor(cache, self.config.cache_check_interval_s,
@@ -176,6 +188,43 @@ class Runtime:
         if self.template is not None:
             _ = self.model.seam_specials  # read here, not in the first chat's TTFT (~12 ms)
         self._closed = False
+
+    def _speculator(self, draft_model_path: str | os.PathLike[str] | None,
+                    verbose: bool) -> Speculator:
+        """Speculation's parts: the cost of a verified token (measured here: the drafts
+        verified are those whose expected tokens pay for it) and the draft model, whose
+        vocabulary must be the model's. Refused: ``draft`` without a draft model, a draft
+        model with ``ngram`` (which drafts by prompt lookup), a draft model for a model
+        whose state cannot be cut (no draft could be taken out again)."""
+        cfg, ctx = self.config, self.ctx
+        if cfg.speculative == DRAFT_MODE and not draft_model_path:
+            raise SettingError("speculative", "draft needs a draft model (draft_model_path, "
+                                              "--draft-model)")
+        if draft_model_path and cfg.speculative == NGRAM_MODE:
+            raise SettingError("speculative", "ngram drafts by prompt lookup: a draft model "
+                                              "drafts with speculative 'draft' (or 'off', "
+                                              "for requests that ask)")
+        possible = not self.model.is_recurrent
+        if draft_model_path and not possible:
+            raise SettingError("speculative", f"{self.model_path.name} keeps a recurrent "
+                                              "state, which cannot be cut: no draft can "
+                                              "be verified")
+        n_vocab = self.model.n_vocab
+
+        def truncate(keep: int) -> None:  # (sequence 0 is empty at start-up)
+            if not ctx.seq_truncate(0, keep):
+                ctx.seq_clear(0)
+
+        cost = measure_step_cost(
+            lambda n, at: ctx.decode([(7 * i + 3) % n_vocab for i in range(at, at + n)],
+                                     list(range(at, at + n)), [0] * n,
+                                     [i == n - 1 for i in range(n)]),
+            truncate) if possible else StepCost(1.0, 1.0)
+        draft = DraftModel(draft_model_path, ctx, verbose=verbose) if draft_model_path \
+            else None
+        self.draft_model = draft
+        return Speculator(cfg.speculative, cfg.draft_max, cost, draft_model=draft,
+                          catch_up=cfg.prefill_chunk, possible=possible)
 
     # -- prompts ----------------------------------------------------------------------------
 
@@ -295,6 +344,7 @@ class Runtime:
                grammar_triggers: Sequence[str | GrammarTrigger] = (),
                stop: Sequence[str] = (), logprobs: bool = False, top_logprobs: int = 0,
                n: int = 1, tenant: str | None = None,
+               speculative: bool | None = None, prediction: str | Sequence[int] = "",
                cancelled: Callable[[], bool] | None = None) -> Request:
         """Queue one request; read its events with :meth:`complete` (or ``req.events``).
 
@@ -387,8 +437,21 @@ class Runtime:
         ``cancelled``: asked while the prompt is tokenized (true: the caller went away;
         refused with ``cancelled``). Once queued, :meth:`cancel` ends the request at
         once, between two prefill chunks at the latest.
+
+        ``speculative``: None for the runtime's ``config.speculative``; False: this request
+        drafts nothing; True: it drafts (with the runtime's draft model if it has one,
+        else by prompt lookup) whatever the runtime's default. ``prediction``: the text
+        the output is expected to be (OpenAI's predicted outputs): its tokens are drafted
+        first, also on a runtime whose default is off, unless ``speculative`` is False
+        (text, tokenized as the output's text; or token ids).
+        Neither changes a token of the output (see :mod:`.speculation`); the Completion
+        reports the tokens drafted and accepted.
         """
         received = time.perf_counter()
+        if speculative is not None and not isinstance(speculative, bool):
+            raise SettingError("speculative", f"must be true, false or None, got "
+                                              f"{speculative!r}")
+        predicted = self._prediction_tokens(prediction)
         head_chars = prefix_chars
         if prompt is not None and boundary_chars and not prefix_chars:
             for chars in boundary_chars:
@@ -419,7 +482,8 @@ class Runtime:
         return self.engine.submit(toks, sampling, session_id=session_id, parent_key=parent,
                                   boundary=boundary, boundaries=boundaries, n=n,
                                   tenant=self.config.tenant if tenant is None else tenant,
-                                  received=received)
+                                  received=received, speculative=speculative,
+                                  prediction=predicted)
 
     def _continue(self, parent: bytes, prompt: str | None, tokens: Sequence[int] | None,
                   messages: Sequence[Message] | None, system: str | None,
@@ -481,6 +545,21 @@ class Runtime:
             log.info("parent state %s unreadable: %s", key.hex()[:16], exc)
             return []
         return state if all(0 <= t < self.model.n_vocab for t in state) else []
+
+    def _prediction_tokens(self, prediction: str | Sequence[int]) -> list[int]:
+        """A prediction's tokens: its text tokenized as output text is written (no BOS,
+        special tokens' texts as plain text), or the token ids given."""
+        if isinstance(prediction, str):
+            return self.model.tokenize(prediction, add_special=False, parse_special=False) \
+                if prediction else []
+        if isinstance(prediction, bytes) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prediction):
+            raise SettingError("prediction", "must be a text or a list of token ids")
+        bad = [t for t in prediction if not 0 <= t < self.model.n_vocab]
+        if bad:
+            raise SettingError("prediction", f"token ids must be below the vocabulary's "
+                                             f"{self.model.n_vocab}, got {bad[:5]}")
+        return list(prediction)
 
     def _check_vocab(self, sampling: SamplingParams) -> None:
         n_vocab = self.model.n_vocab
@@ -572,6 +651,8 @@ class Runtime:
         self.engine.close()
         if self.cache is not None:
             self.cache.close()
+        if self.draft_model is not None:
+            self.draft_model.close()
         self.ctx.close()
         self.model.close()
 

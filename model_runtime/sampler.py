@@ -66,6 +66,13 @@ class RequestSampler:
     def close(self) -> None:
         self.chain.close()
 
+    def draftable(self, tokens: Sequence[int]) -> int:
+        """How many of drafted ``tokens`` could follow, in a row from here: the grammar
+        refusing one ends the draft before it (no token it refuses is ever sampled); an
+        end-of-generation token ends it after it. (A lazy grammar waiting for its
+        trigger constrains nothing yet.)"""
+        return self.chain.grammar_run(tokens)
+
     def take(self, logits: np.ndarray) -> int:
         """The next token for ``logits``, recorded as generated. Raises
         :class:`GrammarDeadEnd` when the grammar lets no token follow."""

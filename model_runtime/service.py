@@ -70,7 +70,9 @@ def completion_message(c: Completion) -> pb.Completion:
         session_id=c.session_id, cache_tier=c.cache_tier,
         saves=[pb.SaveRecord(**save) for save in c.saves],
         logprobs=[logprob_message(lp) for lp in c.logprobs], choice=c.choice,
-        stop_sequence=c.stop_sequence)
+        stop_sequence=c.stop_sequence, drafted_tokens=c.drafted_tokens,
+        accepted_tokens=c.accepted_tokens, prediction_tokens=c.prediction_tokens,
+        accepted_prediction_tokens=c.accepted_prediction_tokens)
 
 
 def prompt_message(p: PromptDone) -> pb.PromptDone:
@@ -90,13 +92,16 @@ def completion_from_message(m: pb.Completion) -> Completion:
         prompt_tokens=m.prompt_tokens, session_id=m.session_id, cache_tier=m.cache_tier,
         saves=[{"reason": s.reason, "tokens": s.tokens, "key": s.key} for s in m.saves],
         logprobs=[logprob_from_message(lp) for lp in m.logprobs], choice=m.choice,
-        stop_sequence=m.stop_sequence)
+        stop_sequence=m.stop_sequence, drafted_tokens=m.drafted_tokens,
+        accepted_tokens=m.accepted_tokens, prediction_tokens=m.prediction_tokens,
+        accepted_prediction_tokens=m.accepted_prediction_tokens)
 
 
 def request_kwargs(request: pb.CompleteRequest) -> dict[str, Any]:
     """The keyword arguments of Runtime.submit a CompleteRequest stands for (a field
     left at proto3's zero means the submit default where zero is not a value of its
-    own: top_p, n; repeat_penalty, penalty_last_n and tenant are optional fields)."""
+    own: top_p, n; repeat_penalty, penalty_last_n, tenant and speculative are optional
+    fields)."""
     kwargs: dict[str, Any] = {
         "max_tokens": request.max_tokens or None,  # 0: not given
         "until_context_full": request.until_context_full, "temperature": request.temperature,
@@ -115,8 +120,9 @@ def request_kwargs(request: pb.CompleteRequest) -> dict[str, Any]:
         "continue_parent": request.continue_parent,
         "seed": request.seed if request.HasField("seed") else None,
         "logprobs": request.logprobs, "top_logprobs": request.top_logprobs,
+        "prediction": request.prediction,
     }
-    for name in ("repeat_penalty", "penalty_last_n", "tenant"):
+    for name in ("repeat_penalty", "penalty_last_n", "tenant", "speculative"):
         if request.HasField(name):
             kwargs[name] = getattr(request, name)
     which = request.WhichOneof("input")

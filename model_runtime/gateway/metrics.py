@@ -82,7 +82,8 @@ class GatewayMetrics:
                               "first token", ["model", "tenant"], buckets=LATENCY_BUCKETS,
                               registry=r)
         self.tokens = Counter(f"{PREFIX}_tokens", "Tokens by kind (prompt, cached: prompt "
-                              "tokens not recomputed, completion)", ["model", "tenant", "kind"],
+                              "tokens not recomputed, completion; drafted and accepted: "
+                              "speculative decoding's)", ["model", "tenant", "kind"],
                               registry=r)
         self.connections = Gauge(f"{PREFIX}_connections", "Client connections open now",
                                  registry=r)

@@ -220,13 +220,36 @@ class SamplerChain(Owner):
         """Whether the grammar (active or not) allows ``token`` next; True without one."""
         if not self._grammar:
             return True
+        return self._allowed_by(self._grammar, token)
+
+    def _allowed_by(self, grammar: Any, token: int) -> bool:
         self._one[0] = (token, 1.0, 0.0)
         one = self._one_array
         # (llama_cpp's type hints call the field an array; its _fields_ a pointer)
         one.data = self._one.ctypes.data_as(_lc.llama_token_data_p)  # type: ignore[assignment]
         one.size, one.selected, one.sorted = 1, -1, False
-        _lc.llama_sampler_apply(self._grammar, ctypes.byref(one))
+        _lc.llama_sampler_apply(grammar, ctypes.byref(one))
         return bool(np.isfinite(self._one["logit"][0]))
+
+    def grammar_run(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens``, in a row from here, the active grammar allows (all of
+        them without one): checked on a copy of the grammar, this one left as it is. An
+        end-of-generation token ends the run (nothing follows it)."""
+        end = next((i + 1 for i, t in enumerate(tokens) if self.model.is_eog(t)), len(tokens))
+        if not self.grammar_active:
+            return end
+        copy = _lc.llama_sampler_clone(self._grammar)
+        if not copy:
+            raise LlamaError("llama.cpp could not copy the grammar")
+        try:
+            for i, token in enumerate(tokens[:end]):
+                if not self._allowed_by(copy, token):
+                    return i
+                if i + 1 < end:  # (an end-of-generation token is never fed to it)
+                    _lc.llama_sampler_accept(copy, token)
+            return end
+        finally:
+            _lc.llama_sampler_free(copy)
 
     def accept(self, token: int, *, feed_grammar: bool = True) -> None:
         """Record the token taken: in the chain, and in the active grammar (which must

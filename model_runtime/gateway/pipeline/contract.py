@@ -11,7 +11,7 @@ rendering, the worker's events, accounting, failures, cancellation) is the pipel
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -95,8 +95,14 @@ class Endpoint(Generic[C]):
     formatter: Callable[[C, PromptPlan | None, str, str], Formatter]
 
 
-def kvcache_details(done: pb.Completion, worker: str, tenant: str) -> dict[str, Any]:
-    """kvcache's own account of the request, beside each API's fields."""
+def kvcache_details(done: pb.Completion, worker: str, tenant: str,
+                    finished: Sequence[pb.Completion] = ()) -> dict[str, Any]:
+    """kvcache's own account of the request, beside each API's fields: speculative
+    decoding's drafted and accepted tokens over every choice of ``finished`` (else
+    ``done``'s)."""
+    records = finished or (done,)
+    drafted = sum(d.drafted_tokens for d in records)
+    accepted = sum(d.accepted_tokens for d in records)
     t = done.timings
     return {"hit_kind": done.cache_hit_kind, "tier": done.cache_tier,
             "tokens_restored": done.cache_delta.tokens_read,
@@ -104,4 +110,7 @@ def kvcache_details(done: pb.Completion, worker: str, tenant: str) -> dict[str, 
             "ttft_ms": round(t.ttft_ms, 3), "restore_ms": round(t.restore_ms, 3),
             "prefill_ms": round(t.prefill_ms, 3), "decode_ms": round(t.decode_ms, 3),
             "finish_key": done.finish_key, "session_id": done.session_id,
-            "worker": worker, "tenant": tenant}
+            "worker": worker, "tenant": tenant,
+            "speculation": {"drafted": drafted, "accepted": accepted,
+                            "acceptance_rate": round(accepted / drafted, 4) if drafted
+                            else None}}
