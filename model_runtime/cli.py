@@ -290,10 +290,10 @@ def sampling_options(max_tokens: int | None, temperature: float, top_p: float, t
                      seed: int | None, stop: tuple[str, ...]) -> dict[str, Any]:
     """The sampling settings, checked by the same rules the runtime applies. A max_tokens
     is passed on only when given: given, the prompt plus it must fit the context."""
-    from .sampling import SamplingParams
+    from .sampling import Sampling, SamplingParams
 
     try:
-        SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        SamplingParams(Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
                        stop=stop,
                        max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
     except ValueError as exc:

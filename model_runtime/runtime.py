@@ -15,7 +15,7 @@ import logging
 import os
 import queue
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from kvcache.metrics import LatencySummary, LatencyWindows
 from . import kernels
 from .cache_monitor import CacheMonitor
 from .chat.templates import ChatTemplate, TemplateError
+from .completion_request import CompletionRequest, Input, Message
 from .config import RuntimeConfig, SettingError, check_int
 from .draft_model import DraftModel
 from .engine import Engine
@@ -51,16 +52,12 @@ from .request import (
 )
 from .sampling import (
     DEFAULT_MAX_TOKENS,
-    DEFAULT_PENALTY_LAST_N,
-    GrammarTrigger,
     SamplingParams,
     as_triggers,
-    logit_bias_pairs,
 )
 from .speculation import DRAFT_MODE, NGRAM_MODE, StepCost, measure_step_cost
 from .speculator import Speculator
 
-Message = dict[str, str]
 log = logging.getLogger("model_runtime")
 
 
@@ -293,12 +290,11 @@ class Runtime:
                 out[at] = max(out.get(at, 0), int(ttls[i]) if ttls else 0)
         return tuple(sorted(out.items()))
 
-    def _prepare(self, prompt: str | None, tokens: Sequence[int] | None,
-                 messages: Sequence[Message] | None, system: str | None,
-                 prefix_tokens: int, prefix_chars: int = 0,
+    def _prepare(self, given: Input, prefix_tokens: int, prefix_chars: int = 0,
                  cancelled: Callable[[], bool] | None = None) -> tuple[list[int], int]:
-        given = sum(x is not None for x in (prompt, tokens, messages))
-        if given != 1:
+        prompt, tokens, messages, system = given.prompt, given.tokens, given.messages, \
+            given.system
+        if sum(x is not None for x in (prompt, tokens, messages)) != 1:
             raise RequestError("invalid_argument",
                                "give exactly one of prompt, tokens or messages")
         if messages is not None:
@@ -320,182 +316,73 @@ class Runtime:
             raise RequestError("invalid_argument", f"token ids out of range: {bad[:5]}")
         return toks, prefix_tokens
 
-    def count_tokens(self, *, prompt: str | None = None, tokens: Sequence[int] | None = None,
-                     messages: Sequence[Message] | None = None, system: str | None = None,
-                     cancelled: Callable[[], bool] | None = None) -> int:
+    def count_tokens(self, given: Input, cancelled: Callable[[], bool] | None = None) -> int:
         """The prompt's length in tokens, as :meth:`submit` would make it."""
-        return len(self._prepare(prompt, tokens, messages, system, 0, 0, cancelled)[0])
+        return len(self._prepare(given, 0, 0, cancelled)[0])
 
     # -- completion -------------------------------------------------------------------------
 
-    def submit(self, *, prompt: str | None = None, tokens: Sequence[int] | None = None,
-               messages: Sequence[Message] | None = None, system: str | None = None,
-               prefix_tokens: int = 0, prefix_chars: int = 0,
-               boundary_chars: Sequence[int] = (), boundary_ttl_seconds: Sequence[int] = (),
-               session_id: str = "", parent_key: str | bytes = b"",
-               continue_parent: bool = False,
-               max_tokens: int | None = None, until_context_full: bool = False,
-               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-               min_p: float = 0.0, seed: int | None = None, repeat_penalty: float = 1.0,
-               presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-               penalty_last_n: int = DEFAULT_PENALTY_LAST_N,
-               logit_bias: Mapping[int, float] | None = None, grammar: str = "",
-               json_schema: Mapping[str, Any] | str | None = None, json_object: bool = False,
-               grammar_triggers: Sequence[str | GrammarTrigger] = (),
-               stop: Sequence[str] = (), logprobs: bool = False, top_logprobs: int = 0,
-               n: int = 1, tenant: str | None = None,
-               speculative: bool | None = None, prediction: str | Sequence[int] = "",
+    def submit(self, request: CompletionRequest,
                cancelled: Callable[[], bool] | None = None) -> Request:
-        """Queue one request; read its events with :meth:`complete` (or ``req.events``).
-
-        Input: exactly one of ``prompt`` (text, tokenized with the model's BOS; with
-        ``system`` rendered as a two-message chat), ``tokens`` or ``messages`` (rendered
-        by the model's chat template). ``max_tokens``: see :func:`generation_limit` (a
-        prompt plus the max_tokens given must fit the context; none given: 128 at most,
-        or with ``until_context_full`` until the context is full).
-
-        Sampling runs on llama.cpp's sampler chain, one per request (per choice), built
-        when the request gets its sequence and freed when it ends. The chain, in order:
-        ``logit_bias``, the penalties, ``top_k``, ``top_p``, ``min_p``, ``temperature``,
-        then a draw seeded with ``seed``; a temperature of 0 (or below 1e-6) takes the
-        most likely token instead (exactly what the raw scores' argmax gives):
-
-        ``temperature``        0: greedy. ``top_k`` 0, ``top_p`` 1, ``min_p`` 0: off.
-        ``seed``               None: a random draw. The draw's generator is llama.cpp's,
-                               seeded with ``seed`` mod (2**32 - 1); choice ``i`` of ``n``
-                               draws with ``seed + i``.
-        ``repeat_penalty``     1: off. llama.cpp's rule: a token among the last
-                               ``penalty_last_n`` tokens of prompt and output has its
-                               positive score divided by it (a negative one multiplied).
-        ``presence_penalty``   OpenAI's rule, over the last ``penalty_last_n`` generated
-        ``frequency_penalty``  tokens only: a token's score loses ``presence_penalty``
-                               if it occurs there, and ``frequency_penalty`` per time.
-        ``penalty_last_n``     the window: 64 by default; 0 turns the penalties off,
-                               -1 covers the whole context.
-        ``logit_bias``         ``{token id: bias}`` added to those tokens' scores, from
-                               -100 to 100, or ``-math.inf`` to ban a token.
-
-        Structured output (at most one of the three; refused before the request is
-        queued, with a message naming the part that failed, when it cannot be used):
-
-        ``grammar``            GBNF text (llama.cpp's grammar format, start rule
-                               ``root``): the output follows it. An end-of-generation
-                               token is allowed only where the grammar may end; one that
-                               cannot end within ``max_tokens`` finishes with "length".
-        ``json_schema``        a JSON Schema (a dict or its JSON text): the output is one
-                               JSON value valid for it (objects, arrays, enums, const,
-                               ``required``, ``additionalProperties``; properties not in
-                               ``required`` may be left out, and no property beyond those
-                               listed unless ``additionalProperties`` allows it: what
-                               OpenAI calls ``strict``). Converted with llama.cpp's
-                               converter; ``grammar.json_schema_grammar`` gives its GBNF.
-        ``json_object``        the output is one JSON object.
-        ``grammar_triggers``   a lazy grammar: the output is free until a trigger occurs
-                               (a string is a literal; a :class:`GrammarTrigger` with
-                               ``pattern=True`` a regular expression), then follows the
-                               grammar from the trigger on (see GrammarTrigger). A
-                               token after which the text from the trigger could not
-                               follow the grammar is never sampled.
-
-        ``logprobs``: each generated token's log probability under the raw scores
-        (before any sampling setting), and the ``top_logprobs`` most likely at its place.
-
-        ``n``: that many completions (choices) of the prompt. The prompt is computed,
-        restored or reused in place once, on one sequence, and copied to ``n - 1`` more
-        (``llama_memory_seq_cp``); every choice has its own chain (its own seed:
-        ``seed + i``; without a seed, a random one each), grammar state, stop strings,
-        logprobs and finish, and its first token is sampled from the same scores, the
-        prompt end's. Events and Completions carry their ``choice`` index. A request of
-        ``n`` takes ``n`` sequences at once: it waits until that many are free (and
-        requests after it wait behind it), more than ``n_seq_max`` is refused
-        (``invalid_argument``), and it cannot have a ``session_id``. The prompt counts
-        once: every choice's Completion reports the same ``prompt_tokens`` and cache use,
-        and the counters and metrics count the request once (by choice 0). Its saves:
-        the prompt's (``cold`` and the prompt entry) once; each choice's ``continued``
-        and ``finish`` saves are its own, so whichever choice a client goes on with, its
-        next turn is restored from that choice's state (a choice that ends at its very
-        first token has none: its state is the prompt's, which cannot be read until the
-        next decode makes the copies, counted ``saves_skipped_copy_pending``). Cancelling
-        the request ends every choice.
-
-        ``tenant``: the cache namespace's salt for this request (None: the runtime's
-        ``config.tenant``). Tenants never share anything: not a saved state, not a live
-        sequence, not a session.
-
-        ``prefix_chars``: with a ``prompt`` rendered by the caller (the gateway renders
-        chats itself), the save boundary at the end of its first ``prefix_chars``
-        characters (its system message and tools). ``boundary_chars``: more boundaries
-        of such a prompt (cache_control breakpoints), each saved on its way (a ``cold``
-        save), and its entry pinned in the daemon for ``boundary_ttl_seconds[i]`` seconds
-        (0: not pinned) when the request ends, whether it saved or restored it.
-
-        ``continue_parent``: with ``parent_key`` and a ``prompt`` whose text begins with
-        the text of the parent's state (a conversation rendered again after the reply that
-        state ends with): that part is the state's tokens as the model generated them,
-        never tokenized again, so a reuse covers all of it; see :meth:`_continue`.
+        """Queue one request (what each of its fields does:
+        :mod:`model_runtime.completion_request`); read its events with :meth:`events` (or
+        run it with :meth:`complete`).
 
         ``cancelled``: asked while the prompt is tokenized (true: the caller went away;
         refused with ``cancelled``). Once queued, :meth:`cancel` ends the request at
         once, between two prefill chunks at the latest.
-
-        ``speculative``: None for the runtime's ``config.speculative``; False: this request
-        drafts nothing; True: it drafts (with the runtime's draft model if it has one,
-        else by prompt lookup) whatever the runtime's default. ``prediction``: the text
-        the output is expected to be (OpenAI's predicted outputs): its tokens are drafted
-        first, also on a runtime whose default is off, unless ``speculative`` is False
-        (text, tokenized as the output's text; or token ids).
-        Neither changes a token of the output (see :mod:`.speculation`); the Completion
-        reports the tokens drafted and accepted.
         """
         received = time.perf_counter()
+        given, hints, limits = request.input, request.cache, request.constraints
+        speculative = request.speculation.speculative
         if speculative is not None and not isinstance(speculative, bool):
             raise SettingError("speculative", f"must be true, false or None, got "
                                               f"{speculative!r}")
-        predicted = self._prediction_tokens(prediction)
-        head_chars = prefix_chars
-        if prompt is not None and boundary_chars and not prefix_chars:
+        predicted = self._prediction_tokens(request.speculation.prediction)
+        prompt, boundary_chars = given.prompt, hints.boundary_chars
+        head_chars = hints.prefix_chars
+        if prompt is not None and boundary_chars and not hints.prefix_chars:
             for chars in boundary_chars:
                 check_int("boundary_chars", chars, 1, len(prompt))
             # The longest breakpoint as the head: its tokens are kept, and a next request
             # that shares it has only the rest tokenized.
             head_chars = max(boundary_chars)
-        parent = parse_parent_key(parent_key)
-        if continue_parent:
-            toks, boundary = self._continue(parent, prompt, tokens, messages, system,
-                                            prefix_tokens, head_chars, tenant, cancelled)
+        parent = parse_parent_key(hints.parent_key)
+        if hints.continue_parent:
+            toks, boundary = self._continue(parent, given, hints.prefix_tokens, head_chars,
+                                            request.tenant, cancelled)
         else:
-            toks, boundary = self._prepare(prompt, tokens, messages, system, prefix_tokens,
-                                           head_chars, cancelled)
-        if head_chars != prefix_chars:
+            toks, boundary = self._prepare(given, hints.prefix_tokens, head_chars, cancelled)
+        if head_chars != hints.prefix_chars:
             boundary = 0  # the breakpoints are the boundaries
-        boundaries = self._boundaries(prompt, toks, boundary_chars, boundary_ttl_seconds)
-        limit = generation_limit(len(toks), self.ctx.n_ctx, max_tokens, until_context_full)
-        constraint = grammar_of(grammar, json_schema, json_object)
+        boundaries = self._boundaries(prompt, toks, boundary_chars, hints.boundary_ttl_seconds)
+        limit = generation_limit(len(toks), self.ctx.n_ctx, limits.max_tokens,
+                                 limits.until_context_full)
         sampling = SamplingParams(
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-            repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, penalty_last_n=penalty_last_n,
-            logit_bias=logit_bias_pairs(logit_bias), grammar=constraint,
-            grammar_triggers=as_triggers(grammar_triggers), max_tokens=limit,
-            stop=tuple(stop), logprobs=logprobs, top_logprobs=top_logprobs)
+            request.sampling,
+            grammar=grammar_of(limits.grammar, limits.json_schema, limits.json_object),
+            grammar_triggers=as_triggers(limits.grammar_triggers), max_tokens=limit,
+            stop=tuple(limits.stop), logprobs=request.logprobs,
+            top_logprobs=request.top_logprobs)
         self._check_vocab(sampling)
-        return self.engine.submit(toks, sampling, session_id=session_id, parent_key=parent,
-                                  boundary=boundary, boundaries=boundaries, n=n,
-                                  tenant=self.config.tenant if tenant is None else tenant,
-                                  received=received, speculative=speculative,
-                                  prediction=predicted)
+        tenant = self.config.tenant if request.tenant is None else request.tenant
+        return self.engine.submit(toks, sampling, session_id=hints.session_id,
+                                  parent_key=parent, boundary=boundary, boundaries=boundaries,
+                                  n=request.n, tenant=tenant, received=received,
+                                  speculative=speculative, prediction=predicted)
 
-    def _continue(self, parent: bytes, prompt: str | None, tokens: Sequence[int] | None,
-                  messages: Sequence[Message] | None, system: str | None,
-                  prefix_tokens: int, prefix_chars: int, tenant: str | None,
-                  cancelled: Callable[[], bool] | None) -> tuple[list[int], int]:
+    def _continue(self, parent: bytes, given: Input, prefix_tokens: int, prefix_chars: int,
+                  tenant: str | None, cancelled: Callable[[], bool] | None
+                  ) -> tuple[list[int], int]:
         """The tokens of a prompt that continues the state at ``parent``: where the
         prompt's text begins with the text of the state's tokens, those tokens as they
         are (the model's own output is never tokenized again, so it matches the state
         whatever split the model chose), then the rest's; otherwise, or when the state
         cannot be read, the prompt tokenized as usual (the resolver still tries
         ``parent``, and the longest common prefix applies)."""
-        if not parent or prompt is None or tokens is not None or messages is not None:
+        prompt = given.prompt
+        if not parent or prompt is None or given.tokens is not None \
+                or given.messages is not None:
             raise RequestError("invalid_argument", "continue_parent needs a parent_key and "
                                                    "a prompt")
         state = self._state_tokens(parent, tenant)
@@ -507,8 +394,8 @@ class Runtime:
             except TokenizeCancelled as exc:
                 raise RequestError("cancelled", str(exc)) from None
             return state[:kept] + tail, 0  # the state is saved already
-        return self._prepare(prompt, None, None, system, prefix_tokens, prefix_chars,
-                             cancelled)
+        return self._prepare(Input(prompt=prompt, system=given.system), prefix_tokens,
+                             prefix_chars, cancelled)
 
     def _state_in_text(self, state: Sequence[int], prompt: str) -> tuple[int, int]:
         """How many of ``state``'s tokens ``prompt`` begins with the text of, and that
@@ -563,21 +450,28 @@ class Runtime:
 
     def _check_vocab(self, sampling: SamplingParams) -> None:
         n_vocab = self.model.n_vocab
-        bad = [t for t, _ in sampling.logit_bias if t >= n_vocab]
+        bad = [t for t, _ in sampling.sampling.logit_bias if t >= n_vocab]
         if bad:
             raise SettingError("logit_bias", f"token ids must be below the vocabulary's "
                                              f"{n_vocab}, got {bad[:5]}")
         if sampling.grammar:
             check_grammar(self.model, sampling.grammar)
 
-    def complete(self, *, stream: bool = False, timeout: float | None = None,
-                 **kwargs: Any) -> Completion | list[Completion] | Iterator[TokenEvent | Completion]:
-        """Run one request. Non-streaming: the :class:`Completion` (with ``n`` > 1, the
-        choices' Completions in choice order). Streaming: an iterator of
-        :class:`TokenEvent` ending with the :class:`Completion` (with ``n`` > 1, the
-        choices' events interleaved as they are generated, each with its ``choice``; the
-        iterator ends after the last choice's Completion)."""
-        req = self.submit(**kwargs)
+    def complete(self, request: CompletionRequest | None = None, *, stream: bool = False,
+                 timeout: float | None = None, **fields: Any
+                 ) -> Completion | list[Completion] | Iterator[TokenEvent | Completion]:
+        """Run one request: ``request``, or the request of ``fields``
+        (:meth:`CompletionRequest.of`: ``rt.complete(prompt="Hi", max_tokens=8)``).
+        Non-streaming: the :class:`Completion` (with ``n`` > 1, the choices' Completions in
+        choice order). Streaming: an iterator of :class:`TokenEvent` ending with the
+        :class:`Completion` (with ``n`` > 1, the choices' events interleaved as they are
+        generated, each with its ``choice``; the iterator ends after the last choice's
+        Completion)."""
+        if request is None:
+            request = CompletionRequest.of(**fields)
+        elif fields:
+            raise TypeError(f"give a request or its fields, not both: {sorted(fields)}")
+        req = self.submit(request)
         events = self._events(req, timeout)
         if stream:  # (closing this closes ``events``, which cancels the request)
             return (e for e in events if not isinstance(e, PromptDone))

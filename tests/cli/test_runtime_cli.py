@@ -30,7 +30,7 @@ from model_runtime.cli import main as runtime_main
 from model_runtime.client import RuntimeClient
 from model_runtime.config import RuntimeConfig, SettingError
 from model_runtime.llama_backend import LlamaLoadError, LlamaModel, ModelFileError
-from model_runtime.sampling import SamplingParams
+from model_runtime.sampling import Sampling, SamplingParams
 from tests.support.daemon_proc import DaemonProcess, wait_for
 
 SYSTEM = "You are a terse assistant who answers in one short line. " * 8
@@ -211,7 +211,7 @@ def test_settings_are_checked_by_the_config_itself() -> None:
             RuntimeConfig(**bad)  # type: ignore[arg-type]
     RuntimeConfig(type_v="q8_0", flash_attn=True)  # llama.cpp decides about the model
     with pytest.raises(SettingError, match="seed"):
-        SamplingParams(seed=2**64)
+        Sampling(seed=2**64)
     with pytest.raises(SettingError, match="stop"):
         SamplingParams(stop=(3,))  # type: ignore[arg-type]
 

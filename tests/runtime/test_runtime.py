@@ -29,6 +29,7 @@ import pytest
 
 from kvcache.client import CacheClient
 from model_runtime.chat.templates import ChatTemplate
+from model_runtime.completion_request import CompletionRequest
 from model_runtime.counters import COUNTERS
 from model_runtime.request import Completion, RequestError, TokenEvent, common_prefix
 from model_runtime.runtime import Runtime
@@ -899,8 +900,9 @@ def test_a_reader_that_fell_behind_takes_what_is_ready_in_one_batch(plain: Runti
     (a reader keeping up); read after it ended, everything in one batch, in order: the
     same events either way (the service sends such a batch as one message)."""
     tokens = plain.tokenize("The quick brown fox jumps over the lazy dog. " * 3)
-    live = list(plain.event_batches(plain.submit(tokens=tokens, max_tokens=8)))
-    req = plain.submit(tokens=tokens, max_tokens=8)
+    ask = CompletionRequest.of(tokens=tokens, max_tokens=8)
+    live = list(plain.event_batches(plain.submit(ask)))
+    req = plain.submit(ask)
     while req.phase.value != "done":
         time.sleep(0.01)
     late = list(plain.event_batches(req))

@@ -20,7 +20,7 @@ from kvcache.client import CacheClient
 from model_runtime.config import RuntimeConfig
 from model_runtime.request import Completion
 from model_runtime.runtime import Runtime
-from model_runtime.service import request_kwargs
+from model_runtime.service import request_from_message
 from model_runtime.v1 import runtime_pb2 as pb
 from tests.support.daemon_proc import DaemonProcess
 from tests.support.tiny_llama import sample_prompt, saves_held
@@ -139,7 +139,7 @@ def test_another_tenant_never_waits_for_a_tenant_s_queued_save(
 
 
 def test_the_tenant_travels_in_the_request_message() -> None:
-    assert "tenant" not in request_kwargs(pb.CompleteRequest(prompt="x"))  # the runtime's
-    assert request_kwargs(pb.CompleteRequest(prompt="x", tenant="bob"))["tenant"] == "bob"
-    assert request_kwargs(pb.CompleteRequest(prompt="x", tenant=""))["tenant"] == ""
+    assert request_from_message(pb.CompleteRequest(prompt="x")).tenant is None  # the runtime's
+    assert request_from_message(pb.CompleteRequest(prompt="x", tenant="bob")).tenant == "bob"
+    assert request_from_message(pb.CompleteRequest(prompt="x", tenant="")).tenant == ""
 

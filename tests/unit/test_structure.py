@@ -1,12 +1,9 @@
 """The size rules of the code, held by the code: no module of kvcache or model_runtime over
 650 lines, and no function taking more than 12 parameters (``self`` and ``cls`` not
 counted), outside the command-line modules, whose commands take their options as
-parameters.
-
-Two functions are over the limit until the runtime takes one typed request (a request
-object handed to ``Runtime.submit``, its sampling in one object for the sampler chain):
-they are named here with that reason, and the test fails once they are fixed, so the
-exception goes with them.
+parameters. (A request of the runtime is one object, model_runtime.completion_request's
+CompletionRequest, and a sampler chain is made of its sampling part: neither takes its
+fields one by one.)
 """
 
 from __future__ import annotations
@@ -21,13 +18,6 @@ MAX_LINES = 650
 MAX_PARAMETERS = 12
 # A command's options are its parameters (click passes each as one).
 COMMAND_LINE = ("kvcache/cli/", "model_runtime/cli.py", "model_runtime/gateway/command.py")
-# Waiting for the typed runtime request; (path, qualified name) -> why.
-DEFERRED = {
-    ("model_runtime/runtime.py", "Runtime.submit"):
-        "a request's every field as a keyword, until it takes one request object",
-    ("model_runtime/llama_backend/sampler.py", "SamplerChain.__init__"):
-        "every sampling parameter, until they come as one object",
-}
 
 
 def modules() -> list[Path]:
@@ -77,9 +67,7 @@ def test_no_function_takes_more_than_12_parameters() -> None:
         for qualname, fn in functions(ast.parse(path.read_text(), name)):
             if parameters(fn) > MAX_PARAMETERS:
                 over[(name, qualname)] = parameters(fn)
-    assert set(over) - set(DEFERRED) == set(), over
-    # An exception whose function was fixed goes: the list stays the list of what is left.
-    assert set(DEFERRED) - set(over) == set(), "fixed: remove it from DEFERRED"
+    assert over == {}
 
 
 # --------------------------------------------------------------------------- tests
