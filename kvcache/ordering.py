@@ -46,14 +46,11 @@ import heapq
 import struct
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Set
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import lmdb
 
 from .keys import KEY_BYTES
-
-if TYPE_CHECKING:
-    from .index import Record
+from .record import Record
 
 USE_BYTES = 16 + KEY_BYTES  # last touch, created, key
 _TREE = struct.Struct(">32sIII")  # subtree key, depth, pinned entries below, children

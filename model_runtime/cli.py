@@ -29,7 +29,7 @@ from kvcache.unix_socket import OwnedSocket
 from kvcache.v1 import kvcache_pb2 as cache_pb
 
 from . import kernels
-from .config import RuntimeConfig
+from .config import RuntimeConfig, SettingError
 from .gateway.command import gateway
 from .identity import model_fingerprint
 from .llama_backend import (
@@ -42,6 +42,7 @@ from .llama_backend import (
 )
 from .request import Completion, RequestError
 from .sampling import DEFAULT_MAX_TOKENS
+from .speculation import MODES as SPECULATIVE_MODES
 
 _DEFAULTS = RuntimeConfig()
 RUNTIME_SOCKET = "model-runtime.sock"
@@ -99,6 +100,16 @@ def runtime_options(f: Any) -> Any:
                      help="Serve a prompt from an idle sequence's KV in place when it covers "
                           "at least as much as the cache (off: only the cache serves)."),
         click.option("--tenant", default="", help="Tenant salt: isolates this runtime's entries."),
+        click.option("--speculative", type=click.Choice(SPECULATIVE_MODES), default=None,
+                     help="Speculative decoding, which changes no token: ngram drafts by "
+                          "prompt lookup, draft by --draft-model (a request may ask "
+                          "otherwise) [default: off; draft with --draft-model]."),
+        click.option("--draft-model", "draft_model_path", default=None,
+                     type=click.Path(exists=True, dir_okay=False),
+                     help="A smaller GGUF of the same vocabulary that drafts tokens for "
+                          "--model to verify."),
+        click.option("--draft-max", type=int, default=_DEFAULTS.draft_max, show_default=True,
+                     help="Drafted tokens verified at most per request and step."),
         click.option("--kernels", type=click.Choice(kernels.CHOICES), default=None,
                      expose_value=False, is_eager=True, callback=_choose_kernels,
                      help=f"llama.cpp's CPU kernels: deterministic (warm equals cold) or "
@@ -136,7 +147,13 @@ def request_error(code: str, message: str) -> click.ClickException:
 # --------------------------------------------------------------------------- local runtime
 
 
-def runtime_config(settings: dict[str, Any]) -> RuntimeConfig:
+def runtime_config(settings: dict[str, Any], draft_model_path: str | None = None
+                   ) -> RuntimeConfig:
+    """``settings``: the runtime options' values; ``--speculative`` left out means off, or
+    draft with a ``--draft-model``."""
+    if settings.get("speculative") is None:
+        settings = {**settings, "speculative": "draft" if draft_model_path else
+                    _DEFAULTS.speculative}
     try:
         return RuntimeConfig(**settings)
     except ValueError as exc:
@@ -144,13 +161,19 @@ def runtime_config(settings: dict[str, Any]) -> RuntimeConfig:
 
 
 def build_runtime(model_path: str | None, cache_address: str | None, verbose: bool,
-                  config: RuntimeConfig) -> Any:
+                  config: RuntimeConfig, draft_model_path: str | None = None) -> Any:
     """Load the model and connect to the cache, or fail with one line saying why."""
+    from .draft_model import DraftModelError
     from .runtime import Runtime
 
     address = None if cache_address == "none" else (cache_address or default_address())
     try:
-        return Runtime(model_path, cache_address=address, config=config, verbose=verbose)
+        return Runtime(model_path, cache_address=address, config=config, verbose=verbose,
+                       draft_model_path=draft_model_path)
+    except DraftModelError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--draft-model'") from None
+    except SettingError as exc:  # a setting the model cannot take (a draft model's mode)
+        raise setting_error(exc) from None
     except ModelFileError as exc:
         raise click.BadParameter(str(exc), param_hint="'--model'") from None
     except FileNotFoundError as exc:  # the default model is not installed
@@ -267,10 +290,10 @@ def sampling_options(max_tokens: int | None, temperature: float, top_p: float, t
                      seed: int | None, stop: tuple[str, ...]) -> dict[str, Any]:
     """The sampling settings, checked by the same rules the runtime applies. A max_tokens
     is passed on only when given: given, the prompt plus it must fit the context."""
-    from .sampling import SamplingParams
+    from .sampling import Sampling, SamplingParams
 
     try:
-        SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        SamplingParams(Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
                        stop=stop,
                        max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
     except ValueError as exc:
@@ -320,11 +343,12 @@ def main() -> None:
 def serve(socket_path: Path | None, listen: str | None, token_file: Path | None,
           tls_cert: Path | None, tls_key: Path | None, tls_client_ca: Path | None,
           insecure_tcp: bool, metrics_port: int | None, model_path: str | None,
-          cache_address: str | None, verbose: bool, **settings: Any) -> None:
+          cache_address: str | None, verbose: bool, draft_model_path: str | None,
+          **settings: Any) -> None:
     """Serve completions over gRPC until SIGTERM (live sequences are saved first)."""
     from .service import RuntimeServer
 
-    config = runtime_config(settings)
+    config = runtime_config(settings, draft_model_path)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not socket_path and not listen:
@@ -337,7 +361,7 @@ def serve(socket_path: Path | None, listen: str | None, token_file: Path | None,
             socket.check()
         except ValueError as exc:
             raise click.ClickException(str(exc)) from None
-    runtime = build_runtime(model_path, cache_address, verbose, config)
+    runtime = build_runtime(model_path, cache_address, verbose, config, draft_model_path)
     try:
         server = RuntimeServer(runtime, socket, listen, auth, insecure_tcp)
     except ValueError as exc:  # the socket taken meanwhile, a TCP port in use, ...
@@ -380,11 +404,12 @@ def complete(server_address: str | None, prompt: str | None, prompt_file: str | 
              system_file: str | None, raw: bool, max_tokens: int | None, temperature: float,
              top_p: float, top_k: int, seed: int | None, stop: tuple[str, ...],
              session_id: str, parent_key: str, as_json: bool, model_path: str | None,
-             cache_address: str | None, verbose: bool, **settings: Any) -> None:
+             cache_address: str | None, verbose: bool, draft_model_path: str | None,
+             **settings: Any) -> None:
     """Run one completion and print it."""
     if server_address is not None:
         refuse_local_options_with_server(click.get_current_context())
-    config = runtime_config(settings)  # the defaults, with --server
+    config = runtime_config(settings, draft_model_path)  # the defaults, with --server
     request = {**prompt_input(prompt, prompt_file, system_file, raw),
                **sampling_options(max_tokens, temperature, top_p, top_k, seed, stop),
                "session_id": session_id, "parent_key": checked_parent_key(parent_key)}
@@ -393,7 +418,7 @@ def complete(server_address: str | None, prompt: str | None, prompt_file: str | 
     if server_address is not None:
         result = complete_on_server(server_address or default_server_address(), request)
     else:
-        runtime = build_runtime(model_path, cache_address, verbose, config)
+        runtime = build_runtime(model_path, cache_address, verbose, config, draft_model_path)
         result = complete_locally(runtime, request)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))

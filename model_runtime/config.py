@@ -106,6 +106,11 @@ class RuntimeConfig:
     # happens rather than noticed in the hit rates.
     cache_check_interval_s: float = 2.0
     tenant: str = ""
+    # Speculative decoding (speculation.py): "off", "ngram" (prompt lookup) or "draft" (a
+    # draft model, given to the Runtime); a request may turn it on or off for itself.
+    # It changes no token: every token is the one a run without it gives.
+    speculative: str = "off"
+    draft_max: int = 16  # drafted tokens verified at most per request and tick
 
     def __post_init__(self) -> None:
         # Imported here: the sampling settings share this module's checks, and they must
@@ -113,7 +118,7 @@ class RuntimeConfig:
         from .llama_backend import KV_CACHE_TYPES, max_parallel_sequences
 
         for name in ("n_ctx", "n_batch", "n_threads", "prefill_chunk", "save_block",
-                     "max_pending_saves"):
+                     "max_pending_saves", "draft_max"):
             check_int(name, getattr(self, name), 1)
         check_int("n_seq_max", self.n_seq_max, 1, max_parallel_sequences())
         for name in ("trim", "min_save_tokens", "continued_interval", "checkpoint_interval",
@@ -131,3 +136,4 @@ class RuntimeConfig:
                                          f"{', '.join(sorted(UNQUANTIZED_KV_TYPES))}")
         if not isinstance(self.tenant, str):
             raise SettingError("tenant", f"must be a string, got {self.tenant!r}")
+        check_choice("speculative", self.speculative, {"off", "ngram", "draft"})

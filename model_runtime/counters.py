@@ -2,8 +2,8 @@
 RPC and Prometheus endpoint report (zeros included) and whose help texts become the
 metrics' HELP lines.
 
-Names are counted as literals or f-strings in the engine, executor, resolver, save_points
-and saver modules;
+Names are counted as literals or f-strings in the engine, executor, resolver, save_points,
+saver and speculator modules;
 tests/daemon/test_counters.py checks that every name used is declared here (and every declared
 name is used) and provokes each one with a real runtime and a real daemon.
 """
@@ -88,6 +88,10 @@ COUNTERS: dict[str, str] = {
                    "or the tenant's pins holding as much as they may)",
     "pins_dropped": "Expiring pins dropped because max_pending_saves were already queued",
     "shutdown_saves_skipped": "Live sequences not saved at shutdown: the deadline had passed",
+    # speculation
+    "draft_tokens": "Drafted tokens verified beside a pending token (speculative decoding)",
+    "draft_tokens_accepted": "Drafted tokens taken as drafted (each saved a decode step; "
+                             "acceptance rate: this over draft_tokens)",
     # bugs
     "internal_errors": "Exceptions that escaped a model-thread step (a bug: requests in "
                        "flight were failed, serving went on)",

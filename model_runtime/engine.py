@@ -15,7 +15,9 @@ A request's life, and the module that owns each step:
    sequence has no logits), or a live sequence cut in place, or cold prefill; prefill
    runs in chunks, split at the ``cold`` save boundary (:mod:`.save_points`).
 4. decode: every active sequence advances in one batched ``llama_decode`` per tick
-   (the scheduler plans the batch, the executor runs it).
+   (the scheduler plans the batch, the executor runs it); a row may carry drafted
+   tokens after the pending one (:mod:`.speculator` drafts them), verified here
+   (:meth:`EngineCore._verify`): every token is the one a run without them gives.
 5. completion (here): ``finish`` save, record with hit kind, cache delta and timings.
 
 A request of ``n`` choices holds ``n`` sequences from admission on; its prompt runs
@@ -32,6 +34,7 @@ thread does with each message and each tick, completion and shutdown included. O
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import queue
@@ -69,7 +72,9 @@ from .resolver import Resolver
 from .sampling import SamplingParams
 from .save_points import SavePoints
 from .saver import Saver
-from .scheduler import Admission, Reuse, Scheduler
+from .scheduler import Admission, Reuse, Row, Scheduler
+from .speculation import OFF, StepCost
+from .speculator import Candidate, Speculator
 
 log = logging.getLogger("model_runtime")
 
@@ -80,7 +85,8 @@ class Engine:
     which takes the inbox's messages one at a time and hands them to the core."""
 
     def __init__(self, model: LlamaModel, ctx: LlamaContext, identity: Identity,
-                 cache: CacheClient | None, config: RuntimeConfig) -> None:
+                 cache: CacheClient | None, config: RuntimeConfig,
+                 speculator: Speculator | None = None) -> None:
         self.model = model
         self.ctx = ctx
         self.identity = identity  # the runtime's own tenant's (config.tenant)
@@ -105,6 +111,10 @@ class Engine:
         self.resolver = Resolver(cache, self.identities, self.saver, config,
                                  plain_kv=ctx.can_truncate_restored(), count=self.count,
                                  session_keys=self.save_points.session_last_key)
+        # (Without one: drafts only from a request's prediction, judged by a nominal cost.)
+        self.speculator = speculator or Speculator(OFF, config.draft_max, StepCost(1.0, 0.5),
+                                                   possible=not model.is_recurrent)
+        self.speculator.count = self.count
         self._inbox: queue.Queue[Message] = queue.Queue()
         self.core = EngineCore(self, config, post=self._inbox.put)
         self._ids = itertools.count(1)
@@ -139,9 +149,11 @@ class Engine:
     def submit(self, tokens: list[int], sampling: SamplingParams, *, session_id: str = "",
                parent_key: bytes = b"", boundary: int = 0,
                boundaries: tuple[tuple[int, int], ...] = (), n: int = 1,
-               tenant: str | None = None, received: float = 0.0) -> Request:
+               tenant: str | None = None, received: float = 0.0,
+               speculative: bool | None = None, prediction: Sequence[int] = ()) -> Request:
         """Queue a request of ``n`` choices under ``tenant`` (None: the runtime's).
-        ``received``: when its caller got it (perf_counter), for its timeline."""
+        ``received``: when its caller got it (perf_counter), for its timeline.
+        ``speculative`` and ``prediction``: see Speculator.for_request."""
         if not tokens:
             raise RequestError("invalid_argument", "empty prompt")
         if len(tokens) + 1 > self.ctx.n_ctx:
@@ -162,7 +174,8 @@ class Engine:
         req = Request(next(self._ids), list(tokens), sampling, session_id, parent_key,
                       boundary if 0 < boundary < len(tokens) else 0,
                       boundaries=tuple((at, ttl) for at, ttl in boundaries
-                                       if 0 < at < len(tokens)), n=n, tenant=tenant)
+                                       if 0 < at < len(tokens)), n=n, tenant=tenant,
+                      spec=self.speculator.for_request(tokens, speculative, prediction))
         req.timings.received = received
         # Checked and queued under the lock close() takes to set _stopping: a request is
         # either refused here or queued before the shutdown message (which answers it).
@@ -270,6 +283,7 @@ class EngineCore:
         self.executor = engine.executor
         self.resolver = engine.resolver
         self.save_points = engine.save_points
+        self.speculator = engine.speculator
         self.observers = engine.observers
         self.count = engine.count
         self._post = post  # into the model thread's inbox
@@ -427,7 +441,7 @@ class EngineCore:
     # -- one tick: a batch over every active sequence -------------------------------------
 
     def tick(self) -> None:
-        plan = self.scheduler.plan(self.config.prefill_chunk)
+        plan = self.scheduler.plan(self.config.prefill_chunk, self._drafts())
         if plan is None:
             return
         t0 = time.perf_counter()
@@ -446,8 +460,11 @@ class EngineCore:
             prompt_done = self.scheduler.advance(row)
             if row.decode:
                 req.timings.decode += share
-                self.executor.keep_logits(req, row.start, decoded=True)
-                self._next_token(req)
+                if row.drafts:
+                    self._verify(req, row)
+                else:
+                    self.executor.keep_logits(req, row.start, decoded=True)
+                    self._next_token(req)
                 continue
             req.timings.prefill += share
             if plan.logits[row.last]:  # the prompt's end or a save boundary
@@ -456,30 +473,110 @@ class EngineCore:
             if prompt_done:
                 self._first_token(req)
 
-    def _after_sample(self, req: Request, token: int) -> None:
+    def _drafts(self) -> dict[Request, tuple[int, ...]]:
+        """What each decoding request that speculates drafts this tick (see
+        :mod:`.speculator`): never more than its context and max_tokens leave room for,
+        never past a token its grammar refuses or an end of generation, and only on a
+        sequence that can be cut (its rejected drafts are taken out again)."""
+        decoding = [r for r in self.scheduler.running if r.phase is Phase.DECODE]
+        drafting = [r for r in decoding if r.spec is not None and r.seq is not None
+                    and r.sampler is not None and self.scheduler.can_cut(r.seq)]
+        if not drafting:
+            return {}
+        candidates = []
+        for req in drafting:
+            seq = req.seq
+            assert seq is not None and req.spec is not None
+            # The cells the batch fills must fit the context; the tokens it can give (one
+            # more than drafted) must fit max_tokens.
+            limit = min(self.n_ctx - len(seq.tokens) - 1,
+                        req.sampling.max_tokens - len(req.generated) - 1)
+            candidates.append(Candidate(req.spec, seq.id, req.tenant,
+                                        functools.partial(_history, req), limit))
+        out = {}
+        for req, draft in zip(drafting, self.speculator.drafts(candidates, len(decoding)),
+                              strict=True):
+            assert req.spec is not None and req.sampler is not None
+            n = req.sampler.draftable(draft.tokens) if draft.tokens else 0
+            req.spec.pending_draft = replace(draft, tokens=draft.tokens[:n]) if n else None
+            if n:
+                out[req] = draft.tokens[:n]
+        return out
+
+    def _verify(self, req: Request, row: Row) -> None:
+        """The row held the request's pending token and drafted tokens, with scores at
+        each place. Sampled place by place with the request's own chain, exactly as
+        single steps would be: while the token sampled is the one drafted it is taken and
+        its cell, computed from the same tokens as a single step's, kept; the first other
+        token sampled is the next pending token and the cells after it are taken out. A
+        token that ends the request (end of generation, a stop string, max_tokens) ends
+        it as without drafts: nothing after it is emitted or kept. Saves wait for the end
+        of the row: none ever holds a drafted token not verified."""
+        seq, spec = req.seq, req.spec
+        assert seq is not None and spec is not None and spec.pending_draft is not None
+        draft, spec.pending_draft = spec.pending_draft, None
+        # Counted before any token is emitted: a token that ends the request makes its
+        # Completion at once, with these counts.
+        self.speculator.verifying(spec, draft)
+        accepted = 0
+        try:
+            for i in range(len(row.drafts) + 1):
+                self.executor.keep_logits(req, row.start + i, decoded=True)
+                try:
+                    token = self.executor.sample(req)
+                except GrammarDeadEnd as exc:
+                    self._fail(req, RequestError(
+                        "grammar_dead_end",
+                        f"after {len(req.generated)} generated tokens: {exc}"))
+                    return
+                hit = i < len(row.drafts) and token == row.drafts[i]
+                if hit:
+                    accepted += 1
+                    spec.took(draft)
+                else:
+                    self.executor.settle(seq)
+                if not self._after_sample(req, token, save=False):
+                    return
+                if not hit:
+                    break
+                self.executor.accept_draft(seq, token)
+            self.save_points.after_token(req, emitted=accepted + 1)
+        finally:
+            self.speculator.learn(draft, accepted)
+
+    def _after_sample(self, req: Request, token: int, *, save: bool = True) -> bool:
+        """``token`` was sampled for the request: emitted, or its end. True while the
+        request goes on. ``save``: the ``continued`` save is its caller's."""
         seq = req.seq
         assert seq is not None
         if self.model.is_eog(token):
             self._finish(req, "stop")
-            return
+            return False
         logprob = self.executor.logprob(req, token) if req.sampling.logprobs else None
         req.generated.append(token)
         if logprob is not None:
             req.logprobs.append(logprob)
         req.pending = token
+        if req.spec is not None:
+            req.spec.emitted(token)
         text, stopped = req.stream.add(self.model.token_to_piece(token))
         req.events.put(TokenEvent(token, text, logprob, choice=req.choice,
                                   decoded_ns=self._decoded_ns))
         if stopped:
             self._finish(req, "stop")
-            return
-        self.save_points.after_token(req)
+            return False
+        if save:
+            self.save_points.after_token(req)
         if len(req.generated) >= req.sampling.max_tokens or len(seq.tokens) + 1 >= self.n_ctx:
             self._finish(req, "length")
+            return False
+        return True
 
     # -- completion and shutdown ----------------------------------------------------------
 
     def _finish(self, req: Request, reason: str) -> None:
+        if req.seq is not None:
+            self.executor.settle(req.seq)  # (its last token is never in its cells)
         finish_key = self.save_points.at_end(req, reason)
         now = time.perf_counter()
         text, rest = req.stream.close()
@@ -539,3 +636,9 @@ class EngineCore:
             else:
                 self._fail(req, RequestError("unavailable", "the runtime is shutting down"))
         self.save_points.shutdown(sched.seqs, deadline)
+
+
+def _history(req: Request) -> list[int]:
+    """A decoding request's history: the tokens in its sequence, then its pending one."""
+    assert req.seq is not None
+    return [*req.seq.tokens, req.pending]

@@ -5,7 +5,10 @@ A thin layer over :class:`~model_runtime.llama_backend.LlamaContext` that keeps 
 set the state, cut it where it leaves the prompt), reuse a live sequence in place,
 truncate or clear a sequence, run a batch plan, sample from a row of logits, and copy
 a sequence's state out for a save (the one place ``state_seq_get`` is called; the
-bytes go to the background :class:`~model_runtime.saver.Saver`). Model thread only.
+bytes go to the background :class:`~model_runtime.saver.Saver`). Drafted tokens a batch
+put in a sequence's cells are ``Seq.unverified`` until the engine verifies them: each
+either joins ``Seq.tokens`` (:meth:`Executor.accept_draft`) or is taken out
+(:meth:`Executor.settle`) before anything can read the sequence. Model thread only.
 """
 
 from __future__ import annotations
@@ -17,16 +20,17 @@ from collections.abc import Callable, Sequence
 from kvcache.client import CacheClient, LoadedBlob
 from kvcache.common import HIT_EXACT, HIT_PARTIAL, TIER_LIVE
 
-from . import kv_build, pieces
 from .config import RuntimeConfig
 from .identity import Identities
-from .kv_cells import StateFormatError
-from .llama_backend import LlamaContext
+from .llama_backend import LlamaContext, LlamaError
 from .request import Request, Seq, common_prefix, servable
 from .sampler import RequestSampler
 from .sampling import TokenLogprob, token_logprob
 from .saver import SaveJob, Saver, Waypoint
 from .scheduler import BatchPlan
+from .state import build as kv_build
+from .state import pieces
+from .state.layout import StateFormatError
 
 log = logging.getLogger("model_runtime")
 
@@ -115,8 +119,10 @@ class Executor:
 
     def truncate(self, seq: Seq, n_keep: int) -> bool:
         """Keep the sequence's first ``n_keep`` tokens; False if llama.cpp refuses."""
-        if n_keep < len(seq.tokens) and not self.ctx.seq_truncate(seq.id, n_keep):
+        if (n_keep < len(seq.tokens) or seq.unverified) and \
+                not self.ctx.seq_truncate(seq.id, n_keep):
             return False
+        seq.unverified = 0
         del seq.tokens[n_keep:]
         seq.forget_logits_after(n_keep)
         if n_keep < seq.saved_len:
@@ -130,6 +136,7 @@ class Executor:
     def clear(self, seq: Seq) -> None:
         self.ctx.seq_clear(seq.id)
         seq.tokens.clear()
+        seq.unverified = 0
         seq.saved_len, seq.saved_key = 0, b""
         seq.restored = False
         seq.forget_logits_after(0)
@@ -139,6 +146,26 @@ class Executor:
     def run(self, plan: BatchPlan) -> None:
         """One ``llama_decode`` of the plan; raises LlamaDecodeError or ValueError."""
         self.ctx.decode(plan.tokens, plan.positions, plan.seq_ids, plan.logits)
+        for row in plan.rows:
+            if row.drafts:
+                assert row.request.seq is not None
+                row.request.seq.unverified = len(row.drafts)
+
+    def accept_draft(self, seq: Seq, token: int) -> None:
+        """The next drafted token in the sequence's cells was verified (it is ``token``):
+        it joins the sequence's tokens."""
+        if seq.unverified <= 0:
+            raise LlamaError(f"sequence {seq.id} has no drafted token to accept")
+        seq.tokens.append(token)
+        seq.unverified -= 1
+
+    def settle(self, seq: Seq) -> None:
+        """Take the drafted tokens not verified out of the sequence's cells: it holds its
+        tokens and nothing else (a save, a live reuse, the next batch see only those)."""
+        if seq.unverified and not self.truncate(seq, len(seq.tokens)):
+            # (Only sequences that can be cut draft: see EngineCore._drafts.)
+            raise LlamaError(f"llama.cpp refused to remove the drafted tokens of sequence "
+                             f"{seq.id}")
 
     def keep_logits(self, req: Request, batch_index: int, *, decoded: bool = False) -> None:
         """Keep the scores the last batch computed at ``batch_index`` (the request's
@@ -190,7 +217,9 @@ class Executor:
         """Copy a sequence's state out (model thread) and queue it for the daemon; with
         ``leave_room``, only where the backlog keeps that many places free after it (else
         dropped and counted, before any copy). Returns the key of the sequence's saved
-        state (also when it was saved before, or restored as it is), or b"" for none."""
+        state (also when it was saved before, or restored as it is), or b"" for none.
+        Drafted tokens not verified are taken out first: a state never holds them."""
+        self.settle(seq)
         n = len(seq.tokens)
         if n < self.config.min_save_tokens or self.cache is None:
             return b""

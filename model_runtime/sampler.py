@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -44,14 +45,12 @@ class RequestSampler:
                  choice: int, n_ctx: int) -> None:
         self.model = model
         lazy = bool(params.grammar_triggers)
+        sampling = params.sampling
+        window = n_ctx if sampling.penalty_last_n == -1 else sampling.penalty_last_n
         self.chain = SamplerChain(
-            model, greedy=params.greedy, temperature=params.temperature, top_k=params.top_k,
-            top_p=params.top_p, min_p=params.min_p, seed=chain_seed(params.seed, choice),
-            repeat_penalty=params.repeat_penalty, presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty,
-            penalty_last_n=n_ctx if params.penalty_last_n == -1 else params.penalty_last_n,
-            logit_bias=params.logit_bias, grammar=params.grammar, grammar_active=not lazy,
-            history=prompt)
+            model, replace(sampling, seed=chain_seed(sampling.seed, choice),
+                           penalty_last_n=window),
+            grammar=params.grammar, grammar_active=not lazy, history=prompt)
         # While a lazy grammar waits: its triggers, and the output so far (its tokens and
         # their bytes, special tokens written out) to find them in.
         self._triggers = [t.regex() for t in params.grammar_triggers] if lazy else []
@@ -65,6 +64,13 @@ class RequestSampler:
 
     def close(self) -> None:
         self.chain.close()
+
+    def draftable(self, tokens: Sequence[int]) -> int:
+        """How many of drafted ``tokens`` could follow, in a row from here: the grammar
+        refusing one ends the draft before it (no token it refuses is ever sampled); an
+        end-of-generation token ends it after it. (A lazy grammar waiting for its
+        trigger constrains nothing yet.)"""
+        return self.chain.grammar_run(tokens)
 
     def take(self, logits: np.ndarray) -> int:
         """The next token for ``logits``, recorded as generated. Raises

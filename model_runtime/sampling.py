@@ -60,9 +60,11 @@ class GrammarTrigger:
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """What one request (one choice of it) asks of its sampler; see Runtime.submit for
-    the meaning of each field."""
+class Sampling:
+    """How each token of a request is drawn: the request's sampling part, and what a
+    sampler chain is made of (llama_backend.SamplerChain). Checked when it is made, so a
+    bad setting is refused before any work on the request (what each field does:
+    model_runtime.completion_request)."""
 
     temperature: float = 0.0  # 0 (or below GREEDY_BELOW): greedy
     top_k: int = 0  # 0: off
@@ -74,16 +76,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # 0: off
     penalty_last_n: int = DEFAULT_PENALTY_LAST_N  # 0: no penalties; -1: the whole context
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
-    grammar: str = ""  # GBNF; "" for none
-    grammar_triggers: tuple[GrammarTrigger, ...] = ()  # lazy grammar: free text until one
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    stop: tuple[str, ...] = ()
-    logprobs: bool = False  # report each generated token's log probability
-    top_logprobs: int = 0  # and that many of the most likely tokens at its place
 
     def __post_init__(self) -> None:
         # A value let through here would reach llama.cpp on the model thread, where some
-        # abort the process (a bad regex, a NaN) and others fail every request decoding.
+        # abort the process (a NaN) and others fail every request decoding.
         check_number("temperature", self.temperature, 0)
         check_int("top_k", self.top_k, 0)
         check_number("top_p", self.top_p, 0, above=True, high=1)
@@ -102,6 +98,28 @@ class SamplingParams:
                                                  f"{-MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g} "
                                                  f"(or -inf to ban a token), got {bias!r} "
                                                  f"for token {token}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one request (one choice of it) asks of its sampler: its :class:`Sampling`,
+    and the output's grammar, length, stop strings and log probabilities, as the engine
+    applies them (made by Runtime.submit from a CompletionRequest)."""
+
+    sampling: Sampling = Sampling()
+    grammar: str = ""  # GBNF; "" for none
+    grammar_triggers: tuple[GrammarTrigger, ...] = ()  # lazy grammar: free text until one
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False  # report each generated token's log probability
+    top_logprobs: int = 0  # and that many of the most likely tokens at its place
+
+    def __post_init__(self) -> None:
+        # As for Sampling's fields: a value let through here would reach llama.cpp.
         if not isinstance(self.grammar, str):
             raise SettingError("grammar", f"must be a string, got {type(self.grammar).__name__}")
         if len(self.grammar.encode()) > MAX_GRAMMAR_BYTES:
@@ -115,13 +133,9 @@ class SamplingParams:
         if self.top_logprobs and not self.logprobs:
             raise SettingError("top_logprobs", "needs logprobs")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
-
 
 def logit_bias_pairs(bias: Mapping[int, float] | None) -> tuple[tuple[int, float], ...]:
-    """A request's ``logit_bias`` mapping as SamplingParams holds it (ids ascending)."""
+    """A request's ``logit_bias`` mapping as Sampling holds it (ids ascending)."""
     if not bias:
         return ()
     if not isinstance(bias, Mapping):

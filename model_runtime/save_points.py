@@ -96,11 +96,13 @@ class SavePoints:
         elif req.n_past == len(req.tokens) and not self.executor.ctx.can_truncate_restored():
             self.executor.save(seq, "prompt", req)
 
-    def after_token(self, req: Request) -> None:
-        """A token was generated: the ``continued`` save every interval."""
+    def after_token(self, req: Request, emitted: int = 1) -> None:
+        """``emitted`` tokens were generated (more than one: drafted tokens verified in
+        one batch): the ``continued`` save when they reached the next interval's end."""
         assert req.seq is not None
         interval = self.config.continued_interval
-        if interval and len(req.generated) % interval == 0:
+        n = len(req.generated)
+        if interval and n // interval > (n - emitted) // interval:
             self.executor.save(req.seq, "continued", req)
 
     def at_end(self, req: Request, reason: str) -> bytes:

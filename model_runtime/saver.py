@@ -28,9 +28,9 @@ import numpy as np
 
 from kvcache.client import CacheClient, CacheError, CacheUnavailable, Identity, SaveResult
 
-from . import pieces
-from .kv_cells import StateFormatError
-from .state_buffers import StateBuffers
+from .state import pieces
+from .state.buffers import StateBuffers
+from .state.layout import StateFormatError
 
 log = logging.getLogger("model_runtime.saver")
 
@@ -67,7 +67,7 @@ class SaveJob:
     reason: str
     key: bytes  # the key the daemon will give it (computed locally for finish_key)
     as_cells: bool = False  # stored as a run of cells (plain attention, or with a tail)
-    tail: bool = False  # cells followed by a part that cannot be cut (see kv_cells)
+    tail: bool = False  # cells followed by a part that cannot be cut (see model_runtime.state)
     window: int = 0  # that part is a sliding window's cells, of this many positions
     buffer: np.ndarray | None = None  # holds ``state``: back to Saver.buffers when done
     logits: bytes = b""  # the scores of the token after the state's last ("": unknown)

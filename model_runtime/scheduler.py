@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .request import Phase, Request, RequestError, Seq, SessionKey, common_prefix, servable
@@ -53,7 +53,10 @@ class Row:
     request: Request
     start: int
     n: int
-    decode: bool  # one sampled token; else a chunk of the prompt
+    decode: bool  # the pending token (and drafted ones); else a chunk of the prompt
+    # Tokens drafted after the pending token, with scores kept at every place of the row
+    # (the engine verifies them: EngineCore._verify).
+    drafts: tuple[int, ...] = ()
 
     @property
     def last(self) -> int:
@@ -72,14 +75,17 @@ class BatchPlan:
     rows: list[Row] = field(default_factory=list)
 
     def add(self, req: Request, tokens: Sequence[int], first_pos: int, decode: bool,
-            wants_logits: bool) -> None:
+            wants_logits: bool, drafts: Sequence[int] = ()) -> None:
+        """``tokens`` (then ``drafts``, scores kept at each place) from ``first_pos``."""
         assert req.seq is not None
-        n = len(tokens)
-        self.rows.append(Row(req, len(self.tokens), n, decode))
+        n = len(tokens) + len(drafts)
+        self.rows.append(Row(req, len(self.tokens), n, decode, tuple(drafts)))
         self.tokens.extend(tokens)
+        self.tokens.extend(drafts)
         self.positions.extend(range(first_pos, first_pos + n))
         self.seq_ids.extend([req.seq.id] * n)
-        self.logits.extend([False] * (n - 1) + [wants_logits])
+        self.logits.extend([False] * (len(tokens) - 1) + [wants_logits] +
+                           [True] * len(drafts))
 
 
 class Scheduler:
@@ -245,19 +251,26 @@ class Scheduler:
 
     # -- one tick -------------------------------------------------------------------------
 
-    def plan(self, prefill_chunk: int) -> BatchPlan | None:
-        """The next batch: one token of every decoding request, then prompt chunks of
-        at most ``prefill_chunk`` tokens while the batch has room (None: nothing runs).
-        A chunk stops at the request's cold save boundary: a state can only be taken of
-        the whole sequence, so prefill pauses there for the save."""
+    def plan(self, prefill_chunk: int, drafts: Mapping[Request, Sequence[int]] | None = None
+             ) -> BatchPlan | None:
+        """The next batch: one token of every decoding request and the tokens ``drafts``
+        has for it while the batch has room beyond one token of each, then prompt chunks
+        of at most ``prefill_chunk`` tokens while the batch has room (None: nothing
+        runs). A chunk stops at the request's cold save boundary: a state can only be
+        taken of the whole sequence, so prefill pauses there for the save."""
         plan = BatchPlan()
         budget = self.n_batch
-        for req in [r for r in self.running if r.phase is Phase.DECODE]:
+        decoding = [r for r in self.running if r.phase is Phase.DECODE]
+        spare = max(0, budget - len(decoding))  # for drafted tokens
+        for req in decoding:
             if budget == 0:
                 break
             assert req.seq is not None
-            plan.add(req, [req.pending], len(req.seq.tokens), decode=True, wants_logits=True)
-            budget -= 1
+            drafted = list((drafts or {}).get(req, ()))[:spare]
+            plan.add(req, [req.pending], len(req.seq.tokens), decode=True, wants_logits=True,
+                     drafts=drafted)
+            budget -= 1 + len(drafted)
+            spare -= len(drafted)
         for req in [r for r in self.running if r.phase is Phase.PREFILL]:
             if budget == 0:
                 break
@@ -274,8 +287,9 @@ class Scheduler:
         return plan if plan.rows else None
 
     def advance(self, row: Row) -> bool:
-        """The batch ran: the row's tokens are in its sequence. True when that completed
-        the prompt (the request decodes from now on)."""
+        """The batch ran: the row's tokens are in its sequence (a decode row's drafted
+        tokens join its tokens as they are verified). True when that completed the prompt
+        (the request decodes from now on)."""
         req = row.request
         seq = req.seq
         assert seq is not None

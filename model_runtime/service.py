@@ -16,11 +16,18 @@ from kvcache.auth import ServerAuth, add_tcp_port, refuse_unprotected_tcp, tcp_s
 from kvcache.common import details, grpc_server
 from kvcache.unix_socket import OwnedSocket
 
+from .completion_request import (
+    CacheHints,
+    CompletionRequest,
+    Constraints,
+    Input,
+    Speculation,
+)
 from .config import MAX_REQUEST_MESSAGE_BYTES, REFUSAL_METADATA_KEY, SettingError
 from .llama_backend import batch_variant_options
 from .request import Completion, PromptDone, RequestError, TokenEvent
 from .runtime import Runtime
-from .sampling import GrammarTrigger, TokenLogprob
+from .sampling import GrammarTrigger, Sampling, TokenLogprob, logit_bias_pairs
 from .v1 import runtime_pb2 as pb
 from .v1 import runtime_pb2_grpc as pb_grpc
 
@@ -70,7 +77,9 @@ def completion_message(c: Completion) -> pb.Completion:
         session_id=c.session_id, cache_tier=c.cache_tier,
         saves=[pb.SaveRecord(**save) for save in c.saves],
         logprobs=[logprob_message(lp) for lp in c.logprobs], choice=c.choice,
-        stop_sequence=c.stop_sequence)
+        stop_sequence=c.stop_sequence, drafted_tokens=c.drafted_tokens,
+        accepted_tokens=c.accepted_tokens, prediction_tokens=c.prediction_tokens,
+        accepted_prediction_tokens=c.accepted_prediction_tokens)
 
 
 def prompt_message(p: PromptDone) -> pb.PromptDone:
@@ -90,46 +99,58 @@ def completion_from_message(m: pb.Completion) -> Completion:
         prompt_tokens=m.prompt_tokens, session_id=m.session_id, cache_tier=m.cache_tier,
         saves=[{"reason": s.reason, "tokens": s.tokens, "key": s.key} for s in m.saves],
         logprobs=[logprob_from_message(lp) for lp in m.logprobs], choice=m.choice,
-        stop_sequence=m.stop_sequence)
+        stop_sequence=m.stop_sequence, drafted_tokens=m.drafted_tokens,
+        accepted_tokens=m.accepted_tokens, prediction_tokens=m.prediction_tokens,
+        accepted_prediction_tokens=m.accepted_prediction_tokens)
 
 
-def request_kwargs(request: pb.CompleteRequest) -> dict[str, Any]:
-    """The keyword arguments of Runtime.submit a CompleteRequest stands for (a field
-    left at proto3's zero means the submit default where zero is not a value of its
-    own: top_p, n; repeat_penalty, penalty_last_n and tenant are optional fields)."""
-    kwargs: dict[str, Any] = {
-        "max_tokens": request.max_tokens or None,  # 0: not given
-        "until_context_full": request.until_context_full, "temperature": request.temperature,
-        "top_p": request.top_p or 1.0, "top_k": request.top_k, "min_p": request.min_p,
-        "presence_penalty": request.presence_penalty,
-        "frequency_penalty": request.frequency_penalty,
-        "logit_bias": dict(request.logit_bias), "grammar": request.grammar,
-        "json_schema": request.json_schema or None, "json_object": request.json_object,
-        "grammar_triggers": [GrammarTrigger(t.value, t.pattern)
-                             for t in request.grammar_triggers],
-        "stop": list(request.stop), "n": request.n or 1,
-        "session_id": request.session_id, "parent_key": request.parent_key,
-        "prefix_tokens": request.prefix_tokens, "prefix_chars": request.prefix_chars,
-        "boundary_chars": list(request.boundary_chars),
-        "boundary_ttl_seconds": list(request.boundary_ttl_seconds),
-        "continue_parent": request.continue_parent,
-        "seed": request.seed if request.HasField("seed") else None,
-        "logprobs": request.logprobs, "top_logprobs": request.top_logprobs,
-    }
-    for name in ("repeat_penalty", "penalty_last_n", "tenant"):
-        if request.HasField(name):
-            kwargs[name] = getattr(request, name)
+def input_from_message(request: pb.CompleteRequest) -> Input:
+    """What a CompleteRequest asks to complete (its ``input`` oneof; none: an Input the
+    runtime refuses)."""
     which = request.WhichOneof("input")
     if which == "prompt":
-        kwargs["prompt"] = request.prompt
-        if request.system:
-            kwargs["system"] = request.system
-    elif which == "tokens":
-        kwargs["tokens"] = list(request.tokens.ids)
-    elif which == "chat":
-        kwargs["messages"] = [{"role": m.role, "content": m.content}
-                              for m in request.chat.messages]
-    return kwargs
+        return Input(prompt=request.prompt, system=request.system or None)
+    if which == "tokens":
+        return Input(tokens=tuple(request.tokens.ids))
+    if which == "chat":
+        return Input(messages=tuple({"role": m.role, "content": m.content}
+                                    for m in request.chat.messages))
+    return Input()
+
+
+def request_from_message(request: pb.CompleteRequest) -> CompletionRequest:
+    """The runtime's request a CompleteRequest stands for, made once here. A field left at
+    proto3's zero means the default where zero is not a value of its own (max_tokens:
+    not given; top_p: 1; n: 1; json_schema: none); seed, repeat_penalty, penalty_last_n,
+    tenant and speculative are optional fields, their defaults when unset. Raises
+    SettingError for a sampling setting out of range."""
+    optional = {name: getattr(request, name) for name in (
+        "seed", "repeat_penalty", "penalty_last_n", "tenant", "speculative")
+        if request.HasField(name)}
+    sampling = Sampling(
+        temperature=request.temperature, top_k=request.top_k, top_p=request.top_p or 1.0,
+        min_p=request.min_p, presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        logit_bias=logit_bias_pairs(dict(request.logit_bias)),
+        **{k: v for k, v in optional.items()
+           if k in ("seed", "repeat_penalty", "penalty_last_n")})
+    constraints = Constraints(
+        max_tokens=request.max_tokens or None, until_context_full=request.until_context_full,
+        stop=tuple(request.stop), grammar=request.grammar,
+        json_schema=request.json_schema or None, json_object=request.json_object,
+        grammar_triggers=tuple(GrammarTrigger(t.value, t.pattern)
+                               for t in request.grammar_triggers))
+    cache = CacheHints(
+        prefix_tokens=request.prefix_tokens, prefix_chars=request.prefix_chars,
+        boundary_chars=tuple(request.boundary_chars),
+        boundary_ttl_seconds=tuple(request.boundary_ttl_seconds),
+        session_id=request.session_id, parent_key=request.parent_key,
+        continue_parent=request.continue_parent)
+    return CompletionRequest(
+        input_from_message(request), sampling, constraints, cache,
+        tenant=optional.get("tenant"), n=request.n or 1, logprobs=request.logprobs,
+        top_logprobs=request.top_logprobs,
+        speculation=Speculation(optional.get("speculative"), request.prediction))
 
 
 def refuse(context: Any, exc: RequestError | ValueError) -> NoReturn:
@@ -196,7 +217,8 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
         would learn of it only at the first token). (tests/gateway/test_gateway_limits.py)"""
         rt = self.runtime
         try:
-            req = rt.submit(**request_kwargs(request), cancelled=lambda: not context.is_active())
+            req = rt.submit(request_from_message(request),
+                            cancelled=lambda: not context.is_active())
             if not context.add_callback(lambda: rt.cancel(req)):
                 rt.cancel(req)  # it terminated already
             for batch in rt.event_batches(req):
@@ -205,11 +227,9 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
             refuse(context, exc)
 
     def CountTokens(self, request: pb.CompleteRequest, context: Any) -> pb.TokenCount:
-        kwargs = request_kwargs(request)
         try:
             return pb.TokenCount(tokens=self.runtime.count_tokens(
-                **{k: kwargs[k] for k in ("prompt", "tokens", "messages", "system")
-                   if k in kwargs}, cancelled=lambda: not context.is_active()))
+                input_from_message(request), cancelled=lambda: not context.is_active()))
         except RequestError as exc:
             refuse(context, exc)
 

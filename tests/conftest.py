@@ -7,6 +7,7 @@ import pytest
 from harness.procs import Daemon
 
 from tests.support import leftovers
+from tests.support.daemon_proc import started_daemons
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -36,24 +37,45 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     leftovers.check(session)
 
 
+# --------------------------------------------------------------------------- daemons
+# One way to have a real daemon: a test's own (``daemon``, ``daemon_factory``) or one all
+# of a module's tests share (``module_daemon``, ``module_daemon_factory``; module-scoped
+# fixtures such as a runtime or a gateway need one). A module's ``DAEMON_ARGS`` (a tuple
+# of ``kvcache serve`` options, none by default) are what ``daemon`` and ``module_daemon``
+# start theirs with.
+
+
 @pytest.fixture
 def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
     """Start real daemons: ``daemon_factory("--ram-bytes", "10M")``. All are killed after."""
-    started: list[Daemon] = []
+    with started_daemons(tmp_path) as start:
+        yield start
 
-    def start(*args: str, name: str = "data") -> Daemon:
-        d = Daemon(tmp_path / name, *args)
-        started.append(d)
-        return d.start()
 
-    yield start
-    for d in started:
-        d.close()
+@pytest.fixture(scope="module")
+def module_daemon_factory(tmp_path_factory: pytest.TempPathFactory
+                          ) -> Iterator[Callable[..., Daemon]]:
+    """``daemon_factory`` for daemons a module's tests share: killed after its last test."""
+    with started_daemons(tmp_path_factory.mktemp("daemons")) as start:
+        yield start
+
+
+def daemon_args(request: pytest.FixtureRequest) -> tuple[str, ...]:
+    return tuple(getattr(request.module, "DAEMON_ARGS", ()))
 
 
 @pytest.fixture
-def daemon(daemon_factory: Callable[..., Daemon]) -> Daemon:
-    return daemon_factory()
+def daemon(daemon_factory: Callable[..., Daemon], request: pytest.FixtureRequest) -> Daemon:
+    """A daemon of the test's own, started with its module's DAEMON_ARGS."""
+    return daemon_factory(*daemon_args(request))
+
+
+@pytest.fixture(scope="module")
+def module_daemon(module_daemon_factory: Callable[..., Daemon],
+                  request: pytest.FixtureRequest) -> Daemon:
+    """One daemon the module's tests share, started with its DAEMON_ARGS (tests sharing
+    it keep apart by tenant or by prompt)."""
+    return module_daemon_factory(*daemon_args(request), name="shared")
 
 
 # --------------------------------------------------------------------------- tiny models

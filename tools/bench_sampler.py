@@ -34,7 +34,7 @@ from harness.system_prompt import build_system_prompt
 from model_runtime.grammar import json_schema_grammar
 from model_runtime.llama_backend import ContextParams, LlamaContext, LlamaModel
 from model_runtime.sampler import RequestSampler
-from model_runtime.sampling import SamplingParams
+from model_runtime.sampling import Sampling, SamplingParams
 
 SCHEMA = {"type": "object", "additionalProperties": False,
           "required": ["name", "tags", "priority"],
@@ -50,9 +50,9 @@ def configurations(grammar: str) -> dict[str, SamplingParams | None]:
                  "penalty_last_n": 64}
     return {"argmax": None,
             "greedy": SamplingParams(),
-            "penalties": SamplingParams(**penalties),
-            "full": SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
-                                   seed=7, **penalties),
+            "penalties": SamplingParams(Sampling(**penalties)),
+            "full": SamplingParams(Sampling(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
+                                            seed=7, **penalties)),
             "json_schema": SamplingParams(grammar=grammar)}
 
 

@@ -34,8 +34,8 @@ from harness.system_prompt import USER_MESSAGES, build_system_prompt
 
 from kvcache.client import CacheClient
 from model_runtime.config import RuntimeConfig
-from model_runtime.pieces import decode_layout
 from model_runtime.runtime import Runtime, default_model_path
+from model_runtime.state.pieces import decode_layout
 
 
 def distinct_prefixes(token_lists: Sequence[Sequence[int]]) -> int:

@@ -203,7 +203,7 @@ class ChainLink:
 
     @classmethod
     def of(cls, record: _Linkable) -> ChainLink:
-        """From anything with these four fields (e.g. :class:`kvcache.index.Record`)."""
+        """From anything with these four fields (e.g. :class:`kvcache.record.Record`)."""
         return cls(record.key, record.base, record.n_tokens, record.size)
 
 

@@ -17,7 +17,7 @@ from dataclasses import replace
 from .. import blob as blobfmt
 from .. import keys
 from ..errors import StoreError
-from ..index import Record
+from ..record import Record
 from ..store import Found, Store
 from .layout import ChainLink
 from .tier import RemoteTier, servable_tokens

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..index import Record
+from ..record import Record
 from ..tenancy import TenantSalts
 from ..v1 import kvcache_pb2 as pb
 

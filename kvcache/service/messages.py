@@ -6,7 +6,7 @@ from __future__ import annotations
 from .. import keys
 from ..common import TIER_DISK, TIER_RAM
 from ..errors import InvalidArgument
-from ..index import Record
+from ..record import Record
 from ..v1 import kvcache_pb2 as pb
 
 # The store's tier names as the protocol's enum.

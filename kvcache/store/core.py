@@ -31,7 +31,8 @@ from typing import TypedDict
 
 from .. import blob as blobfmt
 from .. import keys
-from ..index import Index, Record
+from ..index import Index
+from ..record import Record
 
 GiB = 1 << 30
 # The default bound of a tenant's reserved bytes, in largest entries: a few saves of the

@@ -14,7 +14,8 @@ from pathlib import Path
 from .. import blob as blobfmt
 from .. import keys
 from ..errors import Busy, InvalidArgument, NotFound, QuotaExceeded, StoreError
-from ..index import Record, dir_fsync
+from ..index import dir_fsync
+from ..record import Record
 from .core import Part, Seen, StoreCore, seen_record
 
 log = logging.getLogger("kvcache")

@@ -11,7 +11,7 @@ import contextlib
 
 from ..common import TIER_DISK, TIER_RAM
 from ..errors import QuotaExceeded, StoreFull
-from ..index import Record
+from ..record import Record
 from .core import Part, StoreCore
 from .entries import Entries, RamCopies
 from .quotas import QUOTA_OPTIONS, TenantQuotas

@@ -23,7 +23,8 @@ from .. import keys
 from ..common import PRIVATE_FILE_MODE, TIER_DISK, TIER_RAM
 from ..counters import COUNTERS
 from ..errors import DirectoryInUse
-from ..index import Index, Record
+from ..index import Index
+from ..record import Record
 from . import listing, ramtier
 from .core import Layout, ReadPin, Seen, StoreConfig, StoreCore, StoreStats
 from .entries import Entries, RamCopies, TenantPin, check_tokens

@@ -12,7 +12,7 @@ from pathlib import Path
 from .. import blob as blobfmt
 from .. import keys
 from ..errors import Corrupt, NotFound, StoreError
-from ..index import Record
+from ..record import Record
 from .core import Part, Seen, StoreCore
 from .entries import Entries, RamCopies
 

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import msgpack
 
 from ..errors import InvalidArgument
-from ..index import Index, Record
+from ..index import Index
 from ..ordering import record_use_key, sortable
+from ..record import Record
 from .core import with_usage
 
 # How each order ranks an entry: ascending bytes, ties broken by key.

@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Mapping
 
-from ..index import Record
+from ..record import Record
 
 
 def eviction_order(records: Iterable[Record],

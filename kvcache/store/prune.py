@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..index import Record
+from ..record import Record
 from .core import Part, StoreCore, with_usage
 from .entries import Entries, RamCopies
 from .policy import eviction_order, leaf_first_order

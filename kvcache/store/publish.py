@@ -24,7 +24,8 @@ from ..errors import (
     StoreFull,
     TooManySaves,
 )
-from ..index import ParentGone, Record, dir_fsync
+from ..index import ParentGone, dir_fsync
+from ..record import Record
 from .core import Part, Reservation, Seen, StoreCore, seen_record
 from .entries import Entries, check_tokens, record_from
 from .eviction import Evictor

@@ -12,7 +12,7 @@ from .. import blob as blobfmt
 from .. import keys
 from ..common import TIER_DISK, TIER_RAM
 from ..errors import Corrupt, LeaseLost, NotFound, WaitTimeout
-from ..index import Record
+from ..record import Record
 from .core import Part, ReadPin, Seen, StoreCore, seen_record, with_usage
 from .integrity import Integrity
 from .placement import RamPlacer

@@ -21,7 +21,8 @@ import xxhash
 
 from .. import blob as blobfmt
 from .. import keys
-from ..index import SCHEMA_VERSION, Index, Record, dir_fsync
+from ..index import SCHEMA_VERSION, Index, dir_fsync
+from ..record import Record
 from . import ramtier
 from .core import BLOB_SUFFIX, TMP_SUFFIX, Layout, Part, StoreConfig, StoreCore, Tally
 from .entries import Entries, record_from

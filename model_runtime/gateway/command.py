@@ -60,6 +60,11 @@ FilePath = click.Path(dir_okay=False, path_type=Path)
               help="llama.cpp's CPU kernels of every worker: deterministic (warm equals "
                    "cold) or fast (llama.cpp's defaults) [default: $"
                    f"{kernels.ENV}, else {kernels.DEFAULT}].")
+@click.option("--speculative", type=click.Choice(("off", "ngram")), default=None,
+              help="--speculative of each worker: speculative decoding by prompt lookup, "
+                   "which changes no token (a draft model: --worker-args '--draft-model "
+                   "FILE'); a request may ask otherwise (speculative) [default: the "
+                   "runtime's].")
 @click.option("--worker-args", default="", metavar="ARGS",
               help="More `model-runtime serve` options for every worker, shell-quoted.")
 @click.option("--api-keys", "api_keys_file", type=FilePath, default=None,
@@ -136,7 +141,8 @@ FilePath = click.Path(dir_okay=False, path_type=Path)
               help="Seconds a request waits for a starting or restarting worker.")
 def gateway(listen: str, models: tuple[str, ...], config_path: Path | None, workers: int,
             cache_address: str | None, threads: int | None, n_ctx: int | None,
-            n_seq_max: int | None, worker_args: str, api_keys_file: Path | None,
+            n_seq_max: int | None, speculative: str | None, worker_args: str,
+            api_keys_file: Path | None,
             tls_cert: Path | None, tls_key: Path | None, tls_client_ca: Path | None,
             insecure_tcp: bool, max_body_bytes: int, max_messages: int, max_chars: int,
             max_slots_per_tenant: int | None, run_dir: Path | None,
@@ -158,7 +164,7 @@ def gateway(listen: str, models: tuple[str, ...], config_path: Path | None, work
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args: list[str] = []
     for option, value in (("--threads", threads), ("--n-ctx", n_ctx),
-                          ("--n-seq-max", n_seq_max)):
+                          ("--n-seq-max", n_seq_max), ("--speculative", speculative)):
         if value is not None:
             args += [option, str(value)]
     try:

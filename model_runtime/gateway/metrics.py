@@ -91,7 +91,8 @@ class GatewayMetrics:
             "(sampling, the worker's message, formatting, the write)", ["model"],
             buckets=TOKEN_PATH_BUCKETS, registry=r)
         self.tokens = Counter(f"{PREFIX}_tokens", "Tokens by kind (prompt, cached: prompt "
-                              "tokens not recomputed, completion)", ["model", "tenant", "kind"],
+                              "tokens not recomputed, completion; drafted and accepted: "
+                              "speculative decoding's)", ["model", "tenant", "kind"],
                               registry=r)
         self.connections = Gauge(f"{PREFIX}_connections", "Client connections open now",
                                  registry=r)

@@ -33,7 +33,10 @@ from typing import Any
 import llama_cpp as _lc
 import numpy as np
 
-from .. import kernels, kv_build, kv_cells, kv_layout
+from .. import kernels
+from ..state.build import is_single_stream, to_single_stream, widen_streams
+from ..state.layout import HEADER, StateFormatError
+from ..state.parse import parse, window_of
 from .binding import Owner
 from .errors import LlamaDecodeError, LlamaError, LlamaLoadError
 from .model import LlamaModel
@@ -149,7 +152,7 @@ class LlamaContext(Owner):
 
     def _probe_state_tail(self) -> tuple[bool, int]:
         """Whether this context's states are a plain attention cache (cells that can be
-        cut) followed by a part that cannot (kv_cells' tail): a hybrid model's recurrent
+        cut) followed by a part that cannot (a tail: see model_runtime.state): a hybrid model's recurrent
         state, or the window cache of a sliding-window model with full-attention layers
         (llama.cpp writes ``llama_memory_hybrid``'s and ``llama_kv_cache_iswa``'s states
         so). Seen in a state of two tokens of sequence 0, left empty: a pure recurrent
@@ -158,16 +161,16 @@ class LlamaContext(Owner):
         positions (llama.cpp's sliding window, ``n_swa``) is that window."""
         self.decode([1, 2], [0, 1], [0, 0], [False, True])
         try:
-            cells = kv_cells.parse(self.state_seq_get(0), tail=True)
-        except kv_cells.StateFormatError:
+            cells = parse(self.state_seq_get(0), tail=True)
+        except StateFormatError:
             return False, 0
         finally:
             self.seq_clear(0)
         if not (cells.is_prefix and cells.n_cells == 2 and len(cells.tail) > 0):
             return False, 0
         try:
-            kv_cells.window_of(cells, self.model.n_swa)
-        except kv_cells.StateFormatError:
+            window_of(cells, self.model.n_swa)
+        except StateFormatError:
             return True, 0
         return True, self.model.n_swa
 
@@ -359,7 +362,7 @@ class LlamaContext(Owner):
 
     def state_seq_get(self, seq_id: int, out: np.ndarray | None = None) -> memoryview:
         """The KV state of ``seq_id`` (read-only bytes-like), restorable with
-        :meth:`state_seq_set`. With ``out`` (a uint8 buffer; see state_buffers.py for
+        :meth:`state_seq_set`. With ``out`` (a uint8 buffer; see model_runtime.state.buffers for
         why) the state is written there and the result is a view of it, valid while
         ``out`` is not reused; a buffer too small for what llama.cpp writes (a split
         cache writes a few bytes more than :meth:`state_seq_size`) is not used.
@@ -393,8 +396,8 @@ class LlamaContext(Owner):
         if not self._canonical():
             return buf.data.toreadonly()
         try:
-            return kv_build.to_single_stream(buf.data, self._n_stream).toreadonly()
-        except kv_cells.StateFormatError as exc:
+            return to_single_stream(buf.data, self._n_stream).toreadonly()
+        except StateFormatError as exc:
             raise LlamaError(str(exc)) from None
 
     def _scratch(self, size: int) -> np.ndarray:
@@ -422,12 +425,12 @@ class LlamaContext(Owner):
         ctx = self._h()
         _lc.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
         src = np.frombuffer(data, dtype=np.uint8)
-        if len(src) < kv_layout.HEADER.size:
+        if len(src) < HEADER.size:
             return 0
         extra = 0
-        if self._canonical() and kv_build.is_single_stream(src):
+        if self._canonical() and is_single_stream(src):
             extra = 4 * (self._n_stream - 1)
-            src = kv_build.widen_streams(src, self._n_stream, self._scratch(len(src) + extra))
+            src = widen_streams(src, self._n_stream, self._scratch(len(src) + extra))
         n = int(
             _lc.llama_state_seq_set_data(
                 ctx, src.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), len(src), seq_id

@@ -15,7 +15,7 @@ from typing import Any
 
 import llama_cpp as _lc
 
-from ..token_seams import SpecialToken, cut_points, is_seam
+from ..state.seams import SpecialToken, cut_points, is_seam
 from .binding import LOG_ENV, Owner, ensure_backend
 from .errors import LlamaError, ModelFileError, TokenizeCancelled
 from .grammars import CompiledGrammars
@@ -192,7 +192,7 @@ class LlamaModel(Owner):
                        cancelled: Callable[[], bool] | None = None) -> list[int] | None:
         """``tokenize(text)`` where ``head_tokens`` are ``tokenize(text[:at])``, tokenizing
         only ``text[at:]``; None where that could give other tokens (see
-        :mod:`~model_runtime.token_seams`; tests/runtime/test_token_seams.py compares both ways)."""
+        :mod:`~model_runtime.state.seams`; tests/runtime/test_token_seams.py compares both ways)."""
         specials = self.seam_specials
         if specials is None or not is_seam(text, at, specials):
             return None

@@ -7,7 +7,7 @@ import ctypes
 import functools
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llama_cpp as _lc
 import numpy as np
@@ -15,6 +15,9 @@ import numpy as np
 from .binding import Owner
 from .errors import GrammarDeadEnd, LlamaError
 from .model import LlamaModel
+
+if TYPE_CHECKING:  # (the request's part, checked where it is made)
+    from ..sampling import Sampling
 
 __all__ = ["TOKEN_DATA", "SamplerChain", "grammar_refusal"]
 
@@ -44,12 +47,14 @@ class SamplerChain(Owner):
     Owns both (``llama_sampler*``); :meth:`close` frees them. Not thread-safe: one thread
     samples, accepts and closes.
 
-    The chain, in order: logit bias; the repeat penalty, over a window that starts with
-    the last ``penalty_last_n`` tokens of ``history`` (the prompt); presence and frequency
-    penalties over the tokens accepted since (generated only); then either the most
-    likely token (``greedy``), or top-k, top-p, min-p, temperature and a draw from
-    llama.cpp's generator seeded with ``seed`` (a uint32). Settings that do nothing are
-    left out of the chain.
+    The chain, made of ``sampling`` (model_runtime.sampling.Sampling), in order: logit
+    bias; the repeat penalty, over a window that starts with the last ``penalty_last_n``
+    tokens of ``history`` (the prompt); presence and frequency penalties over the tokens
+    accepted since (generated only); then either the most likely token (``greedy``), or
+    top-k, top-p, min-p, temperature and a draw from llama.cpp's generator seeded with
+    ``seed`` (a uint32; None: a random one). Settings that do nothing are left out of the
+    chain. The caller resolves what depends on the request: a penalty window of -1 (the
+    whole context) and each choice's own seed.
 
     :meth:`sample` works on a row of raw scores the caller holds (the runtime keeps them
     per sequence, and an exact cache hit has them from the store): every token becomes a
@@ -67,27 +72,22 @@ class SamplerChain(Owner):
 
     live = 0  #: chains made and not yet closed, in this process (tests check for leaks)
 
-    def __init__(self, model: LlamaModel, *, greedy: bool, temperature: float = 1.0,
-                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
-                 repeat_penalty: float = 1.0, presence_penalty: float = 0.0,
-                 frequency_penalty: float = 0.0, penalty_last_n: int = 64,
-                 logit_bias: Sequence[tuple[int, float]] = (), grammar: str = "",
+    def __init__(self, model: LlamaModel, sampling: Sampling, *, grammar: str = "",
                  grammar_active: bool = True, history: Sequence[int] = ()) -> None:
         self.model = model
         self.n_vocab = model.n_vocab
         self._chain: Any = None
         self._grammar: Any = None
-        if not 0 <= seed < _lc.LLAMA_DEFAULT_SEED:
+        if sampling.seed is not None and not 0 <= sampling.seed < _lc.LLAMA_DEFAULT_SEED:
             raise ValueError(f"seed must be a uint32 below {_lc.LLAMA_DEFAULT_SEED:#x}")
+        # (llama.cpp's default seed asks its generator for a random one.)
+        seed = _lc.LLAMA_DEFAULT_SEED if sampling.seed is None else sampling.seed
         params = _lc.llama_sampler_chain_default_params()
         params.no_perf = True
         self._chain = _lc.llama_sampler_chain_init(params)
         SamplerChain.live += 1
         try:
-            for sampler in self._samplers(greedy, temperature, top_k, top_p, min_p, seed,
-                                          repeat_penalty, presence_penalty,
-                                          frequency_penalty, max(0, penalty_last_n),
-                                          logit_bias, history):
+            for sampler in self._samplers(sampling, seed, history):
                 _lc.llama_sampler_chain_add(self._chain, sampler)  # the chain owns it
             if grammar:  # (compiled when the request was checked: cloned, ~0.1-0.5 ms)
                 self._grammar = model.grammars.clone(model._vocab_h(), grammar)
@@ -99,9 +99,10 @@ class SamplerChain(Owner):
         # A chain of llama.cpp's greedy sampler alone picks the first highest score, as
         # numpy's argmax does: the row is then not copied into candidates (~0.5 ms a token
         # over a 49k vocabulary, against ~0.03 ms for the argmax).
-        self._argmax_only = greedy and not logit_bias and not (
-            penalty_last_n and (repeat_penalty != 1.0 or presence_penalty or
-                                frequency_penalty))
+        s = sampling
+        self._argmax_only = s.greedy and not s.logit_bias and not (
+            s.penalty_last_n > 0 and (s.repeat_penalty != 1.0 or s.presence_penalty or
+                                      s.frequency_penalty))
         self._candidates = np.empty(self.n_vocab, dtype=TOKEN_DATA)
         self._logit_column = self._candidates.view(np.float32).reshape(self.n_vocab, 3)[:, 1]
         self._array = _lc.llama_token_data_array(
@@ -110,33 +111,32 @@ class SamplerChain(Owner):
         self._one_array = _lc.llama_token_data_array(
             self._one.ctypes.data_as(_lc.llama_token_data_p), 1, -1, False)
 
-    def _samplers(self, greedy: bool, temperature: float, top_k: int, top_p: float,
-                  min_p: float, seed: int, repeat_penalty: float, presence_penalty: float,
-                  frequency_penalty: float, last_n: int, logit_bias: Sequence[tuple[int, float]],
-                  history: Sequence[int]) -> Iterator[Any]:
+    def _samplers(self, sampling: Sampling, seed: int, history: Sequence[int]
+                  ) -> Iterator[Any]:
+        s, logit_bias, last_n = sampling, sampling.logit_bias, max(0, sampling.penalty_last_n)
         if logit_bias:
             biases = (_lc.llama_logit_bias * len(logit_bias))(
                 *(_lc.llama_logit_bias(token, bias) for token, bias in logit_bias))
             yield _lc.llama_sampler_init_logit_bias(self.n_vocab, len(logit_bias), biases)
-        if last_n and repeat_penalty != 1.0:
-            repeat = _lc.llama_sampler_init_penalties(self.n_vocab, last_n, repeat_penalty,
+        if last_n and s.repeat_penalty != 1.0:
+            repeat = _lc.llama_sampler_init_penalties(self.n_vocab, last_n, s.repeat_penalty,
                                                       0.0, 0.0)
             for token in history[-last_n:]:  # (before it joins the chain: prompt only)
                 _lc.llama_sampler_accept(repeat, token)
             yield repeat
-        if last_n and (presence_penalty or frequency_penalty):
+        if last_n and (s.presence_penalty or s.frequency_penalty):
             yield _lc.llama_sampler_init_penalties(self.n_vocab, last_n, 1.0,
-                                                   frequency_penalty, presence_penalty)
-        if greedy:  # (top-k, top-p, min-p and temperature never drop the best token)
+                                                   s.frequency_penalty, s.presence_penalty)
+        if s.greedy:  # (top-k, top-p, min-p and temperature never drop the best token)
             yield _lc.llama_sampler_init_greedy()
             return
-        if top_k:
-            yield _lc.llama_sampler_init_top_k(top_k)
-        if top_p < 1.0:
-            yield _lc.llama_sampler_init_top_p(top_p, 1)
-        if min_p > 0.0:
-            yield _lc.llama_sampler_init_min_p(min_p, 1)
-        yield _lc.llama_sampler_init_temp(temperature)
+        if s.top_k:
+            yield _lc.llama_sampler_init_top_k(s.top_k)
+        if s.top_p < 1.0:
+            yield _lc.llama_sampler_init_top_p(s.top_p, 1)
+        if s.min_p > 0.0:
+            yield _lc.llama_sampler_init_min_p(s.min_p, 1)
+        yield _lc.llama_sampler_init_temp(s.temperature)
         yield _lc.llama_sampler_init_dist(seed)
 
     @property
@@ -220,13 +220,36 @@ class SamplerChain(Owner):
         """Whether the grammar (active or not) allows ``token`` next; True without one."""
         if not self._grammar:
             return True
+        return self._allowed_by(self._grammar, token)
+
+    def _allowed_by(self, grammar: Any, token: int) -> bool:
         self._one[0] = (token, 1.0, 0.0)
         one = self._one_array
         # (llama_cpp's type hints call the field an array; its _fields_ a pointer)
         one.data = self._one.ctypes.data_as(_lc.llama_token_data_p)  # type: ignore[assignment]
         one.size, one.selected, one.sorted = 1, -1, False
-        _lc.llama_sampler_apply(self._grammar, ctypes.byref(one))
+        _lc.llama_sampler_apply(grammar, ctypes.byref(one))
         return bool(np.isfinite(self._one["logit"][0]))
+
+    def grammar_run(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens``, in a row from here, the active grammar allows (all of
+        them without one): checked on a copy of the grammar, this one left as it is. An
+        end-of-generation token ends the run (nothing follows it)."""
+        end = next((i + 1 for i, t in enumerate(tokens) if self.model.is_eog(t)), len(tokens))
+        if not self.grammar_active:
+            return end
+        copy = _lc.llama_sampler_clone(self._grammar)
+        if not copy:
+            raise LlamaError("llama.cpp could not copy the grammar")
+        try:
+            for i, token in enumerate(tokens[:end]):
+                if not self._allowed_by(copy, token):
+                    return i
+                if i + 1 < end:  # (an end-of-generation token is never fed to it)
+                    _lc.llama_sampler_accept(copy, token)
+            return end
+        finally:
+            _lc.llama_sampler_free(copy)
 
     def accept(self, token: int, *, feed_grammar: bool = True) -> None:
         """Record the token taken: in the chain, and in the active grammar (which must

@@ -30,7 +30,7 @@ from model_runtime.cli import main as runtime_main
 from model_runtime.client import RuntimeClient
 from model_runtime.config import RuntimeConfig, SettingError
 from model_runtime.llama_backend import LlamaLoadError, LlamaModel, ModelFileError
-from model_runtime.sampling import SamplingParams
+from model_runtime.sampling import Sampling, SamplingParams
 from tests.support.daemon_proc import DaemonProcess, wait_for
 
 SYSTEM = "You are a terse assistant who answers in one short line. " * 8
@@ -139,18 +139,17 @@ def private_kvcache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory,
-           tiny_model: Path) -> Iterator[tuple[DaemonProcess, ServeProcess]]:
+def served(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path,
+           module_daemon: DaemonProcess) -> Iterator[tuple[DaemonProcess, ServeProcess]]:
     """A daemon and a ``model-runtime serve`` on its default socket, for this module."""
     tmp = tmp_path_factory.mktemp("served")
-    daemon = DaemonProcess(tmp / "data").start()
-    serve = ServeProcess(tiny_model, daemon.address, tmp / "serve.log", default_socket=True)
+    serve = ServeProcess(tiny_model, module_daemon.address, tmp / "serve.log",
+                         default_socket=True)
     try:
         serve.start()
-        yield daemon, serve
+        yield module_daemon, serve
     finally:
         serve.close()
-        daemon.close()
 
 
 @pytest.fixture
@@ -212,7 +211,7 @@ def test_settings_are_checked_by_the_config_itself() -> None:
             RuntimeConfig(**bad)  # type: ignore[arg-type]
     RuntimeConfig(type_v="q8_0", flash_attn=True)  # llama.cpp decides about the model
     with pytest.raises(SettingError, match="seed"):
-        SamplingParams(seed=2**64)
+        Sampling(seed=2**64)
     with pytest.raises(SettingError, match="stop"):
         SamplingParams(stop=(3,))  # type: ignore[arg-type]
 

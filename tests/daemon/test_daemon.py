@@ -81,11 +81,9 @@ def tmp_files(d: DaemonProcess) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path_factory.mktemp("shared") / "data", "--block-size", str(BLOCK))
-    d.start()
-    yield d
-    d.close()
+def shared(module_daemon_factory: DaemonFactory) -> DaemonProcess:
+    """A daemon the module's tests of round trips and lookups share (short blocks)."""
+    return module_daemon_factory("--block-size", str(BLOCK))
 
 
 @pytest.fixture

@@ -21,7 +21,6 @@ What is not tenant-scoped, by design:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -39,6 +38,7 @@ ALICE = Identity("fp-tenants", LAYOUT, tenant="alice", model_name="tiny.gguf")
 BOB = Identity("fp-tenants", LAYOUT, tenant="bob", model_name="tiny.gguf")
 NOBODY = Identity("fp-tenants", LAYOUT, model_name="tiny.gguf")  # no tenant at all
 TENANTS = {"alice": ALICE, "bob": BOB, "": NOBODY}
+DAEMON_ARGS = ("--block-size", str(BLOCK))  # module_daemon's
 
 
 def status(fn: object, *args: object, **kwargs: object) -> tuple[grpc.StatusCode, str]:
@@ -50,30 +50,22 @@ def status(fn: object, *args: object, **kwargs: object) -> tuple[grpc.StatusCode
 
 
 @pytest.fixture(scope="module")
-def tenants_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path_factory.mktemp("tenants") / "data", "--block-size", str(BLOCK))
-    d.start()
-    yield d
-    d.close()
-
-
-@pytest.fixture(scope="module")
 def prompt() -> list[int]:
     """A 70-token prompt: four full blocks and a tail."""
     return toks(1, 70)
 
 
 @pytest.fixture(scope="module")
-def alices(tenants_daemon: DaemonProcess, prompt: list[int]) -> dict[int, bytes]:
+def alices(module_daemon: DaemonProcess, prompt: list[int]) -> dict[int, bytes]:
     """Alice's saved prefixes of the prompt (aligned and not), by length."""
-    with tenants_daemon.client() as c:
+    with module_daemon.client() as c:
         return {n: c.save(ALICE, prompt[:n], bytes([n]) * 500, "cold").key
                 for n in (16, 40, 70)}
 
 
-def test_lookups_never_cross_tenants(tenants_daemon: DaemonProcess, prompt: list[int],
+def test_lookups_never_cross_tenants(module_daemon: DaemonProcess, prompt: list[int],
                                      alices: dict[int, bytes]) -> None:
-    with tenants_daemon.client() as c:
+    with module_daemon.client() as c:
         s = c.stub
 
         def lookup(identity: Identity, tokens: list[int], max_tokens: int = 0
@@ -108,10 +100,10 @@ def test_lookups_never_cross_tenants(tenants_daemon: DaemonProcess, prompt: list
 
 
 def test_reserve_does_not_reveal_another_tenants_entry_or_save(
-        tenants_daemon: DaemonProcess, prompt: list[int], alices: dict[int, bytes]) -> None:
+        module_daemon: DaemonProcess, prompt: list[int], alices: dict[int, bytes]) -> None:
     """ALREADY_PRESENT or IN_FLIGHT for bob would tell him that alice saved (or is saving)
     these tokens: he must get GRANTED, for a key of his own."""
-    with tenants_daemon.client() as c:
+    with module_daemon.client() as c:
         s = c.stub
 
         def reserve(identity: Identity, tokens: list[int]) -> pb.ReserveResponse:
@@ -133,8 +125,8 @@ def test_reserve_does_not_reveal_another_tenants_entry_or_save(
 
 
 def test_inspecting_another_tenants_key_is_indistinguishable_from_a_missing_key(
-        tenants_daemon: DaemonProcess, prompt: list[int], alices: dict[int, bytes]) -> None:
-    with tenants_daemon.client() as c:
+        module_daemon: DaemonProcess, prompt: list[int], alices: dict[int, bytes]) -> None:
+    with module_daemon.client() as c:
         nobodys = c.save(NOBODY, toks(4, 20), b"n" * 300, "cold").key
         # A corrupt entry of alice's: bob's Inspect must not find that out either (nor
         # quarantine it, which would show in the counters and lose alice her entry).
@@ -142,7 +134,7 @@ def test_inspecting_another_tenants_key_is_indistinguishable_from_a_missing_key(
         # Once its RAM copy is made, nothing in the background reads it any more.
         wait_for(lambda: pb.TIER_RAM in next(e.tiers for e in c.list_entries()
                                              if e.key == broken), "the RAM copy")
-        path = tenants_daemon.data_dir / "blobs" / broken.hex()[:2] / f"{broken.hex()}.kvc"
+        path = module_daemon.data_dir / "blobs" / broken.hex()[:2] / f"{broken.hex()}.kvc"
         path.write_bytes(b"\0" * path.stat().st_size)
 
         def inspect(key: bytes, tenant: str) -> tuple[grpc.StatusCode, str]:
@@ -166,8 +158,8 @@ def test_inspecting_another_tenants_key_is_indistinguishable_from_a_missing_key(
 
 
 def test_list_and_prune_filters_never_show_another_tenant(
-        tenants_daemon: DaemonProcess, prompt: list[int], alices: dict[int, bytes]) -> None:
-    with tenants_daemon.client() as c:
+        module_daemon: DaemonProcess, prompt: list[int], alices: dict[int, bytes]) -> None:
+    with module_daemon.client() as c:
         mine = {name: {c.save(ident, toks(10 + i, 20 + 10 * i), b"m" * 300, reason).key
                        for i, reason in enumerate(("cold", "finish"))}
                 for name, ident in TENANTS.items()}
@@ -195,12 +187,12 @@ def test_list_and_prune_filters_never_show_another_tenant(
         assert alice_all | mine[""] <= left
 
 
-def test_nothing_bob_can_ask_names_alices_keys(tenants_daemon: DaemonProcess, prompt: list[int],
+def test_nothing_bob_can_ask_names_alices_keys(module_daemon: DaemonProcess, prompt: list[int],
                                               alices: dict[int, bytes]) -> None:
     """Every key-bearing answer to a tenant-scoped request bob can make about alice's
     prompt: none is hers, so Read and OpenRead (which take keys, not tenants) never get
     one of hers from him."""
-    with tenants_daemon.client() as c:
+    with module_daemon.client() as c:
         s = c.stub
         seen: set[bytes] = set()
         for n in range(1, len(prompt) + 1, 3):
@@ -223,13 +215,13 @@ def test_nothing_bob_can_ask_names_alices_keys(tenants_daemon: DaemonProcess, pr
 
 
 @pytest.mark.parametrize("local_write", [False, True], ids=["streamed", "same-host file"])
-def test_an_entry_cannot_be_filed_under_another_tenant(tenants_daemon: DaemonProcess,
+def test_an_entry_cannot_be_filed_under_another_tenant(module_daemon: DaemonProcess,
                                                        local_write: bool) -> None:
     """The tenant label every filter matches comes from the blob's metadata, which the
     writer produces. Regression: bob's blob labelled with alice's tenant id was published
     and then listed, inspected and pruned as alice's; a blob labelled with no tenant hid
     its entry from its own tenant's filters."""
-    with tenants_daemon.client() as c:
+    with module_daemon.client() as c:
         s = c.stub
         label_of = {name: c.resolve(ident)[1] for name, ident in TENANTS.items()}
         cases = [(BOB, label_of["alice"]), (ALICE, ""), (NOBODY, label_of["bob"]),
@@ -254,13 +246,13 @@ def test_an_entry_cannot_be_filed_under_another_tenant(tenants_daemon: DaemonPro
             assert c.inspect(c.lookup(writer, tokens).key).entry.tenant_id == \
                 label_of[writer.tenant]
         assert c.stats().in_flight == 0
-        assert not list((tenants_daemon.data_dir / "tmp").iterdir())
+        assert not list((module_daemon.data_dir / "tmp").iterdir())
 
 
-def test_the_operator_view_is_behind_an_owner_only_socket(tenants_daemon: DaemonProcess,
+def test_the_operator_view_is_behind_an_owner_only_socket(module_daemon: DaemonProcess,
                                                          alices: dict[int, bytes]) -> None:
     """List without a tenant shows every tenant's entries: by design, for the operator.
     It is the socket's mode that keeps everyone else from asking."""
-    with CacheClient(tenants_daemon.address) as c:
+    with CacheClient(module_daemon.address) as c:
         assert set(alices.values()) <= {e.key for e in c.list_entries()}
-    assert tenants_daemon.socket.stat().st_mode & 0o077 == 0
+    assert module_daemon.socket.stat().st_mode & 0o077 == 0

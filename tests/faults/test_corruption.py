@@ -516,19 +516,11 @@ RUNTIME_KINDS = ("payload_flip_disk", "payload_flip_cold", "ram_copy_flip",
 
 
 @pytest.fixture(scope="module")
-def runtime_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
-                                                                             DaemonProcess]]:
+def runtime_daemons(module_daemon_factory: DaemonFactory) -> dict[str, DaemonProcess]:
     """A disk-only daemon (reads hit the disk copy) and one with a RAM tier."""
-    root = tmp_path_factory.mktemp("corruption-runtime")
-    made = {"disk": DaemonProcess(root / "disk", "--block-size", "32", "--ram-bytes", "0"),
-            "ram": DaemonProcess(root / "ram", "--block-size", "32")}
-    try:
-        for d in made.values():
-            d.start()
-        yield made
-    finally:
-        for d in made.values():
-            d.close()
+    return {"disk": module_daemon_factory("--block-size", "32", "--ram-bytes", "0",
+                                          name="disk"),
+            "ram": module_daemon_factory("--block-size", "32", name="ram")}
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ import pytest
 
 from kvcache import blob as blobfmt
 from kvcache.errors import StoreError
-from kvcache.index import Record
+from kvcache.record import Record
 from kvcache.store import Store, StoreConfig
 from tests.support.kill_points import Killed, blob_size, kill_during, payload, save, store_config
 

@@ -761,13 +761,9 @@ def assert_no_tracebacks(log: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def fuzz_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+def fuzz_daemon(module_daemon_factory: Callable[..., DaemonProcess]) -> DaemonProcess:
     # A small disk budget, so generated sizes reach RESOURCE_EXHAUSTED as well as GRANTED.
-    d = DaemonProcess(tmp_path_factory.mktemp("fuzz") / "data", "--block-size", str(BLOCK),
-                      "--disk-bytes", "64M")
-    d.start()
-    yield d
-    d.close()
+    return module_daemon_factory("--block-size", str(BLOCK), "--disk-bytes", "64M")
 
 
 @pytest.mark.parametrize("rpc", RPCS, ids=lambda r: r.name)
@@ -1250,21 +1246,19 @@ RT_ALLOWED = frozenset({IA, Code.FAILED_PRECONDITION})  # bad input; sticky_busy
 
 
 @pytest.fixture(scope="module")
-def runtime_address(tmp_path_factory: pytest.TempPathFactory,
-                    tiny_model: Path) -> Iterator[tuple[str, DaemonProcess]]:
+def runtime_address(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path,
+                    module_daemon: DaemonProcess) -> Iterator[tuple[str, DaemonProcess]]:
     """A daemon and ``model-runtime serve`` on the tiny model, as in test_runtime_service."""
     from tests.support.runtime_proc import RuntimeProcess
 
     tmp = tmp_path_factory.mktemp("fuzz_runtime")
-    daemon = DaemonProcess(tmp / "data").start()
-    runtime = RuntimeProcess(tiny_model, daemon.address, tmp / "runtime.log")
+    runtime = RuntimeProcess(tiny_model, module_daemon.address, tmp / "runtime.log")
     try:
         runtime.start()
-        yield runtime.address, daemon
+        yield runtime.address, module_daemon
     finally:
         log = runtime.proc.log_path
         runtime.close()
-        daemon.close()
         assert_no_tracebacks(log.read_text(errors="replace"))
 
 

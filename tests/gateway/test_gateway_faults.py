@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,23 +43,15 @@ def supervised(tmp: Path, name: str, model: Path, cache: str, supervision: dict[
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path_factory.mktemp("faults") / "data").start()
-    try:
-        yield d
-    finally:
-        d.close()
-
-
-@pytest.fixture(scope="module")
-def gw(daemon: DaemonProcess, gateways: Gateways, tiny_model_no_eog: Path) -> GatewayProcess:
+def gw(module_daemon: DaemonProcess, gateways: Gateways,
+       tiny_model_no_eog: Path) -> GatewayProcess:
     """Stall window 1 s; health checks too lenient to act first."""
     return gateways.start("gw", models=[
         model_entry("long", tiny_model_no_eog, "--n-ctx", "16384", "--n-seq-max", "2",
-              "--continued-interval", "0")],
+                    "--continued-interval", "0")],
         supervision={"kill_grace_s": 1.0, "backoff_s": 0.1, "stall_window_s": STALL_WINDOW,
                      "health_interval_s": 0.5, "health_failures": 30},
-        cache=daemon, clean_stop=False)
+        cache=module_daemon, clean_stop=False)
 
 
 def read_until_failure(stream: Any) -> tuple[openai.APIError, int]:
@@ -80,14 +71,14 @@ def wait_saved(daemon: DaemonProcess, timeout: float = 10.0) -> None:
 
 
 def test_worker_killed_mid_stream_fails_at_once_and_the_next_request_is_warm(
-        gw: GatewayProcess, daemon: DaemonProcess) -> None:
+        gw: GatewayProcess, module_daemon: DaemonProcess) -> None:
     client = gw.client()
     before = gw.worker("w0")
     stream = client.completions.create(model="long", prompt=PROMPT, stream=True)
     iterator = iter(stream)
     for _ in range(5):
         next(iterator)
-    wait_saved(daemon)  # the prompt's cold save is in the daemon
+    wait_saved(module_daemon)  # the prompt's cold save is in the daemon
     killed = time.monotonic()
     os.kill(before["pid"], signal.SIGKILL)
     error, _ = read_until_failure(iterator)

@@ -18,7 +18,7 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,8 @@ class Env:
 
 
 @pytest.fixture(scope="module")
-def scoped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProcess, Path]]:
+def scoped(tmp_path_factory: pytest.TempPathFactory,
+           module_daemon_factory: Callable[..., DaemonProcess]) -> tuple[DaemonProcess, Path]:
     """A daemon on TCP with tokens, and the file of the runtimes' token (scoped to the
     tenants alice and bob)."""
     tmp = tmp_path_factory.mktemp("scoped-token-daemon")
@@ -62,12 +63,8 @@ def scoped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonPro
     tokens = tmp / "daemon-tokens"
     tokens.write_text(f"{secrets.token_hex(16)} admin\n{runtime_token} tenants=alice,bob\n")
     tokens.chmod(0o600)
-    daemon = DaemonProcess(tmp / "data", "--listen", "127.0.0.1:0", "--token-file",
-                           str(tokens)).start()
-    try:
-        yield daemon, write_token(tmp / "runtime-token", runtime_token)
-    finally:
-        daemon.close()
+    daemon = module_daemon_factory("--listen", "127.0.0.1:0", "--token-file", str(tokens))
+    return daemon, write_token(tmp / "runtime-token", runtime_token)
 
 
 @pytest.fixture(scope="module")

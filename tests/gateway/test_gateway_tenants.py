@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,18 +36,12 @@ PROMPT_TOKENS = 400  # long enough to be saved, and a leak would show as hundred
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path_factory.mktemp("gw-tenants") / "data").start()
-    yield d
-    d.close()
-
-
-@pytest.fixture(scope="module")
-def gw(daemon: DaemonProcess, gateways: Gateways, tiny_model_no_eog: Path) -> GatewayProcess:
+def gw(module_daemon: DaemonProcess, gateways: Gateways,
+       tiny_model_no_eog: Path) -> GatewayProcess:
     return gateways.start(
         "gateway_tenants", keys=f"{ALICE} alice\n{BOB} bob\n{OPERATOR} alice role=admin\n",
         args=("--model", f"tiny={tiny_model_no_eog}", "--n-ctx", "4096", "--n-seq-max", "2"),
-        cache=daemon, admin_key=OPERATOR, clean_stop=False)
+        cache=module_daemon, admin_key=OPERATOR, clean_stop=False)
 
 
 def tokens(first: int) -> list[int]:

@@ -215,13 +215,32 @@ def test_whole_states_a_longer_one_hides_from_the_pointers_are_found(
     match = tier.find(NS, tokens[:70], whole_prefix=True)
     assert match is not None and (match.key, match.shared) == (checkpoint.keys[0], 70)
     assert command_calls(c) - before == Counter({"mget": 2})
-    # Not yet: a prompt between them (80) does not find the checkpoint, which only its
-    # own key or a pointer would name (the runtime then prefills from its local tiers'
-    # deepest state, or cold).
-    assert tier.find(NS, tokens[:80], whole_prefix=True) is None
     match = tier.find(NS, tokens + [7, 8], whole_prefix=True)
     assert match is not None and (match.key, servable_tokens(match, True)) == (
         finish.keys[0], 100)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "known gap (README, Model kinds: a checkpoint shorter than the prompt that a longer "
+    "entry saved after it hides is not yet found in the shared tier): a block pointer "
+    "names only the last entry through its block, and a prompt between two whole states "
+    "is neither's exact key, so the runtime prefills from its local tiers, or cold"))
+def test_a_prompt_between_two_whole_states_finds_the_shorter_one(
+        server: RedisServer, tiers: Callable[..., RemoteTier]) -> None:
+    # A whole state cannot be cut: the deepest whole prefix of a prompt of 80 tokens is
+    # the checkpoint of its first 70, not the finish of 100 that shares them all.
+    tier = tiers(server.url)
+    tokens = prompt(7)
+    checkpoint, finish = make_chain(tokens, [70]), make_chain(tokens, [100])
+    for chain in (checkpoint, finish):  # (not asserts: they would pass for the gap)
+        if not (tier.publish(chain.links, chain.read_blob) and tier.drain(10)):
+            pytest.fail("the states were not published")
+    exact = tier.find(NS, tokens[:70], whole_prefix=True)
+    if exact is None or exact.key != checkpoint.keys[0]:
+        pytest.fail(f"the checkpoint is not in the tier: {exact}")
+    match = tier.find(NS, tokens[:80], whole_prefix=True)
+    assert match is not None and (match.key, servable_tokens(match, True)) == (
+        checkpoint.keys[0], 70)
 
 
 def test_find_and_fetch_take_one_round_trip_each(server: RedisServer,

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvcache.client import CacheClient
+from model_runtime.completion_request import CompletionRequest
 from model_runtime.config import RuntimeConfig
 from model_runtime.request import RequestError
 from model_runtime.runtime import Runtime
@@ -25,16 +26,9 @@ PROMPT = ("<|im_start|>system\nYou answer in one line.<|im_end|>\n<|im_start|>us
 TURN = "<|im_end|>\n<|im_start|>user\nAnd the next one?<|im_end|>\n<|im_start|>assistant\n"
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path_factory.mktemp("continue") / "data").start()
-    yield d
-    d.close()
-
-
 @pytest.fixture
-def runtime(daemon: DaemonProcess, tiny_model: Path) -> Iterator[Runtime]:
-    rt = Runtime(tiny_model, cache_address=daemon.address, config=CONFIG)
+def runtime(module_daemon: DaemonProcess, tiny_model: Path) -> Iterator[Runtime]:
+    rt = Runtime(tiny_model, cache_address=module_daemon.address, config=CONFIG)
     yield rt
     rt.close()
 
@@ -49,12 +43,13 @@ def state_of(runtime: Runtime, daemon: DaemonProcess, key: str) -> list[int]:
 
 
 def test_the_state_is_continued_with_its_own_tokens(runtime: Runtime,
-                                                    daemon: DaemonProcess) -> None:
+                                                    module_daemon: DaemonProcess) -> None:
     first = runtime.complete(prompt=PROMPT, max_tokens=12, temperature=0)
-    state = state_of(runtime, daemon, first.finish_key)
+    state = state_of(runtime, module_daemon, first.finish_key)
     assert state[-1] == first.tokens[-2]  # the last token sampled was not decoded
-    again = runtime.submit(prompt=PROMPT + first.text + TURN, parent_key=first.finish_key,
-                           continue_parent=True, max_tokens=4, temperature=0)
+    again = runtime.submit(CompletionRequest.of(
+        prompt=PROMPT + first.text + TURN, parent_key=first.finish_key, continue_parent=True,
+        max_tokens=4, temperature=0))
     assert again.tokens[:len(state)] == state
     done = next(e for e in runtime.events(again) if hasattr(e, "finish_key"))
     assert done.cache_delta["tokens_read"] == len(state)
@@ -69,15 +64,17 @@ def test_a_prompt_that_does_not_continue_the_state_is_tokenized_as_usual(
         runtime: Runtime) -> None:
     first = runtime.complete(prompt=PROMPT, max_tokens=6, temperature=0)
     other = PROMPT.replace("parcel", "letter") + TURN
-    req = runtime.submit(prompt=other, parent_key=first.finish_key, continue_parent=True,
-                         max_tokens=2, temperature=0)
+    req = runtime.submit(CompletionRequest.of(
+        prompt=other, parent_key=first.finish_key, continue_parent=True, max_tokens=2,
+        temperature=0))
     assert req.tokens == runtime.tokenize(other)
     runtime.cancel(req)
 
 
 def test_a_state_the_cache_does_not_have_is_no_error(runtime: Runtime) -> None:
-    req = runtime.submit(prompt=PROMPT + "Hi" + TURN, parent_key="ab" * 16,
-                         continue_parent=True, max_tokens=2, temperature=0)
+    req = runtime.submit(CompletionRequest.of(
+        prompt=PROMPT + "Hi" + TURN, parent_key="ab" * 16, continue_parent=True, max_tokens=2,
+        temperature=0))
     assert req.tokens == runtime.tokenize(PROMPT + "Hi" + TURN)
     runtime.cancel(req)
 
@@ -85,15 +82,16 @@ def test_a_state_the_cache_does_not_have_is_no_error(runtime: Runtime) -> None:
 def test_another_tenants_state_is_not_read(runtime: Runtime) -> None:
     first = runtime.complete(prompt=PROMPT, max_tokens=6, temperature=0, tenant="alice")
     prompt = PROMPT + first.text + TURN
-    req = runtime.submit(prompt=prompt, parent_key=first.finish_key, continue_parent=True,
-                         max_tokens=2, temperature=0, tenant="bob")
+    req = runtime.submit(CompletionRequest.of(
+        prompt=prompt, parent_key=first.finish_key, continue_parent=True, max_tokens=2,
+        temperature=0, tenant="bob"))
     assert req.tokens == runtime.tokenize(prompt)
     runtime.cancel(req)
 
 
 def test_continue_parent_needs_a_parent_and_a_prompt(runtime: Runtime) -> None:
     with pytest.raises(RequestError, match="continue_parent"):
-        runtime.submit(prompt=PROMPT, continue_parent=True, max_tokens=2)
+        runtime.submit(CompletionRequest.of(prompt=PROMPT, continue_parent=True, max_tokens=2))
     with pytest.raises(RequestError, match="continue_parent"):
-        runtime.submit(tokens=[1, 2, 3], parent_key="ab" * 16, continue_parent=True,
-                       max_tokens=2)
+        runtime.submit(CompletionRequest.of(tokens=[1, 2, 3], parent_key="ab" * 16,
+                                            continue_parent=True, max_tokens=2))

@@ -19,7 +19,7 @@ The tiny model runs on one thread; the same suite on SmolLM2 is marked slow.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -45,35 +45,54 @@ from tests.support.warm_cold import (
 )
 
 N_PROMPTS = 50
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    # Short blocks: the tests' entries spread over blocks rather than crowding one (where
-    # more than 32 end, a lookup may fall short by less than a block; README, Keys).
-    d = DaemonProcess(tmp_path_factory.mktemp("determinism") / "data", *BLOCKS).start()
-    yield d
-    d.close()
+# module_daemon's short blocks: the tests' entries spread over blocks rather than crowding
+# one (where more than 32 end, a lookup may fall short by less than a block; README, Keys).
+DAEMON_ARGS = BLOCKS
 
 
 def check_every_path(model: Path, daemon: DaemonProcess, make: Callable[..., Runtime],
-                     n_prompts: int) -> dict[str, int]:
+                     n_prompts: int, *, speculate: bool = False) -> dict[str, int]:
     """Run every reuse path of ``n_prompts`` prompts against a cold reference; returns
-    how often each ran (each is asserted equal to cold where it runs)."""
+    how often each ran (each is asserted equal to cold where it runs). ``speculate``: the
+    warm runtimes speculate (prompt lookup) and each warm request predicts cold's reply
+    with one token wrong, so that every path verifies drafts, takes some and refuses
+    others (counted as "drafted", "accepted" and "rejected"); cold never speculates."""
     cold = make(model, None, n_seq_max=1)
     assert cold.batch_invariant, f"llama.cpp built with {batch_variant_options()}"
-    writer = make(model, daemon.address)
-    reader = make(model, daemon.address)  # another process's view: restores only
-    live = make(model, None, reuse_live=True)
+    mode = {"speculative": "ngram" if speculate else "off"}
+    writer = make(model, daemon.address, **mode)
+    reader = make(model, daemon.address, **mode)  # another process's view: restores only
+    live = make(model, None, reuse_live=True, **mode)
     ran: dict[str, int] = {}
+    references: dict[tuple[tuple[int, ...], int | None], Completion] = {}
+
+    def reference(tokens: list[int], seed: int | None) -> Completion:
+        key = (tuple(tokens), seed)
+        if key not in references:
+            references[key] = ask(cold, tokens, seed)
+        return references[key]
+
+    def asked(rt: Runtime, tokens: list[int], seed: int | None = None,
+              **kw: object) -> Completion:
+        if speculate:  # cold's reply with its middle token wrong
+            guess = list(reference(tokens, seed).tokens)
+            if guess:
+                guess[len(guess) // 2] = (guess[len(guess) // 2] + 1) % rt.model.n_vocab
+            kw["prediction"] = guess
+        return ask(rt, tokens, seed, **kw)
 
     def same(path: str, warm: Completion, tokens: list[int], seed: int | None = None) -> None:
-        assert outcome(warm) == outcome(ask(cold, tokens, seed)), (path, len(tokens))
+        assert outcome(warm) == outcome(reference(tokens, seed)), (path, len(tokens))
         ran[path] = ran.get(path, 0) + 1
+        if speculate:
+            for name, n in (("drafted", warm.drafted_tokens),
+                            ("accepted", warm.accepted_tokens),
+                            ("rejected", warm.drafted_tokens - warm.accepted_tokens)):
+                ran[name] = ran.get(name, 0) + n
 
     for i, p in enumerate(prompts(cold, n_prompts)):
         seed = i if i % 3 == 0 else None  # every third prompt sampled with a seed
-        first = ask(writer, p, seed)
+        first = asked(writer, p, seed)
         # Cold, unless an earlier prompt begins with the same words: a plain-attention
         # entry serves the tokens it shares (then it must give cold's output too).
         assert first.cache_hit_kind == "cold" or \
@@ -82,25 +101,25 @@ def check_every_path(model: Path, daemon: DaemonProcess, make: Callable[..., Run
         same("cold", first, p, seed)
         flush(writer)
 
-        again = ask(reader, p, seed)
+        again = asked(reader, p, seed)
         assert kind(again) == ("exact", len(p)), "the prompt's scores were stored with it"
         same("exact, stored scores", again, p, seed)
 
         # Restored once, copied to a second sequence: choice i is what a request with
         # seed + i gives (greedy: both are the cold reply).
-        for choice in ask(reader, p, seed, n=2):  # type: ignore[union-attr]
+        for choice in asked(reader, p, seed, n=2):  # type: ignore[union-attr]
             assert kind(choice) == ("exact", len(p))
             same(f"n=2, choice {choice.choice}", choice, p,
                  None if seed is None else seed + choice.choice)
 
         shorter = p[: len(p) - 2]
-        inner = ask(reader, shorter, seed)
+        inner = asked(reader, shorter, seed)
         assert kind(inner) == ("exact", len(shorter) - 1)
         same("exact, last token computed again", inner, shorter, seed)
 
         for n_more in (1, 2, 7, 40):
             longer = p + words(cold, n_more, seed=i * 10 + n_more)
-            warm = ask(reader, longer, seed)
+            warm = asked(reader, longer, seed)
             # (At least p: where the extra words begin as the reply did, the finish
             # state serves more.)
             assert warm.cache_delta["tokens_read"] >= len(p), n_more
@@ -110,25 +129,25 @@ def check_every_path(model: Path, daemon: DaemonProcess, make: Callable[..., Run
         # The reply's cells (computed one token at a time) reused by the next turn,
         # restored from three pieces: the cold boundary's, the prompt's, the finish's.
         turn = p + first.tokens[:-1] + words(cold, 5, seed=i)
-        joined = ask(reader, turn, seed)
+        joined = asked(reader, turn, seed)
         assert joined.cache_hit_kind == "partial"
         assert joined.cache_delta["tokens_read"] >= len(p) + max(len(first.tokens) - 1, 0)
         same("joined pieces, reply reused", joined, turn, seed)
 
         live.complete(tokens=p, max_tokens=MAX_TOKENS)
         extended = p + words(cold, 9, seed=i + 1)
-        warm = ask(live, extended, seed)
+        warm = asked(live, extended, seed)
         assert warm.cache_tier == "live" and warm.cache_delta["tokens_read"] >= len(p)
         same("live, partial", warm, extended, seed)
-        warm = ask(live, p, seed)
+        warm = asked(live, p, seed)
         assert (warm.cache_tier, kind(warm)) == ("live", ("exact", len(p)))
         same("live, exact with kept scores", warm, p, seed)
 
         session = f"s{i}"
-        opening = ask(live, p, seed, session_id=session)
+        opening = asked(live, p, seed, session_id=session)
         same("sticky, first turn", opening, p, seed)
         follow = p + opening.tokens[:-1] + words(cold, 6, seed=i + 2)
-        warm = ask(live, follow, seed, session_id=session)
+        warm = asked(live, follow, seed, session_id=session)
         assert warm.cache_hit_kind == "sticky"
         same("sticky, reply reused", warm, follow, seed)
     return ran
@@ -142,9 +161,20 @@ def test_this_build_computes_a_token_alike_alone_or_in_a_batch(tiny_model: Path)
 
 
 def test_every_reuse_path_gives_what_a_cold_prefill_gives(
-        tiny_model: Path, daemon: DaemonProcess, runtimes: Callable[..., Runtime]) -> None:
-    ran = check_every_path(tiny_model, daemon, runtimes, N_PROMPTS)
+        tiny_model: Path, module_daemon: DaemonProcess, runtimes: Callable[..., Runtime]) -> None:
+    ran = check_every_path(tiny_model, module_daemon, runtimes, N_PROMPTS)
     assert min(ran.values()) == N_PROMPTS and len(ran) == 14, ran
+
+
+def test_every_reuse_path_gives_what_a_cold_prefill_gives_with_speculation(
+        tiny_model: Path, daemon: DaemonProcess, runtimes: Callable[..., Runtime]) -> None:
+    # Speculation on as a path: drafts verified in one batch (taken, and refused) give
+    # the tokens and the log probabilities single steps give, after every kind of reuse.
+    n_prompts = 12
+    ran = check_every_path(tiny_model, daemon, runtimes, n_prompts, speculate=True)
+    drafted, accepted, rejected = (ran.pop(k) for k in ("drafted", "accepted", "rejected"))
+    assert min(ran.values()) == n_prompts and len(ran) == 14, ran
+    assert accepted > n_prompts * 14 and rejected > n_prompts, (drafted, accepted, rejected)
 
 
 def test_requests_running_together_give_what_each_gives_alone(
@@ -261,6 +291,6 @@ def test_states_from_the_shared_tier_give_what_a_cold_prefill_gives(
 @pytest.mark.slow
 @pytest.mark.timeout(2400)  # ~170 SmolLM2 requests: ~6 minutes on 2 quiet cores
 def test_every_reuse_path_gives_what_a_cold_prefill_gives_on_smollm2(
-        daemon: DaemonProcess, runtimes: Callable[..., Runtime]) -> None:
-    ran = check_every_path(default_model_path(), daemon, runtimes, 12)
+        module_daemon: DaemonProcess, runtimes: Callable[..., Runtime]) -> None:
+    ran = check_every_path(default_model_path(), module_daemon, runtimes, 12)
     assert min(ran.values()) == 12 and len(ran) == 14, ran

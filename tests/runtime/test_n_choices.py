@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from model_runtime.completion_request import CompletionRequest
 from model_runtime.config import RuntimeConfig, SettingError
 from model_runtime.llama_backend import SamplerChain
 from model_runtime.request import Completion, RequestError, TokenEvent
@@ -256,7 +257,7 @@ def test_a_request_of_n_ends_with_one_record_per_choice(make: Callable[..., Runt
     # (No event is left behind in the queue once the last Completion was read.)
     rt = make()
     p = prompt(rt, 20)
-    req = rt.submit(tokens=p, max_tokens=3, n=3)
+    req = rt.submit(CompletionRequest.of(tokens=p, max_tokens=3, n=3))
     ends = 0
     while ends < 3:
         if isinstance(req.events.get(timeout=30), Completion):

@@ -29,6 +29,7 @@ import pytest
 
 from kvcache.client import CacheClient
 from model_runtime.chat.templates import ChatTemplate
+from model_runtime.completion_request import CompletionRequest
 from model_runtime.counters import COUNTERS
 from model_runtime.request import Completion, RequestError, TokenEvent, common_prefix
 from model_runtime.runtime import Runtime
@@ -50,14 +51,6 @@ from tests.support.tiny_llama import saves_held
 
 
 @pytest.fixture(scope="module")
-def cache_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    """A daemon shared by this module's tests; each test has its own tenant (namespace)."""
-    daemon = DaemonProcess(tmp_path_factory.mktemp("runtime-cache") / "data").start()
-    yield daemon
-    daemon.close()
-
-
-@pytest.fixture(scope="module")
 def plain(tiny_model: Path) -> Iterator[Runtime]:
     """No cache: every request is a cold prefill. The reference for outputs."""
     with Runtime(tiny_model, cache_address=None, config=replace(CONFIG, n_seq_max=1)) as rt:
@@ -65,7 +58,7 @@ def plain(tiny_model: Path) -> Iterator[Runtime]:
 
 
 @pytest.fixture
-def make_runtime(request: pytest.FixtureRequest, cache_daemon: DaemonProcess,
+def make_runtime(request: pytest.FixtureRequest, module_daemon: DaemonProcess,
                  tiny_model: Path) -> Iterator[Callable[..., Runtime]]:
     """``make_runtime(model=..., cache=address|None, **config overrides)``; the tenant is
     the test's name, so tests sharing the daemon never see each other's entries."""
@@ -74,7 +67,7 @@ def make_runtime(request: pytest.FixtureRequest, cache_daemon: DaemonProcess,
     def make(model: Path | None = None, cache: str | None | bool = True,
              **overrides: Any) -> Runtime:
         overrides.setdefault("tenant", request.node.name)
-        address = cache_daemon.address if cache is True else (cache or None)
+        address = module_daemon.address if cache is True else (cache or None)
         rt = Runtime(model or tiny_model, cache_address=address,  # type: ignore[arg-type]
                      config=replace(CONFIG, **overrides))
         made.append(rt)
@@ -584,7 +577,7 @@ def test_daemon_killed_mid_request_then_back(daemon_factory: Callable[..., Daemo
 
 
 def test_state_from_other_kv_settings_is_never_restored(
-        make_runtime: Callable[..., Runtime], cache_daemon: DaemonProcess,
+        make_runtime: Callable[..., Runtime], module_daemon: DaemonProcess,
         plain: Runtime) -> None:
     f16 = make_runtime(type_k="f16")
     q8 = make_runtime(type_k="q8_0")
@@ -602,7 +595,7 @@ def test_state_from_other_kv_settings_is_never_restored(
     q = prompt(f16, 90, TEXT_C)
     q8.complete(tokens=q, max_tokens=2)
     flush(q8)
-    with CacheClient(cache_daemon.address, timeout=10) as c:
+    with CacheClient(module_daemon.address, timeout=10) as c:
         hit = c.lookup(q8.identity, q, max_tokens=64)
         assert hit is not None and hit.matched_tokens == 64
         payload = c.load(hit.key).payload
@@ -863,7 +856,7 @@ def test_abandoned_stream_cancels_the_request(make_runtime: Callable[..., Runtim
 
 
 def test_sticky_truncation_then_finish_key_names_a_real_entry(
-        make_runtime: Callable[..., Runtime], cache_daemon: DaemonProcess) -> None:
+        make_runtime: Callable[..., Runtime], module_daemon: DaemonProcess) -> None:
     rt = make_runtime()
     p = prompt(rt, 100)
     rt.complete(tokens=p, max_tokens=8, session_id="s")  # live and saved: 107 tokens
@@ -875,7 +868,7 @@ def test_sticky_truncation_then_finish_key_names_a_real_entry(
     assert [(s["reason"], s["tokens"]) for s in second.saves] == \
         [("prompt", 100), ("finish", 107)]
     flush(rt)
-    with CacheClient(cache_daemon.address, timeout=10) as c:
+    with CacheClient(module_daemon.address, timeout=10) as c:
         blob = c.load(bytes.fromhex(second.finish_key))
     assert blob.meta.tokens == p[:90] + prompt(rt, 11, TEXT_B)[1:] + second.tokens[:-1]
 
@@ -907,8 +900,9 @@ def test_a_reader_that_fell_behind_takes_what_is_ready_in_one_batch(plain: Runti
     (a reader keeping up); read after it ended, everything in one batch, in order: the
     same events either way (the service sends such a batch as one message)."""
     tokens = plain.tokenize("The quick brown fox jumps over the lazy dog. " * 3)
-    live = list(plain.event_batches(plain.submit(tokens=tokens, max_tokens=8)))
-    req = plain.submit(tokens=tokens, max_tokens=8)
+    ask = CompletionRequest.of(tokens=tokens, max_tokens=8)
+    live = list(plain.event_batches(plain.submit(ask)))
+    req = plain.submit(ask)
     while req.phase.value != "done":
         time.sleep(0.01)
     late = list(plain.event_batches(req))

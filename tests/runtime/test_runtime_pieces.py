@@ -21,9 +21,13 @@ import pytest
 from kvcache.blob import BlobMeta, encode_blob
 from kvcache.client import CacheClient, LoadedBlob
 from kvcache.v1 import kvcache_pb2 as pb
-from model_runtime import kv_build, kv_cells, pieces
 from model_runtime.llama_backend import LlamaModel
 from model_runtime.runtime import Runtime
+from model_runtime.state import pieces
+from model_runtime.state.build import build_state
+from model_runtime.state.cut import cells_bytes, planes_bytes
+from model_runtime.state.layout import FORM_CELLS, FORM_PLANES, FORM_STATE, form_of
+from model_runtime.state.parse import layout_of, parse
 from tests.support.daemon_proc import DaemonProcess, wait_for
 from tests.support.runtime_calls import (
     CONFIG,
@@ -35,25 +39,19 @@ from tests.support.runtime_calls import (
     prompt,
 )
 from tests.support.tiny_llama import prefill
-from tests.unit.test_kv_cells import fresh_state, new_ctx
-from tests.unit.test_kv_cells import prompt as model_prompt
+from tests.unit.test_state_format import fresh_state, new_ctx
+from tests.unit.test_state_format import prompt as model_prompt
 
 # These tests follow the daemon path (no live reuse), with states of at least 8 tokens.
 PIECES_CONFIG = replace(CONFIG, n_seq_max=1)
+DAEMON_ARGS = ("--block-size", "32")  # each test's daemon's
 
 
 @pytest.fixture
-def cache(tmp_path: Path) -> Iterator[DaemonProcess]:
-    daemon = DaemonProcess(tmp_path / "data", "--block-size", "32").start()
-    yield daemon
-    daemon.close()
-
-
-@pytest.fixture
-def make_runtime(cache: DaemonProcess, tiny_model: Path) -> Iterator[Callable[..., Runtime]]:
+def make_runtime(daemon: DaemonProcess, tiny_model: Path) -> Iterator[Callable[..., Runtime]]:
     made: list[Runtime] = []
 
-    def make(cache_address: str | None = cache.address, **overrides: Any) -> Runtime:
+    def make(cache_address: str | None = daemon.address, **overrides: Any) -> Runtime:
         rt = Runtime(tiny_model, cache_address=cache_address,
                      config=replace(PIECES_CONFIG, **overrides))
         made.append(rt)
@@ -119,7 +117,7 @@ def test_a_root_is_stored_as_llama_cpp_s_bytes_and_restored_as_stored(
         state = fresh_state(ctx, 0, tokens)
         root = pieces.cut(state, 0)
         assert bytes(root.payload) == state and root.n_cells == 120
-        assert kv_cells.form_of(msgpack.unpackb(root.cell_layout)) == kv_cells.FORM_STATE
+        assert form_of(msgpack.unpackb(root.cell_layout)) == FORM_STATE
         chain = [blob(tokens, root.payload, layout=root.cell_layout)]
         # Set as stored into another sequence and cut: llama.cpp's state of the prefix.
         joined = pieces.join(chain, 90, seq_id=2)
@@ -127,9 +125,9 @@ def test_a_root_is_stored_as_llama_cpp_s_bytes_and_restored_as_stored(
         assert ctx.seq_truncate(2, 90)
         assert bytes(ctx.state_seq_get(2)) == fresh_state(ctx, 2, tokens[:90])
         # A root that does not hold positions 0..n-1 is refused, not handed to llama.cpp.
-        layout = kv_cells.layout_of(state)
-        shifted = kv_build.build_state(layout, kv_cells.planes_bytes(state, 0, 120),
-                                       seq_id=0, forms=kv_cells.FORM_PLANES, first_pos=1)
+        layout = layout_of(state)
+        shifted = build_state(layout, planes_bytes(state, 0, 120), seq_id=0,
+                              forms=FORM_PLANES, first_pos=1)
         with pytest.raises(pieces.StateFormatError, match="positions 0..n-1"):
             pieces.join([blob(tokens, shifted, layout=root.cell_layout)], 90, seq_id=2)
 
@@ -139,9 +137,9 @@ def test_cell_major_pieces_of_the_first_piece_format_join_with_planar_ones(
     with LlamaModel(tiny_model) as model, new_ctx(model) as ctx:
         tokens = model_prompt(model, 120)
         state = fresh_state(ctx, 0, tokens)
-        cells = kv_cells.parse(fresh_state(ctx, 0, tokens[:70]))
-        old_layout = msgpack.packb(cells.layout.to_dict(kv_cells.FORM_CELLS))
-        old_root = blob(tokens[:70], kv_cells.cells_bytes(cells, 0, 70), layout=old_layout)
+        cells = parse(fresh_state(ctx, 0, tokens[:70]))
+        old_layout = msgpack.packb(cells.layout.to_dict(FORM_CELLS))
+        old_root = blob(tokens[:70], cells_bytes(cells, 0, 70), layout=old_layout)
         child = pieces.cut(state, 70)
         chain = [old_root, blob(tokens, child.payload, 70, b"p" * 16, child.cell_layout)]
         assert bytes(pieces.join(chain, 120, seq_id=0).state) == state
@@ -156,7 +154,7 @@ def test_a_join_for_a_split_cache_is_taken_as_it_is(tiny_model: Path) -> None:
         root = pieces.cut(state, 0)
         joined = pieces.join([blob(tokens[:120], root.payload, layout=root.cell_layout)],
                              90, seq_id=2, n_stream=ctx.state_streams)
-        assert kv_cells.parse(joined.state).layout.n_stream == 4
+        assert parse(joined.state).layout.n_stream == 4
         # All of it consumed as written: no widening copy, nothing added.
         assert ctx.state_seq_set(2, joined.state) == len(joined.state)
         restored = bytes(ctx.state_seq_get(2))
@@ -174,13 +172,13 @@ def test_pieces_that_do_not_fit_are_refused() -> None:
 
 
 def test_conversations_over_one_system_prompt_store_it_once(
-        make_runtime: Callable[..., Runtime], cache: DaemonProcess, tiny_model: Path) -> None:
+        make_runtime: Callable[..., Runtime], daemon: DaemonProcess, tiny_model: Path) -> None:
     rt = make_runtime()
     system = prompt(rt, 300)
     users = [rt.tokenize(f" question {i}: " + TEXT_B * (i + 1))[1:] for i in range(4)]
     first = rt.complete(tokens=system + users[0], prefix_tokens=300, max_tokens=12)
     flush(rt)
-    stored_one, logical_one = disk_bytes(cache.address)
+    stored_one, logical_one = disk_bytes(daemon.address)
     before = dict(rt.stats())
     outs = [rt.complete(tokens=system + u, prefix_tokens=300, max_tokens=12) for u in users[1:]]
     flush(rt)
@@ -192,7 +190,7 @@ def test_conversations_over_one_system_prompt_store_it_once(
     saves = delta(before, after, "saves_finish") + delta(before, after, "saves_prompt")
     assert saves == 6 and delta(before, after, "saves_built_on_prefix") == saves
     assert delta(before, after, "tokens_stored") < delta(before, after, "tokens_saved") / 4
-    stored, logical = disk_bytes(cache.address)
+    stored, logical = disk_bytes(daemon.address)
     # Three more conversations of ~330 tokens cost about their own ~60 tokens each.
     assert stored - stored_one < (logical - logical_one) / 3
     # Greedy output from pieces equals a cold prefill's, for each conversation.
@@ -208,13 +206,13 @@ def test_conversations_over_one_system_prompt_store_it_once(
 
 
 def test_a_save_after_a_restore_writes_only_new_cells(make_runtime: Callable[..., Runtime],
-                                                      cache: DaemonProcess) -> None:
+                                                      daemon: DaemonProcess) -> None:
     rt = make_runtime()
     p = prompt(rt, 200)
     first = rt.complete(tokens=p, max_tokens=10)
     flush(rt)
     turn = p + first.tokens[:-1] + rt.tokenize(TEXT_B)[1:]
-    before_daemon = daemon_counters(cache.address)
+    before_daemon = daemon_counters(daemon.address)
     resumed = make_runtime()
     second = resumed.complete(tokens=turn, max_tokens=10)
     flush(resumed)
@@ -225,11 +223,11 @@ def test_a_save_after_a_restore_writes_only_new_cells(make_runtime: Callable[...
     n_saves = len(second.saves)
     assert n_saves and stats["saves_built_on_prefix"] == n_saves
     assert stats["tokens_stored"] <= stats["tokens_saved"] - n_saves * read
-    assert delta(before_daemon, daemon_counters(cache.address), "pieces_committed") == n_saves
+    assert delta(before_daemon, daemon_counters(daemon.address), "pieces_committed") == n_saves
 
 
 def test_a_save_waits_for_another_writers_longer_prefix_and_builds_on_it(
-        make_runtime: Callable[..., Runtime], cache: DaemonProcess) -> None:
+        make_runtime: Callable[..., Runtime], daemon: DaemonProcess) -> None:
     rt = make_runtime(in_flight_wait_ms=20_000)
     system = prompt(rt, 96)
     # The other writer's state of the system prompt (a real one, from its own context).
@@ -240,14 +238,14 @@ def test_a_save_waits_for_another_writers_longer_prefix_and_builds_on_it(
                     kv_layout=dict(rt.identity.kv_layout), tokens=system, reason="cold",
                     cell_layout=root.cell_layout)
     data = b"".join(bytes(part) for part in encode_blob(meta, root.payload))
-    writer = CacheClient(cache.address, timeout=10)
+    writer = CacheClient(daemon.address, timeout=10)
     lease = writer.stub.Reserve(pb.ReserveRequest(
         identity=rt.identity.message(), tokens=system, size=len(data), reason="cold"),
         timeout=10)
-    before = daemon_counters(cache.address)
+    before = daemon_counters(daemon.address)
     done = rt.complete(tokens=system + rt.tokenize(TEXT_B)[1:], max_tokens=4)
     # Its first save (the cold one, of the system prompt) waits for the writer's.
-    wait_for(lambda: waiting_lookups(cache) == 1, "the save to wait for the other writer")
+    wait_for(lambda: waiting_lookups(daemon) == 1, "the save to wait for the other writer")
     writer.stub.Write(iter([pb.WriteChunk(lease_id=lease.lease_id, data=data)]), timeout=10)
     writer.stub.Commit(pb.CommitRequest(lease_id=lease.lease_id), timeout=10)
     writer.close()
@@ -258,7 +256,7 @@ def test_a_save_waits_for_another_writers_longer_prefix_and_builds_on_it(
     assert (stats["saves_skipped_already_present"], stats["saves_built_on_prefix"]) == (1, 2)
     full = system + rt.tokenize(TEXT_B)[1:] + done.tokens[:-1]
     assert stats["tokens_stored"] == len(full) - len(system)
-    after = daemon_counters(cache.address)
+    after = daemon_counters(daemon.address)
     assert delta(before, after, "lookups_waited_in_flight") == 1
     # The conversation restores from the writer's piece and its own, equal to cold.
     again = make_runtime()
@@ -270,10 +268,10 @@ def test_a_save_waits_for_another_writers_longer_prefix_and_builds_on_it(
 
 
 def test_a_save_gives_up_on_a_writer_that_does_not_finish(
-        make_runtime: Callable[..., Runtime], cache: DaemonProcess) -> None:
+        make_runtime: Callable[..., Runtime], daemon: DaemonProcess) -> None:
     rt = make_runtime(in_flight_wait_ms=200)
     system = prompt(rt, 96)
-    with CacheClient(cache.address, timeout=10) as writer:
+    with CacheClient(daemon.address, timeout=10) as writer:
         lease = writer.stub.Reserve(pb.ReserveRequest(
             identity=rt.identity.message(), tokens=system + [7], size=1000, reason="cold"),
             timeout=10)
@@ -283,7 +281,7 @@ def test_a_save_gives_up_on_a_writer_that_does_not_finish(
     stats = rt.stats()
     # Its finish state shares the 96 tokens being written: dropped, not stored twice.
     assert stats["saves_dropped_in_flight_prefix"] == 1 and stats["saves_finish"] == 0
-    assert daemon_counters(cache.address)["lookups_in_flight_timeout"] >= 1
+    assert daemon_counters(daemon.address)["lookups_in_flight_timeout"] >= 1
 
 
 def test_a_diverging_chain_is_cut_and_matches_cold(make_runtime: Callable[..., Runtime]
@@ -301,11 +299,11 @@ def test_a_diverging_chain_is_cut_and_matches_cold(make_runtime: Callable[..., R
 
 
 def test_an_entry_of_the_previous_format_is_restored(make_runtime: Callable[..., Runtime],
-                                                     cache: DaemonProcess) -> None:
+                                                     daemon: DaemonProcess) -> None:
     rt = make_runtime()
     p = prompt(rt, 120, TEXT_A)
     # The state as the previous version stored it: whole, no parent, no cell layout.
-    with CacheClient(cache.address) as c:
+    with CacheClient(daemon.address) as c:
         assert c.save(rt.identity, p, whole_state(rt, p), "finish").status == "saved"
     question = p + rt.tokenize(TEXT_B)[1:]
     warm = make_runtime().complete(tokens=question, max_tokens=12)

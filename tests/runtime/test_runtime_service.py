@@ -72,19 +72,17 @@ def tokenize(tiny_model: Path) -> Iterator[Callable[[str], list[int]]]:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory,
-          tiny_model: Path) -> Iterator[tuple[DaemonProcess, RuntimeProcess]]:
+def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path,
+          module_daemon: DaemonProcess) -> Iterator[tuple[DaemonProcess, RuntimeProcess]]:
     """One daemon and one ``model-runtime serve`` process shared by this module."""
     tmp = tmp_path_factory.mktemp("service")
-    daemon = DaemonProcess(tmp / "data").start()
-    runtime = RuntimeProcess(tiny_model, daemon.address, tmp / "runtime.log",
+    runtime = RuntimeProcess(tiny_model, module_daemon.address, tmp / "runtime.log",
                              "--continued-interval", "0")
     try:
         runtime.start()
-        yield daemon, runtime
+        yield module_daemon, runtime
     finally:
         runtime.close()
-        daemon.close()
 
 
 @pytest.fixture

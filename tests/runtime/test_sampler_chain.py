@@ -12,7 +12,7 @@ import json
 import math
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from model_runtime.llama_backend import (
 from model_runtime.request import Completion, RequestError, TokenEvent
 from model_runtime.runtime import Runtime
 from model_runtime.sampler import RequestSampler, chain_seed
-from model_runtime.sampling import GrammarTrigger, SamplingParams
+from model_runtime.sampling import GrammarTrigger, Sampling, SamplingParams
 from tests.support.tiny_llama import generate_greedy, prefill, sample_prompt
 
 CONFIG = RuntimeConfig(n_ctx=1024, n_batch=256, n_seq_max=2, n_threads=1, prefill_chunk=128,
@@ -128,41 +128,41 @@ def test_each_setting_moves_the_tokens_it_should(model: LlamaModel) -> None:
     a, b, c = tok(model, "a"), tok(model, "b"), tok(model, "c")
     scores = row(model, {a: 5.0, b: 4.6, c: 4.0})
 
-    def pick(**settings: Any) -> int:
-        with SamplerChain(model, greedy=True, **settings) as chain:
+    def pick(history: Sequence[int] = (), **settings: Any) -> int:
+        with SamplerChain(model, Sampling(**settings), history=history) as chain:
             return chain.sample(scores)
 
     assert pick() == a
-    assert pick(logit_bias=[(a, -math.inf)]) == b  # banned
-    assert pick(logit_bias=[(c, 2.0)]) == c
+    assert pick(logit_bias=((a, -math.inf),)) == b  # banned
+    assert pick(logit_bias=((c, 2.0),)) == c
     # The repeat penalty covers the prompt (``history``): a's 5.0 becomes 5.0 / 2.
     assert pick(repeat_penalty=2.0, history=[a]) == b
     assert pick(repeat_penalty=2.0, history=[a], penalty_last_n=0) == a  # window 0: off
     # Presence and frequency penalties count generated tokens only, not the prompt.
     assert pick(presence_penalty=1.0, history=[a]) == a
-    with SamplerChain(model, greedy=True, presence_penalty=1.0) as chain:
+    with SamplerChain(model, Sampling(presence_penalty=1.0)) as chain:
         chain.accept(a)
         assert chain.sample(scores) == b  # 5.0 - 1.0 < 4.6
-    with SamplerChain(model, greedy=True, frequency_penalty=0.3) as chain:
+    with SamplerChain(model, Sampling(frequency_penalty=0.3)) as chain:
         chain.accept(a)
         assert chain.sample(scores) == a  # 4.7 > 4.6
         chain.accept(a)
         assert chain.sample(scores) == b  # 4.4: per occurrence
-    with SamplerChain(model, greedy=True, presence_penalty=1.0, penalty_last_n=1) as chain:
+    with SamplerChain(model, Sampling(presence_penalty=1.0, penalty_last_n=1)) as chain:
         chain.accept(a)
         chain.accept(c)  # a left the one-token window
         assert chain.sample(scores) == a
     # Truncations keep only the best here, whatever the draw.
     for settings in ({"top_k": 1}, {"min_p": 0.9}, {"top_p": 0.01}):
         for seed in range(5):
-            with SamplerChain(model, greedy=False, temperature=1.0, seed=seed,
-                              **settings) as chain:
+            with SamplerChain(model, Sampling(temperature=1.0, seed=seed,
+                                              **settings)) as chain:
                 assert chain.sample(scores) == a, settings
 
 
 def test_greedy_is_the_first_best_score_as_numpy_s_argmax(model: LlamaModel) -> None:
     rng = np.random.default_rng(1)
-    with SamplerChain(model, greedy=True) as chain:
+    with SamplerChain(model, Sampling()) as chain:
         for _ in range(50):
             scores = rng.normal(size=model.n_vocab).astype(np.float32)
             scores[rng.integers(model.n_vocab, size=2)] = scores.max()  # a tie
@@ -175,8 +175,8 @@ def test_greedy_alone_skips_the_chain_and_picks_what_the_chain_picks(
     candidates; llama.cpp's greedy sampler (reached here through a zero bias, which keeps
     the full path) picks the same token, ties and banned tokens included."""
     rng = np.random.default_rng(2)
-    with SamplerChain(model, greedy=True) as fast, \
-            SamplerChain(model, greedy=True, logit_bias=[(0, 0.0)]) as full:
+    with SamplerChain(model, Sampling()) as fast, \
+            SamplerChain(model, Sampling(logit_bias=((0, 0.0),))) as full:
         assert fast._argmax_only and not full._argmax_only
         for _ in range(50):
             scores = rng.normal(size=model.n_vocab).astype(np.float32)
@@ -193,7 +193,7 @@ def test_a_draw_follows_its_seed(model: LlamaModel) -> None:
     scores = np.random.default_rng(2).normal(size=model.n_vocab).astype(np.float32)
 
     def draws(seed: int) -> list[int]:
-        with SamplerChain(model, greedy=False, temperature=1.5, seed=seed) as chain:
+        with SamplerChain(model, Sampling(temperature=1.5, seed=seed)) as chain:
             out = []
             for _ in range(30):
                 out.append(chain.sample(scores))
@@ -211,9 +211,9 @@ def test_a_draw_follows_its_seed(model: LlamaModel) -> None:
 def test_a_grammar_masks_only_when_the_chain_s_token_is_refused(model: LlamaModel) -> None:
     a, b = tok(model, "a"), tok(model, "b")
     scores = row(model, {a: 5.0, b: 1.0})
-    with SamplerChain(model, greedy=True, grammar='root ::= ("a" | "b")+') as chain:
+    with SamplerChain(model, Sampling(), grammar='root ::= ("a" | "b")+') as chain:
         assert chain.sample(scores) == a
-    with SamplerChain(model, greedy=True, grammar='root ::= "b" "a"') as chain:
+    with SamplerChain(model, Sampling(), grammar='root ::= "b" "a"') as chain:
         assert chain.sample(scores) == b  # a refused: the grammar's mask, then the chain
         chain.accept(b)
         assert chain.sample(scores) == a
@@ -231,12 +231,12 @@ def starting_with(model: LlamaModel, prefix: bytes) -> list[int]:
 
 def test_no_allowed_token_is_a_dead_end_not_a_guess(model: LlamaModel) -> None:
     q = tok(model, "q")
-    banned = [(t, -math.inf) for t in starting_with(model, b"q")]
-    with SamplerChain(model, greedy=True, grammar='root ::= "q"', logit_bias=banned) as chain, \
+    banned = tuple((t, -math.inf) for t in starting_with(model, b"q"))
+    with SamplerChain(model, Sampling(logit_bias=banned), grammar='root ::= "q"') as chain, \
             pytest.raises(GrammarDeadEnd, match="grammar allows no token"):
         chain.sample(row(model, {q: 1.0}))
-    for settings in ({"greedy": True}, {"greedy": False, "temperature": 0.7, "top_k": 5}):
-        with SamplerChain(model, **settings) as chain, pytest.raises(GrammarDeadEnd):
+    for sampling in (Sampling(), Sampling(temperature=0.7, top_k=5)):
+        with SamplerChain(model, sampling) as chain, pytest.raises(GrammarDeadEnd):
             chain.sample(row(model, {}), banned=range(model.n_vocab))
 
 
@@ -270,14 +270,14 @@ def test_a_lazy_grammar_waits_for_its_trigger_and_never_takes_a_token_it_cannot_
 
 def test_chains_are_counted_until_closed(model: LlamaModel) -> None:
     before = SamplerChain.live
-    chains = [SamplerChain(model, greedy=True, grammar='root ::= "a"') for _ in range(3)]
+    chains = [SamplerChain(model, Sampling(), grammar='root ::= "a"') for _ in range(3)]
     assert SamplerChain.live == before + 3
     for chain in chains:
         chain.close()
         chain.close()  # twice is harmless
     assert SamplerChain.live == before
     with pytest.raises(LlamaError, match="refused the grammar"):
-        SamplerChain(model, greedy=True, grammar="root ::= nothing")
+        SamplerChain(model, Sampling(), grammar="root ::= nothing")
     assert SamplerChain.live == before  # a failed construction frees what it made
 
 

@@ -27,6 +27,7 @@ from tests.support.warm_cold import BLOCKS, WORDS, agree, ask, bitwise, kind
 
 KINDS = ("swa", "hybrid", "recurrent")
 BEFORE_END = 4  # RuntimeConfig.checkpoint_before_end's default
+DAEMON_ARGS = BLOCKS  # each test's daemon's
 # Ends with a space: a reply starting with a word takes it into its first token ("▁the").
 TOOL_RESULT = "\nObservation: the tool returned {n} results.\nThought: "
 
@@ -34,11 +35,6 @@ TOOL_RESULT = "\nObservation: the tool returned {n} results.\nThought: "
 @pytest.fixture(params=KINDS)
 def model(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue(f"tiny_{request.param}_model")
-
-
-@pytest.fixture
-def daemon(daemon_factory: Callable[..., DaemonProcess]) -> DaemonProcess:
-    return daemon_factory(*BLOCKS)
 
 
 def loop_text(seed: int) -> str:

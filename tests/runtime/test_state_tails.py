@@ -21,21 +21,20 @@ from harness.procs import Daemon
 
 from kvcache.blob import BlobMeta
 from kvcache.client import LoadedBlob
-from model_runtime import pieces
-from model_runtime.kv_build import build_state
-from model_runtime.kv_cells import (
+from model_runtime.llama_backend import ContextParams, LlamaContext, LlamaModel
+from model_runtime.runtime import Runtime
+from model_runtime.state import pieces
+from model_runtime.state.build import build_state
+from model_runtime.state.cut import planes_bytes
+from model_runtime.state.layout import (
     FORM_CELLS,
     FORM_PLANES,
     FORM_STATE,
     Layout,
     StateFormatError,
     form_of,
-    parse,
-    planes_bytes,
-    window_of,
 )
-from model_runtime.llama_backend import ContextParams, LlamaContext, LlamaModel
-from model_runtime.runtime import Runtime
+from model_runtime.state.parse import parse, window_of
 from tests.support.runtime_calls import flush
 from tests.support.tiny_llama import generate_greedy, prefill, sample_prompt
 from tests.support.warm_cold import BLOCKS
@@ -77,7 +76,7 @@ def tokens_of(ctx: LlamaContext, n: int) -> list[int]:
 def test_a_state_with_a_tail_is_cells_then_a_tail_rebuilt_byte_for_byte(
         ctx: LlamaContext) -> None:
     assert ctx.state_has_tail and not ctx.can_truncate_restored()
-    # Its own namespace (see kv_layout): whole states stored before are not built on.
+    # Its own namespace (see model_runtime.state): whole states stored before are not built on.
     assert ctx.kv_layout()["state_tail"] == ("window" if ctx.state_window else "1")
     assert ctx.state_window == (ctx.model.n_swa if ctx.model.n_swa else 0)
     state = state_after(ctx, 0, tokens_of(ctx, N))

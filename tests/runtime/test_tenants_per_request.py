@@ -20,7 +20,7 @@ from kvcache.client import CacheClient
 from model_runtime.config import RuntimeConfig
 from model_runtime.request import Completion
 from model_runtime.runtime import Runtime
-from model_runtime.service import request_kwargs
+from model_runtime.service import request_from_message
 from model_runtime.v1 import runtime_pb2 as pb
 from tests.support.daemon_proc import DaemonProcess
 from tests.support.tiny_llama import sample_prompt, saves_held
@@ -31,21 +31,14 @@ CONFIG = RuntimeConfig(n_ctx=1024, n_batch=256, n_seq_max=2, n_threads=1, prefil
 TEXT = "we went up the hill and down the road to see the sea, the cat and the dog. "
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path_factory.mktemp("tenants-rt") / "data").start()
-    yield d
-    d.close()
-
-
 @pytest.fixture
-def runtime(daemon: DaemonProcess, tiny_model: Path,
+def runtime(module_daemon: DaemonProcess, tiny_model: Path,
             request: pytest.FixtureRequest) -> Iterator[Callable[..., Runtime]]:
     made: list[Runtime] = []
 
     def make(**overrides: Any) -> Runtime:
         overrides.setdefault("tenant", request.node.name)
-        made.append(Runtime(tiny_model, cache_address=daemon.address,
+        made.append(Runtime(tiny_model, cache_address=module_daemon.address,
                             config=replace(CONFIG, **overrides)))
         return made[-1]
 
@@ -71,7 +64,8 @@ def flush(rt: Runtime) -> None:
 
 
 def test_another_tenant_never_gets_a_hit_on_a_tenant_s_prompt(
-        runtime: Callable[..., Runtime], daemon: DaemonProcess, names: tuple[str, str]) -> None:
+        runtime: Callable[..., Runtime], module_daemon: DaemonProcess,
+        names: tuple[str, str]) -> None:
     a, b = names
     rt = runtime()
     p = sample_prompt(rt.tokenize, 100, TEXT)
@@ -93,7 +87,7 @@ def test_another_tenant_never_gets_a_hit_on_a_tenant_s_prompt(
     # The runtime's own tenant is a tenant like the others.
     assert ask(rt2, p, None).cache_hit_kind == "cold"
     # Bob's entries live in bob's namespace, as the daemon sees it.
-    with CacheClient(daemon.address) as c:
+    with CacheClient(module_daemon.address) as c:
         for tenant, key in ((a, alice.finish_key), (b, bob.finish_key)):
             identity = rt.engine.identities.of(tenant)
             hit = c.lookup(identity, p + alice.tokens[:3])
@@ -145,7 +139,7 @@ def test_another_tenant_never_waits_for_a_tenant_s_queued_save(
 
 
 def test_the_tenant_travels_in_the_request_message() -> None:
-    assert "tenant" not in request_kwargs(pb.CompleteRequest(prompt="x"))  # the runtime's
-    assert request_kwargs(pb.CompleteRequest(prompt="x", tenant="bob"))["tenant"] == "bob"
-    assert request_kwargs(pb.CompleteRequest(prompt="x", tenant=""))["tenant"] == ""
+    assert request_from_message(pb.CompleteRequest(prompt="x")).tenant is None  # the runtime's
+    assert request_from_message(pb.CompleteRequest(prompt="x", tenant="bob")).tenant == "bob"
+    assert request_from_message(pb.CompleteRequest(prompt="x", tenant="")).tenant == ""
 

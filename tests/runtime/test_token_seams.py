@@ -12,7 +12,7 @@ from model_runtime.config import RuntimeConfig
 from model_runtime.llama_backend import LlamaModel, TokenizeCancelled
 from model_runtime.request import common_prefix
 from model_runtime.runtime import Runtime, default_model_path
-from model_runtime.token_seams import SpecialToken, cut_points, is_seam
+from model_runtime.state.seams import SpecialToken, cut_points, is_seam
 
 A, B = SpecialToken("<|a|>"), SpecialToken("<|b|>")
 

@@ -1,19 +1,42 @@
-"""The daemon harness under the name the tests use (tools/harness/procs.py), ``wait_for``,
-and a daemon's TCP listener: its logged address and token files."""
+"""The daemon harness under the name the tests use (tools/harness/procs.py), the daemons a
+fixture starts (``started_daemons``), ``wait_for``, and a daemon's TCP listener: its
+logged address and token files."""
 
 from __future__ import annotations
 
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 from harness.procs import Daemon as DaemonProcess
 
-__all__ = ["TOKEN", "DaemonProcess", "tcp_address", "wait_for", "write_token"]
+__all__ = ["TOKEN", "DaemonProcess", "started_daemons", "tcp_address", "wait_for",
+           "write_token"]
+
+
+@contextmanager
+def started_daemons(root: Path) -> Iterator[Callable[..., DaemonProcess]]:
+    """A function starting real daemons under ``root`` (``start(*serve_args, name="data")``,
+    its data folder ``root / name``); every one is closed when the block ends."""
+    started: list[DaemonProcess] = []
+
+    def start(*args: str, name: str = "data") -> DaemonProcess:
+        # Two daemons on one data folder would share (or fight over) one store.
+        assert all(d.data_dir != root / name for d in started), f"a second daemon in {name}"
+        d = DaemonProcess(root / name, *args)
+        started.append(d)
+        return d.start()
+
+    try:
+        yield start
+    finally:
+        for d in started:
+            d.close()
 
 
 def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 15.0) -> None:

@@ -45,7 +45,7 @@ from harness.procs import pythonpath_env
 
 from kvcache import keys
 from kvcache.client import Identity
-from kvcache.index import Record
+from kvcache.record import Record
 from kvcache.store import Store, StoreConfig, ramtier
 
 FP = "fp-kill-points"

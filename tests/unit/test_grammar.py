@@ -24,6 +24,7 @@ from model_runtime.grammar import (
 )
 from model_runtime.llama_backend import LlamaError, LlamaModel, SamplerChain, grammar_refusal
 from model_runtime.llama_backend.grammars import KEPT
+from model_runtime.sampling import Sampling
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +118,7 @@ def test_a_checked_grammar_is_compiled_once_then_cloned_by_its_samplers(
     grammars = [f'root ::= "g{i}" [a-z]{{0,50}}' for i in range(KEPT + 1)]
     check_grammar(model, grammars[0])
     assert grammars[0] in model.grammars
-    chains = [SamplerChain(model, greedy=True, grammar=grammars[0]) for _ in range(2)]
+    chains = [SamplerChain(model, Sampling(), grammar=grammars[0]) for _ in range(2)]
     try:
         assert all(chain.has_grammar for chain in chains)
     finally:
@@ -126,10 +127,10 @@ def test_a_checked_grammar_is_compiled_once_then_cloned_by_its_samplers(
     for grammar in grammars[1:]:
         check_grammar(model, grammar)
     assert grammars[0] not in model.grammars and len(model.grammars) == KEPT
-    with SamplerChain(model, greedy=True, grammar=grammars[0]) as chain:  # compiled again
+    with SamplerChain(model, Sampling(), grammar=grammars[0]) as chain:  # compiled again
         assert chain.has_grammar
     with pytest.raises(LlamaError, match="refused the grammar"):
-        SamplerChain(model, greedy=True, grammar='root ::= "a" (')
+        SamplerChain(model, Sampling(), grammar='root ::= "a" (')
 
 
 def test_llama_cpp_s_own_reasons_are_captured(model: LlamaModel) -> None:

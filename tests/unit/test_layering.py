@@ -154,3 +154,39 @@ def test_the_service_parts_import_only_the_parts_below_them() -> None:
     # the scan saw the imports: the RPCs are built on base
     assert "kvcache.service.base" in imported_names(package / "admin.py")
     assert {part: names for part, names in found.items() if names} == {}
+
+
+# model_runtime.state, bottom first (the map in its __init__): each module of the format
+# imports only those before it; buffers and seams stand beside them, importing none.
+STATE = REPO / "model_runtime" / "state"
+STATE_ORDER = ("layout", "parse", "cut", "build", "pieces")
+STATE_BESIDE = ("buffers", "seams")
+
+
+def test_the_state_modules_build_only_on_those_before_them() -> None:
+    assert {p.stem for p in STATE.glob("*.py")} == {*STATE_ORDER, *STATE_BESIDE, "__init__"}
+    found = {}
+    for name in (*STATE_ORDER, *STATE_BESIDE, "__init__"):
+        names = imported_names(STATE / f"{name}.py")
+        inside = {n.split(".")[2] for n in names
+                  if n.startswith("model_runtime.state.") and n.count(".") == 2}
+        allowed = set(STATE_ORDER[:STATE_ORDER.index(name)]) if name in STATE_ORDER else set()
+        # Pure over bytes: nothing of llama.cpp's bindings, nothing else of the runtime.
+        outside = {n for n in names if n.split(".")[0] in PROJECT
+                   and not n.startswith(("model_runtime.state", "kvcache.client"))}
+        found[name] = sorted((inside - allowed) | outside)
+    assert {name: names for name, names in found.items() if names} == {}
+    # the scan saw the imports: pieces cuts and builds
+    assert {"model_runtime.state.cut", "model_runtime.state.build"} <= imported_names(
+        STATE / "pieces.py")
+
+
+def test_an_entry_record_belongs_to_neither_the_index_nor_the_ordering() -> None:
+    """kvcache.index keeps the ordering's tables in its transactions, so it imports
+    kvcache.ordering; the ordering reads records, which kvcache.record defines: it imports
+    nothing of the index, not even for an annotation, and the record neither of them."""
+    ordering = imported_names(REPO / "kvcache" / "ordering.py")
+    record = imported_names(REPO / "kvcache" / "record.py")
+    assert "kvcache.index" not in ordering
+    assert "kvcache.record" in ordering  # the scan saw its imports
+    assert {"kvcache.index", "kvcache.ordering"} & record == set()

@@ -257,7 +257,7 @@ def test_state_is_portable_across_seq_count_and_unified(model: LlamaModel) -> No
 
 
 def test_state_get_into_a_kept_buffer_equals_a_fresh_copy(model: LlamaModel) -> None:
-    """Saves copy states into reused buffers (state_buffers.py): the same bytes, also for a
+    """Saves copy states into reused buffers (model_runtime/state/buffers.py): the same bytes, also for a
     split cache whose state is made canonical in place; a short buffer is left alone."""
     prompt = sample_prompt(model.tokenize, 120)
     for kw in ({"n_seq_max": 1}, {"n_seq_max": 3}):

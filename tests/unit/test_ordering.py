@@ -19,8 +19,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcache.index import Index, Record
+from kvcache.index import Index
 from kvcache.ordering import TABLES, record_use_key, sortable, use_key
+from kvcache.record import Record
 from kvcache.store import policy
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from model_runtime.state_buffers import StateBuffers
+from model_runtime.state.buffers import StateBuffers
 
 
 def test_a_given_back_buffer_is_taken_again_for_a_state_that_fits() -> None:

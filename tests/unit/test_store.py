@@ -33,7 +33,8 @@ from kvcache.errors import (
     StoreFull,
     WaitTimeout,
 )
-from kvcache.index import ORDER_TABLES, Index, Record
+from kvcache.index import ORDER_TABLES, Index
+from kvcache.record import Record
 from kvcache.store import Store, StoreConfig
 from kvcache.store.eviction import room_slack
 from kvcache.store.ramtier import RAM_MARKER

@@ -11,7 +11,7 @@ rendering, the worker's events, accounting, failures, cancellation) is the pipel
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -102,13 +102,18 @@ class Endpoint(Generic[C]):
 
 
 def kvcache_details(done: pb.Completion, worker: str, tenant: str,
-                    gateway: dict[str, Any]) -> dict[str, Any]:
+                    gateway: dict[str, Any],
+                    finished: Sequence[pb.Completion] = ()) -> dict[str, Any]:
     """kvcache's own account of the request, beside each API's fields: its cache hit,
     where its time to the first token went in the runtime (``timeline``: tokenize,
     queue, cache lookup, restore, prefill, the first token's sampling; the runtime's
-    ``ttft_ms`` counts from its receipt), and the gateway's (``gateway``: the time
-    before the worker had the request; streamed, each token's way from llama.cpp to the
-    socket in ``token_path_ms``)."""
+    ``ttft_ms`` counts from its receipt), the gateway's (``gateway``: the time before
+    the worker had the request; streamed, each token's way from llama.cpp to the socket
+    in ``token_path_ms``), and speculative decoding's drafted and accepted tokens over
+    every choice of ``finished`` (else ``done``'s)."""
+    records = finished or (done,)
+    drafted = sum(d.drafted_tokens for d in records)
+    accepted = sum(d.accepted_tokens for d in records)
     t = done.timings
     return {"hit_kind": done.cache_hit_kind, "tier": done.cache_tier,
             "tokens_restored": done.cache_delta.tokens_read,
@@ -118,4 +123,7 @@ def kvcache_details(done: pb.Completion, worker: str, tenant: str,
             "timeline": {name: round(getattr(t, name), 3) for name in TIMELINE},
             "gateway": dict(gateway),
             "finish_key": done.finish_key, "session_id": done.session_id,
-            "worker": worker, "tenant": tenant}
+            "worker": worker, "tenant": tenant,
+            "speculation": {"drafted": drafted, "accepted": accepted,
+                            "acceptance_rate": round(accepted / drafted, 4) if drafted
+                            else None}}

@@ -37,6 +37,8 @@ class GenRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     grammar: str | None = None  # completions (chat: in ``chat``)
+    speculative: bool | None = None  # None: the worker's default
+    prediction: str = ""  # OpenAI's predicted outputs: a draft source, verified
     chat: ChatRequest | None = None
     prompt: str | None = None
     tokens: list[int] | None = None
@@ -70,6 +72,10 @@ class GenRequest:
             if value is not None:
                 setattr(req, name, value)
         req.logit_bias.update(self.logit_bias)
+        if self.speculative is not None:
+            req.speculative = self.speculative
+        if self.prediction:
+            req.prediction = self.prediction
         grammar = self.grammar
         triggers: tuple[str, ...] = ()
         if plan is not None:

@@ -280,6 +280,10 @@ class Exchange:
             min(done.cache_delta.tokens_read, prompt))
         tokens.labels(req.model, self.tenant, "completion").inc(
             sum(len(d.tokens) for d in self.finished))
+        tokens.labels(req.model, self.tenant, "drafted").inc(
+            sum(d.drafted_tokens for d in self.finished))
+        tokens.labels(req.model, self.tenant, "accepted").inc(
+            sum(d.accepted_tokens for d in self.finished))
         if self.response is None:
             self.fleet.metrics.ttft.labels(req.model, self.tenant).observe(
                 time.monotonic() - self.arrived -

@@ -59,6 +59,8 @@ MESSAGES_FIELDS: Mapping[str, str] = {
     "container": "refused", "mcp_servers": "refused", "context_management": "refused",
     "speed": "refused unless 'standard'", "inference_geo": "refused (one place)",
     "diagnostics": "refused", "user_profile_id": "refused", "workspace_id": "refused",
+    "speculative": "kvcache: false turns speculative decoding off for this request, true "
+                   "on (it changes no token either way)",
 }
 #: Every field /v1/messages/count_tokens reads.
 COUNT_FIELDS: Mapping[str, str] = {
@@ -410,12 +412,16 @@ def parse_messages_request(data: Mapping[str, Any], ttls: Mapping[str, int]
     top_p = _number(data, "top_p", 0.0, 1.0)
     if top_p == 0:
         raise invalid("top_p", "top_p must be > 0 and <= 1.")
+    speculative = data.get("speculative")
+    if speculative is not None and not isinstance(speculative, bool):
+        raise invalid("speculative", "Input should be a valid boolean")
     chat, at = _chat(data, ttls)
     return MessagesRequest(GenRequest(
         model=model, stream=stream, max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p, seed=None, stop=list(stops), session_id="",
-        route_key=user, top_k=top_k or 0, chat=chat, breakpoint_ttls=at))
+        route_key=user, top_k=top_k or 0, chat=chat, breakpoint_ttls=at,
+        speculative=speculative))
 
 
 def parse_count_tokens(data: Mapping[str, Any], ttls: Mapping[str, int]) -> MessagesRequest:

@@ -56,6 +56,8 @@ _COMMON_FIELDS = {
     "grammar": "llama.cpp: a GBNF grammar the output must follow",
     # kvcache's own
     "session_id": "the runtime's sticky session (or the X-Session-Id header)",
+    "speculative": "false: no speculative decoding for this request, true: on (it "
+                   "changes no token either way)",
 }
 #: Every field /v1/chat/completions reads, and how: applied, or "refused" (a 400 naming
 #: it) for any value but null and those noted.
@@ -75,7 +77,8 @@ CHAT_FIELDS: Mapping[str, str] = {
     "metadata": "refused (only kept with store)",
     "modalities": "refused unless ['text']",
     "audio": "refused",
-    "prediction": "refused",
+    "prediction": "content (a string or text parts): drafted first, verified token by "
+                  "token (the output is what it would be without it)",
     "reasoning_effort": "refused (use chat_template_kwargs, e.g. enable_thinking)",
     "verbosity": "refused",
     "web_search_options": "refused",
@@ -94,7 +97,7 @@ COMPLETION_FIELDS: Mapping[str, str] = {
     "best_of": "refused above 1",
 }
 # Refused fields: a value other than these is a 400.
-_ONLY = {"metadata": (None,), "audio": (None,), "prediction": (None,),
+_ONLY = {"metadata": (None,), "audio": (None,),
          "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,),
          "safety_identifier": (None,), "functions": (None, []), "function_call": (None,),
          "store": (None, False), "service_tier": (None, "auto", "default"),
@@ -273,6 +276,8 @@ def _common(data: dict[str, Any], endpoint: str, max_tokens_names: tuple[str, ..
         if data.get("repeat_penalty") is not None else None,
         "repeat_last_n": repeat_last_n,
         "logit_bias": _logit_bias(data), "grammar": grammar,
+        "speculative": None if data.get("speculative") is None
+        else _bool(data, "speculative"),
     }
 
 
@@ -306,7 +311,25 @@ def parse_chat(data: dict[str, Any], session_header: str | None = None) -> OpenA
     chat = ChatRequest(messages, tools, choice, _bool(data, "parallel_tool_calls", True),
                        schema, schema_param, grammar, variables)
     return OpenAICall(GenRequest(**{**common, "route_key": route}, logprobs=logprobs,
-                                 top_logprobs=top, chat=chat), **answer)
+                                 top_logprobs=top, chat=chat,
+                                 prediction=_prediction(data.get("prediction"))), **answer)
+
+
+def _prediction(value: Any) -> str:
+    """``prediction``'s content: ``{"type": "content", "content": text or text parts}``."""
+    if value is None:
+        return ""
+    content = value.get("content") if isinstance(value, dict) else None
+    if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            and set(p) == {"type", "text"} for p in content):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(value, dict) or value.get("type") != "content" or \
+            set(value) != {"type", "content"} or not isinstance(content, str):
+        raise bad_param("prediction", "'prediction' must be {\"type\": \"content\", "
+                                      "\"content\": ...} with a string or a list of text "
+                                      "parts as its content.", code="invalid_type")
+    return content
 
 
 def parse_completion(data: dict[str, Any], session_header: str | None = None) -> OpenAICall:

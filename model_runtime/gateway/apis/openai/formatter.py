@@ -22,14 +22,24 @@ __all__ = ["DONE", "Choice", "OpenAIFormatter", "chunk", "finish_reason", "respo
            "sse", "usage"]
 
 
-def usage(done: pb.Completion, completion_tokens: int | None = None) -> dict[str, Any]:
+def usage(done: pb.Completion, completion_tokens: int | None = None,
+          finished: Sequence[pb.Completion] = ()) -> dict[str, Any]:
     """OpenAI's usage; ``cached_tokens`` is the prompt tokens not recomputed (as OpenAI,
-    vLLM, SGLang and llama.cpp's server report it). The prompt counts once, whatever n."""
+    vLLM, SGLang and llama.cpp's server report it). The prompt counts once, whatever n;
+    a prediction's tokens count in every choice of ``finished`` (else ``done``'s)."""
     generated = len(done.tokens) if completion_tokens is None else completion_tokens
     cached = min(done.cache_delta.tokens_read, done.prompt_tokens)
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": generated,
-            "total_tokens": done.prompt_tokens + generated,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    out: dict[str, Any] = {"prompt_tokens": done.prompt_tokens, "completion_tokens": generated,
+                           "total_tokens": done.prompt_tokens + generated,
+                           "prompt_tokens_details": {"cached_tokens": cached}}
+    records = finished or (done,)
+    predicted = sum(d.prediction_tokens for d in records)
+    if predicted:  # predicted outputs: the prediction's tokens the output kept, and not
+        accepted = sum(d.accepted_prediction_tokens for d in records)
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": predicted - accepted}
+    return out
 
 
 def finish_reason(done: pb.Completion, tool_calls: bool = False) -> str:
@@ -159,7 +169,7 @@ def response_body(call: OpenAICall, choices: Sequence[Choice],
         "id": call.id, "object": "chat.completion" if call.chat
         else "text_completion", "created": call.created, "model": call.request.model,
         "system_fingerprint": None, "choices": bodies,
-        "usage": usage(done, completion_tokens), "kvcache": extra}
+        "usage": usage(done, completion_tokens, finished), "kvcache": extra}
     if call.chat:
         body["service_tier"] = "default"
     return body
@@ -264,13 +274,14 @@ class OpenAIFormatter(Formatter):
     def finish(self, finished: list[pb.Completion]) -> tuple[dict[str, Any], bytes]:
         done = finished[0]  # the prompt's usage and cache use are the same in each
         generated = sum(len(d.tokens) for d in finished)
-        extra = kvcache_details(done, self.worker, self.tenant, self.gateway)
+        extra = kvcache_details(done, self.worker, self.tenant, self.gateway, finished)
         include_usage = self.call.include_usage
         closing = self.choice_done(finished[-1], None if include_usage else extra)
         if not self.stream:
             return response_body(self.call, self.choices, finished, extra, generated), b""
         if include_usage:
-            closing += sse(chunk(self.call, usage_body=usage(done, generated), extra=extra))
+            closing += sse(chunk(self.call, usage_body=usage(done, generated, finished),
+                                   extra=extra))
         return {}, closing + DONE
 
     def error(self, err: ApiError) -> bytes:

@@ -56,6 +56,8 @@ RESPONSES_FIELDS: Mapping[str, str] = {
     "conversation": "refused (use previous_response_id)",
     "prompt": "refused (no stored prompt templates)",
     "safety_identifier": "refused",
+    "speculative": "kvcache: false turns speculative decoding off for this request, true "
+                   "on (it changes no token either way)",
 }
 # Refused fields: a value other than these is a 400.
 _ONLY: dict[str, tuple[Any, ...]] = {
@@ -399,7 +401,8 @@ def parse_responses(data: dict[str, Any]) -> ResponsesRequest:
         "response_format": response_format,
         "max_completion_tokens": data.get("max_output_tokens"),
         "temperature": data.get("temperature"), "top_p": data.get("top_p"),
-        "user": data.get("user"), "prompt_cache_key": data.get("prompt_cache_key")}
+        "user": data.get("user"), "prompt_cache_key": data.get("prompt_cache_key"),
+        "speculative": data.get("speculative")}
     request = ResponsesRequest(
         model=model, stream=bool(data.get("stream")), store=data.get("store") is not False,
         instructions=instructions, input_messages=chat_messages_of_input(data.get("input")),

@@ -1,7 +1,7 @@
-"""The description of llama.cpp's per-sequence state format that kv_cells reads and
-writes: the headers' structs, the forms a run of cells is stored in (and the layout
-versions naming them), and :class:`Layout`, everything besides the cells needed to
-rebuild a state. Pure data, no parsing; the format itself is described in kv_cells.
+"""The parts of llama.cpp's per-sequence state format (described in model_runtime.state)
+that are not cells: the headers' structs, the forms a run of cells is stored in and the
+layout versions naming them, and :class:`Layout`, everything besides the cells needed to
+rebuild a state. Pure data, no parsing.
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ class Layout:
     model and KV configuration has the same layout, and runs of cells of equal layouts
     can be joined.  ``stream`` is the index of the stream holding the cells when the
     state has ``n_stream`` > 1 (a split KV cache); the other streams are empty.
-    ``tail``: every state of this layout has a tail after its cells (see the module
-    docstring), and every run stored with it is followed by the tail at its end.
+    ``tail``: every state of this layout has a tail after its cells (see
+    model_runtime.state), and every run stored with it is followed by the tail at its end.
     ``window``: the tail is a sliding window's cache, the cells of the last ``window``
     positions in ``window_layers`` (one more cache like the first), and a run of cells
     ``[base, end)`` is followed by the planes of the window's cells it holds,

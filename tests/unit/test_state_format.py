@@ -1,4 +1,5 @@
-"""model_runtime.kv_cells against llama.cpp's own state bytes, on tiny generated models.
+"""model_runtime.state (parse, cut, build) against llama.cpp's own state bytes, on tiny
+generated models.
 
 The proof that a cut is right is llama.cpp itself: a state's first k cells, rebuilt,
 must equal byte for byte what ``llama_state_seq_get_data`` returns after
@@ -17,24 +18,21 @@ import numpy as np
 import pytest
 from harness.make_tiny_gguf import write_tiny_llama_gguf
 
-from model_runtime.kv_build import Scratch, build_state
-from model_runtime.kv_cells import (
+from model_runtime.llama_backend import ContextParams, LlamaContext, LlamaLoadError, LlamaModel
+from model_runtime.state.build import Scratch, build_state
+from model_runtime.state.cut import cells_bytes, planes_bytes
+from model_runtime.state.layout import (
     FORM_CELLS,
     FORM_PLANES,
     FORM_STATE,
     STATE_MAGIC,
-    CellState,
     LayerLayout,
     Layout,
     StateFormatError,
-    cells_bytes,
     form_of,
-    layout_of,
-    parse,
-    planes_bytes,
     run_size,
 )
-from model_runtime.llama_backend import ContextParams, LlamaContext, LlamaLoadError, LlamaModel
+from model_runtime.state.parse import CellState, layout_of, parse
 from tests.support.tiny_llama import generate_greedy, prefill, sample_prompt
 
 N_NEW = 8
@@ -57,7 +55,7 @@ KV_CONFIGS = [
 def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaModel]:
     """The tiny llama shape with 32-wide heads (4 heads, 2 KV heads, n_embd 128)."""
     path = write_tiny_llama_gguf(
-        tmp_path_factory.mktemp("kv_cells") / "wide.gguf", n_embd=128, n_head=4, n_head_kv=2
+        tmp_path_factory.mktemp("state_format") / "wide.gguf", n_embd=128, n_head=4, n_head_kv=2
     )
     with LlamaModel(path) as m:
         yield m

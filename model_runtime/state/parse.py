@@ -1,61 +1,7 @@
-"""llama.cpp per-sequence KV states as runs of cells that can be cut and joined.
-
-Pure functions over bytes (numpy, no llama.cpp calls).  With kv_layout (the headers'
-structs and the :class:`Layout` describing a state besides its cells) and kv_build (the
-bytes of runs joined, and the stream count of a header changed), the one place that
-knows the byte layout of ``llama_state_seq_get_data``: this module reads and cuts
-states; the rest of the project sees
-opaque *runs of cells*: a run of ``n`` cells is ``n * layout.cell_width``
-bytes, and two runs of the same layout join by plain byte concatenation.
-
-The format (llama.cpp as vendored by llama-cpp-python 0.3.36, ``llama-context.cpp``
-``state_seq_get_data`` and ``llama-kv-cache.cpp`` ``state_write``), little-endian::
-
-    magic u32 = 0xAF143CD8, source seq_id i32, n_stream u32
-    per stream: cell_count u32; when non-zero:
-        per cell: pos i32, n_seq_id u32 (= 1), seq_id i32
-        v_trans u32, n_layer u32
-        per layer: k_type i32, k_size_row u64, cell_count K rows
-        v_trans = 0, per layer: v_type i32, v_size_row u64, cell_count V rows
-        v_trans = 1, per layer: v_type i32, v_size_el u32, n_embd_v_gqa u32, then per
-                     channel that channel's element for every cell
-
-``v_trans`` is 1 when flash attention is off.  Cells appear in KV-buffer order, which is
-usually, but not always, position order.
-
-Three forms of a run of ``n`` cells (:func:`run_size`), all consumed by
-:func:`~model_runtime.kv_build.build_state` (runs of any forms join in one state):
-
-- planes (:func:`planes_bytes`, what pieces are stored in): llama.cpp's own data section
-  restricted to the run, without headers: every layer's ``n`` K rows, then every layer's
-  V as ``n`` rows or, transposed, ``n_embd_v_gqa`` channels of ``n`` elements.  Cutting
-  and joining are plain copies of contiguous rows (no transpose), the cheapest for a
-  restore.
-- cells (:func:`cells_bytes`): each cell is its K row of every layer, then its V values
-  of every layer, a transposed V untransposed (the cell's ``n_embd_v_gqa`` elements side
-  by side), so every cell is one contiguous record.  Pieces written by kvcache 0.1's
-  first piece format are in this form and stay readable.
-- state: llama.cpp's own bytes of a state holding exactly positions ``0..n-1`` in order
-  (what a root piece is stored as: saving it copies nothing, and restoring all of it
-  hands llama.cpp the stored bytes as they are).  ``layout.state_size(n)`` bytes.
-
-A state with a *tail* (``parse(state, tail=True)``): hybrid models (attention +
-recurrent layers) write their attention cache and then the recurrent layers' state;
-sliding-window models with full-attention layers write the full-attention cache and then
-the window's (llama.cpp's ``llama_memory_hybrid`` / ``llama_kv_cache_iswa``
-``state_write``). The first part is cells like any plain state's; the tail holds the state
-at the sequence's last position only, so it cannot be cut: it is kept as opaque bytes and
-written back after the cells (``build_state(..., tail=...)``). Its layout says so
-(``Layout.tail``), so runs with a tail never join runs without.
-
-Refused (:class:`StateFormatError`), because cutting them would be wrong or the bytes
-cannot be rebuilt exactly: a second cache after the first unless a tail is asked for,
-recurrent models, cells with more than one sequence id, cells
-in more than one stream, per-cell extension data (M-RoPE / PLE models: the sizes no
-longer add up), truncated states and trailing bytes.  A model whose sliding window
-covers every layer writes one plain cache holding only the window's cells: it parses,
-and its ``positions`` do not start at 0; callers cut only states with
-:attr:`CellState.is_prefix`.
+"""A state read: llama.cpp's bytes of one sequence (the format is described in
+model_runtime.state) validated and viewed as its cells, without copying them; its tail,
+and a tail read as a sliding window's cache. Cutting runs out of a parsed state is
+model_runtime.state.cut's.
 """
 
 from __future__ import annotations
@@ -66,11 +12,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .kv_layout import (
+from .layout import (
     DATA_HEADER,
-    FORM_CELLS,
-    FORM_PLANES,
-    FORM_STATE,
     MAX_STREAMS,
     META_WORDS,
     ROW_HEADER,
@@ -81,38 +24,14 @@ from .kv_layout import (
     LayerLayout,
     Layout,
     StateFormatError,
-    form_of,
-    run_size,
 )
 
-__all__ = [
-    "FORM_CELLS",
-    "FORM_PLANES",
-    "FORM_STATE",
-    "STATE_MAGIC",
-    "CellState",
-    "LayerLayout",
-    "Layout",
-    "StateFormatError",
-    "as_items",
-    "cells_bytes",
-    "form_of",
-    "layout_of",
-    "parse",
-    "parse_state_run",
-    "planes_bytes",
-    "run_size",
-    "window_of",
-]
+__all__ = ["CellState", "as_items", "layout_of", "parse", "parse_state_run", "window_of"]
 
-_CACHE_LINE = 64
 # A state's header before its (first) cache, which begins with its stream count.
 _MAGIC_AND_SEQ = struct.Struct("<Ii")  # magic, source seq_id
 _NO_TAIL = np.zeros(0, dtype=np.uint8)
 _NO_TAIL.flags.writeable = False
-
-
-# --------------------------------------------------------------------------- parse
 
 
 @dataclass(frozen=True, eq=False)
@@ -328,90 +247,6 @@ def window_of(cells: CellState, window: int) -> CellState:
 def layout_of(state: BytesLike | np.ndarray | CellState) -> Layout:
     """The :class:`Layout` of a state (parsed first unless already a CellState)."""
     return (state if isinstance(state, CellState) else parse(state)).layout
-
-
-# --------------------------------------------------------------------------- cut
-
-
-def planes_bytes(state: BytesLike | np.ndarray | CellState, start: int, end: int) -> memoryview:
-    """Cells ``[start, end)`` in position order, in the planar form (see the module
-    docstring): ``(end - start) * layout.cell_width`` bytes, a read-only buffer.
-    Runs of any cuts passed to :func:`~model_runtime.kv_build.build_state` with ``forms=FORM_PLANES`` and the
-    same positions give back the state byte for byte."""
-    cs, cells = _cut_range(state, start, end)
-    layout, n = cs.layout, end - start
-    out = np.empty(n * layout.cell_width, dtype=np.uint8)
-    off = 0
-    for plane, x in zip(cs.k_planes, layout.layers, strict=True):
-        out[off : off + n * x.k_row].reshape(n, x.k_row)[...] = plane[cells]
-        off += n * x.k_row
-    for plane, x in zip(cs.v_planes, layout.layers, strict=True):
-        size = n * x.v_cell_bytes(layout.v_trans)
-        if layout.v_trans:
-            dst = as_items(out[off : off + size], x.v_size).reshape(x.n_embd_v_gqa, n)
-            dst[...] = plane[:, cells]
-        else:
-            out[off : off + size].reshape(n, x.v_size)[...] = plane[cells]
-        off += size
-    return _frozen_view(out)
-
-
-def _cut_range(
-    state: BytesLike | np.ndarray | CellState, start: int, end: int
-) -> tuple[CellState, slice | np.ndarray]:
-    """The parsed state and the indices of its cells ``[start, end)`` by position."""
-    cs = state if isinstance(state, CellState) else parse(state)
-    if not 0 <= start <= end <= cs.n_cells:
-        raise ValueError(f"cell range [{start}, {end}) outside [0, {cs.n_cells}]")
-    if cs.in_position_order:
-        return cs, slice(start, end)
-    return cs, np.argsort(cs.positions, kind="stable")[start:end]
-
-
-def cells_bytes(state: BytesLike | np.ndarray | CellState, start: int, end: int) -> memoryview:
-    """Cells ``[start, end)`` in position order, cell-major: ``(end - start) *
-    layout.cell_width`` bytes (a read-only buffer; ``bytes()`` it to own a copy).
-
-    For the usual state (cells stored in position order) cell ``i`` is the state's
-    ``i``-th cell, and the runs of any cuts passed to :func:`~model_runtime.kv_build.build_state` with the same
-    positions give back the state byte for byte.
-    """
-    cs, cells = _cut_range(state, start, end)
-    layout = cs.layout
-    # numpy buffers, not bytes: a fresh 50 MB bytes object costs ~5x the copy itself in
-    # page faults, numpy's large allocations do not.
-    out = np.empty((end - start, layout.cell_width), dtype=np.uint8)
-    for (col, width), plane in zip(layout.k_columns(), cs.k_planes, strict=True):
-        out[:, col : col + width] = plane[cells]
-    v_columns = layout.v_columns()
-    for (col, width), plane, x in zip(v_columns, cs.v_planes, layout.layers, strict=True):
-        if layout.v_trans:
-            _untranspose(as_items(out[:, col : col + width], x.v_size), plane[:, cells])
-        else:
-            out[:, col : col + width] = plane[cells]
-    return _frozen_view(out)
-
-
-def _untranspose(dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst[cell, channel] = src[channel, cell]``.
-
-    Read straight from ``src``, the transpose thrashes the cache whenever its row stride
-    is a multiple of 4 KiB (2048 f16 cells: 4x slower); a staging copy whose row stride
-    is an odd number of cache lines avoids that for a cheap contiguous copy.
-    """
-    n_embd, n_cells = src.shape
-    item = src.dtype.itemsize
-    if n_cells == 0 or _CACHE_LINE % item:
-        dst[...] = src.T
-        return
-    lines = -(-n_cells * item // _CACHE_LINE) | 1
-    staging = np.empty((n_embd, lines * _CACHE_LINE // item), dtype=src.dtype)[:, :n_cells]
-    staging[...] = src
-    dst[...] = staging.T
-
-
-def _frozen_view(a: np.ndarray) -> memoryview:
-    return a.reshape(-1).data.toreadonly()
 
 
 def parse_state_run(state: BytesLike, layout: Layout) -> CellState:

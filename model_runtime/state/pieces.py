@@ -2,7 +2,7 @@
 
 A plain-attention state is stored as runs of cells: an entry whose first ``base``
 tokens another entry's chain already holds stores only the cells of tokens ``[base, n)``
-(kv_cells' planar form) and names that entry as its parent, so each shared prefix is
+(the planes form) and names that entry as its parent, so each shared prefix is
 stored once; an entry with no parent stores the state as llama.cpp gave it (the state
 form, no copy). A restore reads the chain, root first, takes from each piece the cells
 up to where the next one starts (or the prompt stops), and joins them into the bytes
@@ -11,14 +11,15 @@ llama.cpp the stored bytes as they are. Pieces of the first piece format hold
 cell-major runs (their layout says so) and join with planar ones.
 
 A state with a tail (hybrid and sliding-window models: cells, then a part at its last
-position that cannot be cut; see kv_cells) is stored the same way, each piece's cells
+position that cannot be cut) is stored the same way, each piece's cells
 followed by the tail of the state it ends: a checkpoint stores only its new cells and
 its own tail, and a restore joins the chain's cells with the last piece's tail. Such a
 state is served only whole (up to the end of its last piece). States that cannot be cut
 at all (recurrent models) and entries of the previous version are whole states: one
 blob, no cell layout.
 
-Pure functions over bytes; the byte layout of llama.cpp's states is kv_cells'.
+Pure functions over bytes; llama.cpp's state format and the forms of runs are
+described in model_runtime.state.
 """
 
 from __future__ import annotations
@@ -31,14 +32,25 @@ import numpy as np
 
 from kvcache.client import LoadedBlob
 
-from . import kv_build, kv_cells, kv_layout
-from .kv_cells import Layout, StateFormatError
+from .build import Scratch, build_state
+from .cut import planes_bytes
+from .layout import (
+    FORM_PLANES,
+    FORM_STATE,
+    HEADER,
+    U32,
+    Layout,
+    StateFormatError,
+    form_of,
+    run_size,
+)
+from .parse import parse, parse_state_run, window_of
 
 __all__ = ["Cut", "JoinedState", "cut", "decode_layout", "encode_layout", "join",
            "stored_logits"]
 
 
-def encode_layout(layout: Layout, form: str = kv_cells.FORM_PLANES) -> bytes:
+def encode_layout(layout: Layout, form: str = FORM_PLANES) -> bytes:
     """The ``cell_layout`` a piece's blob carries, naming the form of its run."""
     return msgpack.packb(layout.to_dict(form), use_bin_type=True)
 
@@ -47,7 +59,7 @@ def decode_layout(data: bytes) -> tuple[Layout, str]:
     """The layout a piece's ``cell_layout`` names, and the form of its run."""
     try:
         d = msgpack.unpackb(data, raw=False)
-        return Layout.from_dict(d), kv_cells.form_of(d)
+        return Layout.from_dict(d), form_of(d)
     except StateFormatError:
         raise
     except Exception as exc:  # msgpack raises several unrelated types
@@ -69,11 +81,11 @@ def cut(state: bytes | memoryview, base: int, end: int | None = None, *,
     state is stored as it is (a view of ``state``, which must outlive the Cut), any other
     range as its planes. Raises StateFormatError for a state that is not one run of cells
     holding positions 0..n-1 (those are saved whole). With ``tail`` the state has one
-    (see kv_cells): it follows the planes, and only a range ending at the state's end has
+    (see model_runtime.state): it follows the planes, and only a range ending at the state's end has
     it. With ``window`` the tail is a sliding window of that many positions, stored as
     the planes of its cells the range holds (Layout.window): a piece built on a parent
     that ends where it starts finds the rest of its window in its chain."""
-    cells = kv_cells.parse(state, tail=tail or bool(window))
+    cells = parse(state, tail=tail or bool(window))
     if not cells.is_prefix:
         raise StateFormatError("the state's cells do not hold positions 0..n-1")
     n = cells.n_cells
@@ -83,16 +95,16 @@ def cut(state: bytes | memoryview, base: int, end: int | None = None, *,
     if (tail or window) and end != n:
         raise ValueError(f"a state with a tail holds it at cell {n}, not {end}")
     if window:
-        held = kv_cells.window_of(cells, window)
+        held = window_of(cells, window)
         first = n - len(held.positions)  # the window's cells hold positions first..n-1
-        own = kv_cells.planes_bytes(held, max(base, n - window) - first, n - first)
+        own = planes_bytes(held, max(base, n - window) - first, n - first)
         layout = replace(cells.layout, window=window, window_layers=held.layout.layers)
-        return Cut(_joined(kv_cells.planes_bytes(cells, base, n), own), encode_layout(layout),
+        return Cut(_joined(planes_bytes(cells, base, n), own), encode_layout(layout),
                    n)
     if base == 0 and end == n:
         return Cut(memoryview(state).toreadonly(),
-                   encode_layout(cells.layout, kv_cells.FORM_STATE), end)
-    planes = kv_cells.planes_bytes(cells, base, end)
+                   encode_layout(cells.layout, FORM_STATE), end)
+    planes = planes_bytes(cells, base, end)
     # One copy more of the new cells with a tail: the tail is what makes the checkpoint.
     return Cut(_joined(planes, cells.tail) if tail else planes, encode_layout(cells.layout),
                end)
@@ -115,7 +127,7 @@ class JoinedState:
 
 
 def join(chain: Sequence[LoadedBlob], n_tokens: int, seq_id: int,
-         scratch: kv_build.Scratch | None = None, n_stream: int = 1) -> JoinedState:
+         scratch: Scratch | None = None, n_stream: int = 1) -> JoinedState:
     """The state of the first ``n_tokens`` tokens of a chain (root first, as
     ``CacheClient.load_chain`` returns it; pieces past them are not read), for sequence
     ``seq_id``. Raises StateFormatError when the pieces do not fit together.
@@ -151,9 +163,9 @@ def join(chain: Sequence[LoadedBlob], n_tokens: int, seq_id: int,
         if replace(piece_layout, stream=layout.stream) != layout:
             raise StateFormatError(f"piece {i} has another cell layout than its chain")
         own = len(meta.tokens) - meta.base
-        if form == kv_cells.FORM_STATE and meta.base:
+        if form == FORM_STATE and meta.base:
             raise StateFormatError(f"piece {i} is a whole state but has a parent")
-        size = kv_cells.run_size(layout, form, own)
+        size = run_size(layout, form, own)
         expected = size + _window_bytes(layout, meta.base, len(meta.tokens))
         if len(blob.payload) != expected and not (layout.tail and not layout.window
                                                    and len(blob.payload) > size):
@@ -167,22 +179,21 @@ def join(chain: Sequence[LoadedBlob], n_tokens: int, seq_id: int,
         raise StateFormatError(f"the chain holds {sum(u[2] for u in used)} of "
                                f"{n_tokens} tokens")
     root, form, _, _ = used[0]
-    if len(used) == 1 and form == kv_cells.FORM_STATE and layout.n_stream == n_stream \
+    if len(used) == 1 and form == FORM_STATE and layout.n_stream == n_stream \
             and len(root.meta.tokens) <= 2 * n_tokens:
         # Checked before llama.cpp takes it as it is (it would take any positions).
-        if kv_cells.parse_state_run(root.payload, layout).layout.n_stream != n_stream:
+        if parse_state_run(root.payload, layout).layout.n_stream != n_stream:
             raise StateFormatError("a stored state does not match its cell layout")
         return JoinedState(root.payload, root.meta.tokens)
     if layout.n_stream == 1 and n_stream > 1:
         layout = replace(layout, n_stream=n_stream, stream=0)
     # A state-form run is parsed by build_state (its tail, if any, is skipped there); a
     # planar run is its cells' bytes, without the tail that follows them.
-    runs = [blob.payload if form == kv_cells.FORM_STATE else blob.payload[:size]
+    runs = [blob.payload if form == FORM_STATE else blob.payload[:size]
             for blob, form, _, size in used]
-    state = kv_build.build_state(layout, runs, seq_id=seq_id,
-                                 forms=[form for _, form, _, _ in used],
-                                 takes=[take for _, _, take, _ in used], scratch=scratch,
-                                 tail=_tail(layout, used, n_tokens, seq_id))
+    state = build_state(layout, runs, seq_id=seq_id, forms=[form for _, form, _, _ in used],
+                        takes=[take for _, _, take, _ in used], scratch=scratch,
+                        tail=_tail(layout, used, n_tokens, seq_id))
     return JoinedState(state, chain[-1].meta.tokens[:n_tokens])
 
 
@@ -211,12 +222,11 @@ def _window_tail(layout: Layout, used: list[tuple[LoadedBlob, str, int, int]], n
         runs.append(blob.payload[size:size + _window_bytes(layout, base, end)])
         skips.append(lo - held_from)
         takes.append(hi - lo)
-    section = kv_build.build_state(layout.window_layout(), runs, seq_id=seq_id,
-                                   forms=kv_cells.FORM_PLANES, takes=takes, skips=skips,
-                                   first_pos=start)
+    section = build_state(layout.window_layout(), runs, seq_id=seq_id, forms=FORM_PLANES,
+                          takes=takes, skips=skips, first_pos=start)
     # llama.cpp's window cache follows the first as a state's body does its header: its
     # stream count first (the magic and the sequence id are the state's, written once).
-    return section[kv_layout.HEADER.size - kv_layout.U32.size:]
+    return section[HEADER.size - U32.size:]
 
 
 def _tail(layout: Layout, used: list[tuple[LoadedBlob, str, int, int]], n: int,
@@ -228,8 +238,8 @@ def _tail(layout: Layout, used: list[tuple[LoadedBlob, str, int, int]], n: int,
     if not layout.tail:
         return b""
     last, form, _, size = used[-1]
-    if form == kv_cells.FORM_STATE:
-        return kv_cells.parse_state_run(last.payload, layout).tail
+    if form == FORM_STATE:
+        return parse_state_run(last.payload, layout).tail
     return last.payload[size:]
 
 

@@ -1,7 +1,7 @@
-"""llama.cpp's per-sequence state bytes built from runs of cells (the other half of
-kv_cells, which reads and cuts them): the state of runs joined in order, with a tail
-after them (``build_state``), and the stream count of a plain state's header changed
-(the single-stream form of a split cache's state, and back). Pure functions over bytes.
+"""llama.cpp's per-sequence state bytes built from runs of cells (the inverse of
+model_runtime.state.cut): the state of runs joined in order, with a tail after them
+(``build_state``), and the stream count of a plain state's header changed (the
+single-stream form of a split cache's state, and back). Pure functions over bytes.
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kv_cells import as_items, parse_state_run
-from .kv_layout import (
+from .layout import (
     DATA_HEADER,
     FORM_CELLS,
     FORM_PLANES,
@@ -29,6 +28,7 @@ from .kv_layout import (
     Layout,
     StateFormatError,
 )
+from .parse import as_items, parse_state_run
 
 __all__ = ["Scratch", "build_state", "is_single_stream", "to_single_stream", "widen_streams"]
 
