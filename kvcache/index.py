@@ -175,6 +175,17 @@ class Index:
                     return True
         return False
 
+    def entry_blocks(self, key: bytes) -> list[tuple[bytes, bytes]] | None:
+        """``(h_{k-1}, block k)`` for each full block k of entry ``key``, in order (its passes
+        rows: what KV events publish of it); None when it is not published."""
+        with self.env.begin() as txn:
+            if txn.get(key, db=self._entries) is None:
+                return None
+            hashes = txn.get(key, db=self._entry_passes) or b""
+            return [(hashes[i : i + KEY_BYTES],
+                     txn.get(hashes[i : i + KEY_BYTES] + key, db=self._passes) or b"")
+                    for i in range(0, len(hashes), KEY_BYTES)]
+
     def lacking_passes(self, keys_: Iterable[bytes]) -> set[bytes]:
         """Which of these entries have no passes rows (one read transaction)."""
         with self.env.begin(db=self._entry_passes) as txn:

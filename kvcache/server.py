@@ -17,6 +17,8 @@ from . import __version__
 from .auth import OperatorGate, ServerAuth, add_tcp_port, refuse_unprotected_tcp, tcp_security
 from .common import TIER_DISK, TIER_RAM, grpc_server
 from .config import MAX_MESSAGE_BYTES, SOCKET_NAME, parse_listen
+from .kv_events import EventPublisher, PublisherConfig, is_loopback
+from .kv_events.store_source import StoreSource
 from .metrics import Metrics
 from .remote import RemoteConfig, RemoteSync, RemoteTier
 from .service import OPERATOR_METHODS, SERVICE_NAME, KVCacheService
@@ -56,8 +58,10 @@ class Daemon:
                  insecure_tcp: bool = False, tcp_admin: bool = False,
                  remote: RemoteConfig | None = None,
                  tenant_secret: bytes | None = None,
-                 tenant_quotas: Mapping[str, Mapping[str, int]] | None = None) -> None:
-        """``tenant_quotas``: tier -> tenant name (``*``: every tenant) -> bytes."""
+                 tenant_quotas: Mapping[str, Mapping[str, int]] | None = None,
+                 kv_events: PublisherConfig | None = None) -> None:
+        """``tenant_quotas``: tier -> tenant name (``*``: every tenant) -> bytes;
+        ``kv_events``: publish what the tiers hold (see kvcache.kv_events)."""
         self.auth = auth or ServerAuth()
         if listen:
             parse_listen(listen)  # ValueError for a bad HOST:PORT
@@ -71,7 +75,10 @@ class Daemon:
         self.socket.check()
         self.store = Store(config)
         self.remote_tier: RemoteTier | None = None
+        self.kv_events: EventPublisher | None = None
         try:
+            if kv_events is not None:
+                self._publish_events(kv_events)
             if tenant_secret is None and remote is not None and remote.signing_key:
                 tenant_secret = secret_from_signing_key(remote.signing_key)
             self.salts = TenantSalts(tenant_secret or data_dir_secret(config.root))
@@ -91,10 +98,26 @@ class Daemon:
         except BaseException:
             if self.remote_tier is not None:
                 self.remote_tier.close()
+            self._stop_events()
             self.store.close()  # releases the data directory for the next attempt
             self.socket.remove()
             raise
         self._stopped = threading.Event()
+
+    def _publish_events(self, config: PublisherConfig) -> None:
+        source = StoreSource(self.store.index, self.store.config.block_size)
+        self.store.watch(source.notify)  # before the publisher walks the index
+        self.kv_events = EventPublisher(config, source, self.store.config.block_size)
+        for endpoint in (config.endpoint, config.replay_endpoint):
+            if endpoint is not None and not is_loopback(endpoint):
+                log.warning("KV events on %s: anyone who can connect there reads the token "
+                            "ids of every cached block (README: Running a fleet behind a "
+                            "router)", endpoint)
+
+    def _stop_events(self) -> None:
+        self.store.watch(None)
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def _listen(self, listen: str | None, workers: int, metrics_port: int | None,
                 tcp_admin: bool) -> None:
@@ -132,6 +155,10 @@ class Daemon:
         if self.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.metrics_port)
             self.addresses.append(f"metrics http://127.0.0.1:{self.metrics_port}/metrics")
+        if self.kv_events is not None:
+            self.addresses.append(f"KV events {self.kv_events.endpoint}" + (
+                f" (replay {self.kv_events.replay_endpoint})"
+                if self.kv_events.replay_endpoint else ""))
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -145,6 +172,7 @@ class Daemon:
             event.wait()
         if self.remote_tier is not None:
             self.remote_tier.close()  # uploads still queued are dropped
+        self._stop_events()
         self.store.close()
         self.socket.remove()
 

@@ -6,6 +6,7 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -13,6 +14,9 @@ from ..common import TIER_DISK, TIER_RAM
 from ..config import default_dir
 from .group import main
 from .options import PERIOD, SIZE, parse_bytes, path_given, server_auth, tcp_listen_options
+
+if TYPE_CHECKING:
+    from ..kv_events import PublisherConfig
 
 
 @main.command()
@@ -98,6 +102,17 @@ from .options import PERIOD, SIZE, parse_bytes, path_given, server_auth, tcp_lis
                                  "(default: the system's).")
 @click.option("--remote-timeout", type=PERIOD, default=0.25, show_default=True,
               help="Deadline of each remote call; a slower remote is a miss.")
+@click.option("--kv-events", "kv_events", default=None, metavar="ENDPOINT",
+              help="Publish the blocks the RAM and disk tiers hold as vLLM's KV events "
+                   "(ZMQ, bound at tcp://HOST:PORT), for KV-aware routers; off by default. "
+                   "Subscribers read the token ids of every cached block: bind it where "
+                   "only your routers reach.")
+@click.option("--kv-events-replay", default=None, metavar="ENDPOINT",
+              help="Answer vLLM's replay requests (a ZMQ ROUTER bound at tcp://HOST:PORT).")
+@click.option("--kv-events-layout", type=click.Choice(["map", "array"]), default="map",
+              show_default=True,
+              help="Events as tagged maps (vLLM 0.28 on; vllm-router reads only these) or "
+                   "tagged arrays (vLLM's earlier layout); Dynamo reads both.")
 @click.option("--log-level", default="INFO", show_default=True)
 def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
           token_file: Path | None, tls_cert: Path | None, tls_key: Path | None,
@@ -111,7 +126,8 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
           remote_url: str | None, remote_password_file: Path | None,
           remote_password_env: str | None, remote_signing_key_file: Path | None,
           remote_unsigned: bool, remote_encrypt: bool, tenant_secret_file: Path | None,
-          remote_tls_ca: Path | None, remote_timeout: float, log_level: str) -> None:
+          remote_tls_ca: Path | None, remote_timeout: float, kv_events: str | None,
+          kv_events_replay: str | None, kv_events_layout: str, log_level: str) -> None:
     """Run the cache daemon until SIGTERM or SIGINT."""
     from ..errors import StoreError
     from ..remote import RemoteConfig, load_signing_key
@@ -149,6 +165,7 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
             remote.password()  # a missing file or variable is refused now, not later
         except (ValueError, OSError) as exc:
             raise click.ClickException(str(exc)) from None
+    events = kv_events_config(kv_events, kv_events_replay, kv_events_layout)
     try:
         tenant_secret = load_secret_file(tenant_secret_file) if tenant_secret_file else None
     except ValueError as exc:
@@ -168,7 +185,7 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
         daemon = Daemon(config, socket_path=socket_path, listen=listen,
                         metrics_port=metrics_port, auth=auth, insecure_tcp=insecure_tcp,
                         tcp_admin=tcp_admin, remote=remote, tenant_secret=tenant_secret,
-                        tenant_quotas=quotas)
+                        tenant_quotas=quotas, kv_events=events)
     except (ValueError, OSError, RuntimeError, StoreError) as exc:
         raise click.ClickException(str(exc)) from None
     daemon.serve_forever()
@@ -191,3 +208,19 @@ def tenant_quotas(option: str, given: Sequence[str]) -> dict[str, int]:
                                      param_hint=f"'{option}'")
         out[name] = size
     return out
+
+
+def kv_events_config(endpoint: str | None, replay: str | None, layout: str
+                     ) -> PublisherConfig | None:
+    """``--kv-events*`` -> the publisher's settings (None: off); a bad endpoint is a usage
+    error, refused before anything starts."""
+    from ..kv_events import PublisherConfig
+
+    if endpoint is None:
+        if replay is not None:
+            raise click.UsageError("--kv-events-replay needs --kv-events")
+        return None
+    try:
+        return PublisherConfig(endpoint, replay, layout)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--kv-events'") from None

@@ -185,6 +185,13 @@ class Tally:
         self.logical_bytes = 0
         # Tenant label -> its usage; a tenant holding nothing has no row.
         self.tenants: dict[str, TenantUsage] = {}
+        # Told of every entry published or removed and every RAM copy made or dropped, in
+        # the order they happen, under the store lock (KV events: Store.watch).
+        self.watcher: Callable[[str, Record], None] | None = None
+
+    def _tell(self, change: str, record: Record) -> None:
+        if self.watcher is not None:
+            self.watcher(change, record)
 
     @property
     def ram_copies_bytes(self) -> int:
@@ -226,12 +233,14 @@ class Tally:
 
     def entry_added(self, record: Record) -> None:
         """A published entry (its blob is on disk)."""
+        self._tell("added", record)
         self.disk_used += record.size
         self.logical_bytes += record.logical_size
         self._change(record.tenant_id, disk_bytes=record.size, disk_entries=1)
 
     def entry_removed(self, record: Record) -> None:
         """An unpublished entry, with its RAM copy if ``record`` (as removed) had one."""
+        self._tell("removed", record)
         self.disk_used -= record.size
         self.logical_bytes -= record.logical_size
         self._change(record.tenant_id, disk_bytes=-record.size, disk_entries=-1)
@@ -242,6 +251,7 @@ class Tally:
 
     def ram_copy_found(self, record: Record) -> None:
         """A RAM copy found whole at start-up."""
+        self._tell("ram_placed", record)
         self.ram_used += record.size
         self.ram_entries += 1
         self._change(record.tenant_id, ram_bytes=record.size, ram_entries=1)
@@ -261,11 +271,13 @@ class Tally:
 
     def ram_copy_placed(self, record: Record) -> None:
         """The copy claimed with claim_ram is made and indexed."""
+        self._tell("ram_placed", record)
         self.ram_entries += 1
         self.ram_claimed -= record.size
         self._change(record.tenant_id, ram_entries=1)
 
     def ram_copy_dropped(self, record: Record) -> None:
+        self._tell("ram_dropped", record)
         self.ram_used -= record.size
         self.ram_entries -= 1
         self._change(record.tenant_id, ram_bytes=-record.size, ram_entries=-1)

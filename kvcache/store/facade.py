@@ -416,6 +416,13 @@ class Store:
                 "uptime": time.time() - self.started,
             }
 
+    def watch(self, watcher: Callable[[str, Record], None] | None) -> None:
+        """Tell ``watcher`` (None: nobody) of every entry published ("added") or removed
+        ("removed") and every RAM copy made ("ram_placed") or dropped ("ram_dropped"),
+        in order, under the store lock: it must only queue the change (KV events)."""
+        with self._cond:
+            self._tally.watcher = watcher
+
     # -- tenants (quotas.TenantQuotas; usage in the Tally) -----------------------------------
 
     def set_tenant_quotas(self, quotas: TenantQuotas) -> None:
