@@ -318,7 +318,12 @@ class Runtime:
 
     def count_tokens(self, given: Input, cancelled: Callable[[], bool] | None = None) -> int:
         """The prompt's length in tokens, as :meth:`submit` would make it."""
-        return len(self._prepare(given, 0, 0, cancelled)[0])
+        return len(self.prompt_tokens(given, cancelled))
+
+    def prompt_tokens(self, given: Input, cancelled: Callable[[], bool] | None = None
+                      ) -> list[int]:
+        """The prompt's tokens, as :meth:`submit` would make them."""
+        return list(self._prepare(given, 0, 0, cancelled)[0])
 
     # -- completion -------------------------------------------------------------------------
 

@@ -228,8 +228,9 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
 
     def CountTokens(self, request: pb.CompleteRequest, context: Any) -> pb.TokenCount:
         try:
-            return pb.TokenCount(tokens=self.runtime.count_tokens(
-                input_from_message(request), cancelled=lambda: not context.is_active()))
+            ids = self.runtime.prompt_tokens(input_from_message(request),
+                                             cancelled=lambda: not context.is_active())
+            return pb.TokenCount(tokens=len(ids), ids=ids)
         except RequestError as exc:
             refuse(context, exc)
 

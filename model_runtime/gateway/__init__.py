@@ -10,7 +10,8 @@ In layers, bottom up (tests/unit/test_gateway_layering.py holds them):
   within limits), the one internal request, rendering, the worker's events written,
   accounting, failures and cancellation (``pipeline/run.py``: start here).
 * ``apis``: per API (OpenAI, Anthropic Messages, Responses), an adapter that converts its
-  requests at the door, a formatter that writes its answers, and its routes.
+  requests at the door, a formatter that writes its answers, and its routes; SGLang's
+  probes, which routers call.
 * ``app`` (middlewares, the gateway's own routes), ``server`` (its lifetime), ``command``
   (the command line).
 

@@ -1,5 +1,6 @@
-"""The gateway's web application: its middlewares, each API's routes (apis/), and the
-gateway's own: health, metrics and status.
+"""The gateway's web application: its middlewares, each API's routes (apis/: SGLang's
+probes among them), and the gateway's own: health (also as SGLang's /health_generate),
+metrics and status.
 
 Every error is answered in the shape of the API its path belongs to (OpenAI's, Anthropic's
 on /v1/messages) with the matching status, aiohttp's own (unknown path, body too large)
@@ -19,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from .apis.anthropic import routes as anthropic
 from .apis.openai import routes as openai
 from .apis.responses import routes as responses
+from .apis.sglang import routes as sglang
 from .errors import ApiError
 from .fleet import Fleet
 from .keys import Caller, is_loopback
@@ -169,9 +171,11 @@ def build_app(fleet: Fleet) -> web.Application:
     openai.add_routes(app)
     anthropic.add_routes(app)
     app.router.add_get("/health", health, name="health")
+    app.router.add_get("/health_generate", health, name="health_generate")  # SGLang's
     app.router.add_get("/metrics", metrics, name="metrics")
     app.router.add_get("/status", status, name="status")
     responses.add_routes(app)
+    sglang.add_routes(app)
     return app
 
 

@@ -31,7 +31,10 @@ def http_json(method: str, url: str, body: Any = None, timeout: float = 10.0
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             raw = resp.read()
-            return resp.status, json.loads(raw) if raw.strip() else None
+            try:
+                return resp.status, json.loads(raw) if raw.strip() else None
+            except ValueError:  # vllm-router's /health answers plain text
+                return resp.status, raw.decode(errors="replace")
     except urllib.error.HTTPError as err:
         return err.code, err.read().decode(errors="replace")
 

@@ -46,7 +46,7 @@ from .refusals import failure_error, refusal_error
 from .request import GenRequest
 from .timeline import TokenPath
 
-__all__ = ["complete", "count_tokens"]
+__all__ = ["complete", "count_tokens", "prompt_tokens"]
 
 C = TypeVar("C", bound=Call)
 
@@ -72,6 +72,12 @@ async def complete(request: web.Request, endpoint: Endpoint[C]) -> web.StreamRes
 async def count_tokens(request: web.Request, endpoint: Endpoint[C]) -> int:
     """The prompt of a request of any API in tokens, as its worker tokenizes it (nothing
     is computed: its text is not remembered for routing)."""
+    return len((await prompt_tokens(request, endpoint))[1])
+
+
+async def prompt_tokens(request: web.Request, endpoint: Endpoint[C]) -> tuple[C, list[int]]:
+    """A request of any API and its prompt's token ids, as its worker tokenizes them
+    (what a router's render call asks for; nothing is computed)."""
     call, large = await _converted(request, endpoint)
     req = call.request
     worker, flight = await request.app[FLEET].admit(
@@ -79,9 +85,9 @@ async def count_tokens(request: web.Request, endpoint: Endpoint[C]) -> int:
         req.n)
     async with on_worker(request, call, worker, flight, computes=False) as served:
         _, proto = await _prepared(request, req, worker, large)
-        tokens = await worker.client.count_tokens(flight, proto)
+        ids = await worker.client.tokenize(flight, proto)
         served.outcome = "ok"
-        return tokens
+        return call, ids
 
 
 async def _converted(request: web.Request, endpoint: Endpoint[C]) -> tuple[C, bool]:

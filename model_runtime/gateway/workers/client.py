@@ -1,4 +1,4 @@
-"""The calls to one worker's runtime: a request's events, a prompt's token count, and what
+"""The calls to one worker's runtime: a request's events, a prompt's tokens, and what
 a call's error means (:func:`WorkerClient.classify`): the runtime refused the request
 (:class:`RuntimeRefused`), or the worker failed (:class:`WorkerFailure`)."""
 
@@ -79,15 +79,15 @@ class WorkerClient:
         finally:
             call.cancel()
 
-    async def count_tokens(self, flight: Flight, request: pb.CompleteRequest) -> int:
-        """The request's prompt length in tokens, as the runtime tokenizes it."""
+    async def tokenize(self, flight: Flight, request: pb.CompleteRequest) -> list[int]:
+        """The request's prompt tokens, as the runtime tokenizes it."""
         stub = self._serving_stub()
         request.tenant = flight.tenant  # as in events()
         try:
             answer = await stub.CountTokens(request, timeout=self.process.sup.stall_window_s)
         except grpc.aio.AioRpcError as exc:
             raise await self.classify(flight, exc) from None
-        return int(answer.tokens)
+        return list(answer.ids)
 
     async def classify(self, flight: Flight, exc: grpc.aio.AioRpcError) -> Exception:
         """What a call's error means: the request's failure when supervision failed it

@@ -58,6 +58,12 @@ _COMMON_FIELDS = {
     "session_id": "the runtime's sticky session (or the X-Session-Id header)",
     "speculative": "false: no speculative decoding for this request, true: on (it "
                    "changes no token either way)",
+    # vLLM's and SGLang's, which vllm-router and sglang-router add to every body they pass
+    # on: their neutral values are what this server does; any other is refused
+    "no_stop_trim": "false only: a stop string is cut from the text, as OpenAI does",
+    "ignore_eos": "false only: generation ends at the model's end of turn",
+    "skip_special_tokens": "true only: control tokens never show in the text",
+    "return_hidden_states": "false only",
 }
 #: Every field /v1/chat/completions reads, and how: applied, or "refused" (a 400 naming
 #: it) for any value but null and those noted.
@@ -86,6 +92,10 @@ CHAT_FIELDS: Mapping[str, str] = {
     "functions": "refused (deprecated; use tools)",
     "function_call": "refused (deprecated; use tool_choice)",
     "chat_template_kwargs": "llama.cpp/vLLM: variables for the chat template",
+    "continue_final_message": "false only: the reply is a new assistant turn",
+    "include_reasoning": "true only: a thinking model's reasoning is in reasoning_content",
+    "separate_reasoning": "true only: reasoning apart from content, in reasoning_content",
+    "stream_reasoning": "true only: reasoning streams as it is generated",
 }
 #: Every field /v1/completions reads, and how.
 COMPLETION_FIELDS: Mapping[str, str] = {
@@ -102,10 +112,12 @@ _ONLY = {"metadata": (None,), "audio": (None,),
          "safety_identifier": (None,), "functions": (None, []), "function_call": (None,),
          "store": (None, False), "service_tier": (None, "auto", "default"),
          "modalities": (None, ["text"]), "echo": (None, False), "suffix": (None, ""),
-         "best_of": (None, 1)}
-
-
-
+         "best_of": (None, 1),
+         # the routers' fields: their neutral values only
+         "no_stop_trim": (None, False), "ignore_eos": (None, False),
+         "skip_special_tokens": (None, True), "return_hidden_states": (None, False),
+         "continue_final_message": (None, False), "include_reasoning": (None, True),
+         "separate_reasoning": (None, True), "stream_reasoning": (None, True)}
 
 
 @dataclass

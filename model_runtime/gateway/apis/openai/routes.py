@@ -1,11 +1,17 @@
 """The OpenAI API's routes: ``POST /v1/chat/completions`` and ``POST /v1/completions``
-(through the pipeline: pipeline/run.py), ``GET /v1/models`` and ``/v1/models/{model}``.
+(through the pipeline: pipeline/run.py), ``GET /v1/models`` and ``/v1/models/{model}``,
+and vLLM's render endpoints (``POST /v1/chat/completions/render``,
+``/v1/completions/render``: a request checked as it would be served and its prompt's
+token ids as the worker would prefill them, nothing computed; vllm-router's ``kv_aware``
+asks every worker for them, hashes them into blocks and compares those with the blocks the
+hosts' KV events announced).
 A large body is parsed in the helper process (pipeline/offload.py), a small one on a
 thread: the event loop keeps serving either way."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from aiohttp import web
 
@@ -13,6 +19,7 @@ from ...errors import ApiError
 from ...pipeline import run
 from ...pipeline.contract import Endpoint
 from ...pipeline.door import FLEET, OFFLOAD, expect_within_limit, label_model
+from ...pipeline.request import GenRequest
 from .adapter import SESSION_HEADER, OpenAICall, parse_request
 from .formatter import OpenAIFormatter
 
@@ -53,6 +60,28 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await run.complete(request, TEXT)
 
 
+async def render_chat(request: web.Request) -> web.Response:
+    call, ids = await run.prompt_tokens(request, CHAT)
+    return web.json_response(generate_request(call, ids))
+
+
+async def render_text(request: web.Request) -> web.Response:
+    call, ids = await run.prompt_tokens(request, TEXT)
+    return web.json_response(generate_request(call, ids))
+
+
+def generate_request(call: OpenAICall, ids: list[int]) -> dict[str, Any]:
+    """vLLM's GenerateRequest (what its render endpoints answer) for ``call``."""
+    req: GenRequest = call.request
+    return {"request_id": call.id, "token_ids": ids, "features": None,
+            "sampling_params": {"n": req.n, "temperature": req.temperature,
+                                "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed,
+                                "stop": req.stop, "max_tokens": req.max_tokens,
+                                "logprobs": req.top_logprobs if req.logprobs else None},
+            "model": req.model, "stream": req.stream, "stream_options": None,
+            "cache_salt": None, "priority": 0, "kv_transfer_params": None}
+
+
 async def list_models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": request.app[FLEET].models()})
 
@@ -71,6 +100,10 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions, name="chat",
                         expect_handler=expect_within_limit)
     app.router.add_post("/v1/completions", completions, name="text",
+                        expect_handler=expect_within_limit)
+    app.router.add_post("/v1/chat/completions/render", render_chat, name="render_chat",
+                        expect_handler=expect_within_limit)
+    app.router.add_post("/v1/completions/render", render_text, name="render_text",
                         expect_handler=expect_within_limit)
     app.router.add_get("/v1/models", list_models, name="models")
     app.router.add_get("/v1/models/{model:.+}", get_model, name="model")

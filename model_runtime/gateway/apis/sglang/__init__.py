@@ -1,0 +1,1 @@
+"""What sglang-router calls on the servers behind it, beyond the OpenAI API."""
