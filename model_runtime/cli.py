@@ -340,9 +340,17 @@ def main() -> None:
 @tcp_listen_options
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="Serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: any free port).")
+@click.option("--kv-events", default=None, metavar="ENDPOINT",
+              help="Publish the live sequences' blocks (the device tier) as vLLM's KV "
+                   "events, ZMQ bound at tcp://HOST:PORT; off by default.")
+@click.option("--kv-events-replay", default=None, metavar="ENDPOINT",
+              help="Answer vLLM's replay requests (a ZMQ ROUTER bound at tcp://HOST:PORT).")
+@click.option("--kv-events-layout", type=click.Choice(["map", "array"]), default="map",
+              show_default=True, help="Tagged maps (vLLM 0.28 on) or arrays (earlier).")
 def serve(socket_path: Path | None, listen: str | None, token_file: Path | None,
           tls_cert: Path | None, tls_key: Path | None, tls_client_ca: Path | None,
-          insecure_tcp: bool, metrics_port: int | None, model_path: str | None,
+          insecure_tcp: bool, metrics_port: int | None, kv_events: str | None,
+          kv_events_replay: str | None, kv_events_layout: str, model_path: str | None,
           cache_address: str | None, verbose: bool, draft_model_path: str | None,
           **settings: Any) -> None:
     """Serve completions over gRPC until SIGTERM (live sequences are saved first)."""
@@ -361,10 +369,15 @@ def serve(socket_path: Path | None, listen: str | None, token_file: Path | None,
             socket.check()
         except ValueError as exc:
             raise click.ClickException(str(exc)) from None
+    from kvcache.cli.serve import kv_events_config
+
+    events = kv_events_config(kv_events, kv_events_replay, kv_events_layout)
     runtime = build_runtime(model_path, cache_address, verbose, config, draft_model_path)
     try:
+        if events is not None:
+            runtime.publish_kv_events(events)
         server = RuntimeServer(runtime, socket, listen, auth, insecure_tcp)
-    except ValueError as exc:  # the socket taken meanwhile, a TCP port in use, ...
+    except (ValueError, OSError) as exc:  # the socket taken meanwhile, a port in use, ...
         runtime.close()
         if socket:
             socket.remove()

@@ -100,6 +100,9 @@ class Engine:
                            in_flight_wait_ms=config.in_flight_wait_ms)
         self.observers: list[Callable[[Completion], None]] = []  # e.g. metrics
         self.on_latency: Callable[[str, float], None] = lambda name, seconds: None
+        # Shown the sequences once per loop (model thread; idle: before it waits): the KV
+        # events of the live sequences (model_runtime.kv_events).
+        self.on_sequences: Callable[[list[Seq], bool], None] | None = None
         self.scheduler = Scheduler(ctx.n_seq_max, ctx.n_batch,
                                    cut_restored=ctx.can_truncate_restored(),
                                    cut_live=not model.is_recurrent)
@@ -239,6 +242,8 @@ class Engine:
     def _loop(self) -> None:
         core = self.core
         while True:
+            if self.on_sequences is not None:
+                self._guarded(self.on_sequences, self.seqs, not self.scheduler.running)
             # Block only when there is no work; otherwise just pick up what arrived.
             msg = self._next(block=not self.scheduler.running)
             while msg is not None:  # everything that arrived runs before the next tick

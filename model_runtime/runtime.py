@@ -21,6 +21,7 @@ from typing import Any
 
 from kvcache import keys
 from kvcache.client import CacheClient, CacheError
+from kvcache.kv_events import EventPublisher, PublisherConfig
 from kvcache.metrics import LatencySummary, LatencyWindows
 
 from . import kernels
@@ -32,6 +33,7 @@ from .draft_model import DraftModel
 from .engine import Engine
 from .grammar import check_grammar, grammar_of
 from .identity import runtime_identity
+from .kv_events import SequenceSource
 from .llama_backend import (
     TILED_MM_ENV,
     ContextParams,
@@ -168,6 +170,7 @@ class Runtime:
         self.cache = cache
         self.engine = Engine(self.model, self.ctx, self.identity, cache, self.config,
                              speculator)
+        self.kv_events: EventPublisher | None = None
         self.cache_monitor: CacheMonitor | None = None
         if cache is not None:
             self.cache_monitor = CacheMonitor(cache, self.config.cache_check_interval_s,
@@ -540,6 +543,19 @@ class Runtime:
         """Whether the cache daemon answers now (the monitor's probe, asked once more)."""
         return self.cache_monitor is not None and self.cache_monitor.probe()
 
+    def publish_kv_events(self, config: PublisherConfig) -> EventPublisher:
+        """Publish the live sequences' blocks as KV events (the device tier, see
+        model_runtime.kv_events), with the daemon's block size (``save_block`` without a
+        daemon)."""
+        engine = self.engine
+        block_size = engine.resolver.block_size(wait=True) or self.config.save_block
+        source = SequenceSource(self.identity.model_name,
+                                lambda: engine.resolver.block_size(wait=False),
+                                engine.identities.namespace)
+        self.kv_events = EventPublisher(config, source, block_size)
+        engine.on_sequences = lambda seqs, idle: source.observe(seqs, idle=idle)
+        return self.kv_events
+
     def close(self) -> None:
         """Save every live sequence (``shutdown``) within the deadline, then unload."""
         if self._closed:
@@ -547,6 +563,9 @@ class Runtime:
         self._closed = True
         if self.cache_monitor is not None:
             self.cache_monitor.stop()
+        self.engine.on_sequences = None
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.engine.close()
         if self.cache is not None:
             self.cache.close()

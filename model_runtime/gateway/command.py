@@ -67,6 +67,9 @@ FilePath = click.Path(dir_okay=False, path_type=Path)
                    "runtime's].")
 @click.option("--worker-args", default="", metavar="ARGS",
               help="More `model-runtime serve` options for every worker, shell-quoted.")
+@click.option("--kv-events", default=None, metavar="tcp://HOST:PORT",
+              help="Each worker publishes its live sequences as vLLM's KV events: worker "
+                   "i (w0, w1, ...) binds PORT+i (see model-runtime serve --kv-events).")
 @click.option("--api-keys", "api_keys_file", type=FilePath, default=None,
               help="Owner-only file of API keys, one per line: KEY [TENANT] [role=admin] "
                    "(role=admin: may read /status and every tenant's /metrics).")
@@ -142,7 +145,7 @@ FilePath = click.Path(dir_okay=False, path_type=Path)
 def gateway(listen: str, models: tuple[str, ...], config_path: Path | None, workers: int,
             cache_address: str | None, threads: int | None, n_ctx: int | None,
             n_seq_max: int | None, speculative: str | None, worker_args: str,
-            api_keys_file: Path | None,
+            kv_events: str | None, api_keys_file: Path | None,
             tls_cert: Path | None, tls_key: Path | None, tls_client_ca: Path | None,
             insecure_tcp: bool, max_body_bytes: int, max_messages: int, max_chars: int,
             max_slots_per_tenant: int | None, run_dir: Path | None,
@@ -195,7 +198,7 @@ def gateway(listen: str, models: tuple[str, ...], config_path: Path | None, work
             insecure_tcp=insecure_tcp,
             limits=Limits(body_bytes=max_body_bytes, messages=max_messages, chars=max_chars),
             connections=connection_settings(supervision),
-            max_slots_per_tenant=max_slots_per_tenant,
+            max_slots_per_tenant=max_slots_per_tenant, kv_events=kv_events,
             cache_ttls=cache_ttl_seconds(cache_ttls),
             responses=ResponsesSettings(responses_dir, responses_max_count,
                                         responses_max_bytes, responses_ttl))

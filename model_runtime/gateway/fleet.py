@@ -97,7 +97,8 @@ class Fleet:
                 name = f"w{len(self.workers)}"
                 worker = Worker(name, spec, self.run_dir / f"{name}.sock",
                                 settings.cache_address, settings.supervision, self.ledger,
-                                on_restart=self.metrics.on_restart)
+                                on_restart=self.metrics.on_restart,
+                                kv_events=settings.worker_kv_events(len(self.workers)))
                 pool.append(worker)
                 self.workers.append(worker)
         self.sessions = SessionMap()

@@ -124,6 +124,8 @@ class GatewaySettings:
     keep_cache_daemon: bool = False
     supervision: Supervision = field(default_factory=Supervision)
     run_dir: Path | None = None  # where worker sockets live (default: a private temp dir)
+    # tcp://HOST:PORT: worker i publishes its live sequences' KV events at PORT+i
+    kv_events: str | None = None
     api_keys_file: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -151,6 +153,16 @@ class GatewaySettings:
                                   or bound < 1):
             raise SettingsError(f"max_slots_per_tenant must be an integer >= 1, got "
                                 f"{bound!r}")
+        self.worker_kv_events(0)  # a malformed endpoint is refused at start-up
+
+    def worker_kv_events(self, index: int) -> str | None:
+        """Worker ``index``'s KV events endpoint (None: off)."""
+        if self.kv_events is None:
+            return None
+        host, _, port = self.kv_events.rpartition(":")
+        if not port.isdigit() or not host.startswith("tcp://"):
+            raise SettingsError(f"--kv-events {self.kv_events!r}: tcp://HOST:PORT expected")
+        return f"{host}:{int(port) + index}"
 
 
 def cache_ttl_seconds(values: tuple[str, ...]) -> dict[str, int]:

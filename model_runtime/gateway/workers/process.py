@@ -98,7 +98,7 @@ class RuntimeProcess(Supervised):
 
     def __init__(self, name: str, spec: ModelSpec, socket_path: Path,
                  cache_address: str | None, supervision: Supervision,
-                 hooks: ProcessHooks) -> None:
+                 hooks: ProcessHooks, kv_events: str | None = None) -> None:
         restarted = hooks.restarted
         super().__init__(name, f"worker {name}", supervision,
                          None if restarted is None else
@@ -106,6 +106,7 @@ class RuntimeProcess(Supervised):
         self.spec = spec
         self.socket_path = socket_path
         self.cache_address = cache_address
+        self.kv_events = kv_events  # where it publishes its live sequences, if anywhere
         self.hooks = hooks
         self.info = RuntimeInfo()
         self.cpu_progress_at = 0.0
@@ -117,7 +118,7 @@ class RuntimeProcess(Supervised):
         return spawned_command([
             sys.executable, "-m", "model_runtime.cli", "serve", "--model", str(self.spec.path),
             "--socket", str(self.socket_path), "--cache", self.cache_address or "none",
-            *self.spec.args])
+            *(["--kv-events", self.kv_events] if self.kv_events else []), *self.spec.args])
 
     def target(self) -> str:
         return f"unix:{self.socket_path}"

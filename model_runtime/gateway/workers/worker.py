@@ -21,7 +21,8 @@ __all__ = ["Worker"]
 class Worker:
     def __init__(self, name: str, spec: ModelSpec, socket_path: Path,
                  cache_address: str | None, supervision: Supervision, ledger: SlotLedger,
-                 on_restart: Callable[[str, str], None] | None = None) -> None:
+                 on_restart: Callable[[str, str], None] | None = None,
+                 kv_events: str | None = None) -> None:
         self.name = name
         self.spec = spec
         self.ledger = ledger
@@ -30,7 +31,8 @@ class Worker:
         self.process = RuntimeProcess(name, spec, socket_path, cache_address, supervision,
                                       ProcessHooks(spawned=self.tracker.clear,  # none live
                                                    failing=self._fail_flights,
-                                                   waits=self._waits, restarted=on_restart))
+                                                   waits=self._waits, restarted=on_restart),
+                                      kv_events)
         self.client = WorkerClient(self.process)
 
     def _fail_flights(self, reason: str, detail: str) -> None:
