@@ -389,6 +389,26 @@ def test_a_tenant_s_share_of_a_pool(tmp_path: Path, key_file: str | None,
     assert fleet.tenant_busy(pool, "alice") == 1 and fleet.tenant_busy(pool, "bob") == 0
 
 
+def test_each_worker_publishes_its_kv_events_on_a_port_of_its_own(tmp_path: Path) -> None:
+    from model_runtime.gateway.fleet import Fleet
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    fleet = Fleet(GatewaySettings(models=(ModelSpec("m", model, workers=2),),
+                                  run_dir=tmp_path / "run", kv_events="tcp://127.0.0.1:5560"),
+                  None)
+    for i, worker in enumerate(fleet.pools["m"]):
+        command = worker.process.command()
+        at = command.index("--kv-events")
+        assert command[at + 1] == f"tcp://127.0.0.1:{5560 + i}"
+    quiet = Fleet(GatewaySettings(models=(ModelSpec("m", model),), run_dir=tmp_path / "r2"),
+                  None)
+    assert "--kv-events" not in quiet.workers[0].process.command()
+    for bad in ("127.0.0.1:5560", "tcp://127.0.0.1", "tcp://127.0.0.1:port"):
+        with pytest.raises(SettingsError, match="tcp://HOST:PORT expected"):
+            GatewaySettings(models=(ModelSpec("m", model),), kv_events=bad)
+
+
 # --------------------------------------------------------------------------- ring, stall
 
 
