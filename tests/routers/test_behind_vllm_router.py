@@ -146,10 +146,12 @@ def test_the_router_fields_are_taken_at_their_neutral_values_and_refused_at_othe
 
 def test_the_endpoints_routers_call_answer(hosts: list[Host]) -> None:
     gw = hosts[0].gateway
-    for path in ("/health", "/health_generate", "/v1/models", "/get_model_info",
-                 "/get_server_info", "/version", "/get_load"):
+    for path in ("/health", "/health_generate", "/v1/models", "/model_info", "/get_model_info",
+                 "/server_info", "/get_server_info", "/version", "/get_load"):
         status, _, raw = gw.http("GET", path)
         assert status == 200, (path, raw)
+    for path in ("/model_info", "/server_info"):  # what sglang-router names the model by
+        assert json.loads(gw.http("GET", path)[2])["served_model_name"] == "hermes"
     assert json.loads(gw.http("GET", "/get_load")[2])["load"] == 0
     status, _, raw = gw.http("POST", "/flush_cache")
     assert status == 403 and b"kvcache prune" in raw
