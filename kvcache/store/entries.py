@@ -46,12 +46,12 @@ class ExpiringPins:
     keys (what a tenant's pins hold is counted over its own keys only). Not thread-safe:
     Store._cond held."""
 
-    def __init__(self, records: Iterable[Record]) -> None:
+    def __init__(self, records: Iterable[Record | None]) -> None:
         self.ends: dict[bytes, float] = {}
         self._tenant: dict[bytes, str] = {}
         self._by_tenant: dict[str, set[bytes]] = {}
         for r in records:
-            if r.pin_expires:
+            if r is not None and r.pin_expires:
                 self.add(r.key, r.pin_expires, r.tenant_id)
 
     def add(self, key: bytes, end: float, tenant_id: str) -> None:
@@ -218,10 +218,11 @@ class Entries(Part):
         return sum(held.values())
 
     def _expiring_pins(self) -> ExpiringPins:
-        """The expiring pins: read from the index once (they outlive restarts there), then
-        kept here. Store._cond held."""
+        """The expiring pins: read from the index once (they outlive restarts there: its
+        pin_ends table lists them, no entry is scanned), then kept here. Store._cond held."""
         if self._pin_ends is None:
-            self._pin_ends = ExpiringPins(self._index.records())
+            self._pin_ends = ExpiringPins(
+                self._index.get(key) for key in self._index.order.pin_end_keys())
         return self._pin_ends
 
     def release_expired_pins(self, now: float) -> int:

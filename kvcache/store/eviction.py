@@ -45,9 +45,10 @@ class Evictor(Part):
     A tenant with a quota (kvcache.store.quotas) makes room among its own entries first
     (plan_tenant_room_on_disk, make_tenant_room_in_ram), in the same order filtered to
     them: a tenant's pieces are built only on its own entries (a parent must share the
-    namespace), so the filtered order is its own tree's leaf-first order. Finding them
-    walks the shared order past other tenants' entries, O(the entries before the last
-    one taken), only while the tenant is at its quota.
+    namespace), so the filtered order is its own tree's leaf-first order, which the index
+    keeps for each tenant (kvcache.ordering's tenant tables): its next victim is O(log n)
+    away, however many entries of other tenants come before it in the shared order
+    (tests/unit/test_ordering.py).
 
     make_room_on_disk, make_room_in_ram and the tenant variants are called with
     Store._cond held."""
@@ -90,7 +91,7 @@ class Evictor(Part):
         chosen: list[Record] = []
         freed = 0
         with contextlib.closing(self._index.order.disk_victims(
-                self._pins.busy(), self._pins.last_used())) as go:
+                self._pins.busy(), self._pins.last_used(), tenant_id)) as go:
             for key in go:
                 if fits(freed, slack) or (fits(freed) and len(chosen) >= BATCH_MAX):
                     break
@@ -128,8 +129,8 @@ class Evictor(Part):
         chosen: list[Record] = []
         freed = 0
         held = self._pins.busy() | {record.key}
-        with contextlib.closing(self._index.order.ram_victims(held,
-                                                              self._pins.last_used())) as go:
+        with contextlib.closing(self._index.order.ram_victims(
+                held, self._pins.last_used(), tenant_id)) as go:
             for key in go:
                 after = usage.ram_bytes - freed + size
                 if after + slack <= quota or (after <= quota and len(chosen) >= BATCH_MAX):
