@@ -8,12 +8,13 @@ it. It imports nothing else of the store; every other module of the store is bui
 * ReadPins: what holds an entry (reads, the daemon's own work) and the reads not yet
   written to the index.
 * LeaseTable: the saves in flight (their Reservation rows).
-* StoreCore: those, the index, the counters, the store lock and the closed flag, made
-  once by Store and handed to each part; Part gives a part the names it reaches them by.
+* StoreCore: those, the entries being removed without the store lock (``leaving``), the
+  index, the counters, the store lock and the closed flag, made once by Store and handed
+  to each part; Part gives a part the names it reaches them by.
 
-Locking: the tables (Tally, ReadPins, LeaseTable) and the counters are not thread-safe
-on their own; every change to them is made with ``StoreCore.cond`` (Store._cond, the
-store lock) held. The index is thread-safe by itself (LMDB).
+Locking: the tables (Tally, ReadPins, LeaseTable, ``leaving``) and the counters are not
+thread-safe on their own; every change to them is made with ``StoreCore.cond``
+(Store._cond, the store lock) held. The index is thread-safe by itself (LMDB).
 """
 
 from __future__ import annotations
@@ -73,6 +74,12 @@ class StoreConfig:
     max_tenant_pin_seconds: float = 3600.0
     max_pinned_bytes_per_tenant: int = 0
     usage_flush_seconds: float = 1.0
+    # The reclaimer (kvcache.store.reclaim) keeps each tier between these shares of its
+    # budget: once a tier holds more than ``reclaim_high`` it gives up entries (copies, in
+    # RAM) in the background until it holds ``reclaim_low``, so a save finds room made.
+    # Both 1.0: no reclaimer, saves make their own room.
+    reclaim_low: float = 0.90
+    reclaim_high: float = 0.95
 
     @property
     def reserved_bytes_bound(self) -> int:
@@ -505,6 +512,11 @@ class StoreCore:
     pins: ReadPins
     leases: LeaseTable
     closed: threading.Event  # set once the store closes: nothing new is scheduled
+    # Entries the reclaimer is removing with the store lock let go (kvcache.store.reclaim):
+    # chosen under it, their files removed and directories fsynced without it, their rows
+    # dropped after. Until then each is as good as gone: no read, pin, copy, check or new
+    # save of its key starts on it (every such call decides under the store lock).
+    leaving: set[bytes]
 
     @classmethod
     def create(cls, config: StoreConfig, layout: Layout, index: Index,
@@ -513,7 +525,15 @@ class StoreCore:
         cond = threading.Condition(threading.RLock())
         return cls(config=config, layout=layout, index=index, cond=cond, counters=counters,
                    tally=Tally(), pins=ReadPins(on_free=cond.notify_all),
-                   leases=LeaseTable(), closed=threading.Event())
+                   leases=LeaseTable(), closed=threading.Event(), leaving=set())
+
+    def visible(self, key: bytes, tenants: Seen = None) -> Record | None:
+        """``key``'s entry when a caller seeing ``tenants`` may use it: published and not
+        being removed (see ``leaving``). Store lock held, for an answer that holds."""
+        # The row is read (and a missing one's stand-in decoded) either way: an entry
+        # being removed answers in the time of a missing key (see seen_record).
+        record = seen_record(self.index, key, tenants)
+        return None if key in self.leaving else record
 
 
 class Part:
@@ -531,3 +551,4 @@ class Part:
         self._tally = core.tally
         self._pins = core.pins
         self._leases = core.leases
+        self._leaving = core.leaving

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +15,7 @@ from .. import blob as blobfmt
 from .. import keys
 from ..errors import Busy, InvalidArgument, NotFound, QuotaExceeded, StoreError
 from ..index import Record, dir_fsync
-from .core import Part, Seen, StoreCore, seen_record
+from .core import Part, Seen, StoreCore
 
 log = logging.getLogger("kvcache")
 
@@ -142,7 +142,7 @@ class Entries(Part):
 
     def get(self, key: bytes, tenants: Seen = None) -> Record:
         """The entry ``key``; NotFound when there is none that ``tenants`` may see."""
-        record = seen_record(self._index, key, tenants)
+        record = self._core.visible(key, tenants)
         if record is None:
             raise NotFound(f"no entry {key.hex()}")
         return record
@@ -326,16 +326,25 @@ class Entries(Part):
                     self._layout.ram_path(key).unlink(missing_ok=True)
             sync_dirs({self._layout.blob_path(k).parent for k in gone})
             removed = self._index.delete_many(gone[::-1])  # the entries first, as listed
-            for r in removed:  # their tiers as they are now, not as when chosen
-                self._tally.entry_removed(r)
-                self._pins.forget_usage(r.key)
-                self.drop_child(r.parent, r.key)
-                self._children.pop(r.key, None)
-                self.counters[counter if r.key in chosen else "dependents_removed"] += 1
+            self.forget_removed(removed, counter, chosen)
         if failure:
             raise StoreError(f"{failure}; the removal stopped there, the entries not yet "
                              "removed stay")
         return removed
+
+
+    def forget_removed(self, removed: Iterable[Record], counter: str,
+                       chosen: Set[bytes]) -> None:
+        """Account for entries whose rows are gone (as ``removed``: their tiers as they
+        were when the rows went, not as when chosen): counted under ``counter``, or as
+        dependents_removed for those that went only with what they are built on.
+        Store._cond held."""
+        for r in removed:
+            self._tally.entry_removed(r)
+            self._pins.forget_usage(r.key)
+            self.drop_child(r.parent, r.key)
+            self._children.pop(r.key, None)
+            self.counters[counter if r.key in chosen else "dependents_removed"] += 1
 
 
 def sync_dirs(dirs: Iterable[Path]) -> None:

@@ -35,6 +35,7 @@ from .prune import Pruner, PruneResult
 from .publish import Publisher, ReserveResult
 from .quotas import TenantQuotas
 from .reads import Reads
+from .reclaim import Reclaimer, check_watermarks
 from .reconcile import Reconcile, seal_clean_shutdown
 
 log = logging.getLogger("kvcache")
@@ -71,9 +72,11 @@ class Store:
        or an operator's prune.
 
     Background: a reaper thread (expired leases and read pins; reads not yet written to
-    the index, flushed every ``usage_flush_seconds``) and the RAM worker (RamPlacer)."""
+    the index, flushed every ``usage_flush_seconds``), the RAM worker (RamPlacer) and the
+    reclaimer (Reclaimer: each tier kept between its watermarks)."""
 
     def __init__(self, config: StoreConfig) -> None:
+        check_watermarks(config)
         self.config = config
         self.root = config.root
         claim_data_dir(self.root)
@@ -119,10 +122,12 @@ class Store:
         self._publisher = Publisher(core, entries, evictor, placer)
         self._reads = Reads(core, placer, integrity)
         self._pruner = Pruner(core, entries, ram)
+        self._reclaimer = Reclaimer(core, entries, ram)
         self._reconcile()
         self._reaper = threading.Thread(target=self._reap_loop, name="kvcache-reaper",
                                         daemon=True)
         self._reaper.start()
+        self._reclaimer.start()
 
     def _reconcile(self) -> None:
         t0 = time.monotonic()
@@ -138,6 +143,7 @@ class Store:
             return
         self._closed.set()
         self._reaper.join(timeout=5)
+        self._reclaimer.stop()
         self._placer.shutdown()
         with self._cond:
             for lease_id in self._leases.lease_ids():
@@ -451,6 +457,12 @@ class Store:
             return out
 
     # -- background -------------------------------------------------------------------------
+
+    def reclaim(self, *, force: bool = False) -> tuple[int, int]:
+        """Run the reclaimer's pass now (kvcache.store.reclaim): each tier above its high
+        watermark (above its low one, with ``force``) gives up entries, or RAM copies,
+        down to the low one. Returns the entries evicted and the copies dropped."""
+        return self._reclaimer.run_now(force=force)
 
     def _reap_loop(self) -> None:
         last_flush = time.monotonic()

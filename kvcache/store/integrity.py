@@ -38,7 +38,7 @@ class Integrity(Part):
         """Verify every copy of an entry; quarantine it if any is bad (unless not
         ``quarantine``: an operator's check-only run moves nothing). Returns the error."""
         with self._cond:
-            if self._index.get(key) is None:
+            if self._core.visible(key) is None:  # gone, or being removed
                 return None
             self._pins.hold(key)
         try:

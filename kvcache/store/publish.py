@@ -25,7 +25,7 @@ from ..errors import (
     TooManySaves,
 )
 from ..index import ParentGone, Record, dir_fsync
-from .core import Part, Reservation, Seen, StoreCore, seen_record
+from .core import Part, Reservation, Seen, StoreCore
 from .entries import Entries, check_tokens, record_from
 from .eviction import Evictor
 from .placement import RamPlacer
@@ -33,6 +33,9 @@ from .placement import RamPlacer
 # Room for a streamed save is taken this much ahead of its bytes (or all of it, when
 # smaller): a chunk at a time would make each chunk a removal batch.
 ROOM_STEP = 4 << 20
+# How long a save waits for the reclaimer to finish removing its key's entry (a batch of
+# files unlinked and fsynced takes milliseconds); past it the save is told "in flight".
+LEAVING_WAIT_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,8 @@ class Publisher(Part):
         cfg = self._config
         with self._cond:
             self.counters["reserves"] += 1
-            if self._leases.writing(entry.key):
+            self._wait_until_gone(entry.key)
+            if self._leases.writing(entry.key) or entry.key in self._leaving:
                 self.counters["saves_duplicate"] += 1
                 self.counters["saves_duplicate_in_flight"] += 1
                 return ReserveResult("in_flight", entry.key)
@@ -102,7 +106,7 @@ class Publisher(Part):
                 self.counters["saves_duplicate"] += 1
                 self.counters["saves_duplicate_present"] += 1
                 return ReserveResult("already_present", entry.key)
-            if parent and seen_record(self._index, parent, tenants) is None:  # gone since
+            if parent and self._core.visible(parent, tenants) is None:  # gone since
                 self.counters["saves_parent_gone"] += 1
                 raise NotFound(f"parent entry {parent.hex()} is gone (evicted or deleted); "
                                "save the whole state or look again")
@@ -145,13 +149,21 @@ class Publisher(Part):
             self.counters["saves_granted"] += 1
             return ReserveResult("granted", entry.key, lease_id, str(tmp_path))
 
+    def _wait_until_gone(self, key: bytes) -> None:
+        """Wait (bounded) while the reclaimer removes ``key``'s entry: a save of its tokens
+        then finds it gone and saves it again, never a file about to be unlinked under
+        the new one's name. Store._cond held (the wait lets it go)."""
+        deadline = time.monotonic() + LEAVING_WAIT_SECONDS
+        while key in self._leaving and (left := deadline - time.monotonic()) > 0:
+            self._cond.wait(left)
+
     def _check_parent(self, ns: bytes, raw_tokens: bytes, parent: bytes, base: int,
                       tenants: Seen) -> None:
         n = len(raw_tokens) // 4
         if len(parent) != keys.KEY_BYTES or not 0 < base < n:
             raise InvalidArgument(f"a piece needs a parent key and 0 < base < {n} tokens "
                                   f"(got a {len(parent)}-byte parent, base {base})")
-        record = seen_record(self._index, parent, tenants)
+        record = self._core.visible(parent, tenants)
         if record is None:
             with self._cond:
                 self.counters["saves_parent_gone"] += 1

@@ -13,7 +13,7 @@ from .. import keys
 from ..common import TIER_DISK, TIER_RAM
 from ..errors import Corrupt, LeaseLost, NotFound, WaitTimeout
 from ..index import Record
-from .core import Part, ReadPin, Seen, StoreCore, seen_record, with_usage
+from .core import Part, ReadPin, Seen, StoreCore, with_usage
 from .integrity import Integrity
 from .placement import RamPlacer
 
@@ -35,7 +35,7 @@ class Reads(Part):
         waited = False
         with self._cond:
             while True:
-                record = seen_record(self._index, key, tenants)
+                record = self._core.visible(key, tenants)
                 if record is not None:
                     break
                 if not self._leases.writing(key, tenants):

@@ -1,7 +1,7 @@
 """A removal that a client could have seen stays done after a crash at any instant.
 
 Each test prepares a data directory, kills a store process in the middle of one removal
-(a delete, a prune, an eviction, a quarantine, a RAM copy dropped; see
+(a delete, a prune, an eviction, a reclaimer's pass, a quarantine, a RAM copy dropped; see
 tests/support/kill_points.py for how a kill point is named and reached), with or without a
 power cut on top, restarts the store and checks what it finds:
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -160,6 +160,9 @@ REMOVALS = {
     "delete of an entry with two pieces built on it": dict(op="delete", ram=True, pieces=2),
     "prune": dict(op="prune", ram=True),
     "eviction": dict(op="evict", ram=False),
+    # The reclaimer takes the target's pieces, then the target (the least recently used),
+    # removing their files with the store lock let go.
+    "reclaimer's pass": dict(op="reclaim", ram=True, pieces=2),
     "quarantine with its RAM copy": dict(op="quarantine", ram=True),
 }
 
@@ -178,7 +181,12 @@ def kill_removal(tmp_path: Path, removal: str, kill_at: str, *, power_cut: bool 
                        **settings)
     if spec["op"] == "quarantine":
         damage_target(prepared)
-    killed = kill_during(prepared.config, str(spec["op"]), prepared.target.key,
+    config = prepared.config
+    if spec["op"] == "reclaim":
+        # The child's budget: the bystander alone is at the low watermark, so everything
+        # older goes. (No thread: the pass runs when the child asks for it.)
+        config = replace(config, disk_bytes=2 * blob_size(BYSTANDER), reclaim_low=0.5)
+    killed = kill_during(config, str(spec["op"]), prepared.target.key,
                          kill_at=kill_at, observe=prepared.removed, power_cut=power_cut,
                          new_tokens=new_tokens)
     return prepared, killed
@@ -243,12 +251,14 @@ def test_a_ram_copy_dropped_by_a_prune_stays_dropped_after_a_kill(tmp_path: Path
 
 
 @pytest.mark.parametrize("power_cut", [False, True], ids=["kill", "power cut"])
-def test_a_delete_with_pieces_and_ram_copies_killed_at_every_step_is_never_undone(
-        tmp_path: Path, power_cut: bool) -> None:
+@pytest.mark.parametrize("removal", ["delete of an entry with two pieces built on it",
+                                     "reclaimer's pass"])
+def test_a_removal_with_pieces_and_ram_copies_killed_at_every_step_is_never_undone(
+        tmp_path: Path, power_cut: bool, removal: str) -> None:
     """Whatever order the store takes its steps in: a kill (and a power cut) right after
     each index write, unlink, rename and directory fsync of the delete of an entry with
-    two pieces built on it, all with RAM copies."""
-    removal = "delete of an entry with two pieces built on it"
+    two pieces built on it, all with RAM copies, and of the reclaimer's pass that takes
+    them (its files removed with the store lock let go)."""
     clean = tmp_path / "clean"
     prepared, done = kill_removal(clean, removal, "never")
     assert not done.killed and set(done.gone()) == set(prepared.removed)

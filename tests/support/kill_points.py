@@ -2,8 +2,8 @@
 
 A test prepares a data directory in-process, then :func:`kill_during` runs a child process
 (``python -m kill_points SPEC``) that opens the store on it, performs one removal (a
-delete, a prune, an eviction, a quarantine, a RAM copy dropped) and SIGKILLs itself right
-after the step the spec names. The steps are watched where they happen (the file-system
+delete, a prune, an eviction, a reclaimer's pass, a quarantine, a RAM copy dropped) and
+SIGKILLs itself right after the step the spec names. The steps are watched where they happen (the file-system
 calls ``os.unlink``, ``os.rename``, ``os.replace`` and ``os.fsync`` of a directory, and
 every committed LMDB write transaction), and kill points are named by their effect, not by
 their place in the code, so the same kill point exists in any order the store may take:
@@ -56,7 +56,10 @@ BLOCK = 16
 
 
 def store_config(tmp_path: Path, **overrides: Any) -> StoreConfig:
-    settings: dict[str, Any] = {"min_free_bytes": 0, "block_size": BLOCK, **overrides}
+    """No reclaimer thread unless asked for (its watermarks at 100%): a removal takes the
+    same steps every time."""
+    settings: dict[str, Any] = {"min_free_bytes": 0, "block_size": BLOCK, "reclaim_low": 1.0,
+                                "reclaim_high": 1.0, **overrides}
     return StoreConfig(root=tmp_path / "data", ram_dir=tmp_path / "ram", **settings)
 
 
@@ -227,6 +230,8 @@ def run_operation(store: Store, spec: dict[str, Any]) -> None:
         assert store.check_entry(key) is not None, "the damaged blob passed its check"
     elif op == "evict":
         save(store, spec["new_tokens"])
+    elif op == "reclaim":  # the reclaimer's pass, down to its low watermark
+        store.reclaim(force=True)
     else:
         raise ValueError(f"unknown operation {op!r}")
 
@@ -273,7 +278,8 @@ def kill_during(config: StoreConfig, op: str, key: bytes, *, kill_at: str,
     spec = {
         "root": str(config.root), "ram_dir": str(config.ram_dir),
         "settings": {"block_size": config.block_size, "min_free_bytes": config.min_free_bytes,
-                     "disk_bytes": config.disk_bytes, "ram_bytes": config.ram_bytes},
+                     "disk_bytes": config.disk_bytes, "ram_bytes": config.ram_bytes,
+                     "reclaim_low": config.reclaim_low, "reclaim_high": config.reclaim_high},
         "op": op, "key": key.hex(), "watch": (watch or key).hex(), "kill_at": kill_at,
         "observe": [k.hex() for k in (observe or [key])], "new_tokens": new_tokens or [],
         "report": str(work / "kill-report.json"), "limbo": str(work / "limbo"),

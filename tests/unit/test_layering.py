@@ -39,7 +39,7 @@ STORE_LAYERS = (
     ("core", "policy", "quotas", "ownership"),
     ("ramtier", "entries"),
     ("eviction",),
-    ("placement",),
+    ("placement", "reclaim"),
     ("integrity",),
     ("reads", "publish", "listing"),
     ("prune", "reconcile"),
