@@ -140,20 +140,20 @@ class Reconcile(Part):
 
     def _check_ram_copies(self) -> None:
         """Make the RAM flags follow the RAM tier's files: whole <key>.kvc copies only,
-        one per entry, of the entry's size. Reads the RAM tier's files and the index's
-        list of copies, never every entry."""
+        one per entry. Compares the RAM tier's names with the index's list of copies and
+        reads the rows of the differences only (a copy is renamed into place whole, so a
+        name there is a whole copy: after a clean shutdown only a reboot changes them)."""
         in_ram = self._ram_copies()
         fixes: list[Record] = []
         for key in self._index.order.ram_keys():
-            record = self._index.get(key)
             path = in_ram.pop(key, None)
+            if path is not None:
+                continue
+            record = self._index.get(key)
             if record is None:
                 continue
-            if path is None or path.stat().st_size != record.size:
-                if path is not None:
-                    path.unlink(missing_ok=True)
-                self._tally.ram_copy_dropped(record)
-                fixes.append(replace(record, in_ram=False))
+            self._tally.ram_copy_dropped(record)
+            fixes.append(replace(record, in_ram=False))
         for key, path in in_ram.items():
             record = self._index.get(key)
             if record is not None and not record.in_ram \
