@@ -30,9 +30,16 @@ class Reads(Part):
     def open_read(self, key: bytes, wait_ms: int = 0, tenants: Seen = None) -> ReadPin:
         """Pin a published entry for reading and say where its bytes are. A key being
         written is waited for, up to ``wait_ms``, on Store._cond (a commit or an abort
-        wakes the waiters). Another tenant's entry (``tenants``) is a key nobody saved."""
+        wakes the waiters). Another tenant's entry (``tenants``) is a key nobody saved.
+        After a crash, an entry the recovery has not reached is checked first
+        (Integrity.check_if_unchecked)."""
         deadline = time.monotonic() + wait_ms / 1000.0
         waited = False
+        if not self._integrity.check_if_unchecked(key):
+            with self._cond:
+                self.counters["read_misses"] += 1
+            raise NotFound(f"entry {key.hex()} is damaged in the index; the next start-up "
+                           "rebuilds it from its blob")
         with self._cond:
             while True:
                 record = self._core.visible(key, tenants)

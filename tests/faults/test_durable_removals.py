@@ -32,6 +32,7 @@ from kvcache.errors import StoreError
 from kvcache.index import Record
 from kvcache.store import Store, StoreConfig
 from tests.support.kill_points import Killed, blob_size, kill_during, payload, save, store_config
+from tests.support.stores import recovered
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -113,6 +114,7 @@ def check_after_restart(prepared: Prepared, killed: Killed, *, whole: bool = Tru
     quarantine), so if it is still there its bytes are not compared."""
     store = Store(prepared.config)
     try:
+        recovered(store)  # after a kill the check runs in the background
         rows = assert_index_and_files_agree(store)
         back = sorted(k.hex() for k in killed.gone() if k in rows)
         assert back == [], f"removed (their rows gone at the kill), back after restart: {back}"

@@ -64,7 +64,7 @@ def present(store: Store, *token_lists: list[int]) -> list[bool]:
 
 def recovered(store: Store) -> None:
     """Wait until the store's start-up recovery (after a crash) has checked everything."""
-    wait_for(lambda: store.stats()["recovery"]["state"] == "done",
+    wait_for(lambda: store.recovery().state in ("none", "done"),
              "the start-up recovery to finish", timeout=60)
 
 

@@ -43,6 +43,7 @@ STORE_LAYERS = (
     ("integrity",),
     ("reads", "publish", "listing"),
     ("prune", "reconcile"),
+    ("recovery",),
     ("facade",),
     ("__init__",),
 )

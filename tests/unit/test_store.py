@@ -47,6 +47,7 @@ from tests.support.stores import (
     ram_settled,
     raw,
     read_all,
+    recovered,
 )
 
 # -- publish protocol -----------------------------------------------------------------------
@@ -301,6 +302,7 @@ def test_an_entry_without_passes_rows_gets_them_at_start_up_and_keeps_its_row(
     index.close()
     os.unlink(store.ram_path(record.key))  # as after a reboot: the RAM copy is gone
     reopened = make_store()
+    recovered(reopened)  # no clean-shutdown record: checked in the background
     assert lcp(reopened, prompt[:50]) == (90, 50)
     row = reopened.index.get(record.key)
     assert row.pinned and not row.in_ram  # the RAM fix made at start-up stands
