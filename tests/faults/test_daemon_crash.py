@@ -6,6 +6,7 @@ kill the daemon serves at once and checks index and files in the background
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import threading
@@ -20,6 +21,7 @@ from harness.payloads import blob_bytes
 from kvcache import keys
 from kvcache.client import CacheClient, CacheError, Identity
 from kvcache.v1 import kvcache_pb2 as pb
+from tests.support.commands import cli_many, ok
 from tests.support.daemon_proc import DaemonProcess, wait_for
 from tests.support.entries import (
     BLOCK,
@@ -227,3 +229,48 @@ def test_start_up_rebuilds_the_index_from_blobs_alone(daemon_factory: DaemonFact
         assert c.lookup(IDENT, toks(12, 50)) is None, "the tenant's entry leaked"
         check_every_entry(d, c)
 
+
+def test_a_daemon_killed_while_it_checks_after_a_crash_loses_nothing(
+        daemon_factory: DaemonFactory) -> None:
+    """Killed again while the background check after a first kill runs, with saves and a
+    delete answered meanwhile: the next start-up checks again, every acknowledged save is
+    there and whole, and neither the deleted entry nor the rows whose blob the first kill
+    took come back."""
+    d = daemon_factory("--block-size", str(BLOCK))
+    small = functools.partial(payloads.payload_for, size=500)
+    with d.client() as c:
+        saved = {}
+        for i in range(600):  # enough that the check is still running at the second kill
+            tokens = toks(50_000 + i, 20)
+            saved[c.save(IDENT, tokens, small(tokens), "cold").key] = tokens
+    d.kill()
+    cut_short = list(saved)[:5]
+    for key in cut_short:  # removals cut short by the kill: rows without their blobs
+        blob_file(d, key).unlink()
+    d.start()
+    with d.client() as c:
+        for i in range(20):
+            tokens = toks(60_000 + i, 25)
+            result = c.save(IDENT, tokens, small(tokens), "cold")
+            assert result.status == "saved", result
+            saved[result.key] = tokens
+        deleted = list(saved)[10]
+        assert c.delete(deleted) == 0  # nothing built on it
+        assert c.lookup(IDENT, saved[deleted]) is None
+        assert c.stats().recovery.state == "running", "the check ended before the kill"
+    d.kill()
+    d.start()
+    with d.client() as c:
+        recovered(c)
+        expected = {k: t for k, t in saved.items() if k not in {*cut_short, deleted}}
+        assert {e.key for e in c.list_entries()} == set(expected)
+        for key, tokens in expected.items():
+            assert bytes(c.load(key).payload) == small(tokens), f"{key.hex()} changed"
+        assert [r.key.hex() for r in c.verify() if not r.ok] == []
+    # The operator sees what the check found.
+    summary, data = cli_many(("stats", "-a", d.address), ("stats", "--json", "-a", d.address))
+    recovery = json.loads(ok(data))["recovery"]
+    assert recovery["state"] == "done" and len(expected) <= recovery["entries"] < len(saved)
+    assert recovery["entries_checked"] >= len(expected)
+    assert f"after a crash: {recovery['entries_checked']} entries checked" in ok(summary)
+    assert leftovers(d) == []

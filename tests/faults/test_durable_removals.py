@@ -26,12 +26,24 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
+from harness import payloads
 
 from kvcache import blob as blobfmt
+from kvcache import keys
 from kvcache.errors import StoreError
-from kvcache.index import Record
+from kvcache.index import Index, Record
 from kvcache.store import Store, StoreConfig
-from tests.support.kill_points import Killed, blob_size, kill_during, payload, save, store_config
+from tests.support.kill_points import (
+    BLOCK,
+    IDENT,
+    NS,
+    Killed,
+    blob_size,
+    kill_during,
+    payload,
+    save,
+    store_config,
+)
 from tests.support.stores import recovered
 
 
@@ -269,6 +281,61 @@ def test_a_removal_with_pieces_and_ram_copies_killed_at_every_step_is_never_undo
         prepared, killed = kill_removal(tmp_path / f"step{step}", removal, f"step:{step}",
                                         power_cut=power_cut)
         assert killed.steps == done.steps[:step], "the delete took other steps this time"
+        check_after_restart(prepared, killed)
+        shutil.rmtree(tmp_path / f"step{step}")
+
+
+def crashed(tmp_path: Path) -> tuple[Prepared, bytes]:
+    """A data directory as a kill leaves it (no clean-shutdown record) in the middle of the
+    delete of an entry with two pieces built on it, all with RAM copies (the entry's blob
+    gone, the rows there), with a publish cut short (a blob without its row: its key is
+    returned) and the bystander's RAM copy lost."""
+    prepared = prepare(tmp_path, ram=True, pieces=2)
+    assert prepared.bystander is not None
+    orphan_tokens = tokens(4, 30)
+    store = Store(prepared.config)
+    try:
+        target_blob = store.blob_path(prepared.target.key)
+        lost_copy = store.ram_path(prepared.bystander.key)
+        orphan = keys.entry_key(NS, orphan_tokens, BLOCK).key
+        orphan_blob = store.blob_path(orphan)
+    finally:
+        store.close()
+    index = Index(prepared.config.root / "index")
+    index.mark_open()  # a killed daemon writes no clean-shutdown record
+    index.close()
+    target_blob.unlink()
+    lost_copy.unlink()
+    orphan_blob.parent.mkdir(exist_ok=True)
+    orphan_blob.write_bytes(payloads.blob_bytes(IDENT, orphan_tokens, payload(orphan_tokens)))
+    prepared.saved[orphan] = (orphan_tokens, 0)
+    return prepared, orphan
+
+
+@pytest.mark.parametrize("power_cut", [False, True], ids=["kill", "power cut"])
+def test_the_check_after_a_crash_killed_at_every_step_undoes_nothing(
+        tmp_path: Path, power_cut: bool) -> None:
+    """The background check after a crash (kvcache.store.recovery) removes the rows whose
+    blob is gone with what is built on them, indexes a blob without its row and clears a
+    lost RAM copy's flag: killed (and with a power cut) right after each of its steps, the
+    next start-up's check finishes the job, and nothing it removed comes back."""
+    prepared, orphan = crashed(tmp_path / "clean")
+    done = kill_during(prepared.config, "recover", prepared.target.key, kill_at="never",
+                       observe=prepared.removed)
+    assert not done.killed and set(done.gone()) == set(prepared.removed)
+    check_after_restart(prepared, done)
+    store = Store(prepared.config)
+    try:
+        rows = {r.key: r for r in store.index.records()}
+        assert orphan in rows, "the blob without its row was not indexed"
+    finally:
+        store.close()
+    for step in range(1, len(done.steps) + 1):
+        prepared, orphan = crashed(tmp_path / f"step{step}")
+        killed = kill_during(prepared.config, "recover", prepared.target.key,
+                             kill_at=f"step:{step}", observe=prepared.removed,
+                             power_cut=power_cut)
+        assert killed.steps == done.steps[:step], "the check took other steps this time"
         check_after_restart(prepared, killed)
         shutil.rmtree(tmp_path / f"step{step}")
 
