@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import multiprocessing
 import os
 import random
@@ -435,11 +436,14 @@ def bench_size(ws: Workspace, n: int, s: Settings) -> dict[str, Any]:
                   # Saves that had to make room themselves: the reclaimer fell behind.
                   "evictions_disk_inline": st.counters["evictions_disk_inline"],
                   "evictions_ram_inline": st.counters["evictions_ram_inline"]}
-    memory = rss(d)
+    result = {"loadavg_at_end": [round(x, 2) for x in os.getloadavg()], "fill": fill,
+              "start_up": startup, "ls": ls, "saves": saves, "lookups": lookups,
+              "tiers_at_end": at_end, "daemon_memory_at_end": rss(d)}
+    # Removing N files takes minutes on a busy machine: the figures are logged first.
+    bl.log(f"{n} entries: {json.dumps(result)}")
+    bl.log(f"{n} entries: removing the data directory")
     ws.remove(d)
-    return {"loadavg_at_end": [round(x, 2) for x in os.getloadavg()], "fill": fill,
-            "start_up": startup, "ls": ls, "saves": saves, "lookups": lookups,
-            "tiers_at_end": at_end, "daemon_memory_at_end": memory}
+    return result
 
 
 # -- real SmolLM2 states ---------------------------------------------------------------------
