@@ -15,7 +15,8 @@ folder, then the rows in one index transaction; then it accounts for them under 
 again. So saves, reads and lookups go on while a batch's files are unlinked and fsynced,
 and a crash at any step leaves what a crash inside any removal leaves: rows whose files
 are gone, which start-up drops, never a file whose row is gone
-(tests/faults/test_durable_removals.py::test_a_reclaim_killed_at_every_step_is_never_undone).
+(tests/faults/test_durable_removals.py::
+test_a_removal_with_pieces_and_ram_copies_killed_at_every_step_is_never_undone).
 
 RAM copies go a smaller batch at a time with the store lock held throughout
 (RamCopies.drop_ram_copies): a read must never be sent to a copy being unlinked.
