@@ -71,8 +71,17 @@ SECTIONS: dict[str, dict[str, str]] = {
     },
     "tiers": {
         "ram_placements": "Entries copied into the RAM tier",
-        "evictions_ram": "RAM copies dropped to make room in the RAM tier",
-        "evictions_disk": "Entries evicted to make room in the disk tier",
+        "evictions_ram": "RAM copies dropped to make room in the RAM tier (by the "
+                         "reclaimer or by a placement)",
+        "evictions_disk": "Entries evicted to make room in the disk tier (by the reclaimer "
+                          "or by a save)",
+        "evictions_disk_inline": "Entries a save evicted itself: the reclaimer had not made "
+                                 "the room it needed (part of evictions_disk)",
+        "evictions_ram_inline": "RAM copies a placement dropped itself: the reclaimer had "
+                                "not made the room (part of evictions_ram)",
+        "reclaims_disk": "Reclaimer passes over the disk tier: it held more than its high "
+                         "watermark (--reclaim-high) and gave up entries down to the low one",
+        "reclaims_ram": "Reclaimer passes over the RAM tier (as reclaims_disk)",
         "evictions_quota_disk": "Entries evicted to make room within their tenant's disk "
                                 "quota (--tenant-disk-quota)",
         "evictions_quota_ram": "RAM copies dropped to make room within their tenant's RAM "

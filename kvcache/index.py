@@ -319,21 +319,32 @@ class Index:
             return None
         return state
 
+    def has_shutdown_record(self) -> bool:
+        """Whether a clean-shutdown record is there, current or not (none: the last
+        daemon on this index was killed, or never shut down cleanly)."""
+        with self.env.begin(db=self._meta) as txn:
+            return txn.get(_CLEAN) is not None
+
     def mark_open(self) -> None:
         """Forget the clean-shutdown record: from now on a crash is possible."""
         with self.env.begin(write=True, db=self._meta) as txn:
             txn.delete(_CLEAN)
 
-    def audit(self) -> tuple[list[Record], dict[bytes, dict[str, Any]]]:
-        """Check every row without reading a blob (start-up): the records that hold
-        together, and the keys of those that do not (undecodable, not matching their seal,
-        filed under another key, with a missing or different anchor row), each with its
-        well-typed usage fields, so that re-indexing its blob from the header keeps hits
-        and pin."""
+    def audit(self, start: bytes = b"", stop: bytes | None = None
+              ) -> tuple[list[Record], dict[bytes, dict[str, Any]]]:
+        """Check every row (of the keys from ``start`` up to ``stop``, when given) without
+        reading a blob: the records that hold together, and the keys of those that do not
+        (undecodable, not matching their seal, filed under another key, with a missing or
+        different anchor row), each with its well-typed usage fields, so that re-indexing
+        its blob from the header keeps hits and pin."""
         good: list[Record] = []
         bad: dict[bytes, dict[str, Any]] = {}  # field -> a value of its type
         with self.env.begin() as txn:
-            for key, data in txn.cursor(db=self._entries):
+            cursor = txn.cursor(db=self._entries)
+            found = cursor.set_range(start)
+            for key, data in cursor if found else ():
+                if stop is not None and key >= stop:
+                    break
                 try:
                     raw = msgpack.unpackb(data, raw=False)
                     # Every field, as pack() writes them: a missing one would take a default.

@@ -19,8 +19,15 @@ them (tests/unit/test_ordering.py holds each table against a full sort after ran
   neither pinned nor built on by a pinned entry
 * ``ram_tail``  use key -> b"" for the RAM copies of entries a pinned entry is built on
 * ``ram_keys``  key -> b"" for every entry with a RAM copy
+* ``tenant_leaves``, ``tenant_ram_order``, ``tenant_ram_tail``: ``leaves``, ``ram_order``
+  and ``ram_tail`` again, each row behind its entry's *tenant prefix* (16 bytes of its
+  tenant label's hash): one tenant's own order is a range of its own, so a tenant at its
+  quota finds its next victim in O(log n), never walking past other tenants' entries (a
+  tenant's pieces are built only on its own entries: its tree is its own)
 * rows in ``meta``: the bytes that can never be evicted from disk (pinned entries and what
-  they are built on) and the bytes of pinned entries' RAM copies
+  they are built on) and the bytes of pinned entries' RAM copies; and, with the
+  ``pin_ends`` table, the sums of kvcache.index_sums (each tenant's bytes per tier, the
+  expiring pins by end)
 
 A *use key* is the entry's last touch (policy.eviction_order's), its creation time and its
 key, each packed so that byte order is numeric order: a cursor walks entries in exactly
@@ -48,7 +55,10 @@ from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Se
 from dataclasses import dataclass, replace
 
 import lmdb
+import xxhash
 
+from . import index_sums
+from .index_sums import PIN_ENDS, Usage, entry_usage
 from .keys import KEY_BYTES
 from .record import Record
 
@@ -60,10 +70,19 @@ _SIGN = 1 << 63
 _ALL = (1 << 64) - 1
 
 TABLES = ("children", "by_use", "leaves", "tree", "kids", "ram_order", "ram_tail",
-          "ram_keys")
+          "ram_keys", "tenant_leaves", "tenant_ram_order", "tenant_ram_tail", PIN_ENDS)
 _PROTECTED = b"order.protected_bytes"
 _PINNED_RAM = b"order.pinned_ram_bytes"
 _IN_SYNC = b"order.in_sync"
+# The tables' version, kept in the _IN_SYNC row: tables of another version (1: before
+# the tenant tables and the sums) are rebuilt from the rows at start-up.
+_VERSION = b"2"
+TENANT_PREFIX_BYTES = 16
+
+
+def tenant_prefix(tenant_id: str) -> bytes:
+    """The fixed-length prefix of a tenant's rows in the tenant tables."""
+    return xxhash.xxh3_128_digest(tenant_id.encode())
 
 
 def sortable(x: float) -> bytes:
@@ -103,11 +122,25 @@ class _Node:
     depth: int
     pinned_below: int  # pinned entries built on it, directly or not
     kids: int  # entries built directly on it
+    tenant_id: str
+    logical: int  # Record.logical_size
+    pin_expires: float
 
     @property
     def protected(self) -> bool:
         """Never evicted from disk while so: pinned, or a pinned entry is built on it."""
         return self.pinned or self.pinned_below > 0
+
+    @property
+    def usage(self) -> Usage:
+        return entry_usage(self.size, self.logical, self.in_ram)
+
+
+def _node_of(record: Record, use: bytes, subtree: bytes, depth: int, below: int,
+             kids: int) -> _Node:
+    return _Node(record.key, record.parent, record.size, record.pinned, record.in_ram, use,
+                 subtree, depth, below, kids, record.tenant_id, record.logical_size,
+                 record.pin_expires if record.pinned else 0.0)
 
 
 class OrderTables:
@@ -123,10 +156,10 @@ class OrderTables:
         self._unpack = unpack
         self._db = {name: env.open_db(name.encode()) for name in TABLES}
         with env.begin(write=True) as txn:
-            if txn.stat(entries)["entries"] == 0 and txn.get(_IN_SYNC, db=meta) is None:
+            if txn.stat(entries)["entries"] == 0 and txn.get(_IN_SYNC, db=meta) != _VERSION:
                 self._clear(txn)  # a new index: empty tables describe it
         with env.begin() as txn:
-            self.in_sync = txn.get(_IN_SYNC, db=meta) is not None
+            self.in_sync = txn.get(_IN_SYNC, db=meta) == _VERSION
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -155,8 +188,7 @@ class OrderTables:
             subtree, depth, below, kids = _TREE.unpack(row)
         else:
             subtree, depth, below, kids = use, 0, 0, self._count_kids(txn, record.key)
-        return _Node(record.key, record.parent, record.size, record.pinned, record.in_ram,
-                     use, subtree, depth, below, kids)
+        return _node_of(record, use, subtree, depth, below, kids)
 
     def children(self, txn: lmdb.Transaction[bytes], key: bytes) -> list[bytes]:
         cursor = txn.cursor(db=self._db["children"])
@@ -184,41 +216,59 @@ class OrderTables:
 
     # -- filing -----------------------------------------------------------------------------
 
-    def _file(self, txn: lmdb.Transaction[bytes], n: _Node) -> None:
+    def _file(self, txn: lmdb.Transaction[bytes], n: _Node, sums: bool = True) -> None:
         db = self._db
+        tenant = tenant_prefix(n.tenant_id)
         txn.put(n.key, _TREE.pack(n.subtree, n.depth, n.pinned_below, n.kids), db=db["tree"])
         txn.put(n.use, b"", db=db["by_use"])
         if n.parent:
             txn.put(n.parent + n.subtree + n.key, b"", db=db["kids"])
         if not n.kids and not n.pinned:
             txn.put(n.use, b"", db=db["leaves"])
+            txn.put(tenant + n.use, b"", db=db["tenant_leaves"])
         if n.in_ram:
             txn.put(n.key, b"", db=db["ram_keys"])
             if not n.pinned:
                 if n.pinned_below:
                     txn.put(n.use, b"", db=db["ram_tail"])
+                    txn.put(tenant + n.use, b"", db=db["tenant_ram_tail"])
                 else:
                     txn.put(_ram_order_key(n), b"", db=db["ram_order"])
+                    txn.put(tenant + _ram_order_key(n), b"", db=db["tenant_ram_order"])
+        if n.pin_expires:
+            txn.put(sortable(n.pin_expires) + n.key, b"", db=db[PIN_ENDS])
         self._add(txn, _PROTECTED, n.size if n.protected else 0)
         self._add(txn, _PINNED_RAM, n.size if n.pinned and n.in_ram else 0)
+        if sums:
+            index_sums.add_usage(txn, self._meta, n.tenant_id, n.usage, 1)
 
-    def _unfile(self, txn: lmdb.Transaction[bytes], n: _Node) -> None:
+    def _unfile(self, txn: lmdb.Transaction[bytes], n: _Node, sums: bool = True) -> None:
         db = self._db
+        tenant = tenant_prefix(n.tenant_id)
         txn.delete(n.key, db=db["tree"])
         txn.delete(n.use, db=db["by_use"])
         if n.parent:
             txn.delete(n.parent + n.subtree + n.key, db=db["kids"])
         txn.delete(n.use, db=db["leaves"])
+        txn.delete(tenant + n.use, db=db["tenant_leaves"])
         txn.delete(n.key, db=db["ram_keys"])
         txn.delete(n.use, db=db["ram_tail"])
+        txn.delete(tenant + n.use, db=db["tenant_ram_tail"])
         txn.delete(_ram_order_key(n), db=db["ram_order"])
+        txn.delete(tenant + _ram_order_key(n), db=db["tenant_ram_order"])
+        if n.pin_expires:
+            txn.delete(sortable(n.pin_expires) + n.key, db=db[PIN_ENDS])
         self._add(txn, _PROTECTED, -n.size if n.protected else 0)
         self._add(txn, _PINNED_RAM, -n.size if n.pinned and n.in_ram else 0)
+        if sums:
+            index_sums.add_usage(txn, self._meta, n.tenant_id, n.usage, -1)
 
     def _refile(self, txn: lmdb.Transaction[bytes], old: _Node, new: _Node) -> None:
         if old != new:
-            self._unfile(txn, old)
-            self._file(txn, new)
+            # The sums change only when what the entry holds does (not on a read).
+            sums = (old.tenant_id, old.usage) != (new.tenant_id, new.usage)
+            self._unfile(txn, old, sums)
+            self._file(txn, new, sums)
 
     def _up(self, txn: lmdb.Transaction[bytes], key: bytes, pinned_delta: int,
             kids_delta: int = 0) -> None:
@@ -253,9 +303,8 @@ class OrderTables:
             depth = _TREE.unpack(parent)[1] + 1 if parent else 0
             txn.put(record.parent + record.key, b"", db=self._db["children"])
         use = record_use_key(record)
-        self._file(txn, _Node(record.key, record.parent, record.size, record.pinned,
-                              record.in_ram, use, max(use, self._max_kid(txn, record.key)),
-                              depth, 0, self._count_kids(txn, record.key)))
+        self._file(txn, _node_of(record, use, max(use, self._max_kid(txn, record.key)),
+                                 depth, 0, self._count_kids(txn, record.key)))
         if record.parent:
             self._up(txn, record.parent, int(record.pinned), 1)
 
@@ -283,14 +332,15 @@ class OrderTables:
         """An entry's usage, pin or RAM copy changed (its row rewritten)."""
         if not self.in_sync:
             return
-        if (old.parent, old.size) != (new.parent, new.size):
+        if (old.parent, old.size, old.tenant_id) != (new.parent, new.size, new.tenant_id):
             self.removed(txn, [old])
             self.added(txn, new)
             return
         before = self._node(txn, old)
         use = record_use_key(new)
         after = replace(before, pinned=new.pinned, in_ram=new.in_ram, use=use,
-                        subtree=max(use, self._max_kid(txn, new.key)))
+                        subtree=max(use, self._max_kid(txn, new.key)),
+                        pin_expires=new.pin_expires if new.pinned else 0.0)
         if after == before:
             return
         self._refile(txn, before, after)
@@ -304,7 +354,8 @@ class OrderTables:
             txn.drop(db, delete=False)
         for name in (_PROTECTED, _PINNED_RAM):
             txn.delete(name, db=self._meta)
-        txn.put(_IN_SYNC, b"1", db=self._meta)
+        index_sums.clear_usage(txn, self._meta)
+        txn.put(_IN_SYNC, _VERSION, db=self._meta)
 
     def cleared(self, txn: lmdb.Transaction[bytes]) -> None:
         """Every entry row was dropped: the tables are emptied too."""
@@ -325,8 +376,7 @@ class OrderTables:
         kids: dict[bytes, list[bytes]] = {}
         for i, r in enumerate(records, 1):
             use = record_use_key(r)
-            nodes[r.key] = _Node(r.key, r.parent, r.size, r.pinned, r.in_ram, use, use,
-                                 0, 0, False)
+            nodes[r.key] = _node_of(r, use, use, 0, 0, 0)
             if progress is not None and i % 100_000 == 0:
                 progress(i)
         for node in nodes.values():
@@ -359,22 +409,23 @@ class OrderTables:
                 self._file(txn, replace(n, parent=parent, subtree=subtree[key],
                                         depth=depth[key], pinned_below=below[key],
                                         kids=len(kids.get(key, ()))))
-            txn.put(_IN_SYNC, b"1", db=self._meta)
+            txn.put(_IN_SYNC, _VERSION, db=self._meta)
         self.in_sync = True
 
     # -- what goes first --------------------------------------------------------------------
 
-    def disk_victims(self, held: Set[bytes], pending: Mapping[bytes, float]
-                     ) -> Generator[bytes, None, None]:
+    def disk_victims(self, held: Set[bytes], pending: Mapping[bytes, float],
+                     tenant_id: str | None = None) -> Generator[bytes, None, None]:
         """The entries in the order the disk tier gives them up, each as if the ones
         before it were gone (policy.leaf_first_order's order): least recently used first
         among the leaves neither pinned nor ``held``, a parent joining once every entry
         built on it has come. Reads not yet in the index (``pending``: key -> time) are
-        counted in. One snapshot: O(log n) per entry, whatever the tier holds."""
+        counted in. With ``tenant_id``, that tenant's entries only, in the same order.
+        One snapshot: O(log n) per entry, whatever the tier (or other tenants) hold."""
         with self._env.begin() as txn:
             joined: list[bytes] = []  # use keys: parents now leaves, leaves read since
             left: dict[bytes, int] = {}  # parent -> its children not yet come
-            leaves = self._leaves(txn, held, pending, joined)
+            leaves = self._leaves(txn, held, pending, joined, tenant_id)
             upcoming = next(leaves, None)
             while upcoming is not None or joined:
                 if upcoming is None or (joined and joined[0] < upcoming):
@@ -397,10 +448,11 @@ class OrderTables:
                     heapq.heappush(joined, record_use_key(above, pending.get(parent, 0.0)))
 
     def _leaves(self, txn: lmdb.Transaction[bytes], held: Set[bytes], pending: Mapping[bytes, float],
-                moved: list[bytes]) -> Iterator[bytes]:
-        """The ``leaves`` table's use keys in order, without the held entries; one read
-        since its row was written goes onto the heap ``moved`` at its new place."""
-        for use in txn.cursor(db=self._db["leaves"]).iternext(values=False):
+                moved: list[bytes], tenant_id: str | None) -> Iterator[bytes]:
+        """The ``leaves`` table's use keys in order (a tenant's range of
+        ``tenant_leaves``), without the held entries; one read since its row was written
+        goes onto the heap ``moved`` at its new place."""
+        for use in self._rows(txn, "leaves", tenant_id):
             key = use[-KEY_BYTES:]
             if key in held:
                 continue
@@ -410,22 +462,39 @@ class OrderTables:
                 continue
             yield use
 
-    def disk_victim(self, held: Set[bytes], pending: Mapping[bytes, float]) -> bytes | None:
-        """The entry the disk tier gives up next (None when nothing may go)."""
-        return next(self.disk_victims(held, pending), None)
+    def _rows(self, txn: lmdb.Transaction[bytes], table: str, tenant_id: str | None
+              ) -> Iterator[bytes]:
+        """The rows of ``table`` in order, or of its tenant table those of ``tenant_id``
+        (without their prefix): one seek, then a row a step."""
+        if tenant_id is None:
+            yield from txn.cursor(db=self._db[table]).iternext(values=False)
+            return
+        prefix = tenant_prefix(tenant_id)
+        cursor = txn.cursor(db=self._db[f"tenant_{table}"])
+        if cursor.set_range(prefix):
+            for row in cursor.iternext(values=False):
+                if row[:TENANT_PREFIX_BYTES] != prefix:
+                    return
+                yield row[TENANT_PREFIX_BYTES:]
 
-    def ram_victims(self, held: Set[bytes], pending: Mapping[bytes, float]
-                    ) -> Generator[bytes, None, None]:
+    def disk_victim(self, held: Set[bytes], pending: Mapping[bytes, float],
+                    tenant_id: str | None = None) -> bytes | None:
+        """The entry the disk tier gives up next (None when nothing may go)."""
+        return next(self.disk_victims(held, pending, tenant_id), None)
+
+    def ram_victims(self, held: Set[bytes], pending: Mapping[bytes, float],
+                    tenant_id: str | None = None) -> Generator[bytes, None, None]:
         """The RAM copies in the order the RAM tier gives them up (Evictor's RAM order:
         policy.leaf_first_order's, then the entries a pinned or ``held`` entry is built on
-        by their own last use), without the pinned and ``held`` ones. Dropping a copy
-        changes no other's place: one pass over one snapshot serves a whole make-room."""
+        by their own last use), without the pinned and ``held`` ones; with ``tenant_id``,
+        that tenant's copies only. Dropping a copy changes no other's place: one pass
+        over one snapshot serves a whole make-room."""
         with self._env.begin() as txn:
             behind_held = self._ancestors(txn, held)
             raised = self._subtree_reads(txn, pending)
             moved: list[bytes] = []
             tail: list[bytes] = []  # the held entries' ancestors, by own use key
-            for row in txn.cursor(db=self._db["ram_order"]).iternext(values=False):
+            for row in self._rows(txn, "ram_order", tenant_id):
                 key = row[-KEY_BYTES:]
                 if key in held:
                     continue
@@ -442,7 +511,7 @@ class OrderTables:
             while moved:
                 yield heapq.heappop(moved)[-KEY_BYTES:]
             heapq.heapify(tail)
-            for use in txn.cursor(db=self._db["ram_tail"]).iternext(values=False):
+            for use in self._rows(txn, "ram_tail", tenant_id):
                 key = use[-KEY_BYTES:]
                 if key in held:
                     continue
@@ -517,6 +586,16 @@ class OrderTables:
                     total += record.size
                     key = record.parent
             return total
+
+    def tenant_usage(self) -> dict[str, Usage]:
+        """What each tenant's entries hold in each tier (kvcache.index_sums)."""
+        with self._env.begin() as txn:
+            return index_sums.tenant_usage(txn, self._meta)
+
+    def pin_end_keys(self) -> list[bytes]:
+        """The entries pinned until a time, soonest end first."""
+        with self._env.begin() as txn:
+            return list(index_sums.pin_end_keys(txn, self._db[PIN_ENDS]))
 
     def pinned_ram_bytes(self) -> int:
         """Bytes of the RAM copies of pinned entries."""

@@ -11,15 +11,20 @@ entries of 64 tokens and ~2 KB (the issue's workload):
 
 1. ``fill``: N blob files written straight into a data directory, then indexed by the
    daemon's start-up from their headers (a lost index rebuilt: timed, progress in its log).
-2. ``start_up``: spawn to first Stats answer after a clean shutdown (the index intact),
-   and after a kill -9 (every row and file checked again); the daemon's RSS after each.
+2. ``start_up``: from the spawn to the first Stats answer, the first hit of an entry
+   present all along (lookup and load) and a save answered, after a clean shutdown (the
+   index intact) and after a kill -9 (the daemon serves at once and checks index and files
+   in the background: how long that check takes, and the daemon's RSS before and after).
+   Targets: first hit < 2 s after a clean stop, < 5 s after a kill.
 3. ``saves``: saves/s of 4 writer processes (``CacheClient.save``, the same-host path)
-   with both tiers at their budgets (every save evicts an entry from disk and a copy from
-   RAM) vs the same daemon settings on an empty directory, alternating rounds.
-   Target: full / empty >= 0.8.
+   with both tiers at their budgets (each save's room is made by evictions from disk and
+   RAM: the reclaimer's, ahead of it, or its own when the reclaimer falls behind, counted
+   as ``evictions_*_inline``) vs the same daemon settings on an empty directory,
+   alternating rounds.
+   Target: full / empty >= 0.9.
 4. ``lookups``: one client's longest-common-prefix lookups (what the runtime asks) of
-   entries present, idle vs while the 4 writers save, alternating rounds. Target: p99
-   loaded / idle <= 1.2 and p99 loaded < 2 ms.
+   entries present, idle vs while the 4 writers save, alternating rounds. Targets: p99
+   loaded / idle <= 2 and median loaded < 2 ms.
 5. ``ls``: ``kvcache ls`` to its first line, and ``kvcache ls --limit 50`` to its end; a
    dry-run ``prune --reason manual`` (a filter reads every entry) to its end.
 6. RSS of the daemon (VmRSS, VmHWM from /proc) after start-up and after the rounds.
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import multiprocessing
 import os
 import random
@@ -329,19 +335,61 @@ def time_ls(d: bl.Daemon) -> dict[str, float]:
             "prune_scan_dry_run_s": round(time.monotonic() - t0, 3)}
 
 
-def start_ups(d: bl.Daemon, repeats: int, timeout: float) -> dict[str, Any]:
-    """After a clean shutdown (intact index) ``repeats`` times, then after a kill -9."""
+def first_hit(d: bl.Daemon, tokens: list[int], timeout: float) -> dict[str, float]:
+    """Spawn ``d`` and time what a runtime sees: the first Stats answer, the first lookup
+    that hits ``tokens`` and its load (a read of the whole entry), and one save answered;
+    seconds from the spawn."""
+    t0 = time.monotonic()
+    d.start(timeout=timeout)
+    with d.client(timeout=60.0) as c:
+        hit = c.lookup(IDENTITY, tokens)
+        assert hit is not None, "an entry present before the restart missed"
+        c.load(hit.key)
+        loaded = time.monotonic() - t0
+        salt = int(time.time() * 1000) & 0x7FFF_FFFF
+        saved = c.save(IDENTITY, entry_tokens(0, salt), entry_payload(0), "finish")
+        answered = time.monotonic() - t0
+    return {"first_stats_s": round(d.start_seconds, 3), "first_hit_s": round(loaded, 3),
+            "first_save_s": round(answered, 3), "save_status": saved.status}
+
+
+def recovery_done(d: bl.Daemon, timeout: float) -> dict[str, Any]:
+    """Wait for the background check after a kill to finish; what Stats says of it."""
+    deadline = time.monotonic() + timeout
+    with d.client() as c:
+        while True:
+            r = c.stats().recovery
+            if r.state != "running" or time.monotonic() > deadline:
+                return {"state": r.state, "seconds": round(r.seconds, 2), "entries": r.entries,
+                        "entries_checked": r.entries_checked,
+                        "checked_on_read": r.checked_on_read}
+            time.sleep(0.2)
+
+
+def start_ups(d: bl.Daemon, repeats: int, timeout: float, tokens: list[int]
+              ) -> dict[str, Any]:
+    """After a clean shutdown (intact index) ``repeats`` times, then after a kill -9 (the
+    daemon serves at once and checks index and files in the background): the first
+    Stats answer, the first hit of ``tokens`` (an entry present all along) and a save."""
     clean = []
     for _ in range(repeats):
         d.stop()
-        clean.append(d.start(timeout=timeout).start_seconds)
+        clean.append(first_hit(d, tokens, timeout))
     clean_rss = rss(d)
     d.kill()
-    crashed = d.start(timeout=timeout).start_seconds
+    crashed = first_hit(d, tokens, timeout)
     crashed_rss = rss(d)
+    recovery = recovery_done(d, timeout)
+    recovered_rss = rss(d)
     d.restart()  # leaves the daemon started from a clean shutdown
-    return {"clean_shutdown": {**bl.summarize(clean, unit="s", tails=False), **clean_rss},
-            "after_kill": {"seconds": round(crashed, 3), **crashed_rss}}
+    return {"clean_shutdown": {
+                "first_stats": bl.summarize([c["first_stats_s"] for c in clean], unit="s",
+                                            tails=False),
+                "first_hit": bl.summarize([c["first_hit_s"] for c in clean], unit="s",
+                                          tails=False),
+                "first_save_s": [c["first_save_s"] for c in clean], **clean_rss},
+            "after_kill": {**crashed, **crashed_rss, "recovery": recovery,
+                           "rss_after_recovery": recovered_rss}}
 
 
 def budgets(n: int) -> tuple[str, ...]:
@@ -364,7 +412,9 @@ def bench_size(ws: Workspace, n: int, s: Settings) -> dict[str, Any]:
         stats = c.stats()
         fill["indexed"] = next(t.entries for t in stats.tiers if t.tier == 2)
     bl.log(f"{n} entries: start-ups")
-    startup = start_ups(d, s.startup_repeats, timeout)
+    # The newest entry: the reclaimer's first pass (the tier starts at its budget) takes
+    # the oldest ones.
+    startup = start_ups(d, s.startup_repeats, timeout, entry_tokens(n - 1))
     bl.log(f"{n} entries: ls")
     ls = time_ls(d)
     bl.log(f"{n} entries: saves, full vs empty")
@@ -380,12 +430,20 @@ def bench_size(ws: Workspace, n: int, s: Settings) -> dict[str, Any]:
         at_end = {"disk_entries": tiers[2].entries, "disk_bytes": tiers[2].bytes,
                   "disk_budget": tiers[2].budget_bytes, "ram_entries": tiers[1].entries,
                   "ram_bytes": tiers[1].bytes, "ram_budget": tiers[1].budget_bytes,
+                  "disk_used_vs_budget": round(tiers[2].bytes / tiers[2].budget_bytes, 4),
                   "evictions_disk": st.counters["evictions_disk"],
-                  "evictions_ram": st.counters["evictions_ram"]}
-    memory = rss(d)
+                  "evictions_ram": st.counters["evictions_ram"],
+                  # Saves that had to make room themselves: the reclaimer fell behind.
+                  "evictions_disk_inline": st.counters["evictions_disk_inline"],
+                  "evictions_ram_inline": st.counters["evictions_ram_inline"]}
+    result = {"loadavg_at_end": [round(x, 2) for x in os.getloadavg()], "fill": fill,
+              "start_up": startup, "ls": ls, "saves": saves, "lookups": lookups,
+              "tiers_at_end": at_end, "daemon_memory_at_end": rss(d)}
+    # Removing N files takes minutes on a busy machine: the figures are logged first.
+    bl.log(f"{n} entries: {json.dumps(result)}")
+    bl.log(f"{n} entries: removing the data directory")
     ws.remove(d)
-    return {"loadavg_at_end": [round(x, 2) for x in os.getloadavg()], "fill": fill, "start_up": startup, "ls": ls, "saves": saves, "lookups": lookups,
-            "tiers_at_end": at_end, "daemon_memory_at_end": memory}
+    return result
 
 
 # -- real SmolLM2 states ---------------------------------------------------------------------
@@ -483,7 +541,7 @@ def bench_real(ws: Workspace, s: Settings) -> dict[str, Any]:
     whole = [p for p in pieces if p[2] < 0]  # roots, replayed by the writers as whole states
     for _, conn in ws.writers:
         conn.send(("replay", whole))
-    startup = start_ups(d, s.startup_repeats, 600)
+    startup = start_ups(d, s.startup_repeats, 600, queries[0])
     saves = save_rounds(ws, d, args, "real", s, real=True)
     lookups = lookup_rounds(ws, d, queries, s, real=True)
     with d.client() as c:
@@ -491,8 +549,12 @@ def bench_real(ws: Workspace, s: Settings) -> dict[str, Any]:
         tiers = {t.tier: t for t in st.tiers}
         at_end = {"disk_entries": tiers[2].entries, "disk_bytes": tiers[2].bytes,
                   "ram_entries": tiers[1].entries, "ram_bytes": tiers[1].bytes,
+                  "disk_used_vs_budget": round(tiers[2].bytes / tiers[2].budget_bytes, 4),
                   "evictions_disk": st.counters["evictions_disk"],
-                  "evictions_ram": st.counters["evictions_ram"]}
+                  "evictions_ram": st.counters["evictions_ram"],
+                  # Saves that had to make room themselves: the reclaimer fell behind.
+                  "evictions_disk_inline": st.counters["evictions_disk_inline"],
+                  "evictions_ram_inline": st.counters["evictions_ram_inline"]}
     memory = rss(d)
     ws.remove(d)
     return {"loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
@@ -514,13 +576,17 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(r, dict) or "saves" not in r:
             continue
         out.append(bl.target(f"{name}: saves/s full vs empty", r["saves"]["ratio_full_vs_empty"],
-                             0.8, ">="))
+                             0.9, ">="))
         lk = r["lookups"]
         out.append(bl.target(f"{name}: lookup p99 loaded vs idle",
-                             lk["p99_ratio_loaded_vs_idle"], 1.2))
-        out.append(bl.target(f"{name}: lookup p99 loaded", lk["loaded"]["p99"], 2.0, "<", " ms"))
-        clean = r["start_up"]["clean_shutdown"]["median"]
-        out.append(bl.target(f"{name}: start-up, intact index", clean, 5.0, "<", " s"))
+                             lk["p99_ratio_loaded_vs_idle"], 2.0))
+        out.append(bl.target(f"{name}: lookup median loaded", lk["loaded"]["median"], 2.0, "<",
+                             " ms"))
+        start_up = r["start_up"]
+        out.append(bl.target(f"{name}: first hit after a clean stop",
+                             start_up["clean_shutdown"]["first_hit"]["median"], 2.0, "<", " s"))
+        out.append(bl.target(f"{name}: first hit after kill -9",
+                             start_up["after_kill"]["first_hit_s"], 5.0, "<", " s"))
         if "ls" in r:
             out.append(bl.target(f"{name}: ls first row", r["ls"]["ls_first_row_s"], 2.0, "<",
                                  " s"))

@@ -13,10 +13,13 @@ are pieces built on an acknowledged entry (its first tokens, then new ones), so 
 land in saves of shared prefixes too; some are pieces built on a disposable entry, so
 kills land in deletes and prunes that take pieces with their parent.
 
-Now and then the kill lands while the daemon is still starting (reconciling) or in the
-middle of a graceful shutdown (SIGTERM, then SIGKILL up to 50 ms later).
+Now and then the kill lands while the daemon is still starting, while a restarted daemon
+still checks its index against its files in the background (it serves meanwhile; a tenth
+of the restarts), or in the middle of a graceful shutdown (SIGTERM, then SIGKILL up to
+50 ms later).
 
-After every restart, before any client touches the daemon:
+After every restart, once the daemon's background check after the kill has finished
+(it serves meanwhile; kvcache.store.recovery) and before any client touches the daemon:
 
 * no ``*.part`` file anywhere under the data or RAM directory;
 * index and files agree: every listed entry has its blob file of the right size (and
@@ -95,6 +98,8 @@ FAMILY_TOKENS = 120
 CAMPAIGN_KILLS = 1000
 CAMPAIGN_SECONDS = 80 * 60.0
 MAX_PROBLEMS = 40
+# How long a restarted daemon's background check may take before it counts as a problem.
+RECOVERY_SECONDS = 120.0
 
 # Operation mix of a client thread (weights).
 OPS: dict[str, int] = {
@@ -145,6 +150,8 @@ class Settings:
     max_delay_ms: float = 400.0
     lease_seconds: float = 2.0
     startup_kill_p: float = 0.05
+    # A restarted daemon killed again while its background check after the kill runs.
+    recovery_kill_p: float = 0.1
     shutdown_kill_p: float = 0.08
     sample: int = 20
     workdir: Path | None = None
@@ -558,6 +565,7 @@ class CrashHarness:
         self.ram_dir = self.daemon.ram_dir
         self.address = self.daemon.address
         self.kills = self.kills_under_load = self.startup_kills = self.restarts = 0
+        self.recovery_kills = 0
         self.shutdown_kills = self.clean_stops = 0
         self.restart_seconds: list[float] = []
         self.daemon_counters: Counter[str] = Counter()
@@ -593,6 +601,18 @@ class CrashHarness:
         self.kills += 1
         self.startup_kills += 1
 
+    def kill_during_recovery(self) -> None:
+        """Kill a restarted daemon while it still checks its index against its files in
+        the background (kvcache.store.recovery), the clients' saves of the next cycle not
+        started yet: the next start-up must check again and undo nothing."""
+        time.sleep(self.rng.uniform(0.0, 0.4))
+        if self.fast.stats().recovery.state != "running":
+            return  # it finished first: no kill this time
+        self.daemon.kill()
+        self.kills += 1
+        self.recovery_kills += 1
+        self.start_daemon()
+
     # -- checks after a restart -------------------------------------------------------------
 
     def orphans(self) -> list[Path]:
@@ -603,6 +623,8 @@ class CrashHarness:
     def check(self, final: bool = False) -> None:
         t0 = time.monotonic()
         ledger = self.ledger
+        fast, stream = self.fast, self.stream
+        stats = self.recovered(fast)
         for path in self.orphans():
             ledger.problem("orphans_found", str(path))
         quarantine = self.data_dir / "quarantine"
@@ -612,8 +634,6 @@ class CrashHarness:
                            f"file(s) in {quarantine} after restart {self.restarts}")
             self.quarantined_seen = n_quarantined
 
-        fast, stream = self.fast, self.stream
-        stats = fast.stats()
         # What start-up found: temp files swept, blobs re-indexed, rows dropped.
         for name in ("orphans_swept", "reconcile_added", "reconcile_removed"):
             self.daemon_counters[name] += stats.counters.get(name, 0)
@@ -702,6 +722,22 @@ class CrashHarness:
         if {r.key for r in results} != set(wanted):
             ledger.problem("index_file_mismatches", "Verify and List saw other entries")
         self.verified_state = state
+
+    def recovered(self, client: CacheClient) -> pb.StatsResponse:
+        """Stats once the daemon's check after a kill (kvcache.store.recovery: it serves
+        meanwhile, fixing the index in the background) has finished: until then rows
+        whose blob a removal had taken may still be listed."""
+        deadline = time.monotonic() + RECOVERY_SECONDS
+        while (stats := client.stats()).recovery.state == "running":
+            if time.monotonic() > deadline:
+                self.ledger.problem("index_file_mismatches", "the check after restart "
+                                    f"{self.restarts} did not finish in {RECOVERY_SECONDS} s")
+                break
+            time.sleep(0.05)
+        if stats.recovery.state == "failed":
+            self.ledger.problem("index_file_mismatches", "the check after restart "
+                                f"{self.restarts} failed (see the daemon's log)")
+        return stats
 
     def check_index_against_files(self, listed: dict[bytes, pb.Entry]) -> None:
         ledger = self.ledger
@@ -833,6 +869,8 @@ class CrashHarness:
                 if self.rng.random() < s.startup_kill_p:
                     self.kill_during_startup()
                 self.start_daemon()
+                if self.rng.random() < s.recovery_kill_p:
+                    self.kill_during_recovery()
                 self.restarts += 1
                 self.check()
             kill_phase = time.monotonic() - t0
@@ -866,6 +904,7 @@ class CrashHarness:
             "kills": self.kills,
             "kills_under_load": self.kills_under_load,
             "kills_during_startup": self.startup_kills,
+            "kills_during_recovery": self.recovery_kills,
             "kills_during_shutdown": self.shutdown_kills,
             "clean_stops_before_kill": self.clean_stops,
             "restarts": self.restarts,

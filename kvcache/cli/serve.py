@@ -37,6 +37,14 @@ if TYPE_CHECKING:
 @click.option("--disk-bytes", type=SIZE, default="50G", show_default=True)
 @click.option("--min-free-bytes", type=SIZE, default="1G", show_default=True,
               help="Refuse saves that would leave less free space on the disk.")
+@click.option("--reclaim-high", type=click.FloatRange(0, 1, min_open=True), default=0.95,
+              show_default=True,
+              help="Share of each tier's budget (the disk's: or of what --min-free-bytes "
+                   "leaves) above which the reclaimer gives up entries in the background, "
+                   "so that saves find room made; 1: no reclaimer, saves evict themselves.")
+@click.option("--reclaim-low", type=click.FloatRange(0, 1, min_open=True), default=0.90,
+              show_default=True,
+              help="Share of each tier's budget the reclaimer brings it down to.")
 @click.option("--block-size", type=click.IntRange(1, 65536), default=256, show_default=True,
               help="Tokens per hashed block.")
 @click.option("--max-entry-bytes", type=SIZE, default="16G", show_default=True,
@@ -118,7 +126,8 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
           token_file: Path | None, tls_cert: Path | None, tls_key: Path | None,
           tls_client_ca: Path | None, insecure_tcp: bool, tcp_admin: bool,
           ram_dir: Path | None,
-          ram_bytes: int, disk_bytes: int, min_free_bytes: int, block_size: int,
+          ram_bytes: int, disk_bytes: int, min_free_bytes: int, reclaim_high: float,
+          reclaim_low: float, block_size: int,
           max_entry_bytes: int, max_saves_per_tenant: int,
           max_reserved_bytes_per_tenant: int | None, max_tenant_pin_seconds: float,
           max_pinned_bytes_per_tenant: int | None, tenant_disk_quota: tuple[str, ...],
@@ -170,9 +179,13 @@ def serve(data_dir: Path | None, socket_path: Path | None, listen: str | None,
         tenant_secret = load_secret_file(tenant_secret_file) if tenant_secret_file else None
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
+    if reclaim_low > reclaim_high:
+        raise click.BadParameter(f"{reclaim_low} is above --reclaim-high {reclaim_high}",
+                                 param_hint="'--reclaim-low'")
     root = (data_dir or default_dir()).expanduser().resolve()
     config = StoreConfig(root=root, ram_dir=ram_dir, ram_bytes=ram_bytes, disk_bytes=disk_bytes,
-                         min_free_bytes=min_free_bytes, block_size=block_size,
+                         min_free_bytes=min_free_bytes, reclaim_low=reclaim_low,
+                         reclaim_high=reclaim_high, block_size=block_size,
                          lease_seconds=lease_seconds, pin_seconds=pin_seconds,
                          max_blob_bytes=max_entry_bytes,
                          max_saves_per_tenant=max_saves_per_tenant,

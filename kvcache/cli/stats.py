@@ -51,6 +51,11 @@ def stats_data(s: pb.StatsResponse) -> dict[str, Any]:
                      if t.HasField("ram_quota_bytes") else None,
                      "open_saves": t.open_saves, "reserved_bytes": t.reserved_bytes}
                     for t in s.tenants],
+        "recovery": {"state": s.recovery.state or "none", "entries": s.recovery.entries,
+                     "entries_checked": s.recovery.entries_checked,
+                     "folders_checked": s.recovery.folders_checked,
+                     "seconds": round(s.recovery.seconds, 3),
+                     "checked_on_read": s.recovery.checked_on_read},
         "counters": dict(sorted(s.counters.items())),
         "latencies": {name: {"count": v.count, "window": v.window, "p50_ms": v.p50_ms,
                              "p90_ms": v.p90_ms, "p99_ms": v.p99_ms}
@@ -81,6 +86,26 @@ def hit_ratio_text(counters: dict[str, int]) -> str:
     return (f"{human_count(lookups)}, {100 * hits / lookups:.1f}% hits "
             f"({human_count(counters.get('lookup_hits_exact', 0))} exact, "
             f"{human_count(counters.get('lookup_hits_partial', 0))} partial)")
+
+
+def recovery_text(r: dict[str, Any], counters: dict[str, int]) -> str | None:
+    """The check after a crash in one line (None after a clean start)."""
+    if r["state"] in ("none", ""):
+        return None
+    fixed = (f"{human_count(counters.get('reconcile_removed', 0))} rows dropped, "
+             f"{human_count(counters.get('reconcile_added', 0))} blobs re-indexed")
+    if r["state"] == "running":
+        share = r["folders_checked"] / 256
+        return (f"checking index and files after a crash: {100 * share:.0f}% "
+                f"({human_count(r['entries_checked'])} of {human_count(r['entries'])} "
+                f"entries, {r['folders_checked']} of 256 folders, {r['seconds']:.0f} s); "
+                f"{fixed} so far; an entry read before its turn is checked first "
+                f"({human_count(r['checked_on_read'])} so far)")
+    if r["state"] == "failed":
+        return (f"the check after a crash FAILED after {r['seconds']:.0f} s (see the "
+                "daemon's log); entries not reached are checked as they are read")
+    return (f"after a crash: {human_count(r['entries_checked'])} entries checked in "
+            f"{r['seconds']:.1f} s while serving; {fixed}")
 
 
 def quota_text(used: int, quota: int | None) -> str:
@@ -133,6 +158,9 @@ def print_stats_summary(d: dict[str, Any]) -> None:
     if ram:
         rows.append(("RAM tier", f"{ram['directory']} ({human_bytes(ram['free_bytes'])} free "
                                  "there)"))
+    recovery = recovery_text(d["recovery"], d["counters"])
+    if recovery:
+        rows.append(("recovery", recovery))
     rows.append(("lookups", hit_ratio_text(d["counters"])))
     if d["remote"]:
         rows.append(("remote", remote_text(d["remote"], d["counters"])))

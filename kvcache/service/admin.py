@@ -19,7 +19,7 @@ from ..v1 import kvcache_pb2 as pb
 from .base import ServiceBase, abort
 from .filters import record_filter, within
 from .messages import chain_message, check_key, entry_message
-from .stats import free_bytes, remote_state, store_stats
+from .stats import free_bytes, recovery_message, remote_state, store_stats
 
 # The RPCs of this module that see every tenant's entries or change what others rely on.
 OPERATOR_RPCS = ("List", "Inspect", "Verify", "Prune", "Pin", "Unpin")
@@ -80,6 +80,7 @@ class AdminRPCs(ServiceBase):
                                 version=__version__, uptime_seconds=s["uptime"],
                                 in_flight=s["in_flight"], read_pins=s["read_pins"],
                                 waiting_lookups=s["waiting_lookups"],
+                                recovery=recovery_message(s["recovery"]),
                                 tenants=usage_messages(self.store, self.tenant_names),
                                 latencies={name: pb.LatencySummary(**vars(summary))
                                            for name, summary in

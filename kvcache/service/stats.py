@@ -11,6 +11,8 @@ from ..common import TIER_DISK, TIER_RAM
 from ..counters import REMOTE_SECTION
 from ..remote import RemoteTier
 from ..store import Store, StoreStats
+from ..store.core import RecoveryProgress
+from ..v1 import kvcache_pb2 as pb
 
 # A gauge's name and labels, as kvcache.metrics.Metrics.add_snapshot takes them.
 Gauges = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -36,6 +38,13 @@ class RemoteState(RemoteCounters, total=False):
 
 def store_stats(store: Store) -> StoreStats:
     return store.stats()
+
+
+def recovery_message(p: RecoveryProgress) -> pb.RecoveryStats:
+    """The check after a crash, as Stats answers it."""
+    return pb.RecoveryStats(state=p.state, entries=p.entries, entries_checked=p.entries_checked,
+                            folders_checked=p.folders_checked, seconds=p.seconds,
+                            checked_on_read=p.checked_on_read)
 
 
 def remote_state(tier: RemoteTier | None) -> RemoteState:
@@ -69,6 +78,9 @@ def store_gauges(store: Store) -> Gauges:
         ("in_flight", ()): s["in_flight"],
         ("waiting_lookups", ()): s["waiting_lookups"],
         ("read_pins", ()): s["read_pins"],
+        # After a crash: 1 while the index and the files are checked in the background.
+        ("recovery_running", ()): float(s["recovery"].state == "running"),
+        ("recovery_entries_checked", ()): s["recovery"].entries_checked,
     }
 
 

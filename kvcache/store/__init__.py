@@ -33,7 +33,8 @@ together), then the part you need.
    * ``core``       StoreConfig, Layout (file names), Tally (the one owner of the byte
                     accounting), ReadPins (holds on entries, usage not yet in the
                     index), LeaseTable (saves in flight), and StoreCore, which bundles
-                    them with the index, the counters and the store lock; every part
+                    them with the entries being removed without the store lock
+                    (``leaving``), the index, the counters and the store lock; every part
                     takes it as its first argument (Part).
    * ``policy``     The orders what goes first, as full sorts (kvcache.ordering keeps
                     them in the index; tests/unit/test_ordering.py holds them equal).
@@ -49,14 +50,16 @@ together), then the part you need.
                     orders, kept in the index by kvcache.ordering), a batch at a time,
                     and what a tenant at its quota gives up of its own.
 4. ``placement``    RamPlacer: copying hot entries into the RAM tier (the RAM worker).
+   ``reclaim``      Reclaimer: each tier kept between its watermarks in the background,
+                    so saves find room made.
 5. ``integrity``    Integrity: checks, quarantine, Inspect.
 6. ``reads``        Reads: open, stream, release.
    ``publish``      Publisher: reserve, write, commit, abort, expiry.
    ``listing``      Operators' listings, page by page.
 7. ``prune``        Pruner: the operator's removals.
    ``reconcile``    Reconcile: start-up agreement of index and files.
-8. ``facade``       Store: the entry point; owns the store lock, the reaper thread and
-                    the parts, and delegates to them.
+8. ``facade``       Store: the entry point; owns the store lock, the reaper and
+                    reclaimer threads and the parts, and delegates to them.
 
 Locking (see Store): one store lock, ``Store._cond``, guards every table and tally;
 each part's docstring says whether it takes it or expects it held. A lease's own lock is
@@ -85,7 +88,19 @@ Invariants, and the tests that hold them:
   test_eviction_takes_leaves_first_and_keeps_the_shared_prefix), in exactly the order
   kvcache.store.policy's full sorts give (tests/unit/test_ordering.py::
   test_the_kept_order_is_the_full_sort_after_any_changes), reading only what it evicts
-  (tests/unit/test_store.py::test_making_room_reads_only_what_it_evicts).
+  (tests/unit/test_store.py::test_making_room_reads_only_what_it_evicts); the reclaimer
+  too (tests/unit/test_reclaim.py::
+  test_the_reclaimer_takes_the_eviction_order_never_a_pinned_or_read_entry), and a tenant
+  at its quota reads only its own entries (test_a_tenant_at_its_quota_reads_none_of_the_
+  other_tenants_entries).
+* Room is made ahead of need: each tier is kept between its watermarks, and a save
+  evicts for itself only when the reclaimer has not kept up, counted
+  (tests/unit/test_reclaim.py::
+  test_saves_find_room_made_and_the_tier_stays_between_its_watermarks,
+  test_a_save_the_reclaimer_left_no_room_for_evicts_inline_and_is_counted). An entry
+  being reclaimed (files removed with the store lock let go) is gone to every read, pin,
+  check and copy, and a save of its key waits for it to be gone
+  (test_an_entry_being_reclaimed_is_gone_to_reads_pins_and_saves_until_its_rows_go).
 * A start-up after a clean shutdown, nothing changed since, reads no entry and no blob
   file (tests/unit/test_store.py::
   test_a_clean_restart_reads_no_entry_and_trusts_the_recorded_tally); any change since

@@ -8,12 +8,15 @@ it. It imports nothing else of the store; every other module of the store is bui
 * ReadPins: what holds an entry (reads, the daemon's own work) and the reads not yet
   written to the index.
 * LeaseTable: the saves in flight (their Reservation rows).
-* StoreCore: those, the index, the counters, the store lock and the closed flag, made
-  once by Store and handed to each part; Part gives a part the names it reaches them by.
+* Unchecked: after a crash, the entries the background recovery has not yet checked
+  against their files.
+* StoreCore: those, the entries being removed without the store lock (``leaving``), the
+  index, the counters, the store lock and the closed flag, made once by Store and handed
+  to each part; Part gives a part the names it reaches them by.
 
-Locking: the tables (Tally, ReadPins, LeaseTable) and the counters are not thread-safe
-on their own; every change to them is made with ``StoreCore.cond`` (Store._cond, the
-store lock) held. The index is thread-safe by itself (LMDB).
+Locking: the tables (Tally, ReadPins, LeaseTable, ``leaving``) and the counters are not
+thread-safe on their own; every change to them is made with ``StoreCore.cond``
+(Store._cond, the store lock) held. The index is thread-safe by itself (LMDB).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import TypedDict
 from .. import blob as blobfmt
 from .. import keys
 from ..index import Index
+from ..index_sums import Usage
 from ..record import Record
 
 GiB = 1 << 30
@@ -74,6 +78,12 @@ class StoreConfig:
     max_tenant_pin_seconds: float = 3600.0
     max_pinned_bytes_per_tenant: int = 0
     usage_flush_seconds: float = 1.0
+    # The reclaimer (kvcache.store.reclaim) keeps each tier between these shares of its
+    # budget: once a tier holds more than ``reclaim_high`` it gives up entries (copies, in
+    # RAM) in the background until it holds ``reclaim_low``, so a save finds room made.
+    # Both 1.0: no reclaimer, saves make their own room.
+    reclaim_low: float = 0.90
+    reclaim_high: float = 0.95
 
     @property
     def reserved_bytes_bound(self) -> int:
@@ -142,6 +152,20 @@ class StoreStats(TypedDict):
     waiting_lookups: int
     read_pins: int
     uptime: float  # seconds
+    recovery: RecoveryProgress  # the check after a crash (kvcache.store.recovery)
+
+
+@dataclass
+class RecoveryProgress:
+    """How far the check after a crash got (kvcache.store.recovery), for Stats."""
+
+    state: str = "none"  # none (a clean start, or the full reconcile), running, done, failed
+    entries: int = 0  # entries in the index when it started
+    entries_checked: int = 0
+    folders_checked: int = 0  # of 256
+    checked_on_read: int = 0  # entries read before their folder's turn: checked first
+    started: float = 0.0  # monotonic
+    seconds: float = 0.0  # so far, or until it finished
 
 
 @dataclass
@@ -214,6 +238,21 @@ class Tally:
         return {"disk_used": self.disk_used, "logical_bytes": self.logical_bytes,
                 "ram_used": self.ram_used, "ram_entries": self.ram_entries,
                 "tenants": {t: u.state() for t, u in self.tenants.items()}}
+
+    def recount(self, usage: dict[str, Usage]) -> None:
+        """Take what the entries hold from the index's sums (kvcache.index_sums, kept in
+        the rows' transactions: right after a crash too), keeping the room claimed for
+        saves and copies in flight."""
+        rooms = {t: u.room_bytes for t, u in self.tenants.items() if u.room_bytes}
+        claimed = self.ram_claimed
+        self.disk_used = sum(u.disk_bytes for u in usage.values())
+        self.logical_bytes = sum(u.logical_bytes for u in usage.values())
+        self.ram_used = sum(u.ram_bytes for u in usage.values()) + claimed
+        self.ram_entries = sum(u.ram_entries for u in usage.values())
+        self.tenants = {t: TenantUsage(u.disk_bytes, u.disk_entries, u.ram_bytes,
+                                       u.ram_entries) for t, u in usage.items()}
+        for tenant_id, room in rooms.items():
+            self._change(tenant_id, room_bytes=room)
 
     def restore(self, state: dict[str, object]) -> None:
         """Counts recorded by the last clean shutdown, instead of counting every entry."""
@@ -289,6 +328,43 @@ class Tally:
     def unreserve(self, size: int, tenant_id: str) -> None:
         self.reserved_bytes -= size
         self._change(tenant_id, room_bytes=-size)
+
+
+class Unchecked:
+    """After a crash, the entries the background recovery (kvcache.store.recovery) has not
+    yet checked against their files: those in blob folders it has not reached (folders
+    are named by a key's first byte and checked in order) that no read has checked first
+    and no save has published since. Not thread-safe: Store._cond held."""
+
+    def __init__(self) -> None:
+        self.running = False
+        self.position = 256  # the first folder (key byte) not yet checked
+        self._done: set[bytes] = set()  # checked ahead of their folder
+        self.checked_on_read = 0  # entries a read checked ahead of their folder
+        # Rows found damaged (only something else than kvcache damages one): never
+        # served, rebuilt from their blobs by the next start-up's full reconcile.
+        self.damaged: set[bytes] = set()
+
+    def start(self) -> None:
+        self.running, self.position = True, 0
+        self._done.clear()
+
+    def holds(self, key: bytes) -> bool:
+        return self.running and key[0] >= self.position and key not in self._done
+
+    def checked(self, key: bytes, on_read: bool = False) -> None:
+        """``key`` is known good ahead of its folder (checked on read, or just saved)."""
+        if self.holds(key):
+            self._done.add(key)
+            self.checked_on_read += on_read
+
+    def folder_checked(self, folder: int) -> None:
+        self.position = folder + 1
+        self._done = {k for k in self._done if k[0] > folder}
+
+    def finish(self) -> None:
+        self.running, self.position = False, 256
+        self._done.clear()
 
 
 # The tenants whose entries a caller may see, by label (Record.tenant_id; "" for entries
@@ -518,6 +594,12 @@ class StoreCore:
     pins: ReadPins
     leases: LeaseTable
     closed: threading.Event  # set once the store closes: nothing new is scheduled
+    # Entries the reclaimer is removing with the store lock let go (kvcache.store.reclaim):
+    # chosen under it, their files removed and directories fsynced without it, their rows
+    # dropped after. Until then each is as good as gone: no read, pin, copy, check or new
+    # save of its key starts on it (every such call decides under the store lock).
+    leaving: set[bytes]
+    unchecked: Unchecked
 
     @classmethod
     def create(cls, config: StoreConfig, layout: Layout, index: Index,
@@ -526,7 +608,18 @@ class StoreCore:
         cond = threading.Condition(threading.RLock())
         return cls(config=config, layout=layout, index=index, cond=cond, counters=counters,
                    tally=Tally(), pins=ReadPins(on_free=cond.notify_all),
-                   leases=LeaseTable(), closed=threading.Event())
+                   leases=LeaseTable(), closed=threading.Event(), leaving=set(),
+                   unchecked=Unchecked())
+
+    def visible(self, key: bytes, tenants: Seen = None) -> Record | None:
+        """``key``'s entry when a caller seeing ``tenants`` may use it: published and not
+        being removed (see ``leaving``). Store lock held, for an answer that holds."""
+        if key in self.unchecked.damaged:
+            return None
+        # The row is read (and a missing one's stand-in decoded) either way: an entry
+        # being removed answers in the time of a missing key (see seen_record).
+        record = seen_record(self.index, key, tenants)
+        return None if key in self.leaving else record
 
 
 class Part:
@@ -544,3 +637,5 @@ class Part:
         self._tally = core.tally
         self._pins = core.pins
         self._leases = core.leases
+        self._leaving = core.leaving
+        self._unchecked = core.unchecked

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +16,7 @@ from .. import keys
 from ..errors import Busy, InvalidArgument, NotFound, QuotaExceeded, StoreError
 from ..index import dir_fsync
 from ..record import Record
-from .core import Part, Seen, StoreCore, seen_record
+from .core import Part, Seen, StoreCore
 
 log = logging.getLogger("kvcache")
 
@@ -47,12 +47,12 @@ class ExpiringPins:
     keys (what a tenant's pins hold is counted over its own keys only). Not thread-safe:
     Store._cond held."""
 
-    def __init__(self, records: Iterable[Record]) -> None:
+    def __init__(self, records: Iterable[Record | None]) -> None:
         self.ends: dict[bytes, float] = {}
         self._tenant: dict[bytes, str] = {}
         self._by_tenant: dict[str, set[bytes]] = {}
         for r in records:
-            if r.pin_expires:
+            if r is not None and r.pin_expires:
                 self.add(r.key, r.pin_expires, r.tenant_id)
 
     def add(self, key: bytes, end: float, tenant_id: str) -> None:
@@ -143,7 +143,7 @@ class Entries(Part):
 
     def get(self, key: bytes, tenants: Seen = None) -> Record:
         """The entry ``key``; NotFound when there is none that ``tenants`` may see."""
-        record = seen_record(self._index, key, tenants)
+        record = self._core.visible(key, tenants)
         if record is None:
             raise NotFound(f"no entry {key.hex()}")
         return record
@@ -219,10 +219,11 @@ class Entries(Part):
         return sum(held.values())
 
     def _expiring_pins(self) -> ExpiringPins:
-        """The expiring pins: read from the index once (they outlive restarts there), then
-        kept here. Store._cond held."""
+        """The expiring pins: read from the index once (they outlive restarts there: its
+        pin_ends table lists them, no entry is scanned), then kept here. Store._cond held."""
         if self._pin_ends is None:
-            self._pin_ends = ExpiringPins(self._index.records())
+            self._pin_ends = ExpiringPins(
+                self._index.get(key) for key in self._index.order.pin_end_keys())
         return self._pin_ends
 
     def release_expired_pins(self, now: float) -> int:
@@ -326,16 +327,25 @@ class Entries(Part):
                     self._layout.ram_path(key).unlink(missing_ok=True)
             sync_dirs({self._layout.blob_path(k).parent for k in gone})
             removed = self._index.delete_many(gone[::-1])  # the entries first, as listed
-            for r in removed:  # their tiers as they are now, not as when chosen
-                self._tally.entry_removed(r)
-                self._pins.forget_usage(r.key)
-                self.drop_child(r.parent, r.key)
-                self._children.pop(r.key, None)
-                self.counters[counter if r.key in chosen else "dependents_removed"] += 1
+            self.forget_removed(removed, counter, chosen)
         if failure:
             raise StoreError(f"{failure}; the removal stopped there, the entries not yet "
                              "removed stay")
         return removed
+
+
+    def forget_removed(self, removed: Iterable[Record], counter: str,
+                       chosen: Set[bytes]) -> None:
+        """Account for entries whose rows are gone (as ``removed``: their tiers as they
+        were when the rows went, not as when chosen): counted under ``counter``, or as
+        dependents_removed for those that went only with what they are built on.
+        Store._cond held."""
+        for r in removed:
+            self._tally.entry_removed(r)
+            self._pins.forget_usage(r.key)
+            self.drop_child(r.parent, r.key)
+            self._children.pop(r.key, None)
+            self.counters[counter if r.key in chosen else "dependents_removed"] += 1
 
 
 def sync_dirs(dirs: Iterable[Path]) -> None:

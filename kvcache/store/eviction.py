@@ -2,12 +2,16 @@
 order, and the loops that remove them until a new blob or copy fits.
 
 The order is kept in the index as entries change (kvcache.ordering): making room reads
-the next victim in O(log n) and never the whole tier, so a full cache saves about as fast
-as an empty one (tools/bench_full_cache.py)."""
+the next victim in O(log n) and never the whole tier. The reclaimer
+(kvcache.store.reclaim) gives entries up ahead of need, in the same order, so a save
+makes room here only when the reclaimer has not kept up (counted:
+``evictions_disk_inline``, ``evictions_ram_inline``)."""
 
 from __future__ import annotations
 
 import contextlib
+import time
+from collections.abc import Callable
 
 from ..common import TIER_DISK, TIER_RAM
 from ..errors import QuotaExceeded, StoreFull
@@ -22,6 +26,9 @@ from .quotas import QUOTA_OPTIONS, TenantQuotas
 # (tools/bench_full_cache.py: a full cache saves at ~0.8-0.9x the rate of an empty one).
 SLACK_ENTRIES = 8
 BATCH_MAX = 16  # where the slack cannot be had (a disk filled by other files): enough
+# A save that needs room while the reclaimer is removing a batch waits this long for the
+# batch (it frees room too) before evicting for itself.
+RECLAIM_WAIT_SECONDS = 2.0
 
 
 def room_slack(size: int, budget: int) -> int:
@@ -45,9 +52,11 @@ class Evictor(Part):
     A tenant with a quota (kvcache.store.quotas) makes room among its own entries first
     (plan_tenant_room_on_disk, make_tenant_room_in_ram), in the same order filtered to
     them: a tenant's pieces are built only on its own entries (a parent must share the
-    namespace), so the filtered order is its own tree's leaf-first order. Finding them
-    walks the shared order past other tenants' entries, O(the entries before the last
-    one taken), only while the tenant is at its quota.
+    namespace), so the filtered order is its own tree's leaf-first order, which the index
+    keeps for each tenant (kvcache.ordering's tenant tables): its next victim is O(log n)
+    away, however many entries of other tenants come before it in the shared order
+    (tests/unit/test_ordering.py, tests/daemon/test_quotas.py::
+    test_a_tenant_at_its_quota_reads_none_of_the_other_tenants_entries).
 
     make_room_on_disk, make_room_in_ram and the tenant variants are called with
     Store._cond held."""
@@ -90,7 +99,7 @@ class Evictor(Part):
         chosen: list[Record] = []
         freed = 0
         with contextlib.closing(self._index.order.disk_victims(
-                self._pins.busy(), self._pins.last_used())) as go:
+                self._held(), self._pins.last_used(), tenant_id)) as go:
             for key in go:
                 if fits(freed, slack) or (fits(freed) and len(chosen) >= BATCH_MAX):
                     break
@@ -127,9 +136,9 @@ class Evictor(Part):
         slack = room_slack(size, quota)
         chosen: list[Record] = []
         freed = 0
-        held = self._pins.busy() | {record.key}
-        with contextlib.closing(self._index.order.ram_victims(held,
-                                                              self._pins.last_used())) as go:
+        held = self._held() | {record.key}
+        with contextlib.closing(self._index.order.ram_victims(
+                held, self._pins.last_used(), tenant_id)) as go:
             for key in go:
                 after = usage.ram_bytes - freed + size
                 if after + slack <= quota or (after <= quota and len(chosen) >= BATCH_MAX):
@@ -170,7 +179,9 @@ class Evictor(Part):
         if size > cfg.disk_bytes:
             self.counters["saves_refused_full"] += 1
             raise StoreFull(f"blob of {size} bytes exceeds the disk budget of {cfg.disk_bytes}")
-        held = self._pins.busy()
+        if evict and self._wait_for_reclaim(fits):
+            return
+        held = self._held()
         order = self._index.order
         evictable = tally.disk_used - order.unevictable_disk_bytes(held)
         # Evict only when evicting every candidate would make room (the rest is pinned or
@@ -189,7 +200,9 @@ class Evictor(Part):
                     if record is not None:
                         chosen.append(record)
                         freed += record.size
-            self._entries.remove_entries(chosen, "evictions_disk")
+            removed = self._entries.remove_entries(chosen, "evictions_disk")
+            wanted = {r.key for r in chosen}  # (not what went with them: dependents_removed)
+            self.counters["evictions_disk_inline"] += sum(r.key in wanted for r in removed)
         if not fits():
             self.counters["saves_refused_full"] += 1
             raise StoreFull(
@@ -207,7 +220,7 @@ class Evictor(Part):
         budget = self._config.ram_bytes
         if self._tally.ram_used + size <= budget:
             return True
-        held = self._pins.busy() | {exclude}
+        held = self._held() | {exclude}
         order = self._index.order
         kept = order.pinned_ram_bytes() + sum(
             r.size for r in (self._index.get(k) for k in held)
@@ -226,5 +239,23 @@ class Evictor(Part):
                 if record is not None and record.in_ram:
                     chosen.append(record)
                     freed += record.size
-        self._ram.drop_ram_copies(chosen, "evictions_ram")
+        dropped = self._ram.drop_ram_copies(chosen, "evictions_ram")
+        self.counters["evictions_ram_inline"] += dropped
         return self._tally.ram_used + size <= budget
+
+    # -- sharing the work with the reclaimer ---------------------------------------------
+
+    def _held(self) -> set[bytes]:
+        """What may not go now: entries held (kvcache.store.core.ReadPins) and those the
+        reclaimer is removing already (they are going: not chosen twice)."""
+        return self._pins.busy() | self._leaving
+
+    def _wait_for_reclaim(self, fits: Callable[[], bool]) -> bool:
+        """While the reclaimer removes a batch, wait for it (bounded) rather than evict
+        beside it: True once ``fits()``. Store._cond held (the wait lets it go)."""
+        deadline = time.monotonic() + RECLAIM_WAIT_SECONDS
+        while self._leaving and (left := deadline - time.monotonic()) > 0:
+            self._cond.wait(left)
+            if fits():
+                return True
+        return False

@@ -36,7 +36,9 @@ from .prune import Pruner, PruneResult
 from .publish import Publisher, ReserveResult
 from .quotas import TenantQuotas
 from .reads import Reads
-from .reconcile import Reconcile, seal_clean_shutdown
+from .reclaim import Reclaimer, check_watermarks
+from .reconcile import CLEAN, RECOVER, Reconcile, seal_clean_shutdown
+from .recovery import Progress, Recovery
 
 log = logging.getLogger("kvcache")
 LOOKUP_COUNTERS = ("lookups", "lookup_hits", "lookup_misses", "lookup_hits_exact",
@@ -72,9 +74,11 @@ class Store:
        or an operator's prune.
 
     Background: a reaper thread (expired leases and read pins; reads not yet written to
-    the index, flushed every ``usage_flush_seconds``) and the RAM worker (RamPlacer)."""
+    the index, flushed every ``usage_flush_seconds``), the RAM worker (RamPlacer) and the
+    reclaimer (Reclaimer: each tier kept between its watermarks)."""
 
     def __init__(self, config: StoreConfig) -> None:
+        check_watermarks(config)
         self.config = config
         self.root = config.root
         claim_data_dir(self.root)
@@ -117,20 +121,27 @@ class Store:
         self._evictor = evictor = Evictor(core, entries, ram)
         self._placer = placer = RamPlacer(core, evictor)
         self._integrity = integrity = Integrity(core, entries, ram)
-        self._publisher = Publisher(core, entries, evictor, placer)
+        self._publisher = Publisher(core, entries, evictor, placer, integrity)
         self._reads = Reads(core, placer, integrity)
         self._pruner = Pruner(core, entries, ram)
+        self._reclaimer = Reclaimer(core, entries, ram)
+        self._recovery = Recovery(core, entries, integrity)
         self._reconcile()
         self._reaper = threading.Thread(target=self._reap_loop, name="kvcache-reaper",
                                         daemon=True)
         self._reaper.start()
+        self._reclaimer.start()
 
     def _reconcile(self) -> None:
         t0 = time.monotonic()
-        self.clean_start = Reconcile(self._core, self._entries, self._integrity).run()
-        log.info("%s %d entries in %.2f s", "started from a clean shutdown with"
-                 if self.clean_start else "reconciled", self.index.count(),
-                 time.monotonic() - t0)
+        mode = Reconcile(self._core, self._entries, self._integrity).run()
+        self.clean_start = mode == CLEAN
+        if mode == RECOVER:
+            self._recovery.start()
+        log.info("%s %d entries in %.2f s", {
+            CLEAN: "started from a clean shutdown with",
+            RECOVER: "started after a crash (checking index and files in the background) "
+                     "with"}.get(mode, "reconciled"), self.index.count(), time.monotonic() - t0)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -139,14 +150,18 @@ class Store:
             return
         self._closed.set()
         self._reaper.join(timeout=5)
+        self._reclaimer.stop()
+        self._recovery.stop()
         self._placer.shutdown()
         with self._cond:
             for lease_id in self._leases.lease_ids():
                 self._publisher.drop_reservation(lease_id, "saves_aborted")
         self._flush_usage()
         # Unsealed (a full disk), the next start-up reconciles everything: nothing is lost.
+        # Nor while the recovery after a crash is unfinished: the next one checks again.
         with self._cond, contextlib.suppress(lmdb.Error, OSError):
-            seal_clean_shutdown(self.index, self._layout, self.config, self._tally)
+            if self._recovery.finished:
+                seal_clean_shutdown(self.index, self._layout, self.config, self._tally)
         self.index.close()
         os.close(self._ram_lock)  # releases the RAM tier
         self._lock_file.close()  # releases the data directory lock
@@ -414,6 +429,7 @@ class Store:
                 "waiting_lookups": self.waiting_lookups,
                 "read_pins": len(self._pins.pins),
                 "uptime": time.time() - self.started,
+                "recovery": self.recovery(),
             }
 
     def watch(self, watcher: Callable[[str, Record], None] | None) -> None:
@@ -459,6 +475,16 @@ class Store:
             return out
 
     # -- background -------------------------------------------------------------------------
+
+    def recovery(self) -> Progress:
+        """The check after a crash (kvcache.store.recovery): how far it got."""
+        return self._recovery.snapshot()
+
+    def reclaim(self, *, force: bool = False) -> tuple[int, int]:
+        """Run the reclaimer's pass now (kvcache.store.reclaim): each tier above its high
+        watermark (above its low one, with ``force``) gives up entries, or RAM copies,
+        down to the low one. Returns the entries evicted and the copies dropped."""
+        return self._reclaimer.run_now(force=force)
 
     def _reap_loop(self) -> None:
         last_flush = time.monotonic()

@@ -1,6 +1,7 @@
 """Integrity: checking an entry's copies against their checksums and its index row,
-quarantining bad ones, and Inspect (which shows a blob's header only once it is known to
-be the entry's own)."""
+quarantining bad ones, the check of an entry read before the recovery after a crash has
+reached it, and Inspect (which shows a blob's header only once it is known to be the
+entry's own)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,14 @@ from .entries import Entries, RamCopies
 
 # Verify's answer for a key with no entry (nothing was checked, nothing moved).
 NO_SUCH_ENTRY = "no such entry"
+
+
+def file_size(path: Path) -> int | None:
+    """The size of the file at ``path``; None when there is none."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
 
 
 class Integrity(Part):
@@ -38,7 +47,7 @@ class Integrity(Part):
         """Verify every copy of an entry; quarantine it if any is bad (unless not
         ``quarantine``: an operator's check-only run moves nothing). Returns the error."""
         with self._cond:
-            if self._index.get(key) is None:
+            if self._core.visible(key) is None:  # gone, or being removed
                 return None
             self._pins.hold(key)
         try:
@@ -70,6 +79,45 @@ class Integrity(Part):
                     self._quarantine_ram_copy(key)
                 return f"{path.name}: {exc}"
         return None
+
+    def check_if_unchecked(self, key: bytes) -> bool:
+        """After a crash, an entry the background recovery (kvcache.store.recovery) has not
+        reached is checked before a read or a save relies on it, as the recovery would
+        check it: its row against its seal, its files against its row. A row whose blob is
+        gone or of another size goes with what is built on it (reconcile_removed: the
+        entry is a miss, and a save of its tokens is a new save, not "already present");
+        a RAM flag whose copy is gone is cleared. Its checksums are left to the read,
+        which verifies every byte it serves (the stream here, the client on the same-host
+        path). False for a damaged row: not served until the next start-up rebuilds it
+        from its blob (tests/unit/test_recovery.py)."""
+        with self._cond:
+            if key in self._unchecked.damaged:
+                return False
+            if not self._unchecked.holds(key):
+                return True
+        good, bad = self._index.audit(key, key + b"\0")  # this one row
+        if bad:
+            with self._cond:
+                self._unchecked.damaged.add(key)
+            return False
+        if not good:
+            return True  # no entry: the read says so
+        record = good[0]
+        path = self._layout.blob_path(key)
+        with self._cond:
+            if self._core.visible(key) is None or not self._unchecked.holds(key):
+                return True  # gone or checked meanwhile: nothing to do
+            if file_size(path) != record.size:
+                if not self._pins.is_held(key):  # held: its reader's check decides
+                    self.quarantine_file(path)  # kept for post-mortems (if it is there)
+                    self._entries.remove_entry(record, "reconcile_removed")
+                return True
+            if record.in_ram and file_size(self._layout.ram_path(key)) != record.size:
+                self._layout.ram_path(key).unlink(missing_ok=True)
+                for dropped in self._index.update_many([key], in_ram=False):
+                    self._tally.ram_copy_dropped(dropped)
+            self._unchecked.checked(key, on_read=True)
+        return True
 
     def _quarantine_ram_copy(self, key: bytes) -> None:
         with self._cond:  # evictions drop copies under it too: ram_used is reduced once

@@ -53,6 +53,8 @@ class RamPlacer(Part):
             if record is None or record.in_ram or record.size > self._config.ram_bytes:
                 return
             with self._cond:
+                if key in self._leaving:  # the reclaimer is removing it
+                    return
                 self._pins.hold(key)  # keep it from being evicted from disk while copying
                 held = True
                 # The tenant's quota first: its own copies go before the shared budget's

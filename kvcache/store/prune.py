@@ -75,7 +75,8 @@ class Pruner(Part):
         with self._cond:
             busy = self._pins.busy()
             pending = self._pins.last_used()
-            records = list(self._index.records())
+            # Entries the reclaimer is removing are gone already.
+            records = [r for r in self._index.records() if r.key not in self._leaving]
             ordered = eviction_order(records, pending)
             # Judged with the reads not yet flushed to the index (once a second), so
             # `--unused-for` spares an entry that was just read.

@@ -26,14 +26,18 @@ from ..errors import (
 )
 from ..index import ParentGone, dir_fsync
 from ..record import Record
-from .core import Part, Reservation, Seen, StoreCore, seen_record
+from .core import Part, Reservation, Seen, StoreCore
 from .entries import Entries, check_tokens, record_from
 from .eviction import Evictor
+from .integrity import Integrity
 from .placement import RamPlacer
 
 # Room for a streamed save is taken this much ahead of its bytes (or all of it, when
 # smaller): a chunk at a time would make each chunk a removal batch.
 ROOM_STEP = 4 << 20
+# How long a save waits for the reclaimer to finish removing its key's entry (a batch of
+# files unlinked and fsynced takes milliseconds); past it the save is told "in flight".
+LEAVING_WAIT_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -57,11 +61,12 @@ class Publisher(Part):
     (tests/faults/test_daemon_crash.py, tests/faults/test_crash_harness.py)."""
 
     def __init__(self, core: StoreCore, entries: Entries, evictor: Evictor,
-                 placer: RamPlacer) -> None:
+                 placer: RamPlacer, integrity: Integrity) -> None:
         super().__init__(core)
         self._entries = entries
         self._evictor = evictor
         self._placer = placer
+        self._integrity = integrity
 
     # -- reserve ----------------------------------------------------------------------------
 
@@ -84,6 +89,11 @@ class Publisher(Part):
         if size > cfg.max_blob_bytes:
             raise InvalidArgument(f"size {size} exceeds the limit of {cfg.max_blob_bytes}")
         entry = keys.entry_key(ns, raw_tokens, cfg.block_size)
+        # After a crash, a row the recovery has not checked may have lost its blob (a
+        # removal cut short): it must not answer "already present", nor be a piece's
+        # parent, or the save would go with it (tests/unit/test_recovery.py).
+        for key in (entry.key, parent) if parent else (entry.key,):
+            self._integrity.check_if_unchecked(key)
         if parent or base:
             self._check_parent(ns, raw_tokens, parent, base, tenants)
         return self._reserve(ns, raw_tokens, size, reason, model_fingerprint, entry,
@@ -95,7 +105,8 @@ class Publisher(Part):
         cfg = self._config
         with self._cond:
             self.counters["reserves"] += 1
-            if self._leases.writing(entry.key):
+            self._wait_until_gone(entry.key)
+            if self._leases.writing(entry.key) or entry.key in self._leaving:
                 self.counters["saves_duplicate"] += 1
                 self.counters["saves_duplicate_in_flight"] += 1
                 return ReserveResult("in_flight", entry.key)
@@ -103,7 +114,7 @@ class Publisher(Part):
                 self.counters["saves_duplicate"] += 1
                 self.counters["saves_duplicate_present"] += 1
                 return ReserveResult("already_present", entry.key)
-            if parent and seen_record(self._index, parent, tenants) is None:  # gone since
+            if parent and self._core.visible(parent, tenants) is None:  # gone since
                 self.counters["saves_parent_gone"] += 1
                 raise NotFound(f"parent entry {parent.hex()} is gone (evicted or deleted); "
                                "save the whole state or look again")
@@ -146,13 +157,21 @@ class Publisher(Part):
             self.counters["saves_granted"] += 1
             return ReserveResult("granted", entry.key, lease_id, str(tmp_path))
 
+    def _wait_until_gone(self, key: bytes) -> None:
+        """Wait (bounded) while the reclaimer removes ``key``'s entry: a save of its tokens
+        then finds it gone and saves it again, never a file about to be unlinked under
+        the new one's name. Store._cond held (the wait lets it go)."""
+        deadline = time.monotonic() + LEAVING_WAIT_SECONDS
+        while key in self._leaving and (left := deadline - time.monotonic()) > 0:
+            self._cond.wait(left)
+
     def _check_parent(self, ns: bytes, raw_tokens: bytes, parent: bytes, base: int,
                       tenants: Seen) -> None:
         n = len(raw_tokens) // 4
         if len(parent) != keys.KEY_BYTES or not 0 < base < n:
             raise InvalidArgument(f"a piece needs a parent key and 0 < base < {n} tokens "
                                   f"(got a {len(parent)}-byte parent, base {base})")
-        record = seen_record(self._index, parent, tenants)
+        record = self._core.visible(parent, tenants)
         if record is None:
             with self._cond:
                 self.counters["saves_parent_gone"] += 1
@@ -315,6 +334,7 @@ class Publisher(Part):
                     self._pins.release(res.parent)
                     self.counters["pieces_committed"] += 1
                 self._tally.entry_added(record)
+                self._unchecked.checked(record.key)  # just written: nothing to check
                 self.counters["saves_committed"] += 1
                 self.counters[f"saves_committed_{meta.reason}"] += 1
                 self.counters["bytes_committed"] += res.size

@@ -13,7 +13,7 @@ from .. import keys
 from ..common import TIER_DISK, TIER_RAM
 from ..errors import Corrupt, LeaseLost, NotFound, WaitTimeout
 from ..record import Record
-from .core import Part, ReadPin, Seen, StoreCore, seen_record, with_usage
+from .core import Part, ReadPin, Seen, StoreCore, with_usage
 from .integrity import Integrity
 from .placement import RamPlacer
 
@@ -30,12 +30,19 @@ class Reads(Part):
     def open_read(self, key: bytes, wait_ms: int = 0, tenants: Seen = None) -> ReadPin:
         """Pin a published entry for reading and say where its bytes are. A key being
         written is waited for, up to ``wait_ms``, on Store._cond (a commit or an abort
-        wakes the waiters). Another tenant's entry (``tenants``) is a key nobody saved."""
+        wakes the waiters). Another tenant's entry (``tenants``) is a key nobody saved.
+        After a crash, an entry the recovery has not reached is checked first
+        (Integrity.check_if_unchecked)."""
         deadline = time.monotonic() + wait_ms / 1000.0
         waited = False
+        if not self._integrity.check_if_unchecked(key):
+            with self._cond:
+                self.counters["read_misses"] += 1
+            raise NotFound(f"entry {key.hex()} is damaged in the index; the next start-up "
+                           "rebuilds it from its blob")
         with self._cond:
             while True:
-                record = seen_record(self._index, key, tenants)
+                record = self._core.visible(key, tenants)
                 if record is not None:
                     break
                 if not self._leases.writing(key, tenants):

@@ -4,9 +4,14 @@
 After a clean shutdown that nothing has disturbed since, none of that is needed: the
 shutdown recorded the tally, the id of the index's last write transaction and a
 signature of the blob folders (see seal_clean_shutdown), and a start-up that finds all
-three unchanged reads no entry and no blob file, only the RAM tier's (a few hundred
-to a few thousand copies), so a million entries start in well under a second
-(tools/bench_full_cache.py)."""
+three unchanged reads no entry and no blob file, only the names in the RAM tier, so a
+million entries start in about a second (tools/bench_full_cache.py).
+
+After a crash (no clean-shutdown record, the index otherwise as this daemon left it),
+the check runs in the background while the daemon serves (kvcache.store.recovery); the
+tally comes from the sums the index keeps. Anything else (an index or blob folders
+changed after a clean shutdown, another block size or schema, eviction tables to build,
+rows a background check found damaged) means the full reconcile, before serving."""
 
 from __future__ import annotations
 
@@ -31,6 +36,11 @@ from .ownership import is_own_file_name
 
 log = logging.getLogger("kvcache")
 REINDEX_BATCH = 10_000
+# How a store started (Reconcile.run).
+CLEAN, RECOVER, FULL = "clean", "recover", "full"
+# The index setting a background check leaves when it found damaged rows: the next
+# start-up runs the full reconcile, which rebuilds them from their blobs.
+DAMAGED = "damaged_rows"
 
 
 class Progress:
@@ -102,11 +112,17 @@ class Reconcile(Part):
         self._entries = entries
         self._integrity = integrity
 
-    def run(self) -> bool:
-        """Reconcile; True when it started from a clean shutdown (no entry read)."""
+    def run(self) -> str:
+        """Reconcile, or find that nothing needs it: CLEAN (a clean shutdown, nothing
+        changed since: no entry read), RECOVER (a crash: the check is left to
+        kvcache.store.recovery, in the background) or FULL (done here)."""
         self._sweep_tmp()
-        clean = self._clean_start()
-        if not clean:
+        if self._clean_start():
+            mode = CLEAN
+        elif self._after_a_crash():
+            mode = RECOVER
+        else:
+            mode = FULL
             self._check_settings()
             on_disk = self._blob_files()
             in_ram = self._ram_copies()
@@ -116,8 +132,22 @@ class Reconcile(Part):
             if not self._index.order.in_sync:
                 self._rebuild_order()
             self._drop_broken_chains()
+            self._index.set_setting(DAMAGED, "")
         self._index.mark_open()
-        return clean
+        return mode
+
+    def _after_a_crash(self) -> bool:
+        """Whether the last daemon was killed and nothing else changed about the index
+        (block size, schema, eviction tables in step, no damaged rows found): then the
+        tally is the index's sums and the rest can be checked while serving."""
+        index, cfg = self._index, self._config
+        if index.has_shutdown_record() or index.get_setting(DAMAGED) \
+                or index.get_setting("block_size") != str(cfg.block_size) \
+                or index.get_setting("schema") != str(SCHEMA_VERSION) \
+                or not index.order.in_sync:
+            return False
+        self._tally.recount(index.order.tenant_usage())
+        return True
 
     def _clean_start(self) -> bool:
         """Start from what the last clean shutdown recorded, when nothing has changed
@@ -125,7 +155,7 @@ class Reconcile(Part):
         folders, the same block size and schema. Only the RAM tier is checked (a reboot
         empties it)."""
         state = self._index.clean_shutdown()
-        if state is None or not self._index.order.in_sync:
+        if state is None or not self._index.order.in_sync or self._index.get_setting(DAMAGED):
             return False
         if (state.get("block_size") != self._config.block_size
                 or state.get("schema") != SCHEMA_VERSION
@@ -141,20 +171,20 @@ class Reconcile(Part):
 
     def _check_ram_copies(self) -> None:
         """Make the RAM flags follow the RAM tier's files: whole <key>.kvc copies only,
-        one per entry, of the entry's size. Reads the RAM tier's files and the index's
-        list of copies, never every entry."""
+        one per entry. Compares the RAM tier's names with the index's list of copies and
+        reads the rows of the differences only (a copy is renamed into place whole, so a
+        name there is a whole copy: after a clean shutdown only a reboot changes them)."""
         in_ram = self._ram_copies()
         fixes: list[Record] = []
         for key in self._index.order.ram_keys():
-            record = self._index.get(key)
             path = in_ram.pop(key, None)
+            if path is not None:
+                continue
+            record = self._index.get(key)
             if record is None:
                 continue
-            if path is None or path.stat().st_size != record.size:
-                if path is not None:
-                    path.unlink(missing_ok=True)
-                self._tally.ram_copy_dropped(record)
-                fixes.append(replace(record, in_ram=False))
+            self._tally.ram_copy_dropped(record)
+            fixes.append(replace(record, in_ram=False))
         for key, path in in_ram.items():
             record = self._index.get(key)
             if record is not None and not record.in_ram \

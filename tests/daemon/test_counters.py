@@ -304,6 +304,18 @@ def _daemon_traffic(d: DaemonProcess) -> None:
         wait_for(lambda: in_ram(c, saved_r.key), "the new entry to be placed in RAM")
         assert c.load(saved_r.key).tier == "ram" and s.load(saved_r.key).tier == "ram"
         c.prune(max_ram_bytes=1)  # prune_ram_dropped (before r is pinned below)
+        # Two copies of 1,950 bytes in all: past the RAM tier's high watermark (95% of
+        # 2,000), within its budget. The reclaimer drops the older one (reclaims_ram).
+        # (Once the brief pin is gone: its copy would leave no room for them.)
+        wait_for(lambda: counter(c, "pins_expired") >= 1, "the brief pin to end")
+        x, y = toks(52, 20), toks(53, 20)
+        small = len(blob_bytes(IDENT, y, payload_for(y, 300)))
+        saved_x = c.save(IDENT, x, payload_for(x, 300 + 1950 - 2 * small), "cold")
+        wait_for(lambda: in_ram(c, saved_x.key), "the first copy to be placed")
+        saved_y = c.save(IDENT, y, payload_for(y, 300), "cold")
+        wait_for(lambda: counter(c, "reclaims_ram") >= 1, "the reclaimer's RAM pass")
+        wait_for(lambda: not in_ram(c, saved_x.key), "the older copy to be dropped")
+        assert in_ram(c, saved_y.key)
         g = toks(51, 20)
         saved_g = c.save(IDENT, g, payload_for(g, 4000), "cold")  # too big for RAM
         assert c.load(saved_g.key).tier == "disk" and s.load(saved_g.key).tier == "disk"
@@ -352,12 +364,18 @@ def _daemon_traffic(d: DaemonProcess) -> None:
             reserve(c, toks(74, 20), 300_000)
         assert "--max-reserved-bytes-per-tenant" in str(bound.value.details())
 
-        # Fill the disk budget until older entries are evicted.
+        # Fill the disk budget until older entries are evicted: past its high watermark
+        # (95% of 30,000 bytes) the reclaimer gives them up (reclaims_disk).
         for i in range(60):
             t = toks(100 + i, 20)
             c.save(IDENT, t, payload_for(t, 1000), "cold")
             if counter(c, "evictions_disk"):
                 break
+        wait_for(lambda: counter(c, "reclaims_disk") >= 1, "the reclaimer's disk pass")
+        # An entry larger than the room kept free (5%): the save evicts for itself
+        # (evictions_disk_inline).
+        big = toks(99, 20)
+        c.save(IDENT, big, payload_for(big, 4000), "cold")
 
         declared = daemon_counters.COUNTERS
 

@@ -1,7 +1,7 @@
 """A removal that a client could have seen stays done after a crash at any instant.
 
 Each test prepares a data directory, kills a store process in the middle of one removal
-(a delete, a prune, an eviction, a quarantine, a RAM copy dropped; see
+(a delete, a prune, an eviction, a reclaimer's pass, a quarantine, a RAM copy dropped; see
 tests/support/kill_points.py for how a kill point is named and reached), with or without a
 power cut on top, restarts the store and checks what it finds:
 
@@ -22,16 +22,30 @@ from __future__ import annotations
 
 import random
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
+from harness import payloads
 
 from kvcache import blob as blobfmt
+from kvcache import keys
 from kvcache.errors import StoreError
+from kvcache.index import Index
 from kvcache.record import Record
 from kvcache.store import Store, StoreConfig
-from tests.support.kill_points import Killed, blob_size, kill_during, payload, save, store_config
+from tests.support.kill_points import (
+    BLOCK,
+    IDENT,
+    NS,
+    Killed,
+    blob_size,
+    kill_during,
+    payload,
+    save,
+    store_config,
+)
+from tests.support.stores import recovered
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -113,6 +127,7 @@ def check_after_restart(prepared: Prepared, killed: Killed, *, whole: bool = Tru
     quarantine), so if it is still there its bytes are not compared."""
     store = Store(prepared.config)
     try:
+        recovered(store)  # after a kill the check runs in the background
         rows = assert_index_and_files_agree(store)
         back = sorted(k.hex() for k in killed.gone() if k in rows)
         assert back == [], f"removed (their rows gone at the kill), back after restart: {back}"
@@ -160,6 +175,9 @@ REMOVALS = {
     "delete of an entry with two pieces built on it": dict(op="delete", ram=True, pieces=2),
     "prune": dict(op="prune", ram=True),
     "eviction": dict(op="evict", ram=False),
+    # The reclaimer takes the target's pieces, then the target (the least recently used),
+    # removing their files with the store lock let go.
+    "reclaimer's pass": dict(op="reclaim", ram=True, pieces=2),
     "quarantine with its RAM copy": dict(op="quarantine", ram=True),
 }
 
@@ -178,7 +196,12 @@ def kill_removal(tmp_path: Path, removal: str, kill_at: str, *, power_cut: bool 
                        **settings)
     if spec["op"] == "quarantine":
         damage_target(prepared)
-    killed = kill_during(prepared.config, str(spec["op"]), prepared.target.key,
+    config = prepared.config
+    if spec["op"] == "reclaim":
+        # The child's budget: the bystander alone is at the low watermark, so everything
+        # older goes. (No thread: the pass runs when the child asks for it.)
+        config = replace(config, disk_bytes=2 * blob_size(BYSTANDER), reclaim_low=0.5)
+    killed = kill_during(config, str(spec["op"]), prepared.target.key,
                          kill_at=kill_at, observe=prepared.removed, power_cut=power_cut,
                          new_tokens=new_tokens)
     return prepared, killed
@@ -243,12 +266,14 @@ def test_a_ram_copy_dropped_by_a_prune_stays_dropped_after_a_kill(tmp_path: Path
 
 
 @pytest.mark.parametrize("power_cut", [False, True], ids=["kill", "power cut"])
-def test_a_delete_with_pieces_and_ram_copies_killed_at_every_step_is_never_undone(
-        tmp_path: Path, power_cut: bool) -> None:
+@pytest.mark.parametrize("removal", ["delete of an entry with two pieces built on it",
+                                     "reclaimer's pass"])
+def test_a_removal_with_pieces_and_ram_copies_killed_at_every_step_is_never_undone(
+        tmp_path: Path, power_cut: bool, removal: str) -> None:
     """Whatever order the store takes its steps in: a kill (and a power cut) right after
     each index write, unlink, rename and directory fsync of the delete of an entry with
-    two pieces built on it, all with RAM copies."""
-    removal = "delete of an entry with two pieces built on it"
+    two pieces built on it, all with RAM copies, and of the reclaimer's pass that takes
+    them (its files removed with the store lock let go)."""
     clean = tmp_path / "clean"
     prepared, done = kill_removal(clean, removal, "never")
     assert not done.killed and set(done.gone()) == set(prepared.removed)
@@ -257,6 +282,61 @@ def test_a_delete_with_pieces_and_ram_copies_killed_at_every_step_is_never_undon
         prepared, killed = kill_removal(tmp_path / f"step{step}", removal, f"step:{step}",
                                         power_cut=power_cut)
         assert killed.steps == done.steps[:step], "the delete took other steps this time"
+        check_after_restart(prepared, killed)
+        shutil.rmtree(tmp_path / f"step{step}")
+
+
+def crashed(tmp_path: Path) -> tuple[Prepared, bytes]:
+    """A data directory as a kill leaves it (no clean-shutdown record) in the middle of the
+    delete of an entry with two pieces built on it, all with RAM copies (the entry's blob
+    gone, the rows there), with a publish cut short (a blob without its row: its key is
+    returned) and the bystander's RAM copy lost."""
+    prepared = prepare(tmp_path, ram=True, pieces=2)
+    assert prepared.bystander is not None
+    orphan_tokens = tokens(4, 30)
+    store = Store(prepared.config)
+    try:
+        target_blob = store.blob_path(prepared.target.key)
+        lost_copy = store.ram_path(prepared.bystander.key)
+        orphan = keys.entry_key(NS, orphan_tokens, BLOCK).key
+        orphan_blob = store.blob_path(orphan)
+    finally:
+        store.close()
+    index = Index(prepared.config.root / "index")
+    index.mark_open()  # a killed daemon writes no clean-shutdown record
+    index.close()
+    target_blob.unlink()
+    lost_copy.unlink()
+    orphan_blob.parent.mkdir(exist_ok=True)
+    orphan_blob.write_bytes(payloads.blob_bytes(IDENT, orphan_tokens, payload(orphan_tokens)))
+    prepared.saved[orphan] = (orphan_tokens, 0)
+    return prepared, orphan
+
+
+@pytest.mark.parametrize("power_cut", [False, True], ids=["kill", "power cut"])
+def test_the_check_after_a_crash_killed_at_every_step_undoes_nothing(
+        tmp_path: Path, power_cut: bool) -> None:
+    """The background check after a crash (kvcache.store.recovery) removes the rows whose
+    blob is gone with what is built on them, indexes a blob without its row and clears a
+    lost RAM copy's flag: killed (and with a power cut) right after each of its steps, the
+    next start-up's check finishes the job, and nothing it removed comes back."""
+    prepared, orphan = crashed(tmp_path / "clean")
+    done = kill_during(prepared.config, "recover", prepared.target.key, kill_at="never",
+                       observe=prepared.removed)
+    assert not done.killed and set(done.gone()) == set(prepared.removed)
+    check_after_restart(prepared, done)
+    store = Store(prepared.config)
+    try:
+        rows = {r.key: r for r in store.index.records()}
+        assert orphan in rows, "the blob without its row was not indexed"
+    finally:
+        store.close()
+    for step in range(1, len(done.steps) + 1):
+        prepared, orphan = crashed(tmp_path / f"step{step}")
+        killed = kill_during(prepared.config, "recover", prepared.target.key,
+                             kill_at=f"step:{step}", observe=prepared.removed,
+                             power_cut=power_cut)
+        assert killed.steps == done.steps[:step], "the check took other steps this time"
         check_after_restart(prepared, killed)
         shutil.rmtree(tmp_path / f"step{step}")
 

@@ -13,7 +13,7 @@ from harness.payloads import blob_bytes
 from kvcache import blob as blobfmt
 from kvcache.client import CacheClient, Identity
 from kvcache.v1 import kvcache_pb2 as pb
-from tests.support.daemon_proc import DaemonProcess
+from tests.support.daemon_proc import DaemonProcess, wait_for
 
 BLOCK = 16
 IDENT = Identity("fp-test", {"type_k": "f16"}, model_name="tiny.gguf")
@@ -30,6 +30,13 @@ def toks(seed: int, n: int) -> list[int]:
 
 def counters(client: CacheClient) -> dict[str, int]:
     return dict(client.stats().counters)
+
+
+def recovered(client: CacheClient, timeout: float = 60.0) -> None:
+    """Wait until a daemon started after a crash has checked its index against its files
+    (it serves meanwhile; see kvcache.store.recovery)."""
+    wait_for(lambda: client.stats().recovery.state in ("", "none", "done"),
+             "the check after the crash to finish", timeout)
 
 
 def reserve(client: CacheClient, tokens: list[int], size: int, reason: str = "cold",

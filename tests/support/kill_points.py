@@ -2,8 +2,9 @@
 
 A test prepares a data directory in-process, then :func:`kill_during` runs a child process
 (``python -m kill_points SPEC``) that opens the store on it, performs one removal (a
-delete, a prune, an eviction, a quarantine, a RAM copy dropped) and SIGKILLs itself right
-after the step the spec names. The steps are watched where they happen (the file-system
+delete, a prune, an eviction, a reclaimer's pass, a quarantine, a RAM copy dropped, or the
+background check after a crash, kvcache.store.recovery, that removes what a crash left) and
+SIGKILLs itself right after the step the spec names. The steps are watched where they happen (the file-system
 calls ``os.unlink``, ``os.rename``, ``os.replace`` and ``os.fsync`` of a directory, and
 every committed LMDB write transaction), and kill points are named by their effect, not by
 their place in the code, so the same kill point exists in any order the store may take:
@@ -34,6 +35,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +49,8 @@ from kvcache import keys
 from kvcache.client import Identity
 from kvcache.record import Record
 from kvcache.store import Store, StoreConfig, ramtier
+from kvcache.store.recovery import Recovery
+from tests.support.daemon_proc import wait_for
 
 FP = "fp-kill-points"
 LAYOUT = {"type_k": "f16"}
@@ -56,7 +60,10 @@ BLOCK = 16
 
 
 def store_config(tmp_path: Path, **overrides: Any) -> StoreConfig:
-    settings: dict[str, Any] = {"min_free_bytes": 0, "block_size": BLOCK, **overrides}
+    """No reclaimer thread unless asked for (its watermarks at 100%): a removal takes the
+    same steps every time."""
+    settings: dict[str, Any] = {"min_free_bytes": 0, "block_size": BLOCK, "reclaim_low": 1.0,
+                                "reclaim_high": 1.0, **overrides}
     return StoreConfig(root=tmp_path / "data", ram_dir=tmp_path / "ram", **settings)
 
 
@@ -227,17 +234,39 @@ def run_operation(store: Store, spec: dict[str, Any]) -> None:
         assert store.check_entry(key) is not None, "the damaged blob passed its check"
     elif op == "evict":
         save(store, spec["new_tokens"])
+    elif op == "reclaim":  # the reclaimer's pass, down to its low watermark
+        store.reclaim(force=True)
+    elif op == "recover":  # the background check after a crash (held until armed)
+        wait_for(lambda: store.recovery().state != "running", "the check after the crash",
+                 timeout=60)
+        assert store.recovery().state == "done", store.recovery()
     else:
         raise ValueError(f"unknown operation {op!r}")
+
+
+def hold_recovery(armed: threading.Event) -> None:
+    """Make the background check after a crash (kvcache.store.recovery) wait until the
+    watcher is armed, so that every one of its steps is watched."""
+    real = Recovery._run
+
+    def run_when_armed(self: Recovery) -> None:
+        armed.wait()
+        real(self)
+
+    Recovery._run = run_when_armed  # type: ignore[method-assign]
 
 
 def child_main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     config = StoreConfig(root=Path(spec["root"]), ram_dir=Path(spec["ram_dir"]),
                          **spec["settings"])
+    armed = threading.Event()
+    if spec["op"] == "recover":
+        hold_recovery(armed)
     store = Store(config)
     watcher = Watcher(store, spec)
     watcher.arm()
+    armed.set()
     run_operation(store, spec)
     watcher.write_report(killed=False)
     store.close()
@@ -273,7 +302,8 @@ def kill_during(config: StoreConfig, op: str, key: bytes, *, kill_at: str,
     spec = {
         "root": str(config.root), "ram_dir": str(config.ram_dir),
         "settings": {"block_size": config.block_size, "min_free_bytes": config.min_free_bytes,
-                     "disk_bytes": config.disk_bytes, "ram_bytes": config.ram_bytes},
+                     "disk_bytes": config.disk_bytes, "ram_bytes": config.ram_bytes,
+                     "reclaim_low": config.reclaim_low, "reclaim_high": config.reclaim_high},
         "op": op, "key": key.hex(), "watch": (watch or key).hex(), "kill_at": kill_at,
         "observe": [k.hex() for k in (observe or [key])], "new_tokens": new_tokens or [],
         "report": str(work / "kill-report.json"), "limbo": str(work / "limbo"),

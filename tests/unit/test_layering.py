@@ -39,10 +39,11 @@ STORE_LAYERS = (
     ("core", "policy", "quotas", "ownership"),
     ("ramtier", "entries"),
     ("eviction",),
-    ("placement",),
+    ("placement", "reclaim"),
     ("integrity",),
     ("reads", "publish", "listing"),
     ("prune", "reconcile"),
+    ("recovery",),
     ("facade",),
     ("__init__",),
 )

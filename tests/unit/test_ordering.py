@@ -2,9 +2,10 @@
 (kvcache.store.policy), on random sequences of changes to a real LMDB index.
 
 After every change: the disk tier gives its entries up in leaf_first_order's order, the
-RAM copies go in ram_order's order, the bytes that cannot be evicted are what the full
-sort leaves out, the children table is the records' parents, and ``by_use`` is the order
-of last use. At the end the disk tier is drained one entry at a time in exactly
+RAM copies go in ram_order's order, and so does each tenant's own order (the full sort's,
+that tenant's entries only), the bytes that cannot be evicted are what the full sort
+leaves out, the children table is the records' parents, ``by_use`` is the order of last
+use, each tenant's sums are what its rows hold and the expiring pins are listed by end. At the end the disk tier is drained one entry at a time in exactly
 leaf_first_order's order, and rebuilding the tables from the rows gives the same tables.
 """
 
@@ -24,12 +25,15 @@ from kvcache.ordering import TABLES, record_use_key, sortable, use_key
 from kvcache.record import Record
 from kvcache.store import policy
 
+TENANTS = ("", "alice", "bob")
 
-def record(key: bytes, parent: bytes, created: float, size: int) -> Record:
-    return Record(key=key, namespace=b"n" * 16, anchor=key, tail=b"", n_tokens=1, size=size,
-                  codec="none", reason="cold", created=created, model_name="m",
-                  model_fingerprint="f", tenant_id="", parent=parent, base=0 if not parent
-                  else 1)
+
+def record(key: bytes, parent: bytes, created: float, size: int, tenant_id: str = "",
+           n_tokens: int = 2) -> Record:
+    return Record(key=key, namespace=b"n" * 16, anchor=key, tail=b"", n_tokens=n_tokens,
+                  size=size, codec="none", reason="cold", created=created, model_name="m",
+                  model_fingerprint="f", tenant_id=tenant_id, parent=parent,
+                  base=0 if not parent else 1)
 
 
 @pytest.fixture
@@ -76,14 +80,18 @@ class Model:
         if kind == "publish" or key is None:
             self.n += 1
             parent = key if flag and key is not None else b""
+            # A piece is its parent's tenant's (a parent shares the piece's namespace).
+            tenant = self.index.get(parent).tenant_id if parent else TENANTS[value % 3]
             self.index.put(record(self.n.to_bytes(16, "big"), parent, float(value % 7),
-                                  100 + value))
+                                  100 + value, tenant, n_tokens=2 + value % 5))
         elif kind == "touch":
             self.index.record_usage({key: (1, float(value))})
         elif kind == "read":
             self.pending[key] = max(self.pending.get(key, 0.0), float(value))
         elif kind == "pin":
-            self.index.update(key, pinned=flag)
+            # Now and then until a time (kept in pin_ends), else for good or unpinned.
+            ends = float(1000 + value) if flag and value % 2 else 0.0
+            self.index.update(key, pinned=flag, pin_expires=ends)
         elif kind == "ram":
             self.index.update(key, in_ram=flag)
         elif kind == "hold":
@@ -105,8 +113,25 @@ class Model:
         expected = policy.leaf_first_order(records, self.pending, keep)
         assert list(order.disk_victims(set(self.held), self.pending)) == [
             r.key for r in expected]
-        assert list(order.ram_victims(set(self.held), self.pending)) == [
-            r.key for r in policy.ram_order(records, self.pending, keep)]
+        ram = policy.ram_order(records, self.pending, keep)
+        assert list(order.ram_victims(set(self.held), self.pending)) == [r.key for r in ram]
+        for tenant in TENANTS:  # each tenant's own order: the full sort's, filtered
+            assert list(order.disk_victims(set(self.held), self.pending, tenant)) == [
+                r.key for r in expected if r.tenant_id == tenant], tenant
+            assert list(order.ram_victims(set(self.held), self.pending, tenant)) == [
+                r.key for r in ram if r.tenant_id == tenant], tenant
+        usage = {}
+        for tenant in TENANTS:
+            mine = [r for r in records if r.tenant_id == tenant]
+            if mine:
+                usage[tenant] = (sum(r.size for r in mine), len(mine),
+                                 sum(r.logical_size for r in mine),
+                                 sum(r.size for r in mine if r.in_ram),
+                                 sum(1 for r in mine if r.in_ram))
+        assert {t: u.fields() for t, u in order.tenant_usage().items()} == usage
+        assert order.pin_end_keys() == [r.key for r in sorted(
+            (r for r in records if r.pinned and r.pin_expires),
+            key=lambda r: (r.pin_expires, r.key))]
         total = sum(r.size for r in records)
         assert order.unevictable_disk_bytes(set(self.held)) == \
             total - sum(r.size for r in expected)

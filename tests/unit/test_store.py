@@ -7,22 +7,19 @@ short timeouts, eviction order, RAM placement, start-up reconciliation details.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import lmdb
 import pytest
-from harness import payloads
 from harness.payloads import payload_for
 
 from kvcache import blob as blobfmt
 from kvcache import keys
-from kvcache.client import Identity
 from kvcache.errors import (
     Busy,
     Corrupt,
@@ -34,71 +31,24 @@ from kvcache.errors import (
     WaitTimeout,
 )
 from kvcache.index import ORDER_TABLES, Index
-from kvcache.record import Record
 from kvcache.store import Store, StoreConfig
 from kvcache.store.eviction import room_slack
 from kvcache.store.ramtier import RAM_MARKER
 from tests.support.daemon_proc import wait_for
-
-FP = "fp-test"
-LAYOUT = {"type_k": "f16"}
-NS = keys.namespace(FP, LAYOUT)
-BLOCK = 16
-
-
-# blob_bytes(tokens, payload, reason="cold"): the blob of an entry of namespace NS.
-blob_bytes = functools.partial(payloads.blob_bytes, Identity(FP, LAYOUT))
-
-
-def raw(tokens: list[int]) -> bytes:
-    return keys.tokens_to_bytes(tokens)
-
-
-def put(store: Store, tokens: list[int], size: int = 1000, reason: str = "cold") -> Record:
-    """Reserve, write (in two chunks) and commit one entry."""
-    data = blob_bytes(tokens, payload_for(tokens, size), reason)
-    res = store.reserve(NS, raw(tokens), len(data), reason, FP)
-    assert res.status == "granted", res
-    half = len(data) // 2
-    store.write(res.lease_id, 0, data[:half])
-    store.write(res.lease_id, half, data[half:])
-    return store.commit(res.lease_id)
-
-
-def read_all(store: Store, key: bytes) -> bytes:
-    pin, chunks = store.iter_read(key)
-    return b"".join(bytes(c) for c in chunks)
-
-
-def ram_settled(store: Store) -> None:
-    """Wait for the (single) RAM placement worker to finish what was queued."""
-    store._ram_worker.submit(lambda: None).result(timeout=30)
-
-
-@pytest.fixture
-def make_store(tmp_path: Path) -> Iterator[Callable[..., Store]]:
-    stores: list[Store] = []
-
-    def make(**overrides: object) -> Store:
-        settings: dict[str, object] = {"min_free_bytes": 0, "block_size": BLOCK, **overrides}
-        config = StoreConfig(root=tmp_path / "data", ram_dir=tmp_path / "ram",
-                             **settings)  # type: ignore[arg-type]
-        store = Store(config)
-        stores.append(store)
-        return store
-
-    yield make
-    for s in stores:
-        s.close()
-
-
-def entry_size(tokens: list[int], size: int = 1000) -> int:
-    return len(blob_bytes(tokens, payload_for(tokens, size)))
-
-
-def present(store: Store, *token_lists: list[int]) -> list[bool]:
-    return [store.index.get(keys.entry_key(NS, t, BLOCK).key) is not None for t in token_lists]
-
+from tests.support.stores import (
+    BLOCK,
+    FP,
+    LAYOUT,
+    NS,
+    blob_bytes,
+    entry_size,
+    present,
+    put,
+    ram_settled,
+    raw,
+    read_all,
+    recovered,
+)
 
 # -- publish protocol -----------------------------------------------------------------------
 
@@ -352,6 +302,7 @@ def test_an_entry_without_passes_rows_gets_them_at_start_up_and_keeps_its_row(
     index.close()
     os.unlink(store.ram_path(record.key))  # as after a reboot: the RAM copy is gone
     reopened = make_store()
+    recovered(reopened)  # no clean-shutdown record: checked in the background
     assert lcp(reopened, prompt[:50]) == (90, 50)
     row = reopened.index.get(record.key)
     assert row.pinned and not row.in_ram  # the RAM fix made at start-up stands
