@@ -3,7 +3,7 @@ and against llama.cpp's ``llama-server`` with its n-gram speculation types.
 
     python tools/bench_speculation.py [--max-tokens 160] [--threads 2] [--rounds 2]
         [--llama-server PATH] [--spec-types ngram-simple,ngram-map-k,ngram-mod]
-        [--no-draft-model] [--out FILE]
+        [--per-workload N] [--no-draft-model] [--out FILE]
 
 The prompts are tools/speculation_workloads.py's: copy-heavy (a code edit, a JSON echo,
 a tool loop whose call quotes the tool's output) and free prose, each a chat rendered
@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -114,11 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--per-workload", type=int, default=0,
+                    help="Prompts of each workload at most (0: all).")
     ap.add_argument("--llama-server", type=Path, default=DEFAULT_BINARY)
     ap.add_argument("--spec-types", default="ngram-simple,ngram-map-k,ngram-mod")
     ap.add_argument("--no-draft-model", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    # SIGTERM ends the run through its clean-up (servers stopped, folder removed).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     model = default_model_path()
     config = RuntimeConfig(n_ctx=4096, n_threads=args.threads, n_seq_max=args.clients,
@@ -144,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             log(f"no llama-server at {args.llama_server}: its arms are skipped "
                 "(bash tools/build_llama_server.sh)")
-        prompts = prompts_of(runtimes["kvcache_off"])
+        prompts = {w: p[:args.per_workload or None]
+                   for w, p in prompts_of(runtimes["kvcache_off"]).items()}
         rates: dict[str, dict[str, list[float]]] = {w: {a: [] for a in arms} for w in prompts}
         texts: dict[str, dict[str, list[list[int]]]] = {w: {a: [] for a in arms}
                                                         for w in prompts}
