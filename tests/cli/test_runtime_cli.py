@@ -197,6 +197,20 @@ def test_serve_refuses_bad_settings_before_loading(tiny_model: Path) -> None:
     assert "Invalid value for '--threads'" in line
 
 
+def test_a_draft_model_of_another_vocabulary_is_one_line_at_start(
+        tiny_model: Path, tiny_hermes_model: Path, tmp_path: Path) -> None:
+    # Found as the model loads, before the runtime serves anything: exit 2, one line
+    # naming --draft-model and the difference.
+    line = error_line(run_cli("serve", "--model", str(tiny_model), "--cache", "none",
+                              "--socket", str(tmp_path / "rt.sock"), *LOCAL,
+                              "--draft-model", str(tiny_hermes_model)), 2)
+    assert "Invalid value for '--draft-model'" in line
+    assert "does not share the vocabulary" in line and "tokens" in line
+    line = error_line(invoke("complete", "--model", str(tiny_model), "--cache", "none",
+                             "--prompt", "hi", "--speculative", "draft"), 2)
+    assert "speculative" in line and "draft needs a draft model" in line
+
+
 def test_settings_are_checked_by_the_config_itself() -> None:
     """The rules live in RuntimeConfig and SamplingParams: every caller gets them."""
     with pytest.raises(ValueError, match=r"^n_threads must be an integer >= 1, got 0$"):

@@ -430,7 +430,8 @@ def test_every_documented_field_is_applied_or_refused(gw: GatewayProcess) -> Non
                "prompt_cache_key": "k", "user": "u", "metadata": {"a": "b"},
                "store": False, "stream": False, "max_output_tokens": 2, "top_p": 0.9,
                "temperature": 0, "instructions": "Short.", "tools": [WEATHER],
-               "tool_choice": "none", "text": {"format": {"type": "text"}}}
+               "tool_choice": "none", "text": {"format": {"type": "text"}},
+               "speculative": False}
     assert set(neutral) | {"model", "input", "previous_response_id", "max_tool_calls",
                            "conversation", "prompt", "safety_identifier"} == \
         set(RESPONSES_FIELDS)
