@@ -476,6 +476,11 @@ def _runtime_traffic(d: DaemonProcess, model: Path) -> tuple[dict[str, float], d
         s1_done = rt.complete(tokens=s1_next, max_tokens=4, session_id="s1")
         assert s1_done.cache_hit_kind == "sticky"
         flush(rt)
+        # A prediction of the reply drafts its tokens and has them taken.
+        predicted = rt.complete(tokens=tokens(17, 30), max_tokens=6,
+                                prediction=rt.complete(tokens=tokens(17, 30),
+                                                       max_tokens=6).tokens)
+        assert predicted.accepted_tokens >= 1
         resumed = rt.complete(tokens=p1 + first.tokens + tokens(6, 10), max_tokens=4,
                               parent_key=first.finish_key)
         assert resumed.cache_delta["tokens_read"] == 103
