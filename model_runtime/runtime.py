@@ -41,6 +41,7 @@ from .llama_backend import (
     LlamaModel,
     TokenizeCancelled,
     batch_variant_options,
+    compute_apart,
 )
 from .metrics import runtime_metrics
 from .request import (
@@ -135,7 +136,10 @@ class Runtime:
         self.model = LlamaModel(self.model_path, verbose=verbose)
         try:
             cfg = self.config
-            self.ctx = LlamaContext(self.model, ContextParams(
+            # What llama.cpp computes before the model thread starts (the context's probe
+            # of its state format, the checks and measures below) runs apart: see
+            # compute_apart, a 3x slower decode otherwise.
+            self.ctx = compute_apart(LlamaContext, self.model, ContextParams(
                 n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_batch,
                 n_seq_max=cfg.n_seq_max, n_threads=cfg.n_threads, type_k=cfg.type_k,
                 type_v=cfg.type_v, flash_attn=cfg.flash_attn))
@@ -145,7 +149,7 @@ class Runtime:
         self.identity = runtime_identity(self.model_path, self.ctx.kv_layout(), self.config.tenant)
         # Checked before any request: a reused state continued gives exactly what a cold
         # prefill gives only where llama.cpp computes a token alike alone or in a batch.
-        self.batch_invariant = self.ctx.computes_batches_alike()
+        self.batch_invariant = compute_apart(self.ctx.computes_batches_alike)
         if self.kernels == kernels.FAST:
             log.info("kvcache: the fast kernels (llama.cpp's defaults): output after a "
                      "restore or reuse may differ from a cold run's (%s)",
@@ -160,7 +164,7 @@ class Runtime:
                         ", ".join(batch_variant_options()) or "kernel choice", TILED_MM_ENV)
         self.draft_model: DraftModel | None = None
         try:
-            speculator = self._speculator(draft_model_path, verbose)
+            speculator = compute_apart(self._speculator, draft_model_path, verbose)
         except Exception:
             self.ctx.close()
             self.model.close()

@@ -36,6 +36,7 @@ from .binding import (
     TILED_MM_ENV,
     batch_variant_options,
     build_options,
+    compute_apart,
     max_parallel_sequences,
     set_llama_logging,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "TokenizeCancelled",
     "batch_variant_options",
     "build_options",
+    "compute_apart",
     "check_gguf_file",
     "grammar_refusal",
     "max_parallel_sequences",

@@ -9,9 +9,9 @@ import ctypes
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import llama_cpp as _lc
 
@@ -24,6 +24,7 @@ __all__ = [
     "batch_variant_options",
     "build_options",
     "capturing_log",
+    "compute_apart",
     "ensure_backend",
     "max_parallel_sequences",
     "set_llama_logging",
@@ -159,3 +160,33 @@ class Owner:
 
 
 _O = TypeVar("_O", bound=Owner)
+
+
+R = TypeVar("R")
+
+
+def compute_apart(work: Callable[..., R], *args: Any) -> R:
+    """``work(*args)`` run on a thread of its own, which ends with it: for llama.cpp
+    computations made before the model thread takes over (start-up checks, measures).
+
+    llama.cpp's CPU backend runs each graph on an OpenMP team of the calling thread, and
+    a thread keeps its team for as long as it lives. A team left behind by a thread that
+    computed once (the one that built the runtime) competes with the model thread's for
+    the cores: on 2 cores every single-token decode took ~3x as long (11 ms, 33 ms with
+    the builder's team about, SmolLM2, 2 threads). A thread that ends takes its team
+    with it. (tests/runtime/test_runtime.py)"""
+    result: list[R] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(work(*args))
+        except BaseException as exc:  # re-raised on the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="llama-apart")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return result[0]

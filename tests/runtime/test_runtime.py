@@ -85,6 +85,30 @@ def kinds(c: Completion) -> tuple[str, int]:
 # --------------------------------------------------------------------------- hit kinds
 
 
+def test_the_thread_that_builds_a_runtime_computes_nothing(
+        tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp computes on an OpenMP team of the calling thread, kept while the thread
+    lives: a builder that computed once (the start-up checks) left a team that slowed
+    every decode of the model thread ~3x on 2 cores. Start-up computes on threads that
+    end; requests on the model thread."""
+    from model_runtime.llama_backend import LlamaContext
+
+    computed_on: list[str] = []
+    decode = LlamaContext.decode
+
+    def recorded(self: LlamaContext, *args: Any, **kwargs: Any) -> Any:
+        computed_on.append(threading.current_thread().name)
+        return decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaContext, "decode", recorded)
+    with Runtime(tiny_model, cache_address=None, config=CONFIG) as rt:
+        started = set(computed_on)
+        rt.complete(prompt="The quick brown fox", max_tokens=3)
+    me = threading.current_thread().name
+    assert started and me not in started and started <= {"llama-apart"}
+    assert set(computed_on) - started == {"model"}  # requests: the model thread alone
+
+
 def test_hit_kinds_cold_exact_partial_sticky(make_runtime: Callable[..., Runtime]) -> None:
     rt = make_runtime()
     p = prompt(rt, 100)
