@@ -124,8 +124,10 @@ def test_a_streamed_answer_outlasts_the_timeouts(gw: GatewayProcess) -> None:
     finish = None
     with client.completions.create(model="tiny", prompt="Alpha", max_tokens=40,
                                    stream=True) as events:
-        for event in events:
-            time.sleep(0.25)  # a slow reader: ~30 pieces (tokens, some joined) take 7 s+
+        for i, event in enumerate(events):
+            # A slow reader: three times the timeouts after the first event, then a
+            # quarter of a second an event (tokens that were ready at once share one).
+            time.sleep(3 * max(HEADER_TIMEOUT, BODY_TIMEOUT) if i == 0 else 0.25)
             if event.choices and event.choices[0].finish_reason:
                 finish = event.choices[0].finish_reason
     assert time.monotonic() - started > 3 * max(HEADER_TIMEOUT, BODY_TIMEOUT)
