@@ -551,6 +551,19 @@ def test_reasoning_is_reasoning_content_never_content(gw: GatewayProcess) -> Non
     content, streamed_reasoning, _, _ = assemble(chunks)
     assert (content, streamed_reasoning) == (message.content, reasoning)
 
+    # include_reasoning false (vLLM's and SGLang's field, which routers pass on): the
+    # reasoning is left out of the answer, whole and streamed; the content stays.
+    extra = {"grammar": grammar, "include_reasoning": False}
+    without = client.chat.completions.create(model="think", messages=ask("Think first."),
+                                             max_tokens=60, temperature=0, extra_body=extra)
+    assert without.choices[0].message.content == message.content
+    assert "reasoning_content" not in (without.choices[0].message.model_extra or {})
+    chunks = list(client.chat.completions.create(model="think", messages=ask("Think first."),
+                                                 max_tokens=60, temperature=0, stream=True,
+                                                 extra_body=extra))
+    content, streamed_reasoning, _, _ = assemble(chunks)
+    assert (content, streamed_reasoning) == (message.content, "")
+
 
 # --------------------------------------------------------------------------- frameworks
 

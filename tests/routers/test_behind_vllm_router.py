@@ -130,7 +130,7 @@ def test_the_router_fields_are_taken_at_their_neutral_values_and_refused_at_othe
     assert status == 200, raw
     for name, value in [("ignore_eos", True), ("no_stop_trim", True),
                         ("skip_special_tokens", False), ("continue_final_message", True),
-                        ("include_reasoning", False), ("separate_reasoning", False),
+                        ("separate_reasoning", False),
                         ("stream_reasoning", False), ("return_hidden_states", True)]:
         status, _, raw = gw.http("POST", "/v1/chat/completions",
                                  json.dumps({**body, name: value}).encode())

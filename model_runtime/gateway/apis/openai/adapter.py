@@ -93,7 +93,8 @@ CHAT_FIELDS: Mapping[str, str] = {
     "function_call": "refused (deprecated; use tool_choice)",
     "chat_template_kwargs": "llama.cpp/vLLM: variables for the chat template",
     "continue_final_message": "false only: the reply is a new assistant turn",
-    "include_reasoning": "true only: a thinking model's reasoning is in reasoning_content",
+    "include_reasoning": "false: a thinking model's reasoning is left out of the answer "
+                         "(true: in reasoning_content)",
     "separate_reasoning": "true only: reasoning apart from content, in reasoning_content",
     "stream_reasoning": "true only: reasoning streams as it is generated",
 }
@@ -116,7 +117,7 @@ _ONLY = {"metadata": (None,), "audio": (None,),
          # the routers' fields: their neutral values only
          "no_stop_trim": (None, False), "ignore_eos": (None, False),
          "skip_special_tokens": (None, True), "return_hidden_states": (None, False),
-         "continue_final_message": (None, False), "include_reasoning": (None, True),
+         "continue_final_message": (None, False),
          "separate_reasoning": (None, True), "stream_reasoning": (None, True)}
 
 
@@ -124,11 +125,13 @@ _ONLY = {"metadata": (None,), "audio": (None,),
 class OpenAICall(Call):
     """A chat completions (``endpoint`` "chat") or completions ("text") request: the
     gateway's request and how OpenAI answers it (``include_usage``: a last chunk with
-    usage; the answer's ``id`` and ``created``)."""
+    usage; ``include_reasoning``: a thinking model's reasoning in the answer; the answer's
+    ``id`` and ``created``)."""
 
     request: GenRequest
     endpoint: str
     include_usage: bool = False
+    include_reasoning: bool = True
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = ""
 
@@ -324,7 +327,8 @@ def parse_chat(data: dict[str, Any], session_header: str | None = None) -> OpenA
                        schema, schema_param, grammar, variables)
     return OpenAICall(GenRequest(**{**common, "route_key": route}, logprobs=logprobs,
                                  top_logprobs=top, chat=chat,
-                                 prediction=_prediction(data.get("prediction"))), **answer)
+                                 prediction=_prediction(data.get("prediction"))), **answer,
+                      include_reasoning=_bool(data, "include_reasoning", True))
 
 
 def _prediction(value: Any) -> str:

@@ -96,9 +96,11 @@ class Choice:
     """One choice of a request as it is answered: text pieces in, OpenAI's deltas out
     (chat: parsed by ``parser``), and the whole at the end."""
 
-    def __init__(self, index: int, parser: OutputParser | None) -> None:
+    def __init__(self, index: int, parser: OutputParser | None,
+                 include_reasoning: bool = True) -> None:
         self.index = index
         self.parser = parser
+        self.include_reasoning = include_reasoning  # False: reasoning left out
         self.text = ""  # the raw text the model wrote
         self.logprobs: list[pb.TokenLogprob] = []
         self._offset = 0  # completions: where the next token's logprobs start
@@ -108,12 +110,16 @@ class Choice:
         self.text += text
         if self.parser is None:
             return [{"text": text}] if text else []
-        return [delta_body(d) for d in self.parser.feed(text)]
+        return self._bodies(self.parser.feed(text))
 
     def close(self) -> list[dict[str, Any]]:
         if self.parser is None:
             return []
-        return [delta_body(d) for d in self.parser.close()]
+        return self._bodies(self.parser.close())
+
+    def _bodies(self, deltas: Sequence[Delta]) -> list[dict[str, Any]]:
+        return [delta_body(d) for d in deltas
+                if self.include_reasoning or not isinstance(d, ReasoningDelta)]
 
     def logprobs_body(self, lps: Sequence[pb.TokenLogprob], chat: bool) -> dict[str, Any]:
         if chat:
@@ -132,7 +138,7 @@ class Choice:
         out = self.parser.output
         message: dict[str, Any] = {"role": "assistant", "refusal": None,
                                    "content": out.content or (None if out.tool_calls else "")}
-        if out.reasoning:
+        if out.reasoning and self.include_reasoning:
             message["reasoning_content"] = out.reasoning
         if out.tool_calls:
             message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
@@ -229,8 +235,8 @@ class OpenAIFormatter(Formatter):
         self.call = call
         self.worker = worker
         self.tenant = tenant
-        self.choices = [Choice(i, plan.parser() if plan is not None else None)
-                        for i in range(call.request.n)]
+        self.choices = [Choice(i, plan.parser() if plan is not None else None,
+                               call.include_reasoning) for i in range(call.request.n)]
 
     def opening(self, prompt: pb.PromptDone | pb.Completion) -> bytes:
         if not self.call.chat:
