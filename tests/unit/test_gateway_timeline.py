@@ -2,15 +2,7 @@
 
 from __future__ import annotations
 
-from model_runtime.gateway.pipeline.timeline import TokenPath, percentile
-
-
-def test_percentile_is_the_nearest_rank() -> None:
-    values = [float(v) for v in range(1, 101)]
-    assert percentile(values, 0.5) == 50.0
-    assert percentile(values, 0.99) == 99.0
-    assert percentile([3.0, 1.0, 2.0], 0.99) == 3.0  # fewer than 100: the largest
-    assert percentile([7.0], 0.01) == 7.0
+from model_runtime.gateway.pipeline.timeline import TokenPath
 
 
 def test_a_token_path_counts_stamped_tokens_and_ignores_foreign_clocks() -> None:

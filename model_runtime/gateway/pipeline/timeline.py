@@ -15,18 +15,12 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-__all__ = ["TokenPath", "percentile"]
+from kvcache.metrics import percentile
+
+__all__ = ["TokenPath"]
 
 # A stamp further back than this is not this host's clock (a worker elsewhere): ignored.
 MAX_PLAUSIBLE_NS = 60 * 10**9
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q`` quantile (0..1) of ``values`` by the nearest rank (the p99 of fewer
-    than 100 tokens is their largest)."""
-    ordered = sorted(values)
-    rank = max(1, -(-len(ordered) * q // 1))  # ceil(n * q), at least the first
-    return ordered[int(rank) - 1]
 
 
 class TokenPath:
@@ -50,5 +44,5 @@ class TokenPath:
         if not self.ms:
             return None
         return {"p50": round(statistics.median(self.ms), 3),
-                "p99": round(percentile(self.ms, 0.99), 3),
+                "p99": round(percentile(sorted(self.ms), 99), 3),
                 "max": round(max(self.ms), 3), "messages": len(self.ms)}
