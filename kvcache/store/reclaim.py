@@ -106,8 +106,14 @@ class Reclaimer(Part):
         cfg, tally = self._config, self._tally
         used = tally.disk_used + tally.reserved_bytes
         room = self._layout.disk_free() - tally.reserved_bytes - cfg.min_free_bytes
-        budget = min(cfg.disk_bytes, used + max(0, room))
-        return used - int(share * budget)
+        if room < 0 and -room > tally.disk_used - self._index.order.unevictable_disk_bytes(
+                self._pins.busy() | self._leaving):
+            # Other files took the free space: evicting every entry that may go would not
+            # bring it back to the watermark, so evicting any is no help (saves are refused
+            # meanwhile, and say why: the rule a save's own eviction keeps). Without this
+            # the tier would give up a tenth of itself every tick until it was empty.
+            return used - int(share * cfg.disk_bytes)
+        return used - int(share * max(0, min(cfg.disk_bytes, used + room)))
 
     def ram_over(self, share: float) -> int:
         """Bytes the RAM tier holds above ``share`` of its budget. Store._cond held."""

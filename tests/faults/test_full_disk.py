@@ -214,6 +214,9 @@ def test_disk_filling_after_the_reservation_aborts_the_write_cleanly(
             c.delete(key)
         old = toks(3)
         existing = {c.save(IDENT, old, payload_for(old, size), "cold").key: old}
+        # Pinned: below its free-space watermark the daemon would otherwise evict it in
+        # the background to free the disk, as it should; here it is what reads go on from.
+        c.pin(next(iter(existing)))
         _, blobs_before = snapshot(d)
         intercepted(c, interceptor)
         err = pytest.raises(CacheError, c.save, IDENT, tokens, payload_for(tokens, size),

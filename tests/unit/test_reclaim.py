@@ -96,6 +96,32 @@ def test_the_reclaimer_takes_the_eviction_order_never_a_pinned_or_read_entry(
     store.release_read(pin.pin_id)
 
 
+def test_the_reclaimer_gives_up_nothing_when_evicting_all_would_not_free_the_disk(
+        make_store: Callable[..., Store], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Free space below the watermark by more than the tier's entries hold (another file
+    filled the disk): evicting is no help, so nothing goes, tick after tick; saves are
+    refused meanwhile (tests/faults/test_full_disk.py). Short by less, the reclaimer
+    evicts what brings the free space back above the watermark, and no more than its low
+    watermark asks."""
+    store = make_store(disk_bytes=1000 * SIZE, ram_bytes=0, min_free_bytes=0,
+                       reclaim_low=0.9, reclaim_high=0.95)
+    for tokens in LISTS[:30]:
+        put(store, tokens)
+    # The file system's free space from here on: ``short`` below the watermark (0), plus
+    # what evictions free.
+    held = store.disk_used
+    monkeypatch.setattr(store._layout, "disk_free", lambda: held - store.disk_used - short)
+    short = 31 * SIZE  # more than the 30 entries hold
+    for _ in range(3):
+        assert store.reclaim(force=True) == (0, 0)
+    assert store.index.count() == 30
+    assert store.stats()["counters"]["evictions_disk"] == 0
+
+    short = 10 * SIZE  # by ten entries: they go, and the low watermark's tenth of the rest
+    evicted, _ = store.reclaim()
+    assert 12 <= evicted <= 13 and store.index.count() == 30 - evicted
+
+
 def test_the_reclaimer_drops_ram_copies_down_to_the_low_watermark(
         make_store: Callable[..., Store]) -> None:
     store = make_store(ram_bytes=10 * SIZE, reclaim_low=0.5, reclaim_high=0.75)
