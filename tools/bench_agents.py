@@ -254,7 +254,11 @@ def concurrent_round(arm: Arm, system: str, requests: int, round_no: int) -> dic
             "token_path_p99_ms": [r["gateway_ms"]["token_path_ms"]["p99"] for r in results
                                   if (r["gateway_ms"] or {}).get("token_path_ms")],
             "prompt_tokens": [r["prompt_tokens"] for r in results],
-            "prefilled": [(r["prompt_tokens"] or 0) - r["cached_tokens"] for r in results]}
+            "prefilled": [(r["prompt_tokens"] or 0) - r["cached_tokens"] for r in results],
+            "timelines": [{**r["timeline_ms"], "gateway_before_worker":
+                           (r["gateway_ms"] or {}).get("before_worker_ms", 0.0),
+                           "ttft": r["ttft_s"] * 1e3}
+                          for r in results if r["timeline_ms"]]}
 
 
 def decode_rate(got: dict[str, Any]) -> float | None:
@@ -322,6 +326,7 @@ def concurrent_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     per_token = [g for r in rounds for g in r["per_token_s"]]
     path_p50 = [p for r in rounds for p in r["token_path_p50_ms"]]
     path_p99 = [p for r in rounds for p in r["token_path_p99_ms"]]
+    timelines = [t for r in rounds for t in r["timelines"]]
     seconds = sum(r["seconds"] for r in rounds)
     tokens = sum(r["completion_tokens"] for r in rounds)
     return {"requests": len(ttft), "errors": [e for r in rounds for e in r["errors"]][:5],
@@ -334,6 +339,11 @@ def concurrent_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             "token_path_ms": {"p50_median": round(statistics.median(path_p50), 3),
                               "p99_median": round(statistics.median(path_p99), 3),
                               "p99_max": round(max(path_p99), 3)} if path_p50 else None,
+            # The gateway's arm: where a request's TTFT went (each step's median over the
+            # requests, ms; the runtime's timeline and the gateway's part before it).
+            "timeline_ms_median": {step: round(statistics.median(t.get(step, 0.0)
+                                                                 for t in timelines), 2)
+                                   for step in timelines[0]} if timelines else None,
             "prompt_tokens_median": statistics.median(
                 [p for r in rounds for p in r["prompt_tokens"] if p] or [0]),
             "prefilled_median": statistics.median(
