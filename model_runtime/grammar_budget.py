@@ -39,6 +39,7 @@ MAX_SCHEMA_DEPTH = 48
 MAX_NESTING = 64
 
 _BASE = 8  # a rule's own symbols: its end, quotes, ``space``, a reference to it
+_SPACE = 90  # the ``space`` rule (schema_converter.SPACE_RULE) written out
 # A primitive's rules (the largest: any JSON value), made once per grammar, then referred to.
 _PRIMITIVE = 400
 _BOUNDS = (("minLength", "maxLength"), ("minItems", "maxItems"))
@@ -76,7 +77,9 @@ class Budget:
         """Check ``schema`` (found at ``where``) and count its grammar's symbols; raises
         :class:`BudgetError` at the first bound or place over budget. Returns its cost."""
         walk = _Walk(schema, where, self)
-        walk.spend(4 * _BASE, where)  # the rules every schema's grammar has (``space``)
+        # The rules every schema's grammar has: ``space`` (llama.cpp's whitespace rule,
+        # its repetitions written out: _SPACE symbols) and a few more.
+        walk.spend(4 * _BASE + _SPACE, where)
         walk.visit(schema, where, 0)
         return walk.cost
 

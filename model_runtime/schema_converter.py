@@ -6,6 +6,10 @@
   ``m`` copies of ``x`` then ``n - m`` optional groups nested in each other, so a
   ``maxLength`` of 600 nested 600 deep (too deep for the runtime's grammar check) and a
   ``minLength`` of 10^8 was half a gigabyte of text.
+* Whitespace between tokens of the JSON is what llama.cpp's converter allows (a space,
+  or one or two newlines and up to 20 spaces or tabs of indent), not the port's single
+  optional space: a model that writes its JSON indented (most do) writes it as it
+  would, and as llama-server lets it for the same schema.
 * An object's optional properties are chained in linear time; the port rebuilds the rest
   of the chain from every property on (cubic: 1,000 optional properties took 5 s, 3,000
   took 150 s), for the same rules.
@@ -24,7 +28,10 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["compact_repetition", "converter_class"]
+__all__ = ["SPACE_RULE", "compact_repetition", "converter_class"]
+
+# llama.cpp's rule for whitespace (common/json-schema-to-grammar.cpp, SPACE_RULE).
+SPACE_RULE = '| " " | "\\n"{1,2} [ \\t]{0,20}'
 
 
 def compact_repetition(item_rule: str, min_items: int, max_items: int | None,
@@ -66,6 +73,10 @@ def converter_class() -> type:
     class LeanConverter(port.SchemaConverter):  # type: ignore[misc,name-defined]
         visit = rebound(port.SchemaConverter.visit)
         _visit_pattern = rebound(port.SchemaConverter._visit_pattern)
+
+        def __init__(self, **options: Any) -> None:
+            super().__init__(**options)
+            self._rules["space"] = SPACE_RULE
 
         def _build_object_rule(self, properties: list[tuple[str, Any]], required: set[str],
                                name: str, additional_properties: Any) -> str:

@@ -165,6 +165,23 @@ def test_a_json_schema_becomes_a_grammar_llama_cpp_accepts(model: LlamaModel) ->
     check_grammar(model, grammar_of("", None, True))  # json_object
 
 
+def test_a_schema_s_grammar_lets_json_be_written_indented_as_llama_cpp_s_does(
+        model: LlamaModel) -> None:
+    """Whitespace between a JSON value's parts is llama.cpp's: a space, or newlines and
+    an indent (of at most 20), so a model writing its JSON indented is let write it so
+    (the port the converter comes from allowed one space only)."""
+    def allowed(text: str) -> bool:
+        tokens = model.tokenize(text, add_special=False, parse_special=False)
+        with SamplerChain(model, Sampling(), grammar=json_schema_grammar(SCHEMA)) as chain:
+            return chain.grammar_run(tokens) == len(tokens)
+
+    assert allowed('{"id": 1, "where": {"x": 2}}')
+    assert allowed('{\n  "id": 1,\n  "where": {\n    "x": 2\n  }\n}')
+    assert allowed('{\n\n\t"id" : 1 , "where": {"x": 2}}')
+    assert not allowed('{\n\n\n"id": 1')  # three newlines
+    assert not allowed('{' + ' ' * 22 + '"id": 1')  # an indent of more than 20
+
+
 @pytest.mark.parametrize("schema, message", [
     ({"type": "objekt"}, "cannot be converted to a grammar: Unrecognized schema"),
     ([1, 2], "must be a JSON object"),
