@@ -42,7 +42,13 @@ class Constraints:
     ``max_tokens``         see ``runtime.generation_limit``: a prompt plus the max_tokens
                            given must fit the context; none given: 128 at most, or with
     ``until_context_full`` until the context is full.
-    ``stop``               strings that end the output (not included in it).
+    ``stop``               strings that end the output (not included in it, unless
+                           ``keep_stop``: the one that ended it stays at its end).
+    ``ignore_eos``         an end-of-generation token (EOS, ``<|im_end|>``, ...) does not
+                           end the output: it goes on to ``max_tokens`` (none given: the
+                           128 or the context's end above), or a stop string.
+    ``special_tokens``     control tokens (``<|im_end|>``, ...) show in the text, as
+                           their vocabulary entries (else they render as nothing).
 
     Structured output (at most one of the three; refused before the request is queued,
     with a message naming the part that failed, when it cannot be used):
@@ -70,6 +76,9 @@ class Constraints:
     max_tokens: int | None = None
     until_context_full: bool = False
     stop: Sequence[str] = ()
+    keep_stop: bool = False
+    ignore_eos: bool = False
+    special_tokens: bool = False
     grammar: str = ""
     json_schema: Mapping[str, Any] | str | None = None
     json_object: bool = False

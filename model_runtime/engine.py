@@ -554,7 +554,9 @@ class EngineCore:
         request goes on. ``save``: the ``continued`` save is its caller's."""
         seq = req.seq
         assert seq is not None
-        if self.model.is_eog(token):
+        # (ignore_eos is read only for an end-of-generation token: the common path pays
+        # nothing for it)
+        if self.model.is_eog(token) and not req.sampling.ignore_eos:
             self._finish(req, "stop")
             return False
         logprob = self.executor.logprob(req, token) if req.sampling.logprobs else None
@@ -564,7 +566,8 @@ class EngineCore:
         req.pending = token
         if req.spec is not None:
             req.spec.emitted(token)
-        text, stopped = req.stream.add(self.model.token_to_piece(token))
+        text, stopped = req.stream.add(self.model.token_to_piece(
+            token, render_special=req.sampling.special_tokens))
         req.events.put(TokenEvent(token, text, logprob, choice=req.choice,
                                   decoded_ns=self._decoded_ns))
         if stopped:

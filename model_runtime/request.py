@@ -238,7 +238,7 @@ class Request:
     spec: Speculation | None = None
 
     def __post_init__(self) -> None:
-        self.stream = TextStream(self.sampling.stop)
+        self.stream = TextStream(self.sampling.stop, self.sampling.keep_stop)
 
     @property
     def choices(self) -> list[Request]:

@@ -374,7 +374,9 @@ class Runtime:
             request.sampling,
             grammar=grammar_of(limits.grammar, limits.json_schema, limits.json_object),
             grammar_triggers=as_triggers(limits.grammar_triggers), max_tokens=limit,
-            stop=tuple(limits.stop), logprobs=request.logprobs,
+            stop=tuple(limits.stop), keep_stop=limits.keep_stop,
+            ignore_eos=limits.ignore_eos, special_tokens=limits.special_tokens,
+            logprobs=request.logprobs,
             top_logprobs=request.top_logprobs)
         self._check_vocab(sampling)
         tenant = self.config.tenant if request.tenant is None else request.tenant

@@ -115,6 +115,9 @@ class SamplingParams:
     grammar_triggers: tuple[GrammarTrigger, ...] = ()  # lazy grammar: free text until one
     max_tokens: int = DEFAULT_MAX_TOKENS
     stop: tuple[str, ...] = ()
+    keep_stop: bool = False  # the stop string that ended the text stays at its end
+    ignore_eos: bool = False  # an end-of-generation token does not end the output
+    special_tokens: bool = False  # control tokens show in the text
     logprobs: bool = False  # report each generated token's log probability
     top_logprobs: int = 0  # and that many of the most likely tokens at its place
 
@@ -208,14 +211,16 @@ class TextStream:
     An incomplete UTF-8 sequence waits in the decoder for its next bytes; invalid bytes
     become U+FFFD, as in the final text. Text that could still be the start of a stop
     string is held back until it is known not to be, and a stop string ends the text
-    before it. The pieces handed out always add up to the final text (see close)."""
+    before it (after it with ``keep_stop``). The pieces handed out always add up to the
+    final text (see close)."""
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], keep_stop: bool = False) -> None:
         self.text = ""
         self.emitted = 0  # characters of text handed out so far
         self.stopped = False  # a stop string ended the text
         self.stop_sequence = ""  # which one (Anthropic's stop_reason names it)
         self._stop_strings = tuple(stops)
+        self._keep_stop = keep_stop
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stops = StopScanner(stops)
 
@@ -227,7 +232,8 @@ class TextStream:
         if at >= 0:
             self.stop_sequence = next((s for s in self._stop_strings
                                        if self.text.startswith(s, at)), "")
-            self.text, self.stopped = self.text[:at], True
+            end = at + len(self.stop_sequence) if self._keep_stop else at
+            self.text, self.stopped = self.text[:end], True
             return self._take(self.text), True
         return self._take(self.text[: max(self.emitted, len(self.text) - self._stops.hold)]), False
 

@@ -136,7 +136,9 @@ def request_from_message(request: pb.CompleteRequest) -> CompletionRequest:
            if k in ("seed", "repeat_penalty", "penalty_last_n")})
     constraints = Constraints(
         max_tokens=request.max_tokens or None, until_context_full=request.until_context_full,
-        stop=tuple(request.stop), grammar=request.grammar,
+        stop=tuple(request.stop), keep_stop=request.keep_stop,
+        ignore_eos=request.ignore_eos, special_tokens=request.special_tokens,
+        grammar=request.grammar,
         json_schema=request.json_schema or None, json_object=request.json_object,
         grammar_triggers=tuple(GrammarTrigger(t.value, t.pattern)
                                for t in request.grammar_triggers))

@@ -128,9 +128,7 @@ def test_the_router_fields_are_taken_at_their_neutral_values_and_refused_at_othe
     body = {"model": "hermes", "messages": ask("Hi"), "max_tokens": 2, **ROUTER_FIELDS}
     status, _, raw = gw.http("POST", "/v1/chat/completions", json.dumps(body).encode())
     assert status == 200, raw
-    for name, value in [("ignore_eos", True), ("no_stop_trim", True),
-                        ("skip_special_tokens", False), ("continue_final_message", True),
-                        ("separate_reasoning", False),
+    for name, value in [("continue_final_message", True), ("separate_reasoning", False),
                         ("stream_reasoning", False), ("return_hidden_states", True)]:
         status, _, raw = gw.http("POST", "/v1/chat/completions",
                                  json.dumps({**body, name: value}).encode())
@@ -168,8 +166,8 @@ def test_the_endpoints_routers_call_answer(hosts: list[Host]) -> None:
                              json.dumps({"model": "hermes", "prompt": [5, 6, 7]}).encode())
     assert status == 200 and json.loads(raw)["token_ids"][-3:] == [5, 6, 7], raw
     status, _, raw = gw.http("POST", "/v1/chat/completions/render",
-                             json.dumps({**body, "ignore_eos": True}).encode())
-    assert status == 400 and json.loads(raw)["error"]["param"] == "ignore_eos"
+                             json.dumps({**body, "return_hidden_states": True}).encode())
+    assert status == 400 and json.loads(raw)["error"]["param"] == "return_hidden_states"
 
 
 def test_kv_aware_sends_a_conversation_back_to_the_host_holding_its_prefix(

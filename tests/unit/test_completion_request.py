@@ -38,7 +38,7 @@ def every_field_set() -> pb.CompleteRequest:
         json_object=False, grammar_triggers=[pb.GrammarTrigger(value="<a", pattern=True)],
         n=2, tenant="alice", prefix_chars=4, boundary_chars=[2, 5],
         boundary_ttl_seconds=[0, 60], continue_parent=True, speculative=True,
-        prediction="Hello again")
+        prediction="Hello again", keep_stop=True, ignore_eos=True, special_tokens=True)
 
 
 def test_a_message_becomes_one_request_with_every_field_in_its_part() -> None:
@@ -48,7 +48,8 @@ def test_a_message_becomes_one_request_with_every_field_in_its_part() -> None:
         Sampling(temperature=0.5, top_k=40, top_p=0.875, min_p=0.0625, seed=7,
                  repeat_penalty=1.25, presence_penalty=0.25, frequency_penalty=0.375,
                  penalty_last_n=-1, logit_bias=((2, 1.5), (5, -100.0))),
-        Constraints(max_tokens=9, stop=("\n\n",), grammar='root ::= "a"',
+        Constraints(max_tokens=9, stop=("\n\n",), keep_stop=True, ignore_eos=True,
+                    special_tokens=True, grammar='root ::= "a"',
                     grammar_triggers=(GrammarTrigger("<a", pattern=True),)),
         CacheHints(prefix_tokens=3, prefix_chars=4, boundary_chars=(2, 5),
                    boundary_ttl_seconds=(0, 60), session_id="s1", parent_key="ab" * 16,

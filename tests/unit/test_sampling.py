@@ -44,9 +44,10 @@ def first_stop_by_whole_text(pieces: Sequence[str], stops: Sequence[str]) -> tup
     return len(pieces), -1
 
 
-def stream(pieces: Sequence[bytes], stops: Sequence[str]) -> tuple[list[str], str, bool]:
+def stream(pieces: Sequence[bytes], stops: Sequence[str],
+           keep_stop: bool = False) -> tuple[list[str], str, bool]:
     """Run a TextStream as the engine does: (pieces streamed, final text, stopped)."""
-    out = TextStream(stops)
+    out = TextStream(stops, keep_stop)
     streamed = []
     for piece in pieces:
         text, stopped = out.add(piece)
@@ -132,6 +133,14 @@ def test_text_that_may_begin_a_stop_string_is_held_back_then_released() -> None:
 def test_a_stop_string_ends_the_text_before_it() -> None:
     streamed, final, stopped = stream([b"one S", b"TO", b"P two"], ["STOP", "never"])
     assert stopped and final == "one "
+    assert "".join(streamed) == final
+
+
+def test_keep_stop_ends_the_text_after_the_stop_string() -> None:
+    # (SGLang's no_stop_trim) the text ends after the stop string, whatever came after it
+    # in the same token; the pieces still add up to it.
+    streamed, final, stopped = stream([b"one S", b"TO", b"P two"], ["STOP", "never"], True)
+    assert stopped and final == "one STOP"
     assert "".join(streamed) == final
 
 

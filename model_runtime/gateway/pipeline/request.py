@@ -39,6 +39,12 @@ class GenRequest:
     grammar: str | None = None  # completions (chat: in ``chat``)
     speculative: bool | None = None  # None: the worker's default
     prediction: str = ""  # OpenAI's predicted outputs: a draft source, verified
+    # vLLM's and SGLang's: the stop string stays at the text's end (no_stop_trim), an
+    # end-of-generation token does not end it (ignore_eos), control tokens show in it
+    # (skip_special_tokens false)
+    keep_stop: bool = False
+    ignore_eos: bool = False
+    special_tokens: bool = False
     chat: ChatRequest | None = None
     prompt: str | None = None
     tokens: list[int] | None = None
@@ -60,7 +66,8 @@ class GenRequest:
             session_id=self.session_id, max_tokens=self.max_tokens or 0,
             until_context_full=self.max_tokens is None, temperature=self.temperature,
             top_p=self.top_p, top_k=self.top_k, stop=self.stop, logprobs=self.logprobs,
-            top_logprobs=self.top_logprobs)
+            top_logprobs=self.top_logprobs, keep_stop=self.keep_stop,
+            ignore_eos=self.ignore_eos, special_tokens=self.special_tokens)
         if self.seed is not None:
             req.seed = self.seed
         sampler: dict[str, Any] = {

@@ -59,11 +59,13 @@ _COMMON_FIELDS = {
     "speculative": "false: no speculative decoding for this request, true: on (it "
                    "changes no token either way)",
     # vLLM's and SGLang's, which vllm-router and sglang-router add to every body they pass
-    # on: their neutral values are what this server does; any other is refused
-    "no_stop_trim": "false only: a stop string is cut from the text, as OpenAI does",
-    "ignore_eos": "false only: generation ends at the model's end of turn",
-    "skip_special_tokens": "true only: control tokens never show in the text",
-    "return_hidden_states": "false only",
+    # on (at the neutral values, which are what OpenAI does)
+    "no_stop_trim": "SGLang: true: the stop string that ended the text stays at its end",
+    "ignore_eos": "vLLM/SGLang: true: the model's end of turn does not end the text; it "
+                  "goes on to max_tokens, a stop string or the context's end",
+    "skip_special_tokens": "vLLM/SGLang: false: control tokens (<|im_end|>, ...) show in "
+                           "the text",
+    "return_hidden_states": "refused unless false",
 }
 #: Every field /v1/chat/completions reads, and how: applied, or "refused" (a 400 naming
 #: it) for any value but null and those noted.
@@ -114,9 +116,8 @@ _ONLY = {"metadata": (None,), "audio": (None,),
          "store": (None, False), "service_tier": (None, "auto", "default"),
          "modalities": (None, ["text"]), "echo": (None, False), "suffix": (None, ""),
          "best_of": (None, 1),
-         # the routers' fields: their neutral values only
-         "no_stop_trim": (None, False), "ignore_eos": (None, False),
-         "skip_special_tokens": (None, True), "return_hidden_states": (None, False),
+         # the routers' fields this server cannot honour: their neutral values only
+         "return_hidden_states": (None, False),
          "continue_final_message": (None, False),
          "separate_reasoning": (None, True), "stream_reasoning": (None, True)}
 
@@ -291,6 +292,8 @@ def _common(data: dict[str, Any], endpoint: str, max_tokens_names: tuple[str, ..
         if data.get("repeat_penalty") is not None else None,
         "repeat_last_n": repeat_last_n,
         "logit_bias": _logit_bias(data), "grammar": grammar,
+        "keep_stop": _bool(data, "no_stop_trim"), "ignore_eos": _bool(data, "ignore_eos"),
+        "special_tokens": not _bool(data, "skip_special_tokens", True),
         "speculative": None if data.get("speculative") is None
         else _bool(data, "speculative"),
     }

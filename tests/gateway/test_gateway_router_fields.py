@@ -1,0 +1,130 @@
+"""vLLM's and SGLang's request fields, which vllm-router and sglang-router add to every body
+they pass on, applied as those servers apply them: ``ignore_eos``,
+``skip_special_tokens``, ``no_stop_trim``, ``continue_final_message``,
+``separate_reasoning`` and ``stream_reasoning`` (the tiny generated models, real workers,
+one thread)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.gateway_proc import GatewayProcess, Gateways, model_entry
+
+N_CTX = 512
+IM_END = 4  # the tiny models' <|im_end|>: a control token, end of generation
+END_OF_TURN = {str(IM_END): 100}  # the model's every token is then its end of turn
+
+
+@pytest.fixture(scope="module")
+def gw(gateways: Gateways, tiny_hermes_model: Path, tiny_think_model: Path) -> GatewayProcess:
+    args = ("--n-ctx", str(N_CTX), "--n-seq-max", "2")
+    return gateways.start("router-fields", models=[
+        model_entry("hermes", tiny_hermes_model, *args),
+        model_entry("think", tiny_think_model, *args)])
+
+
+def ask(user: str) -> list[dict[str, Any]]:
+    return [{"role": "system", "content": "You answer briefly."},
+            {"role": "user", "content": user}]
+
+
+def post(gw: GatewayProcess, body: dict[str, Any],
+         path: str = "/v1/chat/completions") -> tuple[int, dict[str, Any]]:
+    status, _, raw = gw.http("POST", path, json.dumps(body).encode())
+    return status, json.loads(raw)
+
+
+def streamed(gw: GatewayProcess, **kwargs: Any) -> tuple[str, str | None]:
+    """The content and finish_reason of a streamed chat answer."""
+    content, finish = "", None
+    for chunk in gw.client().chat.completions.create(stream=True, **kwargs):
+        if chunk.choices:
+            content += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    return content, finish
+
+
+def test_ignore_eos_goes_on_past_the_end_of_turn(gw: GatewayProcess) -> None:
+    client = gw.client()
+    base: dict[str, Any] = {"model": "hermes", "messages": ask("Hello?"), "max_tokens": 5,
+                            "temperature": 0}
+    ended = client.chat.completions.create(**base, logit_bias=END_OF_TURN)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == 0
+    # ignore_eos: the end of turn does not end the text; it goes on to max_tokens. The
+    # end-of-turn tokens are control tokens, skipped in the text (skip_special_tokens).
+    going = client.chat.completions.create(**base, logit_bias=END_OF_TURN,
+                                           extra_body={"ignore_eos": True})
+    assert going.choices[0].finish_reason == "length"
+    assert going.usage.completion_tokens == 5 and going.choices[0].message.content == ""
+    # Without max_tokens it goes on until the context is full, as vLLM does.
+    full = client.chat.completions.create(**{**base, "max_tokens": None},
+                                          logit_bias=END_OF_TURN,
+                                          extra_body={"ignore_eos": True})
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.total_tokens >= N_CTX - 1
+    # A stop string still ends it.
+    free = client.chat.completions.create(**base, max_completion_tokens=40,
+                                          extra_body={"ignore_eos": True})
+    text = free.choices[0].message.content
+    assert text and free.choices[0].finish_reason == "length", free
+    stopped = client.chat.completions.create(**base, max_completion_tokens=40,
+                                             stop=[text[len(text) // 2:][:3]],
+                                             extra_body={"ignore_eos": True})
+    assert stopped.choices[0].finish_reason == "stop"
+    assert len(stopped.choices[0].message.content) < len(text)
+
+
+def test_skip_special_tokens_false_shows_control_tokens(gw: GatewayProcess) -> None:
+    base: dict[str, Any] = {"model": "hermes", "messages": ask("Hello?"), "max_tokens": 3,
+                            "temperature": 0, "logit_bias": END_OF_TURN}
+    extra = {"ignore_eos": True, "skip_special_tokens": False}
+    reply = gw.client().chat.completions.create(**base, extra_body=extra)
+    assert reply.choices[0].message.content == "<|im_end|>" * 3
+    assert streamed(gw, **base, extra_body=extra) == ("<|im_end|>" * 3, "length")
+    text = gw.client().completions.create(model="hermes", prompt="Hello", max_tokens=2,
+                                          temperature=0, logit_bias=END_OF_TURN,
+                                          extra_body=extra)
+    assert text.choices[0].text == "<|im_end|>" * 2
+    # The text the model wrote otherwise is the same (no control token among it).
+    plain = {"model": "hermes", "messages": ask("Hi"), "max_tokens": 12, "temperature": 0}
+    shown = gw.client().chat.completions.create(**plain,
+                                                extra_body={"skip_special_tokens": False})
+    skipped = gw.client().chat.completions.create(**plain)
+    assert "<|im_end|>" not in (skipped.choices[0].message.content or "")
+    assert (shown.choices[0].message.content or "").replace("<|im_end|>", "") == \
+        skipped.choices[0].message.content
+
+
+def test_no_stop_trim_keeps_the_stop_string(gw: GatewayProcess) -> None:
+    client = gw.client()
+    base: dict[str, Any] = {"model": "hermes", "messages": ask("Say more."), "temperature": 0}
+    text = client.chat.completions.create(**base, max_tokens=16).choices[0].message.content
+    assert text and len(text) > 6, text
+    stop = text[3:6]
+    head = text[:text.index(stop)]
+    trimmed = client.chat.completions.create(**base, max_tokens=16, stop=[stop])
+    assert trimmed.choices[0].message.content == head
+    kept = client.chat.completions.create(**base, max_tokens=16, stop=[stop],
+                                          extra_body={"no_stop_trim": True})
+    assert kept.choices[0].message.content == head + stop
+    assert kept.choices[0].finish_reason == "stop"
+    assert streamed(gw, **base, max_tokens=16, stop=[stop],
+                    extra_body={"no_stop_trim": True}) == (head + stop, "stop")
+    prompt = {"model": "hermes", "prompt": "Say more.", "temperature": 0, "max_tokens": 16}
+    raw = client.completions.create(**prompt).choices[0].text
+    stop = raw[3:6]
+    kept_text = client.completions.create(**prompt, stop=[stop],
+                                          extra_body={"no_stop_trim": True})
+    assert kept_text.choices[0].text == raw[:raw.index(stop)] + stop
+
+
+def test_return_hidden_states_is_refused_clearly(gw: GatewayProcess) -> None:
+    base = {"model": "hermes", "messages": ask("Hi"), "max_tokens": 2}
+    assert post(gw, {**base, "return_hidden_states": False})[0] == 200
+    status, answer = post(gw, {**base, "return_hidden_states": True})
+    assert status == 400 and answer["error"]["param"] == "return_hidden_states", answer
+    assert answer["error"]["code"] == "unsupported_parameter"
