@@ -11,6 +11,7 @@ turn is rendered as the model wrote it where the family allows (see
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -72,7 +73,12 @@ class PromptPlan:
     # the template cannot end a prompt with, or one at the text's end, has none.
     boundaries: tuple[tuple[int, int], ...] = ()
 
-    def parser(self) -> OutputParser:
+    def parser(self, separate_reasoning: bool = True) -> OutputParser:
+        """The output's parser; ``separate_reasoning`` False (SGLang's): no reasoning
+        block is read, the text as the model wrote it is the body (its markers too)."""
+        if not separate_reasoning:
+            return OutputParser(dataclasses.replace(self.fmt, reasoning=None),
+                                tools=self.tools, envelope=self.envelope)
         return OutputParser(self.fmt, tools=self.tools, envelope=self.envelope,
                             inside_reasoning=self.inside_reasoning)
 

@@ -128,3 +128,65 @@ def test_return_hidden_states_is_refused_clearly(gw: GatewayProcess) -> None:
     status, answer = post(gw, {**base, "return_hidden_states": True})
     assert status == 400 and answer["error"]["param"] == "return_hidden_states", answer
     assert answer["error"]["code"] == "unsupported_parameter"
+
+
+# The think model's reply held by a grammar to a reasoning block and an answer (its random
+# weights would not close the block by themselves within a test's tokens).
+THINKING = {"grammar": 'root ::= "<think>" [a-z ]{3,12} "</think>" [a-z]{2,8}'}
+
+
+def reasoning_chunks(gw: GatewayProcess, extra: dict[str, Any]) -> tuple[list[str], str]:
+    """The reasoning_content deltas of a streamed answer, in order, and its content; a
+    reasoning delta after content fails."""
+    pieces, content = [], ""
+    for chunk in gw.client().chat.completions.create(
+            model="think", messages=ask("Think first."), max_tokens=60, temperature=0,
+            stream=True, extra_body={**THINKING, **extra}):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        reasoning = (delta.model_extra or {}).get("reasoning_content")
+        if reasoning:
+            assert not content, "reasoning after the content"
+            pieces.append(reasoning)
+        content += delta.content or ""
+    return pieces, content
+
+
+def test_separate_reasoning_false_leaves_the_reasoning_in_the_content(
+        gw: GatewayProcess) -> None:
+    client = gw.client()
+    base: dict[str, Any] = {"model": "think", "messages": ask("Think first."),
+                            "max_tokens": 60, "temperature": 0}
+    apart = client.chat.completions.create(**base, extra_body=THINKING).choices[0].message
+    reasoning = apart.model_extra["reasoning_content"]
+    assert reasoning and apart.content
+    together = client.chat.completions.create(
+        **base, extra_body={**THINKING, "separate_reasoning": False}).choices[0].message
+    # The text as the model wrote it, its markers too (SGLang's answer); only
+    # reasoning_content has the block's spaces trimmed.
+    text = together.content or ""
+    assert text.startswith("<think>") and text.endswith(f"</think>{apart.content}"), text
+    assert text[len("<think>"):-len(f"</think>{apart.content}")].strip() == reasoning
+    assert "reasoning_content" not in (together.model_extra or {})
+    assert streamed(gw, **base, extra_body={**THINKING, "separate_reasoning": False}) == \
+        (together.content, "stop")
+
+
+def test_stream_reasoning_false_streams_the_reasoning_in_one_piece_where_it_ends(
+        gw: GatewayProcess) -> None:
+    long = {"grammar": 'root ::= "<think>" [a-z ]{20,30} "</think>" [a-z]{2,8}'}
+    pieces, content = reasoning_chunks(gw, long)
+    assert len(pieces) > 1 and content  # streamed as it is generated
+    held, held_content = reasoning_chunks(gw, {**long, "stream_reasoning": False})
+    assert held == ["".join(pieces)] and held_content == content
+    # And a reply whose reasoning never ends (max_tokens inside it) still gives it whole.
+    cut = {"grammar": 'root ::= "<think>" [a-z ]{30,40} "</think>" [a-z]{2,8}'}
+    whole = gw.client().chat.completions.create(
+        model="think", messages=ask("Think first."), max_tokens=8, temperature=0,
+        extra_body=cut).choices[0].message.model_extra["reasoning_content"]
+    chunks = [c for c in gw.client().chat.completions.create(
+        model="think", messages=ask("Think first."), max_tokens=8, temperature=0,
+        stream=True, extra_body={**cut, "stream_reasoning": False}) if c.choices]
+    got = [(c.choices[0].delta.model_extra or {}).get("reasoning_content") for c in chunks]
+    assert [g for g in got if g] == [whole]

@@ -45,6 +45,11 @@ class OutputParser:
         self._after_reasoning = False  # the body's leading whitespace is dropped
         self.output = ParsedOutput()
 
+    @property
+    def past_reasoning(self) -> bool:
+        """The reasoning block, if any, is over: what follows is the body."""
+        return self._state == "body"
+
     def feed(self, text: str) -> list[Delta]:
         return self._record(self._feed(text))
 

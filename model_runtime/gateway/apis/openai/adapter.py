@@ -97,8 +97,10 @@ CHAT_FIELDS: Mapping[str, str] = {
     "continue_final_message": "false only: the reply is a new assistant turn",
     "include_reasoning": "false: a thinking model's reasoning is left out of the answer "
                          "(true: in reasoning_content)",
-    "separate_reasoning": "true only: reasoning apart from content, in reasoning_content",
-    "stream_reasoning": "true only: reasoning streams as it is generated",
+    "separate_reasoning": "SGLang: false: a thinking model's reasoning stays in content, as "
+                          "the model wrote it (true: in reasoning_content)",
+    "stream_reasoning": "SGLang: false: streamed reasoning comes in one delta where it ends "
+                        "(true: as it is generated)",
 }
 #: Every field /v1/completions reads, and how.
 COMPLETION_FIELDS: Mapping[str, str] = {
@@ -118,21 +120,23 @@ _ONLY = {"metadata": (None,), "audio": (None,),
          "best_of": (None, 1),
          # the routers' fields this server cannot honour: their neutral values only
          "return_hidden_states": (None, False),
-         "continue_final_message": (None, False),
-         "separate_reasoning": (None, True), "stream_reasoning": (None, True)}
+         "continue_final_message": (None, False)}
 
 
 @dataclass
 class OpenAICall(Call):
     """A chat completions (``endpoint`` "chat") or completions ("text") request: the
     gateway's request and how OpenAI answers it (``include_usage``: a last chunk with
-    usage; ``include_reasoning``: a thinking model's reasoning in the answer; the answer's
-    ``id`` and ``created``)."""
+    usage; ``include_reasoning``: a thinking model's reasoning in the answer, and SGLang's
+    ``separate_reasoning`` and ``stream_reasoning``; the answer's ``id`` and
+    ``created``)."""
 
     request: GenRequest
     endpoint: str
     include_usage: bool = False
     include_reasoning: bool = True
+    separate_reasoning: bool = True  # False: the reasoning stays in the content
+    stream_reasoning: bool = True  # False: the reasoning streamed in one delta at its end
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = ""
 
@@ -331,7 +335,9 @@ def parse_chat(data: dict[str, Any], session_header: str | None = None) -> OpenA
     return OpenAICall(GenRequest(**{**common, "route_key": route}, logprobs=logprobs,
                                  top_logprobs=top, chat=chat,
                                  prediction=_prediction(data.get("prediction"))), **answer,
-                      include_reasoning=_bool(data, "include_reasoning", True))
+                      include_reasoning=_bool(data, "include_reasoning", True),
+                      separate_reasoning=_bool(data, "separate_reasoning", True),
+                      stream_reasoning=_bool(data, "stream_reasoning", True))
 
 
 def _prediction(value: Any) -> str:

@@ -97,10 +97,14 @@ class Choice:
     (chat: parsed by ``parser``), and the whole at the end."""
 
     def __init__(self, index: int, parser: OutputParser | None,
-                 include_reasoning: bool = True) -> None:
+                 include_reasoning: bool = True, stream_reasoning: bool = True) -> None:
         self.index = index
         self.parser = parser
         self.include_reasoning = include_reasoning  # False: reasoning left out
+        # False (SGLang's stream_reasoning): the reasoning is held and given in one delta
+        # where it ends
+        self.stream_reasoning = stream_reasoning
+        self._held = ""
         self.text = ""  # the raw text the model wrote
         self.logprobs: list[pb.TokenLogprob] = []
         self._offset = 0  # completions: where the next token's logprobs start
@@ -110,16 +114,30 @@ class Choice:
         self.text += text
         if self.parser is None:
             return [{"text": text}] if text else []
-        return self._bodies(self.parser.feed(text))
+        return self._bodies(self.parser.feed(text), self.parser.past_reasoning)
 
     def close(self) -> list[dict[str, Any]]:
         if self.parser is None:
             return []
-        return self._bodies(self.parser.close())
+        return self._bodies(self.parser.close(), True)
 
-    def _bodies(self, deltas: Sequence[Delta]) -> list[dict[str, Any]]:
-        return [delta_body(d) for d in deltas
-                if self.include_reasoning or not isinstance(d, ReasoningDelta)]
+    def _bodies(self, deltas: Sequence[Delta], reasoned: bool) -> list[dict[str, Any]]:
+        if not self.include_reasoning:
+            return [delta_body(d) for d in deltas if not isinstance(d, ReasoningDelta)]
+        if self.stream_reasoning:
+            return [delta_body(d) for d in deltas]
+        out = []
+        for d in deltas:
+            if isinstance(d, ReasoningDelta):
+                self._held += d.text
+                continue
+            out += self._release()
+            out.append(delta_body(d))
+        return out + self._release() if reasoned else out
+
+    def _release(self) -> list[dict[str, Any]]:
+        held, self._held = self._held, ""
+        return [delta_body(ReasoningDelta(held))] if held else []
 
     def logprobs_body(self, lps: Sequence[pb.TokenLogprob], chat: bool) -> dict[str, Any]:
         if chat:
@@ -235,8 +253,9 @@ class OpenAIFormatter(Formatter):
         self.call = call
         self.worker = worker
         self.tenant = tenant
-        self.choices = [Choice(i, plan.parser() if plan is not None else None,
-                               call.include_reasoning) for i in range(call.request.n)]
+        self.choices = [Choice(i, plan.parser(call.separate_reasoning)
+                               if plan is not None else None, call.include_reasoning,
+                               call.stream_reasoning) for i in range(call.request.n)]
 
     def opening(self, prompt: pb.PromptDone | pb.Completion) -> bytes:
         if not self.call.chat:
