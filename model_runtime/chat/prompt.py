@@ -58,6 +58,12 @@ class ChatRequest:
     # Save boundaries the caller asks for (Anthropic's cache_control): the ends of these
     # messages (indices into ``messages``), as the template renders them.
     breakpoints: Sequence[int] = ()
+    # vLLM's: False renders the chat without the template's generation prompt (the
+    # assistant turn's opening); ``continue_final_message`` (which needs it False) leaves
+    # the last message, an assistant's, open: the prompt ends with its text, and the
+    # reply continues it.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,17 @@ def _check(req: ChatRequest) -> None:
     if choice.mode == "function" and choice.name not in {t.name for t in req.tools}:
         raise ChatInputError("tool_choice", f"tool_choice names {choice.name!r}, which is "
                                             "not among the tools.")
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise ChatInputError("continue_final_message", "Cannot set both "
+                                 "'continue_final_message' and 'add_generation_prompt' to "
+                                 "true: set 'add_generation_prompt' to false to continue "
+                                 "the last message.")
+        last = req.messages[-1] if req.messages else None
+        if last is None or last.role != "assistant" or not last.content or last.tool_calls:
+            raise ChatInputError("continue_final_message", "'continue_final_message' needs "
+                                 "the last message to be an assistant message with text "
+                                 "(and no tool calls): the reply continues it.")
     if req.grammar is not None and (req.json_schema is not None or
                                     (req.tools and choice.mode != "none")):
         raise ChatInputError("grammar", "'grammar' cannot be combined with tools or "
@@ -154,7 +171,10 @@ def plan_chat(template: ChatTemplate, fmt: ChatFormat, req: ChatRequest,
     messages = template_messages(fmt, req.messages, calls,
                                  tools=req.tools if generic else (), envelope=envelope)
     tools = [t.as_openai() for t in req.tools] if req.tools and not generic else None
-    text = template.render(messages, tools=tools, variables=variables, cancelled=cancelled)
+    text = template.render(messages, add_generation_prompt=req.add_generation_prompt,
+                           tools=tools, variables=variables, cancelled=cancelled)
+    if req.continue_final_message:
+        text = _open_final(text, req.messages[-1].content)
     n_system = 0
     while n_system < len(messages) and messages[n_system]["role"] == "system":
         n_system += 1
@@ -175,6 +195,20 @@ def plan_chat(template: ChatTemplate, fmt: ChatFormat, req: ChatRequest,
     return PromptPlan(fmt, text, head_chars, _constraint(req, fmt, envelope, inside, closed),
                       tools=bool(req.tools) and req.tool_choice.mode != "none",
                       envelope=envelope, inside_reasoning=inside, boundaries=boundaries)
+
+
+def _open_final(text: str, content: str) -> str:
+    """The prompt cut right after the last message's text, as vLLM (and transformers'
+    ``continue_final_message``) cut it: the template's end of turn after it is left
+    out, so the model goes on with the message. Templates that trim a message's text
+    are met by looking for it trimmed too."""
+    for needle in (content, content.strip()):
+        at = text.rfind(needle) if needle else -1
+        if at >= 0:
+            return text[:at + len(needle)]
+    raise ChatInputError("continue_final_message", "The chat template does not render the "
+                                                   "last message's text as it is, so it "
+                                                   "cannot be left open.")
 
 
 def _message_ends(template: ChatTemplate, fmt: ChatFormat, req: ChatRequest,

@@ -190,3 +190,54 @@ def test_stream_reasoning_false_streams_the_reasoning_in_one_piece_where_it_ends
         stream=True, extra_body={**cut, "stream_reasoning": False}) if c.choices]
     got = [(c.choices[0].delta.model_extra or {}).get("reasoning_content") for c in chunks]
     assert [g for g in got if g] == [whole]
+
+
+def test_continue_final_message_continues_the_last_assistant_message(
+        gw: GatewayProcess) -> None:
+    opened = "The parcel is"
+    messages = [*ask("Where is my parcel?"), {"role": "assistant", "content": opened}]
+    body = {"model": "hermes", "messages": messages, "max_tokens": 6, "temperature": 0,
+            "continue_final_message": True, "add_generation_prompt": False}
+    # The prompt ends with the message's text, no end of turn after it (the tiny Hermes
+    # template's rendering, cut there); the answer is what the model goes on with.
+    prompt = ("<|im_start|>system\nYou answer briefly.<|im_end|>\n<|im_start|>user\n"
+              "Where is my parcel?<|im_end|>\n<|im_start|>assistant\n" + opened)
+    status, rendered = post(gw, body, "/v1/chat/completions/render")
+    assert status == 200, rendered
+    status, as_text = post(gw, {"model": "hermes", "prompt": prompt},
+                           "/v1/completions/render")
+    assert status == 200 and rendered["token_ids"] == as_text["token_ids"], as_text
+    status, reply = post(gw, body)
+    assert status == 200, reply
+    raw = gw.client().completions.create(model="hermes", prompt=prompt, max_tokens=6,
+                                         temperature=0)
+    assert reply["choices"][0]["message"]["content"] == raw.choices[0].text
+    assert reply["usage"]["prompt_tokens"] == raw.usage.prompt_tokens
+    # Without it the same messages end the assistant's turn and open a new one.
+    status, closed = post(gw, {**body, "continue_final_message": False,
+                               "add_generation_prompt": True},
+                          "/v1/chat/completions/render")
+    assert status == 200 and len(closed["token_ids"]) > len(rendered["token_ids"])
+    # add_generation_prompt false alone: the chat without the assistant turn's opening.
+    status, bare = post(gw, {"model": "hermes", "messages": ask("Where is my parcel?"),
+                             "add_generation_prompt": False}, "/v1/chat/completions/render")
+    status, opening = post(gw, {"model": "hermes", "messages": ask("Where is my parcel?")},
+                           "/v1/chat/completions/render")
+    assert opening["token_ids"][:len(bare["token_ids"])] == bare["token_ids"]
+    assert len(opening["token_ids"]) > len(bare["token_ids"])
+
+
+def test_continue_final_message_refusals(gw: GatewayProcess) -> None:
+    messages = [*ask("Where is my parcel?"), {"role": "assistant", "content": "It is"}]
+    base = {"model": "hermes", "max_tokens": 2}
+    # As vLLM: not with add_generation_prompt true (its default).
+    status, answer = post(gw, {**base, "messages": messages, "continue_final_message": True})
+    assert status == 400 and answer["error"]["param"] == "continue_final_message", answer
+    assert "add_generation_prompt" in answer["error"]["message"]
+    # The last message must be an assistant's, with text.
+    for last in (ask("Where is my parcel?"),
+                 [*ask("Hi"), {"role": "assistant", "content": ""}]):
+        status, answer = post(gw, {**base, "messages": last, "continue_final_message": True,
+                                   "add_generation_prompt": False})
+        assert status == 400 and answer["error"]["param"] == "continue_final_message", answer
+        assert "assistant message" in answer["error"]["message"]

@@ -128,7 +128,7 @@ def test_the_router_fields_are_taken_at_their_neutral_values_and_refused_at_othe
     body = {"model": "hermes", "messages": ask("Hi"), "max_tokens": 2, **ROUTER_FIELDS}
     status, _, raw = gw.http("POST", "/v1/chat/completions", json.dumps(body).encode())
     assert status == 200, raw
-    for name, value in [("continue_final_message", True), ("return_hidden_states", True)]:
+    for name, value in [("return_hidden_states", True)]:
         status, _, raw = gw.http("POST", "/v1/chat/completions",
                                  json.dumps({**body, name: value}).encode())
         error = json.loads(raw)["error"]

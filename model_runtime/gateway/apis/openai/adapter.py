@@ -94,7 +94,11 @@ CHAT_FIELDS: Mapping[str, str] = {
     "functions": "refused (deprecated; use tools)",
     "function_call": "refused (deprecated; use tool_choice)",
     "chat_template_kwargs": "llama.cpp/vLLM: variables for the chat template",
-    "continue_final_message": "false only: the reply is a new assistant turn",
+    "add_generation_prompt": "vLLM: false: the chat is rendered without the assistant "
+                             "turn's opening (the model writes it)",
+    "continue_final_message": "vLLM: true (with add_generation_prompt false): the last "
+                              "message, an assistant's, is left open and the reply "
+                              "continues it",
     "include_reasoning": "false: a thinking model's reasoning is left out of the answer "
                          "(true: in reasoning_content)",
     "separate_reasoning": "SGLang: false: a thinking model's reasoning stays in content, as "
@@ -119,8 +123,7 @@ _ONLY = {"metadata": (None,), "audio": (None,),
          "modalities": (None, ["text"]), "echo": (None, False), "suffix": (None, ""),
          "best_of": (None, 1),
          # the routers' fields this server cannot honour: their neutral values only
-         "return_hidden_states": (None, False),
-         "continue_final_message": (None, False)}
+         "return_hidden_states": (None, False)}
 
 
 @dataclass
@@ -331,7 +334,9 @@ def parse_chat(data: dict[str, Any], session_header: str | None = None) -> OpenA
             else "invalid_value"
         raise bad_param(exc.param, exc.message, code=code) from None
     chat = ChatRequest(messages, tools, choice, _bool(data, "parallel_tool_calls", True),
-                       schema, schema_param, grammar, variables)
+                       schema, schema_param, grammar, variables,
+                       add_generation_prompt=_bool(data, "add_generation_prompt", True),
+                       continue_final_message=_bool(data, "continue_final_message"))
     return OpenAICall(GenRequest(**{**common, "route_key": route}, logprobs=logprobs,
                                  top_logprobs=top, chat=chat,
                                  prediction=_prediction(data.get("prediction"))), **answer,
