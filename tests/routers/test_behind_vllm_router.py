@@ -141,6 +141,37 @@ def test_the_router_fields_are_taken_at_their_neutral_values_and_refused_at_othe
     assert status == 200, raw
 
 
+def test_a_clients_values_of_the_fields_the_router_adds_are_applied(
+        hosts: list[Host], router_factory: Any) -> None:
+    client = router_factory(hosts, "round_robin").client()
+    # Every token the model's end of turn (<|im_end|>, id 4): ignore_eos goes on to
+    # max_tokens, and skip_special_tokens false shows the tokens.
+    shown = client.chat.completions.create(
+        model="hermes", messages=ask("Hello?"), max_tokens=3, temperature=0,
+        logit_bias={"4": 100}, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert shown.choices[0].message.content == "<|im_end|>" * 3
+    assert shown.choices[0].finish_reason == "length"
+    base: dict[str, Any] = {"model": "hermes", "messages": ask("Say more."),
+                            "max_tokens": 16, "temperature": 0}
+    text = client.chat.completions.create(**base).choices[0].message.content or ""
+    assert len(text) > 6, text
+    stop = text[3:6]
+    kept = client.chat.completions.create(**base, stop=[stop],
+                                          extra_body={"no_stop_trim": True})
+    assert kept.choices[0].message.content == text[:text.index(stop)] + stop
+    # continue_final_message (with add_generation_prompt false): the reply goes on with the
+    # last assistant message.
+    opened = [*ask("Say more."), {"role": "assistant", "content": text[:6]}]
+    going = {**base, "messages": opened,
+             "extra_body": {"continue_final_message": True, "add_generation_prompt": False}}
+    going_on = client.chat.completions.create(**going)
+    direct = hosts[0].gateway.client().chat.completions.create(**going)
+    assert going_on.choices[0].message.content == direct.choices[0].message.content
+    new_turn = client.chat.completions.create(**{**base, "messages": opened})
+    assert going_on.usage.prompt_tokens == direct.usage.prompt_tokens < \
+        new_turn.usage.prompt_tokens
+
+
 def test_the_endpoints_routers_call_answer(hosts: list[Host]) -> None:
     gw = hosts[0].gateway
     for path in ("/health", "/health_generate", "/v1/models", "/model_info", "/get_model_info",

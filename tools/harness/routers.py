@@ -1,6 +1,7 @@
 """The routers a fleet runs behind, as child processes for tests and benchmarks: NVIDIA
-Dynamo's standalone KV indexer and vllm-router. Both are the real programs from PyPI
-(``ai-dynamo-runtime``, ``vllm-router``, in the dev extra)."""
+Dynamo's standalone KV indexer, vllm-router and sglang-router. All are the real programs
+from PyPI (``ai-dynamo-runtime``, ``vllm-router``, ``sglang-router``, in the dev
+extra)."""
 
 from __future__ import annotations
 
@@ -131,6 +132,44 @@ class VllmRouter(Proc):
             return status == 200
 
         self.poll_until(ready, deadline, "the router did not answer /health")
+
+    def client(self, **kwargs: Any) -> Any:
+        import openai
+
+        kwargs.setdefault("timeout", 120.0)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0,
+                             **kwargs)
+
+
+class SglangRouter(Proc):
+    """``sglang-router launch`` over worker URLs with a policy. Ready once it has
+    registered the workers (its /health answers before it has any), which it does by
+    asking each for ``/health``, ``/server_info`` and ``/model_info``."""
+
+    start_timeout = 60.0
+    stop_timeout = 10.0
+
+    def __init__(self, log_path: Path, worker_urls: Sequence[str], policy: str,
+                 extra: Sequence[str] = ()) -> None:
+        self.port = free_port()
+        self.workers = len(worker_urls)
+        args = [str(Path(sys.executable).parent / "sglang-router"), "launch",
+                "--host", "127.0.0.1", "--port", str(self.port),
+                "--prometheus-port", str(free_port()), "--policy", policy,
+                "--worker-urls", *worker_urls, "--health-check-interval-secs", "5", *extra]
+        super().__init__("sglang-router", args, log_path)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, deadline: float) -> None:
+        def ready() -> bool:
+            try:
+                status, body = http_json("GET", self.url + "/workers", timeout=2)
+            except OSError:
+                return False
+            return status == 200 and isinstance(body, dict) and \
+                len(body.get("workers") or []) == self.workers
+
+        self.poll_until(ready, deadline, "the router did not register its workers")
 
     def client(self, **kwargs: Any) -> Any:
         import openai
