@@ -196,6 +196,9 @@ def test_the_endpoints_routers_call_answer(hosts: list[Host]) -> None:
                              json.dumps({"model": "hermes", "prompt": [5, 6, 7]}).encode())
     assert status == 200 and json.loads(raw)["token_ids"][-3:] == [5, 6, 7], raw
     status, _, raw = gw.http("POST", "/v1/chat/completions/render",
+                             json.dumps({**body, "ignore_eos": True}).encode())
+    assert status == 200 and json.loads(raw)["sampling_params"]["ignore_eos"] is True, raw
+    status, _, raw = gw.http("POST", "/v1/chat/completions/render",
                              json.dumps({**body, "return_hidden_states": True}).encode())
     assert status == 400 and json.loads(raw)["error"]["param"] == "return_hidden_states"
 

@@ -77,7 +77,9 @@ def generate_request(call: OpenAICall, ids: list[int]) -> dict[str, Any]:
             "sampling_params": {"n": req.n, "temperature": req.temperature,
                                 "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed,
                                 "stop": req.stop, "max_tokens": req.max_tokens,
-                                "logprobs": req.top_logprobs if req.logprobs else None},
+                                "logprobs": req.top_logprobs if req.logprobs else None,
+                                "ignore_eos": req.ignore_eos,
+                                "skip_special_tokens": not req.special_tokens},
             "model": req.model, "stream": req.stream, "stream_options": None,
             "cache_salt": None, "priority": 0, "kv_transfer_params": None}
 
