@@ -1,5 +1,6 @@
 """The gateway behind the real vllm-router (PyPI, Rust): chat, streams and tool calls pass
-through with every field the router adds; the endpoints routers call answer; ``kv_aware``,
+through with every field the router adds, and a client's own values of those fields are
+applied; the endpoints routers call answer; ``kv_aware``,
 fed by the hosts' daemons' KV events, sends a conversation back to the host holding its
 prefix where ``round_robin`` does not.
 
