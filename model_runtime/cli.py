@@ -64,6 +64,12 @@ def _choose_kernels(ctx: click.Context, param: click.Parameter, value: str | Non
         kernels.relaunch_with(value)
 
 
+def _choose_waiting(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """--threads-wait: libgomp read its setting when it loaded (kernels.py)."""
+    if value is not None:
+        kernels.relaunch_waiting(value)
+
+
 def runtime_options(f: Any) -> Any:
     options = [
         click.option("--model", "model_path", type=click.Path(exists=True, dir_okay=False),
@@ -115,6 +121,12 @@ def runtime_options(f: Any) -> Any:
                      help=f"llama.cpp's CPU kernels: deterministic (warm equals cold) or "
                           f"fast (llama.cpp's defaults) [default: ${kernels.ENV}, else "
                           f"{kernels.DEFAULT}]."),
+        click.option("--threads-wait", type=click.Choice(kernels.WAITS), default=None,
+                     expose_value=False, is_eager=True, callback=_choose_waiting,
+                     help=f"How llama.cpp's threads wait between tokens: sleep (at once; "
+                          f"best when other work shares the cores) or spin (a while first, "
+                          f"as llama-server's) [default: ${kernels.WAIT_ENV}, else "
+                          f"{kernels.DEFAULT_WAIT}]."),
         click.option("--verbose", is_flag=True, help="Show llama.cpp's own log."),
     ]
     for option in reversed(options):

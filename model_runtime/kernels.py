@@ -1,4 +1,5 @@
-"""Which build of llama.cpp's CPU kernels a process runs: chosen before llama.cpp loads.
+"""Which build of llama.cpp's CPU kernels a process runs, and how their threads wait for
+work: both chosen before llama.cpp loads.
 
 llama-cpp-python loads its shared libraries once, when ``llama_cpp`` is first imported,
 from ``LLAMA_CPP_LIB_PATH`` if set. ``tools/build_kernels.sh`` (run by ``tools/setup.sh``)
@@ -20,10 +21,21 @@ Without the sets (a bare ``pip install``), the library llama-cpp-python was buil
 used: ``tools/setup.sh`` builds it without llamafile and repacking, deterministic too but
 slower on attention (``builtin``).
 
+llama.cpp computes each graph on an OpenMP team (libgomp), whose threads wait between
+graphs (between two tokens, while Python samples and streams) by spinning for a while
+(OpenMP's default; llama-server's too), or by sleeping at once (``OMP_WAIT_POLICY=passive``,
+what :data:`WAIT_ENV` ``sleep`` sets). On cores busy with other work a spinning thread
+holds the core the thread it waits for needs: SmolLM2's decode went from 20-25 ms a token
+sleeping to 150-163 ms spinning with other processes on both cores (the equivalent of
+llama-server's ``--poll 0``). The figures on a quiet machine are in README ("How
+llama.cpp's threads wait"). ``OMP_WAIT_POLICY`` set by the caller, without
+:data:`WAIT_ENV`, is left as it is.
+
 :func:`choose` runs when ``model_runtime`` is imported, before anything of it can import
-``llama_cpp``; it reads :data:`ENV`. A command line's ``--kernels`` is taken by starting
-the command again with :data:`ENV` set (:func:`relaunch_with`): a library once loaded
-cannot be swapped. Pure standard library: nothing here may load llama.cpp.
+``llama_cpp``; it reads :data:`ENV` and :data:`WAIT_ENV`. A command line's ``--kernels``
+and ``--threads-wait`` are taken by starting the command again with the variable set
+(:func:`relaunch_with`): a library once loaded cannot be swapped, and libgomp reads its
+settings when it loads. Pure standard library: nothing here may load llama.cpp.
 """
 
 from __future__ import annotations
@@ -38,6 +50,11 @@ LIB_PATH_ENV = "LLAMA_CPP_LIB_PATH"  # llama-cpp-python's own
 DETERMINISTIC, FAST, BUILTIN = "deterministic", "fast", "builtin"
 CHOICES = (DETERMINISTIC, FAST)
 DEFAULT = DETERMINISTIC
+WAIT_ENV = "MODEL_RUNTIME_THREADS_WAIT"
+OMP_WAIT_ENV = "OMP_WAIT_POLICY"  # OpenMP's own
+SLEEP, SPIN = "sleep", "spin"
+WAITS = (SLEEP, SPIN)
+DEFAULT_WAIT = SLEEP
 
 
 class KernelsError(Exception):
@@ -65,6 +82,38 @@ def requested() -> str:
 
 
 def choose() -> None:
+    """The kernel set (:func:`choose_kernels`) and the threads' way of waiting
+    (:func:`choose_wait`)."""
+    choose_kernels()
+    choose_wait()
+
+
+def requested_wait() -> str:
+    """How :data:`WAIT_ENV` asks llama.cpp's threads to wait (the default when unset)."""
+    name = os.environ.get(WAIT_ENV, "").strip().lower() or DEFAULT_WAIT
+    if name not in WAITS:
+        raise KernelsError(f"{WAIT_ENV}={name!r}: the ways to wait are {', '.join(WAITS)}")
+    return name
+
+
+def choose_wait() -> None:
+    """Set OpenMP's wait policy as :data:`WAIT_ENV` asks (``sleep``: passive; ``spin``:
+    OpenMP's default), unless llama.cpp is loaded already or the caller set
+    ``OMP_WAIT_POLICY`` without :data:`WAIT_ENV`."""
+    if "llama_cpp.llama_cpp" in sys.modules or (
+            OMP_WAIT_ENV in os.environ and WAIT_ENV not in os.environ):
+        return
+    try:
+        name = requested_wait()
+    except KernelsError:
+        return  # said by check(), where it can be an error
+    if name == SLEEP:
+        os.environ[OMP_WAIT_ENV] = "passive"
+    else:
+        os.environ.pop(OMP_WAIT_ENV, None)
+
+
+def choose_kernels() -> None:
     """Point llama-cpp-python at the set :data:`ENV` asks for, unless the process already
     loaded llama.cpp or its caller named a library of its own (``LLAMA_CPP_LIB_PATH``
     naming another folder than the sets': a parent process's choice, inherited, is made
@@ -106,6 +155,7 @@ def check() -> str:
     """The set loaded, once it is the one asked for: raises KernelsError when ``fast``
     was asked for and another set is running (the fast set was not built, or llama.cpp
     was loaded before the choice could be made)."""
+    requested_wait()  # (a bad value is an error here)
     name = active()
     wanted = requested()
     if wanted == FAST and name != FAST:
@@ -123,9 +173,25 @@ def relaunch_with(name: str) -> None:
     starts it again."""
     if name not in CHOICES:
         raise KernelsError(f"--kernels {name!r}: the kernel sets are {', '.join(CHOICES)}")
-    if requested() == name:
-        return
-    env = {**os.environ, ENV: name}
+    if requested() != name:
+        _relaunch(ENV, name)
+
+
+def relaunch_waiting(name: str) -> None:
+    """:func:`relaunch_with` for the threads' way of waiting (:data:`WAIT_ENV`)."""
+    if name not in WAITS:
+        raise KernelsError(f"--threads-wait {name!r}: the ways are {', '.join(WAITS)}")
+    if waiting() != name:
+        _relaunch(WAIT_ENV, name)
+
+
+def waiting() -> str:
+    """How this process's OpenMP threads wait (as libgomp read it when it loaded)."""
+    return SLEEP if os.environ.get(OMP_WAIT_ENV, "").strip().lower() == "passive" else SPIN
+
+
+def _relaunch(variable: str, value: str) -> None:
+    env = {**os.environ, variable: value}
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, "-m", "model_runtime", *sys.argv[1:]], env)

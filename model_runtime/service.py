@@ -16,6 +16,7 @@ from kvcache.auth import ServerAuth, add_tcp_port, refuse_unprotected_tcp, tcp_s
 from kvcache.common import details, grpc_server
 from kvcache.unix_socket import OwnedSocket
 
+from . import kernels
 from .completion_request import (
     CacheHints,
     CompletionRequest,
@@ -247,7 +248,7 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
             model_fingerprint=rt.identity.model_fingerprint, kv_layout=rt.identity.kv_layout,
             n_seq_max=rt.ctx.n_seq_max, n_ctx=rt.ctx.n_ctx, cache_reachable=rt.cache_reachable(),
             batch_invariant=rt.batch_invariant, batch_variant_options=batch_variant_options(),
-            kernels=rt.kernels,
+            kernels=rt.kernels, threads_wait=kernels.waiting(),
             latencies={name: pb.LatencySummary(**vars(summary))
                        for name, summary in rt.latencies().items()})
 

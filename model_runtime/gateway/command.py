@@ -60,6 +60,10 @@ FilePath = click.Path(dir_okay=False, path_type=Path)
               help="llama.cpp's CPU kernels of every worker: deterministic (warm equals "
                    "cold) or fast (llama.cpp's defaults) [default: $"
                    f"{kernels.ENV}, else {kernels.DEFAULT}].")
+@click.option("--threads-wait", type=click.Choice(kernels.WAITS), default=None,
+              expose_value=False, callback=lambda ctx, param, value: _workers_waiting(value),
+              help="How every worker's llama.cpp threads wait between tokens: sleep or "
+                   f"spin [default: ${kernels.WAIT_ENV}, else {kernels.DEFAULT_WAIT}].")
 @click.option("--speculative", type=click.Choice(("off", "ngram")), default=None,
               help="--speculative of each worker: speculative decoding by prompt lookup, "
                    "which changes no token (a draft model: --worker-args '--draft-model "
@@ -219,6 +223,12 @@ def _workers_kernels(name: str | None) -> None:
     """The workers' kernel set, by their environment (each chooses it as it starts)."""
     if name is not None:
         os.environ[kernels.ENV] = name
+
+
+def _workers_waiting(name: str | None) -> None:
+    """How the workers' threads wait, by their environment (each chooses as it starts)."""
+    if name is not None:
+        os.environ[kernels.WAIT_ENV] = name
 
 
 def cache_choice(given: str | None) -> tuple[str | None, bool]:

@@ -105,6 +105,60 @@ def test_serve_with_kernels_fast_starts_again_with_them(
             stats = pb_grpc.ModelRuntimeStub(channel).Stats(pb.RuntimeStatsRequest(),
                                                             timeout=10)
         assert stats.kernels == "fast" and stats.kv_layout["kernels"] == "fast"
+        assert stats.threads_wait == "sleep"  # (the default)
     finally:
         runtime.close()
         daemon.close()
+
+
+# -- how llama.cpp's threads wait (OpenMP's wait policy, read by libgomp as it loads) ------
+
+SPINCOUNT = """
+import model_runtime.llama_backend  # loads llama.cpp, and with it libgomp
+from llama_cpp import llama_cpp
+"""
+
+
+def gomp_spin_count(**env: str) -> str:
+    """GOMP_SPINCOUNT as libgomp itself took it when llama.cpp loaded in a process of
+    ``env`` (OMP_DISPLAY_ENV makes libgomp print what it read): 0 when its threads sleep
+    at once."""
+    environ = {k: v for k, v in os.environ.items()
+               if k not in (kernels.WAIT_ENV, kernels.OMP_WAIT_ENV)}
+    done = subprocess.run([sys.executable, "-c", SPINCOUNT], capture_output=True, text=True,
+                          timeout=120, env={**environ, "OMP_DISPLAY_ENV": "verbose", **env})
+    assert done.returncode == 0, done.stderr[-2000:]
+    (line,) = [x for x in done.stderr.splitlines() if "GOMP_SPINCOUNT" in x]
+    return line.split("=")[1].strip().strip("'")
+
+
+def test_llama_cpp_s_threads_sleep_at_once_by_default_and_spin_when_asked() -> None:
+    assert gomp_spin_count() == "0"  # OMP_WAIT_POLICY=passive
+    assert gomp_spin_count(**{kernels.WAIT_ENV: "sleep"}) == "0"
+    assert int(gomp_spin_count(**{kernels.WAIT_ENV: "spin"})) > 0  # OpenMP's default
+    # The caller's own OpenMP setting is left as it is; ours, when given, wins.
+    assert int(gomp_spin_count(**{kernels.OMP_WAIT_ENV: "active"})) > 0
+    assert gomp_spin_count(**{kernels.OMP_WAIT_ENV: "active", kernels.WAIT_ENV: "sleep"}) == "0"
+
+
+def test_an_unknown_way_of_waiting_is_a_clear_error(tiny_model: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "model_runtime.cli", "complete", "--model", str(tiny_model),
+         "--cache", "none", "--threads", "1", "--n-ctx", "256", "--max-tokens", "2", "--prompt", "Hi"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, kernels.WAIT_ENV: "doze"})
+    assert done.returncode == 1
+    assert "doze" in done.stderr and "sleep, spin" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_serve_with_threads_wait_spin_starts_again_so(tiny_model: Path, tmp_path: Path) -> None:
+    runtime = RuntimeProcess(tiny_model, "none", tmp_path / "rt.log", "--threads-wait", "spin")
+    try:
+        runtime.start()
+        with grpc.insecure_channel(runtime.address) as channel:
+            stats = pb_grpc.ModelRuntimeStub(channel).Stats(pb.RuntimeStatsRequest(),
+                                                            timeout=10)
+        assert stats.threads_wait == "spin"
+    finally:
+        runtime.close()
