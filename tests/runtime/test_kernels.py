@@ -68,6 +68,10 @@ def test_the_fast_set_is_llama_cpp_s_defaults_and_another_namespace(
     fast = report(tiny_model, **{kernels.ENV: "fast"})
     assert fast["kernels"] == fast["layout"] == "fast"
     assert fast["llamafile"] == fast["repack"] == "1"
+    # Not batch invariant, by its options (a start-up check of a short prompt finds its
+    # splits alike; its reuse of longer prompts differs: tools/bench_warm_cold.py).
+    assert fast["batch_invariant"] is False
+    assert fast["variant_options"] == ["LLAMAFILE", "REPACK"]
     assert fast["namespace"] != det["namespace"]  # never restored by the other set
 
 
