@@ -57,17 +57,11 @@ def default_server_address() -> str:
     return f"unix:{default_dir() / RUNTIME_SOCKET}"
 
 
-def _choose_kernels(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
-    """--kernels: llama.cpp is loaded already (this module imports it), so another set
-    than the one loaded means starting the command again with it (kernels.py)."""
+def _choose_llama_cpu(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """--kernels, --threads-wait: llama.cpp is loaded already (this module imports it), so
+    another choice than the one loaded means starting the command again (kernels.py)."""
     if value is not None:
-        kernels.relaunch_with(value)
-
-
-def _choose_waiting(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
-    """--threads-wait: libgomp read its setting when it loaded (kernels.py)."""
-    if value is not None:
-        kernels.relaunch_waiting(value)
+        (kernels.relaunch_with if param.name == "kernels" else kernels.relaunch_waiting)(value)
 
 
 def runtime_options(f: Any) -> Any:
@@ -117,12 +111,12 @@ def runtime_options(f: Any) -> Any:
         click.option("--draft-max", type=int, default=_DEFAULTS.draft_max, show_default=True,
                      help="Drafted tokens verified at most per request and step."),
         click.option("--kernels", type=click.Choice(kernels.CHOICES), default=None,
-                     expose_value=False, is_eager=True, callback=_choose_kernels,
+                     expose_value=False, is_eager=True, callback=_choose_llama_cpu,
                      help=f"llama.cpp's CPU kernels: deterministic (warm equals cold) or "
                           f"fast (llama.cpp's defaults) [default: ${kernels.ENV}, else "
                           f"{kernels.DEFAULT}]."),
         click.option("--threads-wait", type=click.Choice(kernels.WAITS), default=None,
-                     expose_value=False, is_eager=True, callback=_choose_waiting,
+                     expose_value=False, is_eager=True, callback=_choose_llama_cpu,
                      help=f"How llama.cpp's threads wait between tokens: sleep (at once; "
                           f"best when other work shares the cores) or spin (a while first, "
                           f"as llama-server's) [default: ${kernels.WAIT_ENV}, else "

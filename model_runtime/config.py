@@ -97,6 +97,10 @@ class RuntimeConfig:
     # in place when that covers at least as much as the daemon's best state.
     reuse_live: bool = True
     session_resume_wait_ms: int = 500  # wait for a session's in-flight save
+    # While requests run, the model thread holds their next batch this long for a new
+    # request's cache answer (a lookup takes ~2 ms) so the request starts in that batch,
+    # not one batch later (model_thread.py).
+    resolve_wait_ms: int = 4
     cache_timeout_s: float = 2.0  # a cache call slower than this is given up (cold)
     max_pending_saves: int = 8  # saves queued for the sender beyond this are dropped
     # A save waits this long for another writer's save of a longer shared prefix to be
@@ -122,7 +126,8 @@ class RuntimeConfig:
             check_int(name, getattr(self, name), 1)
         check_int("n_seq_max", self.n_seq_max, 1, max_parallel_sequences())
         for name in ("trim", "min_save_tokens", "continued_interval", "checkpoint_interval",
-                     "checkpoint_before_end", "session_resume_wait_ms", "in_flight_wait_ms"):
+                     "checkpoint_before_end", "session_resume_wait_ms", "in_flight_wait_ms",
+                     "resolve_wait_ms"):
             check_int(name, getattr(self, name), 0)
         check_number("shutdown_deadline_s", self.shutdown_deadline_s, 0)
         check_number("cache_timeout_s", self.cache_timeout_s, 0, above=True)

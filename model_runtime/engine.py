@@ -26,7 +26,8 @@ through steps 2 and 3 once (as choice 0), then is copied to the other sequences
 its own.
 
 This module: :class:`Engine`, the public API (any thread), which builds the parts and
-runs the model thread's loop over the inbox; and :class:`EngineCore`, what the model
+starts the model thread (:mod:`.model_thread`, its loop over the inbox); and
+:class:`EngineCore`, what the model
 thread does with each message and each tick, completion and shutdown included. Only
 ``state_seq_get`` runs on the model thread for a save; the bytes go to the background
 :class:`~model_runtime.saver.Saver`.
@@ -53,6 +54,7 @@ from .counters import COUNTERS
 from .executor import Executor
 from .identity import Identities
 from .llama_backend import GrammarDeadEnd, LlamaContext, LlamaDecodeError, LlamaError, LlamaModel
+from .model_thread import ModelThread
 from .request import (
     Call,
     Cancel,
@@ -118,13 +120,12 @@ class Engine:
         self.speculator = speculator or Speculator(OFF, config.draft_max, StepCost(1.0, 0.5),
                                                    possible=not model.is_recurrent)
         self.speculator.count = self.count
-        self._inbox: queue.Queue[Message] = queue.Queue()
-        self.core = EngineCore(self, config, post=self._inbox.put)
+        self.thread = ModelThread(self)
+        self.core = EngineCore(self, config, post=self.thread.put)
         self._ids = itertools.count(1)
         self._stopping = threading.Event()
         self._submit_lock = threading.Lock()  # orders submits against close()
-        self._thread = threading.Thread(target=self._loop, name="model", daemon=True)
-        self._thread.start()
+        self.thread.start()
 
     @property
     def config(self) -> RuntimeConfig:
@@ -186,16 +187,16 @@ class Engine:
         with self._submit_lock:
             if self._stopping.is_set():
                 raise RequestError("unavailable", "the runtime is shutting down")
-            self._inbox.put(Submit(req))
+            self.thread.put(Submit(req))
         return req
 
     def cancel(self, req: Request) -> None:
-        self._inbox.put(Cancel(req))
+        self.thread.put(Cancel(req))
 
     def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
         """Run ``fn`` on the model thread (the only thread that may touch the context)."""
         result: queue.Queue[tuple[bool, Any]] = queue.Queue()
-        self._inbox.put(Call(fn, result))
+        self.thread.put(Call(fn, result))
         ok, value = result.get(timeout=timeout)
         if not ok:
             raise value
@@ -208,9 +209,9 @@ class Engine:
                 return
             self._stopping.set()  # submit() refuses from here on
         done = threading.Event()
-        self._inbox.put(Shutdown(done))
+        self.thread.put(Shutdown(done))
         done.wait(self.config.shutdown_deadline_s + 5)
-        self._thread.join(timeout=5)
+        self.thread.join(timeout=5)
         self.resolver.close()
         self.saver.close(timeout=self.config.shutdown_deadline_s)
 
@@ -235,43 +236,7 @@ class Engine:
         never waits for the daemon."""
         namespace = self.identities.namespace(self.identity.tenant if tenant is None else tenant)
         return self.resolver.key_of(tokens, namespace,
-                                    wait=threading.current_thread() is not self._thread)
-
-    # -- the model thread -------------------------------------------------------------------
-
-    def _loop(self) -> None:
-        core = self.core
-        while True:
-            if self.on_sequences is not None:
-                self._guarded(self.on_sequences, self.seqs, not self.scheduler.running)
-            # Block only when there is no work; otherwise just pick up what arrived.
-            msg = self._next(block=not self.scheduler.running)
-            while msg is not None:  # everything that arrived runs before the next tick
-                if isinstance(msg, Shutdown):
-                    core.shutdown()
-                    msg.done.set()
-                    return
-                self._guarded(core.handle, msg)
-                msg = self._next(block=False)
-            if self.scheduler.running:
-                self._guarded(core.tick)
-
-    def _next(self, *, block: bool) -> Message | None:
-        try:
-            return self._inbox.get(block=block)
-        except queue.Empty:
-            return None
-
-    def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
-        """A bug in one step must not kill the model thread and strand every caller:
-        fail the requests in flight and keep serving."""
-        try:
-            fn(*args)
-        except Exception as exc:
-            log.exception("model thread step failed")
-            self.count("internal_errors")
-            self.core.fail_running(RequestError("internal", f"internal error: {exc!r}"))
-
+                                    wait=not self.thread.is_current())
 
 class EngineCore:
     """What the model thread does with each message and each tick: it carries out the
@@ -295,6 +260,7 @@ class EngineCore:
         # When the last llama_decode returned (time.monotonic_ns): the start of the way
         # of each token sampled from its scores to its reader (TokenEvent.decoded_ns).
         self._decoded_ns = 0
+        self.ticks = 0  # batches run
 
     def handle(self, msg: Message) -> None:
         match msg:
@@ -302,6 +268,8 @@ class EngineCore:
                 self._admit(req)
             case Resolved(req, chain):
                 self.scheduler.resolved(req)
+                if self.scheduler.running and req.admitted_tick == self.ticks:
+                    self.count("lookups_awaited")  # (no batch ran while it was looked up)
                 self._start(req, chain)
             case Cancel(req):
                 req.cancelled = True
@@ -345,6 +313,7 @@ class EngineCore:
             self.scheduler.hold(req, other)
         binding = self.scheduler.bind(req, seq)
         req.timings.admitted = time.perf_counter()
+        req.admitted_tick = self.ticks
         try:
             self.executor.new_sampler(req)
         except LlamaError as exc:  # (a grammar is checked before, so hardly ever)
@@ -449,6 +418,7 @@ class EngineCore:
         plan = self.scheduler.plan(self.config.prefill_chunk, self._drafts())
         if plan is None:
             return
+        self.ticks += 1
         t0 = time.perf_counter()
         try:
             self.executor.run(plan)

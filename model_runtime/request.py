@@ -216,6 +216,7 @@ class Request:
     # Prompt tokens an idle sequence's live KV can serve in place (0: none). Resolution
     # restores from the daemon only when that covers more; a live sequence wins a tie.
     live_keep: int = 0
+    admitted_tick: int = 0  # the batches the engine had run when it got a sequence
     # The blobs a restore set the state from, kept mapped until the first token: unmapping
     # a 47 MB state costs ~1.5 ms, better spent after the first token than before it.
     restored_from: list[LoadedBlob] = field(default_factory=list)

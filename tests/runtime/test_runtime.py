@@ -937,3 +937,20 @@ def test_a_reader_that_fell_behind_takes_what_is_ready_in_one_batch(plain: Runti
         return [e.text for e in events if isinstance(e, TokenEvent)]
 
     assert texts(flat) == texts(late[0]) and isinstance(late[0][-1], Completion)
+
+
+def test_a_new_request_s_cache_answer_is_waited_for_before_the_next_batch(
+        make_runtime: Callable[..., Runtime]) -> None:
+    """While a request decodes, a new one's cache lookup (on a resolver thread) is waited
+    for, up to resolve_wait_ms, before the next batch: the new request starts in that
+    batch rather than in the one after it (lookups_awaited), and the running request
+    goes on."""
+    rt = make_runtime(resolve_wait_ms=30_000, n_seq_max=2)
+    running = rt.complete(tokens=prompt(rt, 40), max_tokens=400, ignore_eos=True, stream=True)
+    assert isinstance(next(iter(running)), TokenEvent)  # decoding now
+    try:
+        new = rt.complete(tokens=prompt(rt, 30, TEXT_B), max_tokens=2)
+        assert new.finish_reason == "length" and new.cache_hit_kind == "cold"
+        assert rt.stats()["lookups_awaited"] == 1
+    finally:
+        running.close()  # type: ignore[attr-defined]
