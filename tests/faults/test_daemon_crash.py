@@ -20,6 +20,8 @@ from harness.payloads import blob_bytes
 
 from kvcache import keys
 from kvcache.client import CacheClient, CacheError, Identity
+from kvcache.server import Daemon
+from kvcache.store import StoreConfig
 from kvcache.v1 import kvcache_pb2 as pb
 from tests.support.commands import cli_many, ok
 from tests.support.daemon_proc import DaemonProcess, wait_for
@@ -33,6 +35,7 @@ from tests.support.entries import (
     recovered,
     toks,
 )
+from tests.support.stores import hold_recovery
 
 # payload_for(tokens): 1 kB to 300 kB, size and bytes following from the tokens.
 payload_for = functools.partial(payloads.payload_for, size=(1_000, 300_000))
@@ -273,4 +276,51 @@ def test_a_daemon_killed_while_it_checks_after_a_crash_loses_nothing(
     assert recovery["state"] == "done" and len(expected) <= recovery["entries"] < len(saved)
     assert recovery["entries_checked"] >= len(expected)
     assert f"after a crash: {recovery['entries_checked']} entries checked" in ok(summary)
+    assert leftovers(d) == []
+
+
+def test_stats_shows_the_check_after_a_crash_while_it_runs(
+        daemon_factory: DaemonFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvcache stats`` while the background check after a kill runs: a line saying how
+    far it got (share of folders, entries checked of all, what reads had checked before
+    their turn), and once it is over, what it checked. The daemon restarted after the kill
+    runs in this process so that its check can be held before its first folder (as
+    tests/unit/test_recovery.py holds a store's): the stats are asked of it by the real
+    command over its socket while the check is certainly still running."""
+    d = daemon_factory("--block-size", str(BLOCK))
+    small = functools.partial(payloads.payload_for, size=500)
+    with d.client() as c:
+        saved = {}
+        for i in range(30):
+            tokens = toks(70_000 + i, 20)
+            saved[c.save(IDENT, tokens, small(tokens), "cold").key] = tokens
+    d.kill()
+    go_on = hold_recovery(monkeypatch)
+    restarted = Daemon(StoreConfig(root=d.data_dir, ram_dir=d.ram_parent, min_free_bytes=0,
+                                   block_size=BLOCK), socket_path=d.socket)
+    try:
+        restarted.start()
+        with d.client() as c:  # an entry read before the check reaches it: checked first
+            key, tokens = next(iter(saved.items()))
+            assert bytes(c.load(key).payload) == small(tokens)
+        summary, data = cli_many(("stats", "-a", d.address), ("stats", "--json", "-a", d.address))
+        recovery = json.loads(ok(data))["recovery"]
+        assert (recovery["state"], recovery["entries"], recovery["entries_checked"],
+                recovery["folders_checked"], recovery["checked_on_read"]) == \
+            ("running", len(saved), 0, 0, 1), recovery
+        shown = " ".join(ok(summary).split())  # a long value may wrap
+        assert ("recovery checking index and files after a crash: 0% (0 of 30 entries, 0 of "
+                "256 folders, ") in shown, shown
+        assert ("0 rows dropped, 0 blobs re-indexed so far; an entry read before its turn is "
+                "checked first (1 so far)") in shown, shown
+        go_on.set()
+        with d.client() as c:
+            recovered(c)
+        shown = " ".join(ok(cli_many(("stats", "-a", d.address))[0]).split())
+        assert "recovery after a crash: 30 entries checked in " in shown, shown
+        assert "s while serving; 0 rows dropped, 0 blobs re-indexed" in shown, shown
+        assert "checking index and files" not in shown
+    finally:
+        go_on.set()
+        restarted.stop()
     assert leftovers(d) == []

@@ -5,9 +5,11 @@ the store's background work (RAM placement, the reclaimer, start-up recovery).""
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
 from harness import payloads
 from harness.payloads import payload_for
 
@@ -15,6 +17,7 @@ from kvcache import keys
 from kvcache.client import Identity
 from kvcache.index import Record
 from kvcache.store import Store, StoreConfig
+from kvcache.store.recovery import Recovery
 from tests.support.daemon_proc import wait_for
 
 FP = "fp-test"
@@ -60,6 +63,23 @@ def entry_size(tokens: list[int], size: int = 1000) -> int:
 
 def present(store: Store, *token_lists: list[int]) -> list[bool]:
     return [store.index.get(keys.entry_key(NS, t, BLOCK).key) is not None for t in token_lists]
+
+
+def hold_recovery(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Make the background check after a crash (of any store of this process) wait before
+    each folder until the returned event is set: a test sees the store serving with
+    nothing checked yet. The wait ends too when the store closes."""
+    go_on = threading.Event()
+    real = Recovery._check_folder
+
+    def check_folder(self: Recovery, folder: int) -> None:
+        while not go_on.wait(0.05):
+            if self._closed.is_set():  # the store closes before the test lets it go on
+                return
+        real(self, folder)
+
+    monkeypatch.setattr(Recovery, "_check_folder", check_folder)
+    return go_on
 
 
 def recovered(store: Store) -> None:

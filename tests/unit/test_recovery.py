@@ -22,13 +22,13 @@ from kvcache import keys
 from kvcache.errors import Corrupt, NotFound
 from kvcache.index import Index, Record
 from kvcache.store import Store
-from kvcache.store.recovery import Recovery
 from tests.support.stores import (
     BLOCK,
     FP,
     NS,
     blob_bytes,
     entry_size,
+    hold_recovery,
     put,
     ram_settled,
     raw,
@@ -56,16 +56,7 @@ def killed(store: Store) -> None:
 def held_recovery(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     """The background check waits before its first folder until the event is set (so a
     test sees the store serving with nothing checked yet)."""
-    go_on = threading.Event()
-    real = Recovery._check_folder
-
-    def check_folder(self: Recovery, folder: int) -> None:
-        while not go_on.wait(0.05):
-            if self._closed.is_set():  # the store closes before the test lets it go on
-                return
-        real(self, folder)
-
-    monkeypatch.setattr(Recovery, "_check_folder", check_folder)
+    go_on = hold_recovery(monkeypatch)
     yield go_on
     go_on.set()
 
