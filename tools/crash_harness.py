@@ -49,6 +49,21 @@ RAM tier are then kept for inspection, and the output says where (``kept``) and 
 exact command that removes them (``remove_with``, also on stderr). ``--seconds`` bounds
 the kill phase (the final check and shutdown come after it); when it runs out the
 harness stops killing and reports the kills done.
+
+``--prefill N``: the large index (tools/harness/crash_large.py). N small entries are
+written into the data directory as blob files and indexed by the first start; the disk
+budget is what they take up to the high watermark (85%/95%), so the tier is full from the
+start and the run's saves keep it so, and the reclaimer's passes run while the harness
+kills. Besides the kills under load, three restarts in ten get a burst of saves that takes
+the tier over its high watermark and are killed once the pass is under way, and two in
+five are killed again while their background check runs. A kill counts in
+``kills_during_reclaim`` when the reclaimer began a pass or evicted within 0.5 s before it
+and the tier was still above its low watermark (where a pass ends). The oldest prefilled
+entries (1%, at most 200) are pinned. The ledger then takes evictions: an unpinned entry
+may go (``evicted``, decided after a restart, once no reclaimer pass runs), a pinned one
+never (``lost``); a read still never returns other bytes, and a pruned or deleted entry
+never comes back. A sample of the prefilled entries is loaded after each restart; Verify
+covers all of them at the end.
 """
 
 from __future__ import annotations
@@ -69,6 +84,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness import crash_large as large
 from harness.payloads import payload_for
 from harness.procs import Daemon
 
@@ -132,12 +148,20 @@ def entry_payload(tokens: list[int], base: int = 0) -> bytes:
 
 
 def saved_payload(meta: blobfmt.BlobMeta) -> bytes:
-    """What was saved as the blob of this metadata."""
+    """What was saved (or prefilled) as the blob of this metadata."""
+    if meta.namespace == large.PREFILL.namespace:
+        return large.prefill_payload(list(meta.tokens))
     return entry_payload(list(meta.tokens), meta.base)
 
 
 def entry_key(identity: Identity, tokens: list[int]) -> bytes:
     return keys.entry_key(identity.namespace, tokens, BLOCK).key
+
+
+def holds_what_was_saved(key: bytes, meta: blobfmt.BlobMeta, payload: bytes) -> bool:
+    """Whether a loaded entry is the one its key names, with the bytes saved under it."""
+    return (keys.entry_key(meta.namespace, list(meta.tokens), BLOCK).key == key
+            and payload == saved_payload(meta))
 
 
 @dataclass
@@ -156,6 +180,10 @@ class Settings:
     sample: int = 20
     workdir: Path | None = None
     keep: bool = False
+    prefill: int = 0  # the large index: entries written before the first start
+    # With it: a restarted daemon's tier pushed over its high watermark and the daemon
+    # killed in the reclaimer's pass.
+    reclaim_kill_p: float = 0.3
 
 
 @dataclass
@@ -182,6 +210,9 @@ class Ledger:
     counts: Counter[str] = field(default_factory=Counter)
     errors: Counter[str] = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
+    # The large index (--prefill): the disk tier is full, so an unpinned entry may be
+    # evicted; only a pinned one missing is lost.
+    evictable: bool = False
 
     def count(self, name: str, n: int = 1) -> None:
         with self.lock:
@@ -206,6 +237,26 @@ class Ledger:
             self.problem("lost_reports", f"{key.hex()}: {message}")
         else:
             self.count("lost_reports")
+
+    def missing(self, key: bytes, message: str) -> None:
+        """An acknowledged entry not found while the clients run: lost, unless entries
+        may be evicted; then the check after the next restart (no client running, no
+        reclaimer pass) decides by its pin."""
+        if self.evictable:
+            self.count("evicted_entries_missed_in_run")
+        else:
+            self.lose(key, message)
+
+    def evicted(self, key: bytes) -> None:
+        """An unpinned acknowledged entry the tier gave up: no longer expected (saved
+        again, it is acknowledged again)."""
+        with self.lock:
+            self.acked.pop(key, None)
+            self.acked_size.pop(key, None)
+            self.acked_base.pop(key, None)
+            self.acked_keys.remove(key)
+            self.pin_state.pop(key, None)
+            self.counts["evicted_acknowledged"] += 1
 
     def ack(self, key: bytes, tokens: list[int], size: int, base: int = 0) -> None:
         with self.lock:
@@ -333,7 +384,7 @@ class Worker:
                                  parent=parent, base=base)
         except CacheError as exc:
             if exc.code is not None and exc.code.name == "NOT_FOUND":
-                self.ledger.lose(parent, "a piece's reserve found its parent gone")
+                self.ledger.missing(parent, "a piece's reserve found its parent gone")
                 return
             if exc.code is not None and exc.code.name == "INVALID_ARGUMENT":
                 self.ledger.problem("server_errors", f"save_piece refused: {exc}")
@@ -390,7 +441,7 @@ class Worker:
             return
         key, tokens = picked
         if self._save(client, KEPT, tokens).status == "saved":
-            self.ledger.lose(key, "a second save of it was granted and committed")
+            self.ledger.missing(key, "a second save of it was granted and committed")
 
     def _check_loaded(self, client: CacheClient, key: bytes, query: list[int],
                       shares: int = 0) -> bool:
@@ -402,10 +453,7 @@ class Worker:
                 return False
             raise
         self.ledger.count("loads_fast" if self.fast else "loads_stream")
-        tokens = list(loaded.meta.tokens)
-        identity = KEPT if loaded.meta.namespace == KEPT.namespace else DISPOSABLE
-        if entry_key(identity, tokens) != key or bytes(loaded.payload) != saved_payload(
-                loaded.meta):
+        if not holds_what_was_saved(key, loaded.meta, bytes(loaded.payload)):
             self.ledger.problem("wrong_bytes_served",
                                 f"load of {key.hex()} ({'fast' if self.fast else 'stream'}) "
                                 f"returned other bytes than were saved")
@@ -419,14 +467,16 @@ class Worker:
         query = tokens + [self.rng.randrange(1, 60_000) for _ in range(self.rng.randrange(0, 20))]
         hit = client.lookup(KEPT, query)
         if hit is None or hit.matched_tokens < len(tokens):
-            self.ledger.lose(key, f"lookup during the run answered {hit}")
+            self.ledger.missing(key, f"lookup during the run answered {hit}")
             return
         # The hit may be a longer member of the family; load it, and now and then the
         # acknowledged key itself.
         target = key if self.rng.random() < 0.3 else hit.key
         if not self._check_loaded(client, target, query):
             if target == key:
-                self.ledger.lose(key, "load during the run answered NOT_FOUND")
+                self.ledger.missing(key, "load during the run answered NOT_FOUND")
+            elif self.ledger.evictable:  # evicted between its lookup and its load
+                self.ledger.count("evicted_entries_missed_in_run")
             else:  # a kept entry, acknowledged or not: nothing removes those either
                 self.ledger.problem("vanished_entries", f"{target.hex()}: found by lookup, "
                                     "then NOT_FOUND by its load")
@@ -444,11 +494,14 @@ class Worker:
         query = tokens[:cut] + [60_001 + self.rng.randrange(0, 100)]  # no saved token id
         hit = client.lookup(KEPT, query, common_prefix=True)
         if (hit.matched_tokens if hit else 0) < cut // BLOCK * BLOCK:
-            self.ledger.lose(key, f"common-prefix lookup during the run answered {hit}")
+            self.ledger.missing(key, f"common-prefix lookup during the run answered {hit}")
             return
         if hit is None:
             return
         if not self._check_loaded(client, hit.key, query, shares=hit.matched_tokens):
+            if self.ledger.evictable:
+                self.ledger.count("evicted_entries_missed_in_run")
+                return
             self.ledger.problem("vanished_entries", f"{hit.key.hex()}: found by lookup, "
                                 "then NOT_FOUND by its load")
 
@@ -496,7 +549,7 @@ class Worker:
                     self.ledger.pin_state[key] = pin
         except CacheError as exc:
             if acked and exc.code is not None and exc.code.name == "NOT_FOUND":
-                self.ledger.lose(key, f"{'pin' if pin else 'unpin'} answered NOT_FOUND")
+                self.ledger.missing(key, f"{'pin' if pin else 'unpin'} answered NOT_FOUND")
             else:
                 raise
 
@@ -543,7 +596,7 @@ class CrashHarness:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.rng = random.Random(settings.seed)
-        self.ledger = Ledger()
+        self.ledger = Ledger(evictable=settings.prefill > 0)
         self.own_workdir = settings.workdir is None
         # A short path: unix socket paths are limited to 107 bytes.
         self.workdir = settings.workdir or Path(tempfile.mkdtemp(prefix="kvcrash", dir="/tmp"))
@@ -557,15 +610,22 @@ class CrashHarness:
         self.ram_parent = (Path(tempfile.mkdtemp(prefix="kvcrash-", dir=shm)) if shm.is_dir()
                            else self.workdir / "ram")
         self.socket = self.workdir / "kv.sock"
+        # The large index: a disk budget its prefilled entries fill (see crash_large).
+        disk = ("--disk-bytes", str(large.disk_budget(settings.prefill)), "--reclaim-low",
+                str(large.RECLAIM_LOW), "--reclaim-high", str(large.RECLAIM_HIGH)
+                ) if settings.prefill else ("--disk-bytes", "100G")
         self.daemon = Daemon(
             self.data_dir, "--block-size", str(BLOCK), "--lease-seconds",
-            str(settings.lease_seconds), "--ram-bytes", "1G", "--disk-bytes", "100G",
+            str(settings.lease_seconds), "--ram-bytes", "1G", *disk,
             "--log-level", "WARNING", ram_parent=self.ram_parent, socket=self.socket,
             log_path=self.workdir / "daemon.log", name="kvcache daemon")
         self.ram_dir = self.daemon.ram_dir
         self.address = self.daemon.address
         self.kills = self.kills_under_load = self.startup_kills = self.restarts = 0
-        self.recovery_kills = 0
+        self.recovery_kills = self.reclaim_kills = 0
+        self.prefill_pinned: dict[bytes, list[int]] = {}
+        self.prefill_left = settings.prefill
+        self.prefill_seconds: dict[str, float] = {}
         self.shutdown_kills = self.clean_stops = 0
         self.restart_seconds: list[float] = []
         self.daemon_counters: Counter[str] = Counter()
@@ -613,6 +673,76 @@ class CrashHarness:
         self.recovery_kills += 1
         self.start_daemon()
 
+    def prefill(self) -> None:
+        """The large index: its blob files written, indexed by the first start (a lost
+        index rebuilt from headers), its oldest entries pinned."""
+        n = self.settings.prefill
+        self.data_dir.mkdir(mode=0o700, exist_ok=True)
+        self.prefill_seconds["write_files"] = round(large.write_prefill(self.data_dir, n,
+                                                                          BLOCK), 1)
+        t0 = time.monotonic()
+        self.start_daemon(timeout=120 + n / 250)  # up to 4 ms an entry on a busy machine
+        self.prefill_seconds["first_start"] = round(time.monotonic() - t0, 1)
+        self.prefill_pinned = large.pinned_prefill(n, BLOCK)
+        for key in self.prefill_pinned:
+            self.fast.pin(key)
+
+    def check_prefill(self, listed: dict[bytes, pb.Entry]) -> None:
+        """Every pinned prefilled entry is there and pinned; a sample of the others still
+        there is loaded and compared (the pinned ones too, in rotation)."""
+        ledger = self.ledger
+        for key in self.prefill_pinned:
+            entry = listed.get(key)
+            if entry is None:
+                ledger.lose(key, f"a pinned prefilled entry, not listed after restart "
+                            f"{self.restarts}")
+            elif not entry.pinned:
+                ledger.problem("pin_state_lost", f"{key.hex()}: a pinned prefilled entry, "
+                               f"listed unpinned after restart {self.restarts}")
+        left = [k for k, e in listed.items() if e.model_name == large.PREFILL.model_name]
+        self.prefill_left = len(left)
+        for i, key in enumerate(self.rng.sample(left, min(self.settings.sample, len(left)))):
+            if self.check_unacknowledged(self.fast if i % 2 == 0 else self.stream, key,
+                                         listed[key]):
+                ledger.count("prefilled_entries_checked")
+
+    def kill_during_reclaim(self) -> None:
+        """The large index: take the full disk tier over its high watermark with saves of
+        disposable entries, and kill the daemon once the reclaimer's pass is under way
+        (given up after 20 s without one)."""
+        watch = large.ReclaimWatch(self.address)
+        stop = threading.Event()
+        rng = random.Random(self.rng.random())
+
+        def burst() -> None:
+            with CacheClient(self.address, timeout=5.0) as client:
+                while not stop.is_set():
+                    tokens = [rng.randrange(1, 60_000) for _ in range(rng.randrange(1, 80))]
+                    try:
+                        saved = client.save(DISPOSABLE, tokens, entry_payload(tokens), "cold")
+                    except CacheError:
+                        return  # killed
+                    if saved.status == "saved":
+                        with self.ledger.lock:
+                            self.ledger.disposable[saved.key] = tuple(tokens)
+
+        saver = threading.Thread(target=burst, daemon=True)
+        saver.start()
+        try:
+            deadline = time.monotonic() + 20.0
+            while not watch.evicting() and time.monotonic() < deadline:
+                time.sleep(0.005)
+            if watch.evicting():
+                self.daemon.kill()
+                self.kills += 1
+                self.reclaim_kills += 1
+        finally:
+            stop.set()
+            saver.join(timeout=30)
+            watch.close()
+        if not self.daemon.running:
+            self.start_daemon()
+
     # -- checks after a restart -------------------------------------------------------------
 
     def orphans(self) -> list[Path]:
@@ -625,6 +755,9 @@ class CrashHarness:
         ledger = self.ledger
         fast, stream = self.fast, self.stream
         stats = self.recovered(fast)
+        if ledger.evictable and not large.reclaimer_quiet(fast):
+            ledger.problem("index_file_mismatches", "the reclaimer still evicted 120 s "
+                           f"after restart {self.restarts}")
         for path in self.orphans():
             ledger.problem("orphans_found", str(path))
         quarantine = self.data_dir / "quarantine"
@@ -659,12 +792,18 @@ class CrashHarness:
             sizes = dict(ledger.acked_size)
             fresh, ledger.since_check = ledger.since_check, []
             lost_already = set(ledger.lost)
-        for key in acked:
+        for key in list(acked):
             entry = listed.get(key)
-            if (entry is None or entry.size != sizes[key]) and key not in lost_already:
+            if entry is None and ledger.evictable and ledger.pin_state.get(key) is not True:
+                ledger.evicted(key)  # unpinned, in a full tier: evicted, not lost
+                del acked[key]
+            elif (entry is None or entry.size != sizes[key]) and key not in lost_already:
                 ledger.lose(key, f"not listed after restart {self.restarts}"
                             if entry is None else f"listed with size {entry.size}")
+        fresh = [k for k in fresh if k in acked]
         ledger.count("presence_checks", len(acked))
+        if self.prefill_pinned:
+            self.check_prefill(listed)
 
         with ledger.lock:
             pins = {k: v for k, v in ledger.pin_state.items() if v is not None}
@@ -674,7 +813,9 @@ class CrashHarness:
                 ledger.problem("pin_state_lost", f"{key.hex()}: {'pin' if pinned else 'unpin'} "
                                f"was answered, listed with pinned={entry.pinned} after restart "
                                f"{self.restarts}")
-        self.verify_entries(listed, everything=final or self.restarts % 10 == 0)
+        # Verify over a large index every tenth restart would be most of the run.
+        self.verify_entries(listed, everything=final or (
+            self.restarts % 10 == 0 and not self.settings.prefill))
 
         # Full checks: lookup + load + bytes, on both paths.
         if final:
@@ -693,7 +834,8 @@ class CrashHarness:
         # Entries nobody was told about (a Commit whose answer the kill cut off, the
         # disposable ones) must be whole too: check each once.
         for i, (key, entry) in enumerate(listed.items()):
-            if key in ledger.byte_checked or key in acked:
+            if key in ledger.byte_checked or key in acked or (
+                    entry.model_name == large.PREFILL.model_name):  # sampled above
                 continue
             client = fast if i % 2 == 0 else stream
             if self.check_unacknowledged(client, key, entry):
@@ -806,10 +948,7 @@ class CrashHarness:
         except CacheError as exc:
             self.ledger.problem("unverified", f"listed entry {key.hex()} does not load: {exc}")
             return False
-        tokens = list(loaded.meta.tokens)
-        identity = KEPT if entry.model_name == KEPT.model_name else DISPOSABLE
-        if entry_key(identity, tokens) != key or bytes(loaded.payload) != saved_payload(
-                loaded.meta):
+        if not holds_what_was_saved(key, loaded.meta, bytes(loaded.payload)):
             self.ledger.problem("wrong_bytes_served", f"unacknowledged entry {key.hex()} "
                                 "holds other bytes than were saved")
             return False
@@ -826,6 +965,7 @@ class CrashHarness:
                    for w in workers]
         for t in threads:
             t.start()
+        watch = large.ReclaimWatch(self.address) if self.settings.prefill else None
         delay = self.rng.uniform(self.settings.min_delay_ms, self.settings.max_delay_ms)
         time.sleep(delay / 1000.0)
         proc = self.daemon.proc
@@ -839,14 +979,18 @@ class CrashHarness:
         else:
             shutdown = False
         if proc.poll() is None:
+            evicting = watch is not None and watch.evicting()
             self.daemon.kill()
             self.kills += 1
             self.kills_under_load += 1
             self.shutdown_kills += shutdown
+            self.reclaim_kills += evicting
         else:  # it finished shutting down first: no kill this time
             self.daemon.kill()
             self.clean_stops += 1
         stop.set()
+        if watch is not None:
+            watch.close()
         for t in threads:
             t.join(timeout=60)
             if t.is_alive():
@@ -858,7 +1002,10 @@ class CrashHarness:
         kill_phase = 0.0
         budget_hit = False
         try:
-            self.start_daemon()
+            if s.prefill:
+                self.prefill()
+            else:
+                self.start_daemon()
             index = 0
             while self.kills_under_load < s.kills:
                 if time.monotonic() - t0 >= s.seconds:
@@ -871,6 +1018,8 @@ class CrashHarness:
                 self.start_daemon()
                 if self.rng.random() < s.recovery_kill_p:
                     self.kill_during_recovery()
+                if s.prefill and self.rng.random() < s.reclaim_kill_p:
+                    self.kill_during_reclaim()
                 self.restarts += 1
                 self.check()
             kill_phase = time.monotonic() - t0
@@ -906,6 +1055,7 @@ class CrashHarness:
             "kills_during_startup": self.startup_kills,
             "kills_during_recovery": self.recovery_kills,
             "kills_during_shutdown": self.shutdown_kills,
+            "kills_during_reclaim": self.reclaim_kills,
             "clean_stops_before_kill": self.clean_stops,
             "restarts": self.restarts,
             "saves_acknowledged": n["saves_acknowledged"],
@@ -919,6 +1069,14 @@ class CrashHarness:
             "verified_entries": n["verified_entries"],
             "unacknowledged_entries_checked": n["unacknowledged_entries_checked"],
             "entries_lost": len(self.ledger.lost),
+            # Unpinned acknowledged entries the full tier gave up (--prefill only).
+            "evicted_acknowledged": n["evicted_acknowledged"],
+            "evicted_entries_missed_in_run": n["evicted_entries_missed_in_run"],
+            "prefill": {"entries": self.settings.prefill, "pinned": len(self.prefill_pinned),
+                        "left_at_end": self.prefill_left,
+                        "checked": n["prefilled_entries_checked"],
+                        "disk_budget": large.disk_budget(self.settings.prefill),
+                        **self.prefill_seconds} if self.settings.prefill else None,
             "wrong_bytes_served": n["wrong_bytes_served"],
             "orphans_found": n["orphans_found"],
             "index_file_mismatches": n["index_file_mismatches"],
@@ -1016,6 +1174,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lease-seconds", type=float, default=2.0)
     ap.add_argument("--workdir", type=Path, default=None, help="default: a new /tmp dir")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--prefill", type=int, default=0, metavar="N",
+                    help="the large index: N entries written before the first start, a "
+                         "disk budget they fill, evictions allowed to unpinned entries")
+    ap.add_argument("--recovery-kill-p", type=float, default=None,
+                    help="share of restarts killed again during their background check "
+                         "(default: 0.1; 0.4 with --prefill)")
     ap.add_argument("--json", dest="as_json", action="store_true", help="one JSON object")
     args = ap.parse_args(argv)
     kills, seconds = (CAMPAIGN_KILLS, CAMPAIGN_SECONDS) if args.campaign else (100, 240.0)
@@ -1024,7 +1188,9 @@ def main(argv: list[str] | None = None) -> int:
         seconds=args.seconds if args.seconds is not None else seconds,
         seed=args.seed if args.seed is not None else random.randrange(1 << 31),
         workers=args.workers, min_delay_ms=args.min_delay_ms, max_delay_ms=args.max_delay_ms,
-        lease_seconds=args.lease_seconds, workdir=args.workdir, keep=args.keep)
+        lease_seconds=args.lease_seconds, workdir=args.workdir, keep=args.keep,
+        prefill=args.prefill, recovery_kill_p=args.recovery_kill_p if args.recovery_kill_p
+        is not None else 0.4 if args.prefill else 0.1)
     # Stopped early (Ctrl-C, or SIGTERM; a background job starts with SIGINT ignored):
     # the daemon is stopped and the run's folders are kept and named, as for a failed run.
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -78,6 +78,29 @@ def test_a_thousand_kills_lose_nothing_and_bring_nothing_back() -> None:
     assert_nothing_lost(result, seed, CAMPAIGN_KILLS)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_kills_in_the_checks_and_the_reclaimers_passes_of_a_full_large_index() -> None:
+    """The large-index mode (``--prefill``): 5,000 entries prefilled into a disk budget
+    the run keeps full; every restart is killed again while it checks after the kill and
+    pushed over its high watermark to be killed in the reclaimer's pass. Unpinned entries
+    are evicted; no pinned one goes, no read returns other bytes, nothing pruned or
+    deleted comes back."""
+    seed = random.randrange(1 << 31)
+    result = run(Settings(kills=6, seconds=600.0, seed=seed, prefill=5_000,
+                          recovery_kill_p=1.0, reclaim_kill_p=1.0))
+    where = f"seed {seed}: {json.dumps(result)}"
+    assert result["kills_during_recovery"] > 0 and result["kills_during_reclaim"] > 0, where
+    prefill = result["prefill"]
+    assert isinstance(prefill, dict) and prefill["pinned"] == 50, where
+    assert 0 < prefill["left_at_end"] < 5_000 and prefill["checked"] > 0, where  # evicted
+    assert result["entries_lost"] == 0 and result["pin_state_lost"] == 0, where
+    assert result["wrong_bytes_served"] == 0 and result["resurrected"] == 0, where
+    assert result["removals_acknowledged"] > 0, where
+    assert result["index_file_mismatches"] == 0 and result["unverified"] == 0, where
+    assert result["ok"] and "kept" not in result, where
+
+
 def test_a_run_that_is_not_ok_keeps_its_folders_and_says_how_to_remove_them(
         tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """A real failure (a stray file planted among the blobs, which the daemon leaves
