@@ -162,13 +162,16 @@ class Workspace:
 
 
 def rss(d: bl.Daemon) -> dict[str, int]:
-    """The daemon process's resident memory now and at its peak (bytes)."""
+    """The daemon process's resident memory now and at its peak (bytes), and what of it is
+    the process's own (anonymous: Python objects, heaps) and what file pages mapped (LMDB's
+    memory map of the index: the kernel's to drop under pressure)."""
     out = {}
     for line in Path(f"/proc/{d.pid}/status").read_text().splitlines():
         name, _, value = line.partition(":")
-        if name in ("VmRSS", "VmHWM"):
+        if name in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
             out[name] = int(value.split()[0]) * 1024
-    return {"rss_bytes": out["VmRSS"], "peak_rss_bytes": out["VmHWM"]}
+    return {"rss_bytes": out["VmRSS"], "peak_rss_bytes": out["VmHWM"],
+            "rss_anon_bytes": out["RssAnon"], "rss_file_bytes": out["RssFile"]}
 
 
 def write_blob_files(data_dir: Path, n: int) -> float:

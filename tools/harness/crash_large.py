@@ -103,20 +103,28 @@ def disk_tier(stats: pb.StatsResponse) -> pb.TierStats:
     return next(t for t in stats.tiers if t.tier == pb.TIER_DISK)
 
 
+def reclaimer_moves(stats: pb.StatsResponse) -> tuple[int, int]:
+    """The reclaimer's disk passes begun and entries evicted so far."""
+    return stats.counters.get("reclaims_disk", 0), reclaimer_evictions(stats)
+
+
 def reclaimer_quiet(client: CacheClient, timeout: float = 120.0) -> bool:
-    """Wait until no reclaimer pass runs: the disk tier at or below its high watermark and
-    no eviction for a few looks (a check comparing index and files must not race one)."""
+    """Wait until no reclaimer pass is seen: the disk tier at or below its high watermark,
+    no pass begun and no entry evicted for a second (a batch's files go before its rows
+    and its counts, so a look comparing index and files may still race a pass: the
+    harness looks again when they disagree)."""
     deadline = time.monotonic() + timeout
-    last, still = -1, 0
+    last: tuple[int, int] | None = None
+    still = 0
     while time.monotonic() < deadline:
         stats = client.stats()
         disk = disk_tier(stats)
-        evicted = reclaimer_evictions(stats)
+        moves = reclaimer_moves(stats)
         over = disk.bytes + disk.reserved_bytes > RECLAIM_HIGH * disk.budget_bytes
-        still = still + 1 if evicted == last and not over else 0
-        if still >= 5:
+        still = still + 1 if moves == last and not over else 0
+        if still >= 10:
             return True
-        last = evicted
+        last = moves
         time.sleep(0.1)
     return False
 
@@ -145,7 +153,7 @@ class ReclaimWatch:
             disk = disk_tier(stats)
             above_low = disk.bytes + disk.reserved_bytes > RECLAIM_LOW * disk.budget_bytes
             now = time.monotonic()
-            moves = (stats.counters.get("reclaims_disk", 0), reclaimer_evictions(stats))
+            moves = reclaimer_moves(stats)
             with self._lock:
                 if self._last is not None and moves != self._last[1]:
                     self._moved_at = now
