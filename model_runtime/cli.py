@@ -117,9 +117,9 @@ def runtime_options(f: Any) -> Any:
                           f"{kernels.DEFAULT}]."),
         click.option("--threads-wait", type=click.Choice(kernels.WAITS), default=None,
                      expose_value=False, is_eager=True, callback=_choose_llama_cpu,
-                     help=f"How llama.cpp's threads wait between tokens: sleep (at once; "
-                          f"best when other work shares the cores) or spin (a while first, "
-                          f"as llama-server's) [default: ${kernels.WAIT_ENV}, else "
+                     help=f"How llama.cpp's threads wait at its barriers: brief (spin "
+                          f"{kernels.BRIEF_SPINS} times, then sleep) or spin (OpenMP's "
+                          f"default, as llama-server) [default: ${kernels.WAIT_ENV}, else "
                           f"{kernels.DEFAULT_WAIT}]."),
         click.option("--verbose", is_flag=True, help="Show llama.cpp's own log."),
     ]

@@ -21,15 +21,17 @@ Without the sets (a bare ``pip install``), the library llama-cpp-python was buil
 used: ``tools/setup.sh`` builds it without llamafile and repacking, deterministic too but
 slower on attention (``builtin``).
 
-llama.cpp computes each graph on an OpenMP team (libgomp), whose threads wait between
-graphs (between two tokens, while Python samples and streams) by spinning for a while
-(OpenMP's default; llama-server's too), or by sleeping at once (``OMP_WAIT_POLICY=passive``,
-what :data:`WAIT_ENV` ``sleep`` sets). On cores busy with other work a spinning thread
-holds the core the thread it waits for needs: SmolLM2's decode went from 20-25 ms a token
-sleeping to 150-163 ms spinning with other processes on both cores (the equivalent of
-llama-server's ``--poll 0``). The figures on a quiet machine are in README ("How
-llama.cpp's threads wait"). ``OMP_WAIT_POLICY`` set by the caller, without
-:data:`WAIT_ENV`, is left as it is.
+llama.cpp computes each graph on an OpenMP team (libgomp) and synchronizes its threads at
+every node with an OpenMP barrier. A thread that arrives first spins, then sleeps:
+OpenMP's default spins up to 300,000 times (``spin``, what llama-server runs). On cores
+busy with other work (other processes, or this process's own Python: sampling, gRPC, a
+gateway) a spinning thread holds the core the thread it waits for needs. ``brief`` (the
+default, :data:`WAIT_ENV`) spins 1,000 times (``GOMP_SPINCOUNT``), then sleeps: as fast
+on a quiet machine, about twice as fast with other work on the cores; sleeping at once
+(``OMP_WAIT_POLICY=passive``) made every barrier a system call and a SmolLM2 token ~5x
+slower even on a quiet machine (README, "How llama.cpp's threads wait";
+``tools/bench_threads_wait.py``). ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` set by the
+caller without :data:`WAIT_ENV` are left as they are.
 
 :func:`choose` runs when ``model_runtime`` is imported, before anything of it can import
 ``llama_cpp``; it reads :data:`ENV` and :data:`WAIT_ENV`. A command line's ``--kernels``
@@ -52,9 +54,11 @@ CHOICES = (DETERMINISTIC, FAST)
 DEFAULT = DETERMINISTIC
 WAIT_ENV = "MODEL_RUNTIME_THREADS_WAIT"
 OMP_WAIT_ENV = "OMP_WAIT_POLICY"  # OpenMP's own
-SLEEP, SPIN = "sleep", "spin"
-WAITS = (SLEEP, SPIN)
-DEFAULT_WAIT = SLEEP
+SPIN_COUNT_ENV = "GOMP_SPINCOUNT"  # libgomp's own
+BRIEF_SPINS = "1000"  # (1,000-10,000 measured alike quiet; 1,000 best with other work)
+BRIEF, SPIN = "brief", "spin"
+WAITS = (BRIEF, SPIN)
+DEFAULT_WAIT = BRIEF
 
 
 class KernelsError(Exception):
@@ -97,20 +101,21 @@ def requested_wait() -> str:
 
 
 def choose_wait() -> None:
-    """Set OpenMP's wait policy as :data:`WAIT_ENV` asks (``sleep``: passive; ``spin``:
-    OpenMP's default), unless llama.cpp is loaded already or the caller set
-    ``OMP_WAIT_POLICY`` without :data:`WAIT_ENV`."""
-    if "llama_cpp.llama_cpp" in sys.modules or (
-            OMP_WAIT_ENV in os.environ and WAIT_ENV not in os.environ):
+    """Set libgomp's spinning as :data:`WAIT_ENV` asks (``brief``: GOMP_SPINCOUNT 1,000;
+    ``spin``: OpenMP's default), unless llama.cpp is loaded already or the caller set
+    OpenMP's own variables without :data:`WAIT_ENV`."""
+    if "llama_cpp.llama_cpp" in sys.modules or (WAIT_ENV not in os.environ and (
+            OMP_WAIT_ENV in os.environ or SPIN_COUNT_ENV in os.environ)):
         return
     try:
         name = requested_wait()
     except KernelsError:
         return  # said by check(), where it can be an error
-    if name == SLEEP:
-        os.environ[OMP_WAIT_ENV] = "passive"
+    os.environ.pop(OMP_WAIT_ENV, None)
+    if name == BRIEF:
+        os.environ[SPIN_COUNT_ENV] = BRIEF_SPINS
     else:
-        os.environ.pop(OMP_WAIT_ENV, None)
+        os.environ.pop(SPIN_COUNT_ENV, None)
 
 
 def choose_kernels() -> None:
@@ -186,8 +191,15 @@ def relaunch_waiting(name: str) -> None:
 
 
 def waiting() -> str:
-    """How this process's OpenMP threads wait (as libgomp read it when it loaded)."""
-    return SLEEP if os.environ.get(OMP_WAIT_ENV, "").strip().lower() == "passive" else SPIN
+    """How this process's OpenMP threads wait, as libgomp read it when it loaded:
+    ``brief``, ``spin``, or the caller's own OpenMP settings."""
+    policy, spins = os.environ.get(OMP_WAIT_ENV), os.environ.get(SPIN_COUNT_ENV)
+    if policy is None and spins == BRIEF_SPINS:
+        return BRIEF
+    if policy is None and spins is None:
+        return SPIN
+    return " ".join(f"{k}={v}" for k, v in ((OMP_WAIT_ENV, policy), (SPIN_COUNT_ENV, spins))
+                    if v is not None)
 
 
 def _relaunch(variable: str, value: str) -> None:

@@ -6,15 +6,16 @@ side in one run, on a quiet machine and with other work on the cores:
                                        [--llama-server PATH | --without-llama-server]
                                        [--out FILE.json]
 
-Arms: the runtime with its threads sleeping at once (``sleep``, the default) and spinning
-a while first (``spin``, OpenMP's default), each in a fresh process (libgomp reads its
-setting when it loads), streaming ``--tokens`` greedy tokens after a ~100-token prompt
+Arms: the runtime with its threads spinning briefly at llama.cpp's barriers (``brief``,
+the default: 1,000 times, then sleeping), as long as OpenMP's default (``spin``: 300,000
+times) and not at all (``sleep``: ``OMP_WAIT_POLICY=passive``), each in a fresh process
+(libgomp reads its settings when it loads), streaming ``--tokens`` greedy tokens after a ~100-token prompt
 through ``Runtime.complete``; and llama-server (tools/build_llama_server.sh) with its
 default polling and with ``--poll 0``, the same tokens through ``/completion``. Each
 ``--loads`` value N runs every arm with N busy processes (pure Python loops) beside it,
 the arms' order alternating by round. Reported per load and arm: the median time per
 token after the first ((last - first token) / (tokens - 1), ms), and each arm's ratio to
-``sleep``. JSON on stdout.
+``brief``. JSON on stdout.
 """
 
 from __future__ import annotations
@@ -65,16 +66,21 @@ def burn() -> None:
         pass
 
 
-def runtime_arm(wait: str, args: argparse.Namespace) -> float:
-    env = {**os.environ, kernels.WAIT_ENV: wait}
-    env.pop(kernels.OMP_WAIT_ENV, None)
+# The runtime's arms: the environment each starts with.
+RUNTIME_ARMS = {"brief": {kernels.WAIT_ENV: "brief"}, "spin": {kernels.WAIT_ENV: "spin"},
+                "sleep": {kernels.OMP_WAIT_ENV: "passive"}}
+
+
+def runtime_arm(arm: str, args: argparse.Namespace) -> float:
+    env = {k: v for k, v in os.environ.items()
+           if k not in (kernels.WAIT_ENV, kernels.OMP_WAIT_ENV, kernels.SPIN_COUNT_ENV)}
+    env.update(RUNTIME_ARMS[arm])
     done = subprocess.run([sys.executable, "-c", ARM, str(args.model), str(args.threads),
                            str(args.tokens), PROMPT], capture_output=True, text=True,
                           timeout=900, env=env)
     if done.returncode != 0:
-        raise RuntimeError(f"runtime arm {wait} failed:\n{done.stderr[-2000:]}")
+        raise RuntimeError(f"runtime arm {arm} failed:\n{done.stderr[-2000:]}")
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert got["waiting"] == wait, got
     return float(got["per_token_ms"])
 
 
@@ -104,7 +110,8 @@ def main() -> int:
         log(f"no llama-server at {args.llama_server}: build it with "
             "tools/build_llama_server.sh, or pass --without-llama-server")
         return 2
-    arms = ["sleep", "spin"] + (["llama-server", "llama-server --poll 0"] if with_server else [])
+    arms = ["brief", "spin", "sleep"] + (["llama-server", "llama-server --poll 0"]
+                                         if with_server else [])
     results: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory(prefix="kvwait") as tmp:
         for load in (int(x) for x in args.loads.split(",")):
@@ -116,7 +123,7 @@ def main() -> int:
                 for round_no in range(args.rounds):
                     for arm in (arms if round_no % 2 == 0 else arms[::-1]):
                         log(f"load {load}, round {round_no + 1}: {arm}")
-                        if arm in ("sleep", "spin"):
+                        if arm in RUNTIME_ARMS:
                             samples[arm].append(runtime_arm(arm, args))
                         else:
                             samples[arm].append(server_arm(
@@ -133,7 +140,7 @@ def main() -> int:
         doc["loads"][name] = {
             "per_token_ms_median": medians,
             "per_token_ms": {arm: [round(x, 2) for x in v] for arm, v in samples.items()},
-            "ratio_to_sleep": {arm: round(m / medians["sleep"], 3) for arm, m in medians.items()},
+            "ratio_to_brief": {arm: round(m / medians["brief"], 3) for arm, m in medians.items()},
         }
     emit_json(doc, args.out)
     return 0

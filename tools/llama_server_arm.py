@@ -81,10 +81,11 @@ class LlamaServer(Proc):
     def __init__(self, binary: Path, model: Path, *, threads: int, n_ctx: int,
                  log_path: Path, parallel: int = 1, n_batch: int = 512,
                  extra_args: Sequence[str] = ()) -> None:
-        # As users run it: OpenMP's own wait policy, not the one model_runtime sets for
-        # its process when imported (kernels.py), which children would inherit.
+        # As users run it: OpenMP's own spinning, not what model_runtime sets for its
+        # process when imported (kernels.py), which children would inherit.
         super().__init__("llama-server", [], log_path, env={
-            k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"})
+            k: v for k, v in os.environ.items()
+            if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")})
         self.binary = binary
         self.model = model
         self.threads = threads

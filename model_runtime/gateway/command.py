@@ -62,7 +62,7 @@ FilePath = click.Path(dir_okay=False, path_type=Path)
                    f"{kernels.ENV}, else {kernels.DEFAULT}].")
 @click.option("--threads-wait", type=click.Choice(kernels.WAITS), default=None,
               expose_value=False, callback=lambda ctx, param, value: _workers_waiting(value),
-              help="How every worker's llama.cpp threads wait between tokens: sleep or "
+              help="How every worker's llama.cpp threads wait at its barriers: brief or "
                    f"spin [default: ${kernels.WAIT_ENV}, else {kernels.DEFAULT_WAIT}].")
 @click.option("--speculative", type=click.Choice(("off", "ngram")), default=None,
               help="--speculative of each worker: speculative decoding by prompt lookup, "

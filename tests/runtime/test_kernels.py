@@ -109,7 +109,7 @@ def test_serve_with_kernels_fast_starts_again_with_them(
             stats = pb_grpc.ModelRuntimeStub(channel).Stats(pb.RuntimeStatsRequest(),
                                                             timeout=10)
         assert stats.kernels == "fast" and stats.kv_layout["kernels"] == "fast"
-        assert stats.threads_wait == "sleep"  # (the default)
+        assert stats.threads_wait == "brief"  # (the default)
     finally:
         runtime.close()
         daemon.close()
@@ -125,10 +125,10 @@ from llama_cpp import llama_cpp
 
 def gomp_spin_count(**env: str) -> str:
     """GOMP_SPINCOUNT as libgomp itself took it when llama.cpp loaded in a process of
-    ``env`` (OMP_DISPLAY_ENV makes libgomp print what it read): 0 when its threads sleep
-    at once."""
+    ``env`` (OMP_DISPLAY_ENV makes libgomp print what it read): how many times a thread
+    spins at a barrier before it sleeps."""
     environ = {k: v for k, v in os.environ.items()
-               if k not in (kernels.WAIT_ENV, kernels.OMP_WAIT_ENV)}
+               if k not in (kernels.WAIT_ENV, kernels.OMP_WAIT_ENV, kernels.SPIN_COUNT_ENV)}
     done = subprocess.run([sys.executable, "-c", SPINCOUNT], capture_output=True, text=True,
                           timeout=120, env={**environ, "OMP_DISPLAY_ENV": "verbose", **env})
     assert done.returncode == 0, done.stderr[-2000:]
@@ -136,13 +136,16 @@ def gomp_spin_count(**env: str) -> str:
     return line.split("=")[1].strip().strip("'")
 
 
-def test_llama_cpp_s_threads_sleep_at_once_by_default_and_spin_when_asked() -> None:
-    assert gomp_spin_count() == "0"  # OMP_WAIT_POLICY=passive
-    assert gomp_spin_count(**{kernels.WAIT_ENV: "sleep"}) == "0"
-    assert int(gomp_spin_count(**{kernels.WAIT_ENV: "spin"})) > 0  # OpenMP's default
-    # The caller's own OpenMP setting is left as it is; ours, when given, wins.
-    assert int(gomp_spin_count(**{kernels.OMP_WAIT_ENV: "active"})) > 0
-    assert gomp_spin_count(**{kernels.OMP_WAIT_ENV: "active", kernels.WAIT_ENV: "sleep"}) == "0"
+def test_llama_cpp_s_threads_spin_briefly_by_default_and_as_long_as_openmp_when_asked(
+        ) -> None:
+    assert gomp_spin_count() == "1000"
+    assert gomp_spin_count(**{kernels.WAIT_ENV: "brief"}) == "1000"
+    assert gomp_spin_count(**{kernels.WAIT_ENV: "spin"}) == "300000"  # OpenMP's default
+    # The caller's own OpenMP settings are left as they are; ours, when given, win.
+    assert gomp_spin_count(**{kernels.OMP_WAIT_ENV: "passive"}) == "0"
+    assert gomp_spin_count(**{kernels.SPIN_COUNT_ENV: "50"}) == "50"
+    assert gomp_spin_count(**{kernels.OMP_WAIT_ENV: "passive", kernels.WAIT_ENV: "brief"}) \
+        == "1000"
 
 
 def test_an_unknown_way_of_waiting_is_a_clear_error(tiny_model: Path) -> None:
@@ -152,7 +155,7 @@ def test_an_unknown_way_of_waiting_is_a_clear_error(tiny_model: Path) -> None:
         capture_output=True, text=True, timeout=120,
         env={**os.environ, kernels.WAIT_ENV: "doze"})
     assert done.returncode == 1
-    assert "doze" in done.stderr and "sleep, spin" in done.stderr
+    assert "doze" in done.stderr and "brief, spin" in done.stderr
     assert "Traceback" not in done.stderr
 
 
