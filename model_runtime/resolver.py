@@ -4,9 +4,10 @@ so that cache I/O never stalls decoding.
 In order: the request's ``parent_key``; the session's last saved state (waiting up to
 ``session_resume_wait_ms`` for its save to be published); the daemon's longest common
 prefix of the prompt (asked again after waiting as long for this runtime's own queued
-saves that would serve more of it). A state is used only where it covers more of the prompt than an
-idle sequence's live KV (``Request.live_keep``): a live sequence wins a tie, as it
-needs no restore. A corrupt or missing blob is counted and skipped (the lookup is
+saves that would serve more of it). A state is used only where it covers more of the
+prompt than an idle sequence's live KV (``Request.live_keep``), a plain-attention state by
+at least ``min_save_tokens`` (:meth:`Resolver.beats_live`): the live sequence needs no
+restore. A corrupt or missing blob is counted and skipped (the lookup is
 tried once more); a daemon that is down or slow makes the request cold, never fail.
 
 Also the runtime's other cache I/O that must stay off the model thread: the daemon's
@@ -72,9 +73,23 @@ class Resolver:
         except Exception:  # a cache problem must never fail the request
             log.exception("cache resolution failed; going cold")
             self._count("cache_errors")
-        if chain and self.serves(chain, req) <= req.live_keep:
-            chain = None  # the live sequence covers as much: a tie goes to it (no restore)
+        if chain and not self.beats_live(self.serves(chain, req), req):
+            chain = None  # the live sequence serves (about) as much without a restore
         done(req, chain)
+
+    def beats_live(self, served: int, req: Request) -> bool:
+        """Whether restoring a state that serves ``served`` prompt tokens is worth more
+        than going on from an idle sequence's live KV (``live_keep`` tokens, 0: none). A
+        plain-attention state must serve at least ``min_save_tokens`` more: fewer are
+        cheaper to prefill on the live sequence than a whole state is to load and set
+        (a ~1,000-token SmolLM2 state is 25 MB; four clients sharing a system prompt had
+        most requests restore one to save the few tokens their previous turn shared with
+        the new one). A state that cannot be cut needs only one more; a tie goes to the
+        live sequence."""
+        if not req.live_keep:
+            return served > 0
+        margin = self.config.min_save_tokens if self.plain_kv else 1
+        return served >= req.live_keep + max(1, margin)
 
     @staticmethod
     def serves(chain: Chain, req: Request) -> int:
@@ -166,10 +181,10 @@ class Resolver:
                 hit = self._lookup(req, limit)
                 if hit is None:
                     return None
-                if min(hit.matched_tokens, len(tokens) - 1) <= req.live_keep or \
+                if not self.beats_live(min(hit.matched_tokens, len(tokens) - 1), req) or \
                         hit.entry_tokens > hit.matched_tokens < self.config.min_save_tokens:
-                    # A live sequence serves as much without a restore, or restoring a
-                    # whole state for a few tokens costs more than prefilling them.
+                    # A live sequence serves about as much without a restore, or restoring
+                    # a whole state for a few tokens costs more than prefilling them.
                     self.cache.release(hit)
                     return None
                 chain = self.cache.load_chain(hit.key, prefix_of=tokens,
@@ -217,7 +232,8 @@ class Resolver:
         # A hit that will be restored has its pieces opened in the same call (a restore
         # needs no more); one that serves no more than the live sequence, or only a few
         # tokens of a longer state, would not be restored (see _longest_prefix).
-        open_min = max(req.live_keep + 1, self.config.min_save_tokens)
+        open_min = max(req.live_keep + (self.config.min_save_tokens if self.plain_kv else 1),
+                       self.config.min_save_tokens)
 
         identity = self.identities.of(req.tenant)
 
