@@ -341,6 +341,7 @@ def concurrent_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
                               "p99_max": round(max(path_p99), 3)} if path_p50 else None,
             # The gateway's arm: where a request's TTFT went (each step's median over the
             # requests, ms; the runtime's timeline and the gateway's part before it).
+            "timelines_ms": timelines,
             "timeline_ms_median": {step: round(statistics.median(t.get(step, 0.0)
                                                                  for t in timelines), 2)
                                    for step in timelines[0]} if timelines else None,
