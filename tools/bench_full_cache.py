@@ -58,18 +58,16 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import benchlib as bl
-from harness.payloads import blob_bytes
+from harness.payloads import blob_bytes, write_blob_files
 
-from kvcache import keys
 from kvcache.client import CacheClient, Identity
-from kvcache.store import BLOB_SUFFIX
 
 IDENTITY = Identity(model_fingerprint="bench-full-cache-0001",
                     kv_layout={"type_k": "f16", "type_v": "f16", "n_layer": "30"},
@@ -176,27 +174,17 @@ def rss(d: bl.Daemon) -> dict[str, int]:
             "rss_anon_bytes": out["RssAnon"], "rss_file_bytes": out["RssFile"]}
 
 
-def write_blob_files(data_dir: Path, n: int) -> float:
+def write_entry_files(data_dir: Path, n: int) -> float:
     """N synthetic entries' blob files, placed where the daemon keeps them (no index
     rows: its start-up indexes them from their headers). Returns the seconds taken."""
+    def entries() -> Iterator[tuple[list[int], bytes]]:
+        for i in range(n):
+            if i and i % 100_000 == 0:
+                bl.log(f"  {i} blob files written")
+            yield entry_tokens(i), entry_payload(i)
+
     t0 = time.monotonic()
-    blobs = data_dir / "blobs"
-    for i in range(n):
-        tokens = entry_tokens(i)
-        key = keys.entry_key(IDENTITY.namespace, tokens, BLOCK_SIZE).key.hex()
-        folder = blobs / key[:2]
-        if not folder.is_dir():
-            folder.mkdir(mode=0o700)
-        data = blob_bytes(IDENTITY, tokens, entry_payload(i), created=1_700_000_000.0 + i)
-        fd = os.open(folder / f"{key}{BLOB_SUFFIX}", os.O_WRONLY | os.O_CREAT | os.O_EXCL,
-                     0o600)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-        if i and i % 100_000 == 0:
-            bl.log(f"  {i} blob files written")
-    os.sync()
+    write_blob_files(data_dir, IDENTITY, BLOCK_SIZE, entries())
     return time.monotonic() - t0
 
 
@@ -407,7 +395,7 @@ def bench_size(ws: Workspace, n: int, s: Settings) -> dict[str, Any]:
     d = ws.daemon(f"full-{n}", *budgets(n), "--log-level", "INFO")  # start-up progress
     d.start()
     d.stop()
-    written = write_blob_files(d.data_dir, n)
+    written = write_entry_files(d.data_dir, n)
     timeout = 120 + n / 250  # a rebuild from headers: up to 4 ms per entry on a busy machine
     bl.log(f"{n} entries: indexing them from their headers (see {d.log_path})")
     d.start(timeout=timeout)

@@ -12,7 +12,6 @@ daemon), behind ``round_robin``."""
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,12 +20,7 @@ from harness.procs import Gateway
 from harness.routers import SglangRouter, http_json
 
 from tests.support.gateway_proc import kill_leftovers
-
-IM_END = 4  # the tiny models' <|im_end|>: a control token, end of generation
-TRACK = {"type": "function", "function": {
-    "name": "track_parcel", "description": "Where a parcel is.",
-    "parameters": {"type": "object", "properties": {"id": {"type": "string", "maxLength": 6}},
-                   "required": ["id"], "additionalProperties": False}}}
+from tests.support.router_traffic import chat_stream_and_tool_call, fields_applied
 
 
 def served(gateway: Gateway) -> int:
@@ -69,41 +63,11 @@ def test_models_chat_streams_and_tool_calls_pass_through_the_router(
     assert status == 200 and [m["id"] for m in models["data"]] == ["hermes"], models
     client = router.client()
     before = [served(g) for g in gateways]
-    reply = client.chat.completions.create(model="hermes", messages=ask("Hello?"),
-                                           max_tokens=4, temperature=0)
-    assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.prompt_tokens
-    chunks = list(client.chat.completions.create(
-        model="hermes", messages=ask("Stream it."), max_tokens=4, temperature=0, stream=True,
-        stream_options={"include_usage": True}))
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens
-    assert any(c.choices and c.choices[0].finish_reason for c in chunks)
-    called = client.chat.completions.create(model="hermes", messages=ask("Where is A1?"),
-                                            tools=[TRACK], tool_choice="required",
-                                            parallel_tool_calls=False, max_tokens=200,
-                                            temperature=0)
-    (call,) = called.choices[0].message.tool_calls or []
-    assert call.function.name == "track_parcel" and "id" in json.loads(call.function.arguments)
-    assert called.choices[0].finish_reason == "tool_calls"
+    chat_stream_and_tool_call(client, ask)
     assert all(served(g) > b for g, b in zip(gateways, before, strict=True))  # round_robin
 
 
 def test_a_clients_values_of_the_fields_the_router_adds_are_applied(
         fleet: tuple[list[Gateway], SglangRouter]) -> None:
     _, router = fleet
-    client = router.client()
-    # Every token the model's end of turn; ignore_eos: it goes on to max_tokens, and
-    # skip_special_tokens false shows the tokens.
-    shown = client.chat.completions.create(
-        model="hermes", messages=ask("Hello?"), max_tokens=3, temperature=0,
-        logit_bias={str(IM_END): 100},
-        extra_body={"ignore_eos": True, "skip_special_tokens": False})
-    assert shown.choices[0].message.content == "<|im_end|>" * 3
-    assert shown.choices[0].finish_reason == "length"
-    base = {"model": "hermes", "messages": ask("Say more."), "max_tokens": 16,
-            "temperature": 0}
-    text = client.chat.completions.create(**base).choices[0].message.content or ""
-    assert len(text) > 6, text
-    stop = text[3:6]
-    kept = client.chat.completions.create(**base, stop=[stop],
-                                          extra_body={"no_stop_trim": True})
-    assert kept.choices[0].message.content == text[:text.index(stop)] + stop
+    fields_applied(router.client(), ask)

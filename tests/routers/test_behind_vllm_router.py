@@ -23,14 +23,11 @@ from harness.routers import VllmRouter
 from tests.support.daemon_proc import wait_for
 from tests.support.gateway_proc import kill_leftovers
 from tests.support.kv_events import endpoint
+from tests.support.router_traffic import chat_stream_and_tool_call, fields_applied
 
 BLOCK = 64
 SYSTEM = ("You are the dispatcher of a delivery company. Answer briefly; look parcels up "
           "with the tools rather than guessing. ") * 8
-TRACK = {"type": "function", "function": {
-    "name": "track_parcel", "description": "Where a parcel is.",
-    "parameters": {"type": "object", "properties": {"id": {"type": "string", "maxLength": 6}},
-                   "required": ["id"], "additionalProperties": False}}}
 # What vllm-router adds to every chat body it passes on (seen by running it).
 ROUTER_FIELDS = {"logprobs": False, "no_stop_trim": False, "ignore_eos": False,
                  "continue_final_message": False, "skip_special_tokens": True,
@@ -104,21 +101,7 @@ def test_chat_streams_and_tool_calls_pass_through_the_router(hosts: list[Host],
     router = router_factory(hosts, policy)
     client = router.client()
     before = [h.served() for h in hosts]
-    reply = client.chat.completions.create(model="hermes", messages=ask("Hello?"),
-                                           max_tokens=4, temperature=0)
-    assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.prompt_tokens
-    chunks = list(client.chat.completions.create(
-        model="hermes", messages=ask("Stream it."), max_tokens=4, temperature=0, stream=True,
-        stream_options={"include_usage": True}))
-    assert chunks[-1].usage is not None
-    assert any(c.choices and c.choices[0].finish_reason for c in chunks)
-    called = client.chat.completions.create(model="hermes", messages=ask("Where is A1?"),
-                                            tools=[TRACK], tool_choice="required",
-                                            parallel_tool_calls=False,
-                                            max_tokens=200, temperature=0)
-    (call,) = called.choices[0].message.tool_calls or []
-    assert call.function.name == "track_parcel" and "id" in json.loads(call.function.arguments)
-    assert called.choices[0].finish_reason == "tool_calls"
+    chat_stream_and_tool_call(client, ask)
     if policy == "round_robin":  # both hosts served
         assert all(h.served() > b for h, b in zip(hosts, before, strict=True))
 
@@ -145,21 +128,7 @@ def test_the_router_fields_are_taken_at_their_neutral_values_and_refused_at_othe
 def test_a_clients_values_of_the_fields_the_router_adds_are_applied(
         hosts: list[Host], router_factory: Any) -> None:
     client = router_factory(hosts, "round_robin").client()
-    # Every token the model's end of turn (<|im_end|>, id 4): ignore_eos goes on to
-    # max_tokens, and skip_special_tokens false shows the tokens.
-    shown = client.chat.completions.create(
-        model="hermes", messages=ask("Hello?"), max_tokens=3, temperature=0,
-        logit_bias={"4": 100}, extra_body={"ignore_eos": True, "skip_special_tokens": False})
-    assert shown.choices[0].message.content == "<|im_end|>" * 3
-    assert shown.choices[0].finish_reason == "length"
-    base: dict[str, Any] = {"model": "hermes", "messages": ask("Say more."),
-                            "max_tokens": 16, "temperature": 0}
-    text = client.chat.completions.create(**base).choices[0].message.content or ""
-    assert len(text) > 6, text
-    stop = text[3:6]
-    kept = client.chat.completions.create(**base, stop=[stop],
-                                          extra_body={"no_stop_trim": True})
-    assert kept.choices[0].message.content == text[:text.index(stop)] + stop
+    base, text = fields_applied(client, ask)
     # continue_final_message (with add_generation_prompt false): the reply goes on with the
     # last assistant message.
     opened = [*ask("Say more."), {"role": "assistant", "content": text[:6]}]

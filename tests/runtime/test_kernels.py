@@ -87,14 +87,18 @@ def test_a_fast_set_not_built_is_a_clear_error(tiny_model: Path, tmp_path: Path)
     assert "Traceback" not in done.stderr
 
 
-def test_an_unknown_set_in_the_environment_is_a_clear_error(tiny_model: Path) -> None:
+@pytest.mark.parametrize("variable, value, named", [
+    (kernels.ENV, "turbo", "deterministic, fast"),
+    (kernels.WAIT_ENV, "doze", "brief, spin"),
+], ids=["kernels", "threads wait"])
+def test_an_unknown_choice_in_the_environment_is_a_clear_error(
+        tiny_model: Path, variable: str, value: str, named: str) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "model_runtime.cli", "complete", "--model", str(tiny_model),
          "--cache", "none", "--threads", "1", "--n-ctx", "256", "--max-tokens", "2", "--prompt", "Hi"],
-        capture_output=True, text=True, timeout=120,
-        env={**os.environ, kernels.ENV: "turbo"})
+        capture_output=True, text=True, timeout=120, env={**os.environ, variable: value})
     assert done.returncode == 1
-    assert "turbo" in done.stderr and "deterministic, fast" in done.stderr
+    assert value in done.stderr and named in done.stderr
     assert "Traceback" not in done.stderr
 
 
@@ -146,17 +150,6 @@ def test_llama_cpp_s_threads_spin_briefly_by_default_and_as_long_as_openmp_when_
     assert gomp_spin_count(**{kernels.SPIN_COUNT_ENV: "50"}) == "50"
     assert gomp_spin_count(**{kernels.OMP_WAIT_ENV: "passive", kernels.WAIT_ENV: "brief"}) \
         == "1000"
-
-
-def test_an_unknown_way_of_waiting_is_a_clear_error(tiny_model: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "model_runtime.cli", "complete", "--model", str(tiny_model),
-         "--cache", "none", "--threads", "1", "--n-ctx", "256", "--max-tokens", "2", "--prompt", "Hi"],
-        capture_output=True, text=True, timeout=120,
-        env={**os.environ, kernels.WAIT_ENV: "doze"})
-    assert done.returncode == 1
-    assert "doze" in done.stderr and "brief, spin" in done.stderr
-    assert "Traceback" not in done.stderr
 
 
 def test_serve_with_threads_wait_spin_starts_again_so(tiny_model: Path, tmp_path: Path) -> None:

@@ -11,16 +11,14 @@ one. ``ReclaimWatch`` tells whether a kill landed while the reclaimer was evicti
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
 from pathlib import Path
 
-from harness.payloads import blob_bytes, payload_for
+from harness.payloads import blob_bytes, payload_for, write_blob_files
 from kvcache import keys
 from kvcache.client import CacheClient, CacheError, Identity
-from kvcache.store import BLOB_SUFFIX
 from kvcache.v1 import kvcache_pb2 as pb
 
 PREFILL = Identity("fp-crash-prefill", {"type_k": "f16"}, model_name="prefill.gguf")
@@ -69,21 +67,8 @@ def write_prefill(data_dir: Path, n: int, block: int) -> float:
     indexes them from their headers), entry i created i seconds after the first (so the
     eviction order is theirs). Returns the seconds taken."""
     t0 = time.monotonic()
-    blobs = data_dir / "blobs"
-    blobs.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for i in range(n):
-        tokens = prefill_tokens(i)
-        key = keys.entry_key(PREFILL.namespace, tokens, block).key.hex()
-        folder = blobs / key[:2]
-        if not folder.is_dir():
-            folder.mkdir(mode=0o700)
-        data = blob_bytes(PREFILL, tokens, prefill_payload(tokens), created=1_700_000_000.0 + i)
-        fd = os.open(folder / f"{key}{BLOB_SUFFIX}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-    os.sync()
+    write_blob_files(data_dir, PREFILL, block,
+                     ((prefill_tokens(i), prefill_payload(prefill_tokens(i))) for i in range(n)))
     return time.monotonic() - t0
 
 
