@@ -50,10 +50,11 @@ from .errors import (
     TokenizeCancelled,
 )
 from .model import GGUF_MAGIC, GGUF_VERSIONS, LlamaModel, check_gguf_file
-from .sampler import TOKEN_DATA, SamplerChain, grammar_refusal
+from .sampler import GRAMMAR_WALK, TOKEN_DATA, SamplerChain, grammar_refusal
 
 __all__ = [
     "BATCH_VARIANT_OPTIONS",
+    "GRAMMAR_WALK",
     "TILED_MM_ENV",
     "GGUF_MAGIC",
     "GGUF_VERSIONS",

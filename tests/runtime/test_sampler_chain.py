@@ -21,6 +21,7 @@ import pytest
 
 from model_runtime.config import RuntimeConfig
 from model_runtime.llama_backend import (
+    GRAMMAR_WALK,
     ContextParams,
     GrammarDeadEnd,
     LlamaContext,
@@ -222,6 +223,52 @@ def test_a_grammar_masks_only_when_the_chain_s_token_is_refused(model: LlamaMode
         assert chain.sample(row(model, {a: 5.0, eog: 0.0})) == eog  # complete: only the end
         with pytest.raises(LlamaError, match="does not allow"):
             chain.accept(a)  # checked: llama.cpp would abort the process
+
+
+def test_greedy_under_a_grammar_asks_the_best_tokens_and_picks_what_the_mask_picks(
+        model: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy alone, its best token refused, asks the grammar of the next best ones one by
+    one instead of masking every token, and picks what llama.cpp's greedy sampler picks
+    over the mask (reached through a zero bias, which keeps the full path): ties by id,
+    banned tokens skipped; an allowed token beyond the tokens asked, or one tied with a
+    token not asked, falls back to the mask."""
+    grammar = "root ::= [a-m]+"
+    pieces = [model.token_to_piece(t) for t in range(model.n_vocab)]
+    allowed = np.array([t for t, p in enumerate(pieces) if p and set(p) <= set(b"abcdefghijklm")])
+    refused = np.setdiff1d(np.arange(model.n_vocab), allowed)
+    assert len(allowed) > 4 and len(refused) > GRAMMAR_WALK
+    rng = np.random.default_rng(3)
+    masks = []
+    with SamplerChain(model, Sampling(), grammar=grammar) as walk, \
+            SamplerChain(model, Sampling(logit_bias=((0, 0.0),)), grammar=grammar) as full:
+        assert walk._argmax_only and not full._argmax_only
+        fill = walk._fill
+        monkeypatch.setattr(walk, "_fill", lambda *a: (masks.append(1), fill(*a))[1])
+
+        def check(scores: np.ndarray, banned: Sequence[int] = ()) -> int:
+            got = walk.sample(scores, banned)
+            assert got == full.sample(scores, banned) and got in allowed
+            return got
+
+        for _ in range(30):  # the best token refused, an allowed one a few places down
+            scores = rng.normal(size=model.n_vocab).astype(np.float32)
+            scores[rng.choice(refused)] = scores.max() + 1.0
+            check(scores)
+        assert not masks
+        scores = row(model, {int(refused[0]): 9.0, **{int(t): 5.0 for t in allowed[:3]}})
+        assert check(scores) == allowed[0]  # a three-way tie: the lowest id
+        assert check(scores, banned=[int(allowed[0])]) == allowed[1]
+        assert not masks
+        # Every asked token refused: the allowed ones sit below GRAMMAR_WALK refused ones.
+        scores = row(model, {**{int(t): 8.0 - i / 100 for i, t in
+                                enumerate(refused[:GRAMMAR_WALK + 5])}, int(allowed[2]): 1.0})
+        assert check(scores) == allowed[2] and len(masks) == 1
+        # The last token asked ties with an allowed token not asked (a higher id might be
+        # asked in its place): the mask decides.
+        top = {int(t): 8.0 for t in refused[:GRAMMAR_WALK - 1]}
+        scores = row(model, {**top, int(refused[-1]): 2.0, int(allowed[-1]): 2.0,
+                             int(allowed[0]): 2.0})
+        assert check(scores) == allowed[0] and len(masks) == 2
 
 
 def starting_with(model: LlamaModel, prefix: bytes) -> list[int]:
