@@ -152,7 +152,7 @@ class Runtime:
         # The check's short prompt does not show every difference (the fast set's splits
         # of up to 130 tokens agree, its reuse of longer prompts does not), so a build
         # with an option known to break it is not invariant, whatever the check found.
-        variant = batch_variant_options()
+        variant = batch_variant_options(flash_attn=cfg.flash_attn)
         self.batch_invariant = compute_apart(self.ctx.computes_batches_alike) and not variant
         if self.kernels == kernels.FAST:
             log.info("kvcache: the fast kernels (llama.cpp's defaults: %s): output after a "

@@ -247,7 +247,8 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
             counters=rt.stats(), model_path=str(rt.model_path),
             model_fingerprint=rt.identity.model_fingerprint, kv_layout=rt.identity.kv_layout,
             n_seq_max=rt.ctx.n_seq_max, n_ctx=rt.ctx.n_ctx, cache_reachable=rt.cache_reachable(),
-            batch_invariant=rt.batch_invariant, batch_variant_options=batch_variant_options(),
+            batch_invariant=rt.batch_invariant, batch_variant_options=batch_variant_options(
+                flash_attn=rt.config.flash_attn),
             kernels=rt.kernels, threads_wait=kernels.waiting(),
             latencies={name: pb.LatencySummary(**vars(summary))
                        for name, summary in rt.latencies().items()})

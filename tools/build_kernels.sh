@@ -5,9 +5,10 @@
 #   bash tools/build_kernels.sh        # idempotent; tools/setup.sh runs it
 #
 #   deterministic  llamafile's tinyBLAS for every float product, single tokens included
-#                  (tools/patches/ggml-llamafile-batch-invariant.patch), no weight
-#                  repacking: a token is computed alike alone or anywhere in a batch, so
-#                  warm equals cold; the default.
+#                  (tools/patches/ggml-llamafile-batch-invariant.patch), flash attention
+#                  by its vec-only path alone (tools/patches/ggml-flash-attn-batch-invariant.patch),
+#                  no weight repacking: a token is computed alike alone or anywhere in a
+#                  batch, so warm equals cold; the default.
 #   fast           llama.cpp's own defaults (llamafile as shipped, weight repacking): what
 #                  llama-server runs; a reused state may continue otherwise than a cold run.
 #
@@ -21,14 +22,15 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON="$VENV/bin/python"
 JOBS=${JOBS:-2}
-PATCH="$PWD/tools/patches/ggml-llamafile-batch-invariant.patch"
+PATCHES=("$PWD/tools/patches/ggml-llamafile-batch-invariant.patch"
+         "$PWD/tools/patches/ggml-flash-attn-batch-invariant.patch")
 DEST="$VENV/kvcache-kernels"
 
 VERSION=$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))')
 LIB=$("$PYTHON" -c 'import importlib.util, pathlib
 print(pathlib.Path(importlib.util.find_spec("llama_cpp").origin).parent / "lib")')
-# Built again when the library, the patch or this script changes.
-STAMP="$VERSION $(cat "$PATCH" "$0" "$LIB/libllama.so" | sha256sum | cut -c1-16)"
+# Built again when the library, a patch or this script changes.
+STAMP="$VERSION $(cat "${PATCHES[@]}" "$0" "$LIB/libllama.so" | sha256sum | cut -c1-16)"
 if [ -f "$DEST/stamp" ] && [ "$(cat "$DEST/stamp")" = "$STAMP" ]; then
   exit 0
 fi
@@ -66,7 +68,9 @@ build() {  # build <set> <cmake options...>: libggml-cpu of one set into $WORK/<
 }
 
 build fast -DGGML_LLAMAFILE=ON -DGGML_CPU_REPACK=ON
-patch --quiet -d "$SRC" -p1 < "$PATCH"
+for patch_file in "${PATCHES[@]}"; do
+  patch --quiet -d "$SRC" -p1 < "$patch_file"
+done
 build deterministic -DGGML_LLAMAFILE=ON -DGGML_CPU_REPACK=OFF
 
 rm -rf "$DEST"

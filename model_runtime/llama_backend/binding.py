@@ -117,6 +117,11 @@ def max_parallel_sequences() -> int:
 #: Q4_0/Q4_K/IQ4_NL (matrix rows in groups of four: on Gemma-3's Q4_K weights, a
 #: position's scores depended on the length of the chunk it was computed in).
 BATCH_VARIANT_OPTIONS = ("LLAMAFILE", "REPACK")
+#: Flash attention, a context's option: llama.cpp computes a single token over 512+ KV
+#: cells split across threads, and a batch of rows in tiles, each summing in its own order
+#: (on SmolLM2 the last token's scores after 700 cells differed by up to 0.83). The
+#: deterministic kernel set computes it by its vec-only path alone (patched).
+FLASH_ATTN_OPTION = "FLASH_ATTN"
 
 
 def build_options() -> dict[str, str]:
@@ -131,13 +136,16 @@ def build_options() -> dict[str, str]:
     return options
 
 
-def batch_variant_options() -> list[str]:
-    """The options of this llama.cpp build that make results depend on batching (the
-    deterministic kernel set's llamafile is patched not to: see model_runtime/kernels.py)."""
+def batch_variant_options(*, flash_attn: bool = False) -> list[str]:
+    """The options of this llama.cpp build, and flash attention when a context has it, that
+    make results depend on batching (the deterministic kernel set's llamafile and flash
+    attention are patched not to: see model_runtime/kernels.py)."""
     options = build_options()
-    patched = {"LLAMAFILE"} if kernels.active() == kernels.DETERMINISTIC else set()
-    return [name for name in BATCH_VARIANT_OPTIONS
-            if options.get(name) == "1" and name not in patched]
+    deterministic = kernels.active() == kernels.DETERMINISTIC
+    patched = {"LLAMAFILE"} if deterministic else set()
+    variant = [name for name in BATCH_VARIANT_OPTIONS
+               if options.get(name) == "1" and name not in patched]
+    return variant + [FLASH_ATTN_OPTION] if flash_attn and not deterministic else variant
 
 
 class Owner:

@@ -464,7 +464,11 @@ class LlamaContext(Owner):
             "arch": arch,
             "type_k": self.params.type_k,
             "type_v": self.params.type_v,
-            "flash_attn": str(self.params.flash_attn).lower(),
+            # (The deterministic set computes it otherwise than llama.cpp as shipped, and
+            # than that set did before its patch: "vec" keeps those states apart.)
+            "flash_attn": "vec" if self.params.flash_attn
+            and kernels.active() == kernels.DETERMINISTIC
+            else str(self.params.flash_attn).lower(),
             "n_layer": str(m.n_layer),
             "n_head_kv": str(m.n_head_kv),
             "n_embd_head_k": n_embd_head_k or str(head),

@@ -6,6 +6,7 @@ per process."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -38,10 +39,42 @@ with Runtime(sys.argv[1], cache_address=None, config=RuntimeConfig(n_threads=1, 
 """
 
 
-def report(model: Path, **env: str) -> dict[str, object]:
+# A token's scores after 700 cells, computed with flash attention in one batch and split
+# three ways (alone after 699 cells: llama.cpp splits the cells across threads from 512 on;
+# in a batch of 64+ rows: tiles), and what a runtime with flash attention reports.
+FLASH_ATTN_SPLITS = """
+import json, sys
+import numpy as np
+from model_runtime.config import RuntimeConfig
+from model_runtime.llama_backend import (ContextParams, LlamaContext, LlamaModel,
+                                         batch_variant_options)
+from model_runtime.runtime import Runtime
+path, n = sys.argv[1], 700
+with LlamaModel(path) as model:
+    toks = [(7 * i + 11) % (model.n_vocab - 20) + 10 for i in range(n)]
+
+    def last_scores(cut):
+        with LlamaContext(model, ContextParams(n_ctx=1024, n_batch=1024, n_ubatch=1024,
+                                               n_seq_max=1, flash_attn=True)) as ctx:
+            for a, b in ((0, cut), (cut, n)):
+                ctx.decode(toks[a:b], list(range(a, b)), [0] * (b - a),
+                           [False] * (b - a - 1) + [True])
+            return ctx.logits(b - a - 1)
+
+    whole = last_scores(n - 1)
+    alike = all(np.array_equal(whole, last_scores(cut)) for cut in (1, 600, 690))
+with Runtime(path, cache_address=None, config=RuntimeConfig(
+        n_threads=1, n_ctx=512, n_seq_max=1, flash_attn=True)) as rt:
+    print(json.dumps({"alike": alike, "batch_invariant": rt.batch_invariant,
+                      "flash_attn": rt.identity.kv_layout["flash_attn"],
+                      "variant_options": batch_variant_options(flash_attn=True)}))
+"""
+
+
+def report(model: Path, script: str = REPORT, **env: str) -> dict[str, object]:
     environ = {k: v for k, v in os.environ.items()
                if k not in (kernels.ENV, kernels.LIB_PATH_ENV)}
-    done = subprocess.run([sys.executable, "-c", REPORT, str(model)], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", script, str(model)], capture_output=True,
                           text=True, timeout=120, env={**environ, **env})
     assert done.returncode == 0, done.stderr[-2000:]
     result: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -73,6 +106,24 @@ def test_the_fast_set_is_llama_cpp_s_defaults_and_another_namespace(
     assert fast["batch_invariant"] is False
     assert fast["variant_options"] == ["LLAMAFILE", "REPACK"]
     assert fast["namespace"] != det["namespace"]  # never restored by the other set
+
+
+def test_flash_attention_is_computed_alike_alone_and_in_a_batch_by_the_deterministic_set(
+        tiny_model: Path, sets_built: None) -> None:
+    """The deterministic set computes flash attention by its vec-only path alone (patched),
+    so a token's scores are the same alone or in a batch of any size after 512+ cells, and
+    its states are named apart from llama.cpp's; llama-cpp-python's own build, alike
+    without flash attention, is not with it, and says so whatever its start-up check of
+    a short prompt found."""
+    det = report(tiny_model, FLASH_ATTN_SPLITS)
+    assert det == {"alike": True, "batch_invariant": True, "flash_attn": "vec",
+                   "variant_options": []}
+    spec = importlib.util.find_spec("llama_cpp")
+    assert spec is not None and spec.origin is not None
+    builtin = report(tiny_model, FLASH_ATTN_SPLITS,
+                     **{kernels.LIB_PATH_ENV: str(Path(spec.origin).parent / "lib")})
+    assert builtin["alike"] is False and builtin["batch_invariant"] is False
+    assert builtin["flash_attn"] == "true" and builtin["variant_options"] == ["FLASH_ATTN"]
 
 
 def test_a_fast_set_not_built_is_a_clear_error(tiny_model: Path, tmp_path: Path) -> None:
