@@ -46,7 +46,8 @@ class Constraints:
                            ``keep_stop``: the one that ended it stays at its end).
     ``ignore_eos``         an end-of-generation token (EOS, ``<|im_end|>``, ...) does not
                            end the output: it goes on to ``max_tokens`` (none given: the
-                           128 or the context's end above), or a stop string.
+                           128 or the context's end above), or a stop string; or to the
+                           end of a grammar (or schema) that lets nothing else follow.
     ``special_tokens``     control tokens (``<|im_end|>``, ...) show in the text, as
                            their vocabulary entries (else they render as nothing).
 

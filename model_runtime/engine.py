@@ -525,8 +525,10 @@ class EngineCore:
         seq = req.seq
         assert seq is not None
         # (ignore_eos is read only for an end-of-generation token: the common path pays
-        # nothing for it)
-        if self.model.is_eog(token) and not req.sampling.ignore_eos:
+        # nothing for it). With it, an end still ends the output where a complete grammar
+        # lets nothing else follow, which would otherwise fill it with ends.
+        if self.model.is_eog(token) and (not req.sampling.ignore_eos or (
+                req.sampler is not None and req.sampler.grammar_ended())):
             self._finish(req, "stop")
             return False
         logprob = self.executor.logprob(req, token) if req.sampling.logprobs else None

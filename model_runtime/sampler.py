@@ -65,6 +65,11 @@ class RequestSampler:
     def close(self) -> None:
         self.chain.close()
 
+    def grammar_ended(self) -> bool:
+        """Whether the grammar is complete: nothing may follow but an end of generation
+        (False without one, or while a lazy one waits for its trigger)."""
+        return self.chain.grammar_ended()
+
     def draftable(self, tokens: Sequence[int]) -> int:
         """How many of drafted ``tokens`` could follow, in a row from here: the grammar
         refusing one ends the draft before it (no token it refuses is ever sampled); an

@@ -266,6 +266,17 @@ class SamplerChain(Owner):
         _lc.llama_sampler_apply(grammar, ctypes.byref(one))
         return bool(np.isfinite(self._one["logit"][0]))
 
+    def grammar_ended(self) -> bool:
+        """Whether the active grammar is complete and lets nothing follow but an end of
+        generation (a mask of every token: milliseconds; asked only where an end token was
+        sampled and does not end the output by itself)."""
+        if not self.grammar_active:
+            return False
+        self._fill(np.zeros(self.n_vocab, dtype=np.float32), ())
+        self._apply(self._grammar)
+        allowed = self._candidates["id"][np.isfinite(self._logit_column)]
+        return all(self.model.is_eog(int(token)) for token in allowed)
+
     def grammar_run(self, tokens: Sequence[int]) -> int:
         """How many of ``tokens``, in a row from here, the active grammar allows (all of
         them without one): checked on a copy of the grammar, this one left as it is. An

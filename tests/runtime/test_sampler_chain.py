@@ -401,6 +401,25 @@ def test_a_grammar_that_cannot_end_finishes_with_length(rt: Runtime) -> None:
     assert len(p) + len(full.tokens) == rt.ctx.n_ctx  # type: ignore[union-attr]
 
 
+def test_ignore_eos_goes_on_to_the_end_of_a_grammar_not_past_it(rt: Runtime) -> None:
+    """With ignore_eos an end token does not end the output, except where a complete
+    grammar lets nothing else follow (it would fill the output with ends); a grammar that
+    may go on goes on to max_tokens."""
+    p = sample_prompt(rt.tokenize, 20, TEXT)
+    done = rt.complete(tokens=p, max_tokens=30, ignore_eos=True, grammar='root ::= "cat"')
+    assert done.finish_reason == "stop" and done.text == "cat"  # type: ignore[union-attr]
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}},
+              "required": ["ok"], "additionalProperties": False}
+    done = rt.complete(tokens=p, max_tokens=60, ignore_eos=True, json_schema=schema)
+    assert done.finish_reason == "stop"  # type: ignore[union-attr]
+    assert set(json.loads(done.text)) == {"ok"}  # type: ignore[union-attr]
+    more = rt.complete(tokens=p, max_tokens=12, ignore_eos=True, grammar='root ::= [a-z ]+')
+    assert more.finish_reason == "length"  # type: ignore[union-attr]
+    assert len(more.tokens) == 12  # type: ignore[union-attr]
+    assert not any(rt.model.is_eog(t) for t in rt.complete(  # type: ignore[union-attr]
+        tokens=p, max_tokens=30, ignore_eos=True, grammar='root ::= "cat"').tokens)
+
+
 def test_a_lazy_grammar_constrains_from_its_trigger_on(rt: Runtime) -> None:
     p = sample_prompt(rt.tokenize, 20, TEXT)
     free = rt.complete(tokens=p, max_tokens=40)
