@@ -4,7 +4,7 @@
     python tools/bench_agents.py [--model PATH] [--threads 2] [--steps 8] [--rounds 2]
                                  [--requests 4] [--workloads agent,concurrent,json]
                                  [--llama-server PATH | --without-llama-server]
-                                 [--out FILE.json]
+                                 [--gateway-arg ARG ...] [--out FILE.json]
 
 Prints ONE JSON document on stdout (progress on stderr).
 
@@ -368,6 +368,9 @@ def main() -> None:
                              "Hermes-style one with tools (Qwen 2.5's shape) written into a "
                              "copy of the model, so that llama-server can make tool calls "
                              "too and both loops force them")
+    parser.add_argument("--gateway-arg", action="append", default=[],
+                        help="one more argument of the gateway's command line (repeatable), "
+                             "e.g. --gateway-arg=--worker-args=--flash-attn")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     workloads = set(args.workloads.split(","))
@@ -396,7 +399,7 @@ def main() -> None:
     daemon = Daemon(workdir / "data", workdir / "ram", log_dir=workdir)
     gateway = Gateway(workdir / "gateway.log", "--model", f"bench={args.model}",
                       "--workers", "1", "--n-seq-max", str(N_CONCURRENT), "--n-ctx",
-                      str(args.n_ctx), cache=daemon.address, threads=args.threads)
+                      str(args.n_ctx), *args.gateway_arg, cache=daemon.address, threads=args.threads)
     server = None if args.without_llama_server else LlamaServer(
         args.llama_server, args.model, threads=args.threads, n_ctx=args.n_ctx * N_CONCURRENT,
         parallel=N_CONCURRENT, log_path=workdir / "llama-server.log", extra_args=["--jinja"])

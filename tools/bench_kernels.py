@@ -2,13 +2,16 @@
 
     python tools/bench_kernels.py [--model PATH] [--threads 2] [--prompt 512]
                                   [--context 1800] [--suffix 32] [--decode 48] [--rounds 3]
-                                  [--sets deterministic,fast,builtin] [--out FILE.json]
+                                  [--sets deterministic,deterministic+fa,fast,fast+fa,builtin]
+                                  [--out FILE.json]
 
 The sets: ``deterministic`` (the default: llamafile's tinyBLAS for every float product,
 single tokens included; no repacking; tiled K-quant kernels off), ``fast`` (llama.cpp's
 defaults: what llama-server runs) and ``builtin`` (the library llama-cpp-python was built
 with by tools/setup.sh: no llamafile, no repacking; the deterministic choice before the
-sets existed). Each round runs every set in a fresh process (the kernels load once per
+sets existed); a set's name with ``+fa`` runs it with flash attention (llama-server's
+default on CPU; the deterministic set computes it by its vec-only path alone, batch-invariant
+too: tools/patches/ggml-flash-attn-batch-invariant.patch). Each round runs every set in a fresh process (the kernels load once per
 process), in alternating order so a noisy machine weighs on all: a prefill of
 ``--prompt`` tokens in one batch; a context of ``--context`` tokens, then a suffix of
 ``--suffix`` tokens on it (a new user message after a long shared system prompt: what a
@@ -42,10 +45,11 @@ import model_runtime
 from model_runtime import kernels
 from model_runtime.llama_backend import ContextParams, LlamaContext, LlamaModel
 path = sys.argv[1]
-threads, n_prompt, n_context, n_suffix, n_decode = map(int, sys.argv[2:7])
+threads, n_prompt, n_context, n_suffix, n_decode, flash_attn = map(int, sys.argv[2:8])
 n_ctx = max(n_prompt, n_context + n_suffix + n_decode) + 16
 with LlamaModel(path) as model, LlamaContext(model, ContextParams(
-        n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_seq_max=1, n_threads=threads)) as ctx:
+        n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_seq_max=1, n_threads=threads,
+        flash_attn=bool(flash_attn))) as ctx:
     alike = ctx.computes_batches_alike()
     toks = [(7 * i + 11) % (model.n_vocab - 20) + 10 for i in range(n_ctx)]
 
@@ -70,7 +74,11 @@ print(json.dumps({"kernels": kernels.active(), "alike": alike, "prefill_s": prom
 """
 
 
+FLASH_ATTN_SUFFIX = "+fa"
+
+
 def arm_env(name: str) -> dict[str, str]:
+    name = name.removesuffix(FLASH_ATTN_SUFFIX)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("GGML_CPU_TILED") and k not in (kernels.ENV,
                                                               kernels.LIB_PATH_ENV)}
@@ -88,7 +96,8 @@ def arm_env(name: str) -> dict[str, str]:
 def run_arm(name: str, args: argparse.Namespace) -> dict[str, Any]:
     done = subprocess.run([sys.executable, "-c", ARM, str(args.model), str(args.threads),
                            str(args.prompt), str(args.context), str(args.suffix),
-                           str(args.decode)], env=arm_env(name), capture_output=True,
+                           str(args.decode), str(int(name.endswith(FLASH_ATTN_SUFFIX)))],
+                          env=arm_env(name), capture_output=True,
                           text=True, timeout=3600)
     if done.returncode != 0:
         raise SystemExit(f"{name}: {done.stderr[-3000:]}")
@@ -105,7 +114,7 @@ def main() -> int:
     ap.add_argument("--suffix", type=int, default=32)
     ap.add_argument("--decode", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--sets", default="deterministic,fast,builtin")
+    ap.add_argument("--sets", default="deterministic,deterministic+fa,fast,fast+fa,builtin")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     names = args.sets.split(",")
