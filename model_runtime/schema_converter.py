@@ -14,6 +14,10 @@
   of the chain from every property on (cubic: 1,000 optional properties took 5 s, 3,000
   took 150 s), for the same rules.
 
+* An integer's ``minimum``, ``maximum``, ``exclusiveMinimum`` and ``exclusiveMaximum``
+  are kept to (:func:`integer_range`, as llama.cpp's converter does); the port drops them.
+  A type list (``["integer", "null"]``) keeps the schema's other keywords for each type.
+
 Bounds are not checked here: :mod:`.grammar_budget` walks a schema before it is converted.
 The port's ``visit`` and ``_visit_pattern`` run as they are, their module's
 ``_build_repetition`` replaced by :func:`compact_repetition` for this class only (the
@@ -24,11 +28,13 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import types
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["SPACE_RULE", "compact_repetition", "converter_class"]
+__all__ = ["SPACE_RULE", "compact_repetition", "converter_class", "integer_bounds",
+           "integer_range"]
 
 # llama.cpp's rule for whitespace (common/json-schema-to-grammar.cpp, SPACE_RULE).
 SPACE_RULE = '| " " | "\\n"{1,2} [ \\t]{0,20}'
@@ -56,6 +62,97 @@ def compact_repetition(item_rule: str, min_items: int, max_items: int | None,
     return f"({result})?" if min_items == 0 else result
 
 
+# Digits of an integer at most, as the port's integer rule allows (an integral part of 16).
+MAX_DIGITS = 16
+INTEGER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
+    """The least and greatest integer ``schema``'s bounds allow (None: unbounded), from
+    ``minimum``/``maximum`` and ``exclusiveMinimum``/``exclusiveMaximum`` (numbers, or as
+    in draft 4, booleans that make the others exclusive). Raises ValueError for a bound
+    that is not a number."""
+    def number(key: str) -> float | None:
+        value = schema.get(key)
+        if value is None or isinstance(value, bool):
+            return None
+        if not isinstance(value, (int, float)) or value != value:
+            raise ValueError(f"{key} must be a number, got {value!r}")
+        return value
+
+    low, high = number("minimum"), number("maximum")
+    least = None if low is None else math.ceil(low)
+    greatest = None if high is None else math.floor(high)
+    if schema.get("exclusiveMinimum") is True and low is not None:
+        least = math.floor(low) + 1
+    if schema.get("exclusiveMaximum") is True and high is not None:
+        greatest = math.ceil(high) - 1
+    if (low := number("exclusiveMinimum")) is not None:
+        least = max(math.floor(low) + 1, least if least is not None else -math.inf)
+    if (high := number("exclusiveMaximum")) is not None:
+        greatest = min(math.ceil(high) - 1, greatest if greatest is not None else math.inf)
+    return (None if least is None else int(least)), (None if greatest is None else int(greatest))
+
+
+def _same_length(low: str, high: str) -> list[str]:
+    """GBNF alternatives for the digit strings of one length from ``low`` to ``high``."""
+    if not low:
+        return [""]
+    if low == high:
+        return [f'"{low}"']
+    if low[0] == high[0]:
+        return [f'"{low[0]}" ({" | ".join(_same_length(low[1:], high[1:]))})'
+                if len(low) > 1 else f'"{low}"']
+    rest = len(low) - 1
+    out = []
+    first, last = int(low[0]), int(high[0])
+    if rest and low[1:] != "0" * rest:  # the first digit with the rest from low[1:] up
+        out.append(f'"{low[0]}" ({" | ".join(_same_length(low[1:], "9" * rest))})')
+        first += 1
+    if rest and high[1:] != "9" * rest:  # the last digit with the rest up to high[1:]
+        out.append(f'"{high[0]}" ({" | ".join(_same_length("0" * rest, high[1:]))})')
+        last -= 1
+    if first <= last:  # the digits between, with any rest
+        out.append(f"[{first}-{last}]" + (f" [0-9]{{{rest}}}" if rest else ""))
+    return out
+
+
+def _naturals(low: int, high: int | None) -> list[str]:
+    """GBNF alternatives for the numbers from ``low`` >= 0 to ``high`` (None: up to
+    :data:`MAX_DIGITS` digits), written without leading zeros."""
+    out = []
+    top = MAX_DIGITS if high is None else len(str(high))
+    for length in range(len(str(low)), top + 1):
+        start = max(low, 10 ** (length - 1) if length > 1 else 0)
+        end = 10 ** length - 1 if high is None else min(high, 10 ** length - 1)
+        if start > end:
+            continue
+        if high is None and start == 10 ** (length - 1) and length > 1:
+            out.append(f"[1-9] [0-9]{{{length - 1},{MAX_DIGITS - 1}}}")  # and all longer
+            break
+        if start == 10 ** (length - 1) and end == 10 ** length - 1 and length > 1:
+            out.append(f"[1-9] [0-9]{{{length - 1}}}")
+        else:
+            out.extend(_same_length(str(start).zfill(length), str(end)))
+    return out
+
+
+def integer_range(least: int | None, greatest: int | None) -> str:
+    """A GBNF expression for exactly the JSON integers from ``least`` to ``greatest``
+    (None: unbounded, up to :data:`MAX_DIGITS` digits), with no leading zeros and no
+    ``-0``. Raises ValueError when no integer is in the range."""
+    if least is not None and greatest is not None and least > greatest:
+        raise ValueError(f"no integer is at least {least} and at most {greatest}")
+    parts = []
+    if least is None or least < 0:  # the negatives: "-" and their magnitudes
+        low_magnitude = 1 if greatest is None or greatest >= 0 else -greatest
+        high_magnitude = None if least is None else -least
+        parts.append('"-" (' + " | ".join(_naturals(low_magnitude, high_magnitude)) + ")")
+    if greatest is None or greatest >= 0:
+        parts.extend(_naturals(max(least or 0, 0), greatest))
+    return "(" + " | ".join(parts) + ")"
+
+
 @functools.cache
 def converter_class() -> type:
     """The converter class (made once, at first use: importing llama_cpp loads the
@@ -71,12 +168,30 @@ def converter_class() -> type:
         return fn
 
     class LeanConverter(port.SchemaConverter):  # type: ignore[misc,name-defined]
-        visit = rebound(port.SchemaConverter.visit)
         _visit_pattern = rebound(port.SchemaConverter._visit_pattern)
 
         def __init__(self, **options: Any) -> None:
             super().__init__(**options)
             self._rules["space"] = SPACE_RULE
+
+        def visit(self, schema: dict[str, Any], name: str) -> str:
+            """The port's ``visit``, but for an integer with bounds (kept to) and a type
+            list (each type with the schema's other keywords)."""
+            kind = schema.get("type")
+            rule_name = name + "-" if name in port.RESERVED_NAMES else name or "root"
+            if isinstance(kind, list) and not any(k in schema for k in (
+                    "$ref", "oneOf", "anyOf", "const", "enum")):
+                return str(self._add_rule(rule_name, self._generate_union_rule(
+                    name, [{**schema, "type": t} for t in kind])))
+            if kind == "integer" and any(k in schema for k in INTEGER_BOUNDS) and not any(
+                    k in schema for k in ("$ref", "oneOf", "anyOf", "const", "enum")):
+                least, greatest = integer_bounds(schema)
+                if least is not None or greatest is not None:
+                    return str(self._add_rule(
+                        rule_name, f"{integer_range(least, greatest)} space"))
+            return str(LeanConverter._port_visit(self, schema, name))
+
+        _port_visit = rebound(port.SchemaConverter.visit)
 
         def _build_object_rule(self, properties: list[tuple[str, Any]], required: set[str],
                                name: str, additional_properties: Any) -> str:

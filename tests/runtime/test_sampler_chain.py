@@ -44,7 +44,7 @@ SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer"},
+        "age": {"type": "integer", "minimum": 0, "exclusiveMaximum": 130},
         "ok": {"type": "boolean"},
         "kind": {"enum": ["cat", "dog", "hat"]},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
@@ -59,7 +59,7 @@ SCHEMA: dict[str, Any] = {
 
 def conforms(value: Any, schema: dict[str, Any]) -> bool:
     """Enough of JSON Schema for SCHEMA: types, enums, required, additionalProperties,
-    maxLength, maxItems."""
+    maxLength, maxItems, an integer's minimum and exclusiveMaximum."""
     if "enum" in schema:
         return value in schema["enum"]
     kind = schema.get("type")
@@ -75,7 +75,9 @@ def conforms(value: Any, schema: dict[str, Any]) -> bool:
     if kind == "string":
         return isinstance(value, str) and len(value) <= schema.get("maxLength", math.inf)
     if kind == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
+        return (isinstance(value, int) and not isinstance(value, bool)
+                and schema.get("minimum", -math.inf) <= value
+                < schema.get("exclusiveMaximum", math.inf))
     if kind == "number":
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if kind == "boolean":

@@ -10,6 +10,7 @@ hang on or misuse (``{2,1}`` loops forever in llama.cpp; those are not compiled 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from model_runtime.grammar import (
 from model_runtime.llama_backend import LlamaError, LlamaModel, SamplerChain, grammar_refusal
 from model_runtime.llama_backend.grammars import KEPT
 from model_runtime.sampling import Sampling
+from model_runtime.schema_converter import integer_range
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +182,46 @@ def test_a_schema_s_grammar_lets_json_be_written_indented_as_llama_cpp_s_does(
     assert allowed('{\n\n\t"id" : 1 , "where": {"x": 2}}')
     assert not allowed('{\n\n\n"id": 1')  # three newlines
     assert not allowed('{' + ' ' * 22 + '"id": 1')  # an indent of more than 20
+
+
+@pytest.mark.parametrize("least, greatest", [
+    (lo, hi) for lo in (None, -1000, -101, -100, -20, -9, -1, 0, 1, 9, 10, 99, 100, 347, 1000)
+    for hi in (None, -100, -99, -10, -1, 0, 7, 9, 10, 19, 100, 101, 999, 12345)
+    if lo is None or hi is None or lo <= hi])
+def test_an_integer_range_is_exactly_the_integers_between_its_bounds(
+        least: int | None, greatest: int | None) -> None:
+    """Every integer from -1,500 to 1,500 (and a few of 15 and 16 digits) matches the
+    range's expression where it lies between the bounds and nowhere else; no leading
+    zeros, no -0. (Digits, "-", classes and counts only: read as a regular expression.)"""
+    pattern = re.compile(integer_range(least, greatest).replace('"', "").replace(" ", ""))
+    for n in [*range(-1500, 1501), 10**15, -(10**15), 9 * 10**15, 10**16]:
+        inside = (least is None or n >= least) and (greatest is None or n <= greatest)
+        assert bool(pattern.fullmatch(str(n))) == (inside and n < 10**16), n
+    assert not any(pattern.fullmatch(text) for text in ("-0", "01", "-01", "007", ""))
+
+
+def test_an_integer_s_bounds_are_kept_to_by_the_grammar_llama_cpp_runs(
+        model: LlamaModel) -> None:
+    """minimum, maximum and their exclusive forms (numbers, or draft 4's booleans), in a
+    type list too; bounds no integer meets, or that are not numbers, are refused."""
+    def allows(schema: dict[str, object], text: str) -> bool:
+        tokens = model.tokenize(text, add_special=False, parse_special=False)
+        with SamplerChain(model, Sampling(), grammar=json_schema_grammar(schema)) as chain:
+            return chain.grammar_run(tokens) == len(tokens)
+
+    n = {"type": "integer", "minimum": 3, "exclusiveMaximum": 42}
+    assert all(allows(n, f"{v} ") for v in (3, 17, 41))
+    assert not any(allows(n, f"{v} ") for v in (2, 42, 100, -5, 0))
+    nullable = {"type": ["integer", "null"], "minimum": -2.5, "maximum": 8}
+    assert allows(nullable, "null ") and allows(nullable, "-2 ") and allows(nullable, "8 ")
+    assert not allows(nullable, "-3 ") and not allows(nullable, "9 ")
+    optional = {"anyOf": [{"type": "integer", "exclusiveMinimum": True, "minimum": 0},
+                          {"type": "null"}]}
+    assert allows(optional, "1 ") and not allows(optional, "0 ")
+    with pytest.raises(GrammarError, match="no integer is at least 5 and at most 4"):
+        json_schema_grammar({"type": "integer", "minimum": 5, "maximum": 4.5})
+    with pytest.raises(GrammarError, match="minimum must be a number"):
+        json_schema_grammar({"type": "integer", "minimum": "1"})
 
 
 @pytest.mark.parametrize("schema, message", [
