@@ -2,6 +2,7 @@
 
     python tools/bench_kernels.py [--model PATH] [--threads 2] [--prompt 512]
                                   [--context 1800] [--suffix 32] [--decode 48] [--rounds 3]
+                                  [--streams 4]
                                   [--sets deterministic,deterministic+fa,fast,fast+fa,builtin]
                                   [--out FILE.json]
 
@@ -15,7 +16,9 @@ too: tools/patches/ggml-flash-attn-batch-invariant.patch). Each round runs every
 process), in alternating order so a noisy machine weighs on all: a prefill of
 ``--prompt`` tokens in one batch; a context of ``--context`` tokens, then a suffix of
 ``--suffix`` tokens on it (a new user message after a long shared system prompt: what a
-live or restored prefix hit prefills) and ``--decode`` single-token decodes (median ms).
+live or restored prefix hit prefills) and ``--decode`` single-token decodes (median ms),
+then as many steps of ``--streams`` sequences on that context, a token each (what
+concurrent clients decode; median ms a step).
 Also whether llama.cpp's start-up check finds a token computed alike alone and in a
 batch. Reports the medians per set and each set's ratios to the deterministic one. JSON
 on stdout. SmolLM2 (Q4_1) shows llamafile's effect on attention; a K-quant model (e.g.
@@ -45,10 +48,10 @@ import model_runtime
 from model_runtime import kernels
 from model_runtime.llama_backend import ContextParams, LlamaContext, LlamaModel
 path = sys.argv[1]
-threads, n_prompt, n_context, n_suffix, n_decode, flash_attn = map(int, sys.argv[2:8])
-n_ctx = max(n_prompt, n_context + n_suffix + n_decode) + 16
+threads, n_prompt, n_context, n_suffix, n_decode, flash_attn, streams = map(int, sys.argv[2:9])
+n_ctx = max(n_prompt, n_context + n_suffix + 2 * n_decode) + 16
 with LlamaModel(path) as model, LlamaContext(model, ContextParams(
-        n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_seq_max=1, n_threads=threads,
+        n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_seq_max=streams, n_threads=threads,
         flash_attn=bool(flash_attn))) as ctx:
     alike = ctx.computes_batches_alike()
     toks = [(7 * i + 11) % (model.n_vocab - 20) + 10 for i in range(n_ctx)]
@@ -69,8 +72,17 @@ with LlamaModel(path) as model, LlamaContext(model, ContextParams(
         t = time.perf_counter()
         ctx.decode([toks[i]], [i], [0], [True])
         steps.append((time.perf_counter() - t) * 1e3)
+    for seq in range(1, streams):  # the same context in every stream, a token each a step
+        ctx.seq_copy(0, seq)
+    together = []
+    start = n_context + n_suffix + n_decode
+    for i in range(start, start + n_decode if streams > 1 else start):
+        t = time.perf_counter()
+        ctx.decode([toks[i]] * streams, [i] * streams, list(range(streams)), [True] * streams)
+        together.append((time.perf_counter() - t) * 1e3)
 print(json.dumps({"kernels": kernels.active(), "alike": alike, "prefill_s": prompt_s,
-                  "suffix_ms": suffix_ms, "decode_ms": statistics.median(steps)}))
+                  "suffix_ms": suffix_ms, "decode_ms": statistics.median(steps),
+                  "streams_decode_ms": statistics.median(together) if together else 0.0}))
 """
 
 
@@ -96,7 +108,8 @@ def arm_env(name: str) -> dict[str, str]:
 def run_arm(name: str, args: argparse.Namespace) -> dict[str, Any]:
     done = subprocess.run([sys.executable, "-c", ARM, str(args.model), str(args.threads),
                            str(args.prompt), str(args.context), str(args.suffix),
-                           str(args.decode), str(int(name.endswith(FLASH_ATTN_SUFFIX)))],
+                           str(args.decode), str(int(name.endswith(FLASH_ATTN_SUFFIX))),
+                           str(args.streams)],
                           env=arm_env(name), capture_output=True,
                           text=True, timeout=3600)
     if done.returncode != 0:
@@ -114,6 +127,7 @@ def main() -> int:
     ap.add_argument("--suffix", type=int, default=32)
     ap.add_argument("--decode", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--sets", default="deterministic,deterministic+fa,fast,fast+fa,builtin")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -126,17 +140,17 @@ def main() -> int:
     sets = {name: {"loaded": rows[0]["kernels"],
                    "batch_invariant_check": all(r["alike"] for r in rows),
                    **{k: round(statistics.median(r[k] for r in rows), 3)
-                      for k in ("prefill_s", "suffix_ms", "decode_ms")}}
+                      for k in ("prefill_s", "suffix_ms", "decode_ms", "streams_decode_ms")}}
             for name, rows in runs.items()}
     base = sets.get(kernels.DETERMINISTIC)
     ratios = {name: {f"{k}_over_deterministic": round(s[k] / base[k], 3)
-                     for k in ("prefill_s", "suffix_ms", "decode_ms")}
+                     for k in ("prefill_s", "suffix_ms", "decode_ms", "streams_decode_ms")}
               for name, s in sets.items() if base is not None and name != kernels.DETERMINISTIC}
     emit_json({"benchmark": "kernels", "command": "python tools/bench_kernels.py " +
                " ".join(sys.argv[1:]), "model": os.path.basename(args.model),
                "threads": args.threads, "prompt_tokens": args.prompt,
                "context_tokens": args.context, "suffix_tokens": args.suffix,
-               "decoded_tokens": args.decode, "rounds": args.rounds,
+               "decoded_tokens": args.decode, "streams": args.streams, "rounds": args.rounds,
                "machine": machine_info(), "sets": sets, "ratios": ratios}, args.out)
     return 0
 
