@@ -80,18 +80,19 @@ def integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
             raise ValueError(f"{key} must be a number, got {value!r}")
         return value
 
-    low, high = number("minimum"), number("maximum")
-    least = None if low is None else math.ceil(low)
-    greatest = None if high is None else math.floor(high)
-    if schema.get("exclusiveMinimum") is True and low is not None:
-        least = math.floor(low) + 1
-    if schema.get("exclusiveMaximum") is True and high is not None:
-        greatest = math.ceil(high) - 1
+    lows: list[int] = []  # the least integer each lower bound allows
+    highs: list[int] = []
+    if (low := number("minimum")) is not None:
+        lows.append(math.floor(low) + 1 if schema.get("exclusiveMinimum") is True
+                    else math.ceil(low))
+    if (high := number("maximum")) is not None:
+        highs.append(math.ceil(high) - 1 if schema.get("exclusiveMaximum") is True
+                     else math.floor(high))
     if (low := number("exclusiveMinimum")) is not None:
-        least = max(math.floor(low) + 1, least if least is not None else -math.inf)
+        lows.append(math.floor(low) + 1)
     if (high := number("exclusiveMaximum")) is not None:
-        greatest = min(math.ceil(high) - 1, greatest if greatest is not None else math.inf)
-    return (None if least is None else int(least)), (None if greatest is None else int(greatest))
+        highs.append(math.ceil(high) - 1)
+    return max(lows, default=None), min(highs, default=None)
 
 
 def _same_length(low: str, high: str) -> list[str]:
