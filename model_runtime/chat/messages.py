@@ -5,6 +5,7 @@ tool definition or a tool result answering no call is refused with the place nam
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -130,8 +131,10 @@ def check_tools(tools: Sequence[Tool]) -> None:
 
 
 def check_tool_results(messages: Sequence[ChatMessage]) -> dict[str, ToolCall]:
-    """Every tool message answers a call an earlier assistant message made (by id).
-    Returns the calls by id."""
+    """Every tool message answers a call an earlier assistant message made (by id), and
+    every call an assistant message makes is answered by the tool messages right after
+    it (OpenAI's rule, and Anthropic's: the model would otherwise go on from a call it
+    never saw answered). Returns the calls by id."""
     calls: dict[str, ToolCall] = {}
     for i, message in enumerate(messages):
         for call in message.tool_calls:
@@ -144,4 +147,15 @@ def check_tool_results(messages: Sequence[ChatMessage]) -> dict[str, ToolCall]:
                 raise ChatInputError(f"messages[{i}].tool_call_id", f"No earlier assistant "
                                      f"message has a tool call with id "
                                      f"{message.tool_call_id!r}.")
+    for i, message in enumerate(messages):
+        if not message.tool_calls:
+            continue
+        answered = {m.tool_call_id for m in itertools.takewhile(
+            lambda m: m.role == "tool", messages[i + 1:])}
+        missing = [call.id for call in message.tool_calls if call.id not in answered]
+        if missing:
+            raise ChatInputError(f"messages[{i}].role", "An assistant message with "
+                                 "'tool_calls' must be followed by tool messages responding "
+                                 "to each 'tool_call_id'. The following tool_call_ids did "
+                                 "not have response messages: " + ", ".join(missing))
     return calls

@@ -184,6 +184,20 @@ def test_completions_logprobs_as_an_integer(gw: GatewayProcess) -> None:
 # --------------------------------------------------------------------------- refusals
 
 
+def test_a_call_left_unanswered_is_one_clear_400(gw: GatewayProcess) -> None:
+    """As OpenAI's API: the tool messages right after an assistant's calls answer each of
+    them (a model shown a call it never saw answered would go on from it)."""
+    call = {"id": "call_9", "type": "function",
+            "function": {"name": "track_parcel", "arguments": "{}"}}
+    body = {"model": "hermes", "tools": TOOLS, "messages": [
+        *ask("Where is parcel 9?"),
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "user", "content": "And parcel 10?"}]}
+    message = refused(gw, body, "messages[2].role")
+    assert message.endswith("did not have response messages: call_9")
+    still_serves(gw, "hermes")
+
+
 def test_a_tool_result_for_an_unknown_call_is_one_clear_400(gw: GatewayProcess) -> None:
     body = {"model": "hermes", "tools": TOOLS, "messages": [
         *ask("Where is parcel 9?"),

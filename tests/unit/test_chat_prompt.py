@@ -18,6 +18,10 @@ NOOP = Tool("noop")
 SYSTEM = ChatMessage("system", "You are the terse assistant of a weather desk.")
 
 
+CALL_A = ToolCall("a", "get_weather", '{"city": "Paris"}')
+CALL_B = ToolCall("b", "get_weather", '{"city": "Oslo"}')
+
+
 def ask(question: str) -> list[ChatMessage]:
     return [SYSTEM, ChatMessage("user", question)]
 
@@ -145,6 +149,16 @@ def test_each_tool_choice_gets_its_constraint() -> None:
      "messages[1].tool_call_id"),
     (ChatRequest([ChatMessage("user", "q"), ChatMessage("tool", "r")]),
      "messages[1].tool_call_id"),
+    # A call no tool message right after it answers (OpenAI's and Anthropic's rule).
+    (ChatRequest([ChatMessage("user", "q"), ChatMessage("assistant", "", (CALL_A,)),
+                  ChatMessage("user", "and?")]), "messages[1].role"),
+    (ChatRequest([ChatMessage("user", "q"), ChatMessage("assistant", "", (CALL_A, CALL_B)),
+                  ChatMessage("tool", "r", tool_call_id="a")]), "messages[1].role"),
+    (ChatRequest([ChatMessage("user", "q"), ChatMessage("assistant", "", (CALL_A,))]),
+     "messages[1].role"),
+    (ChatRequest([ChatMessage("user", "q"), ChatMessage("assistant", "", (CALL_A,)),
+                  ChatMessage("user", "x"), ChatMessage("tool", "r", tool_call_id="a")]),
+     "messages[1].role"),
     (ChatRequest(ask("q"), tool_choice=ToolChoice("required")), "tool_choice"),
     (ChatRequest(ask("q"), tools=[WEATHER], tool_choice=ToolChoice("function", "other")),
      "tool_choice"),
@@ -155,6 +169,20 @@ def test_bad_combinations_name_their_place(request_: ChatRequest, param: str) ->
     with pytest.raises(ChatInputError) as err:
         plan_chat(*template("hermes"), request_)
     assert err.value.param == param
+
+
+def test_a_call_must_be_answered_right_after_it_in_any_order() -> None:
+    asked = [ChatMessage("user", "q"), ChatMessage("assistant", "", (CALL_A, CALL_B))]
+    with pytest.raises(ChatInputError) as err:
+        plan_chat(*template("hermes"), ChatRequest(
+            [*asked, ChatMessage("tool", "ra", tool_call_id="a")]))
+    assert err.value.message == (  # OpenAI's words
+        "An assistant message with 'tool_calls' must be followed by tool messages "
+        "responding to each 'tool_call_id'. The following tool_call_ids did not have "
+        "response messages: b")
+    answered = [*asked, ChatMessage("tool", "rb", tool_call_id="b"),
+                ChatMessage("tool", "ra", tool_call_id="a"), ChatMessage("user", "thanks")]
+    assert "thanks" in plan_chat(*template("hermes"), ChatRequest(answered)).text
 
 
 def test_a_rendering_stops_once_its_caller_is_gone() -> None:
