@@ -120,16 +120,16 @@ def _same_length(low: str, high: str) -> list[str]:
 
 def _naturals(low: int, high: int | None) -> list[str]:
     """GBNF alternatives for the numbers from ``low`` >= 0 to ``high`` (None: up to
-    :data:`MAX_DIGITS` digits), written without leading zeros."""
+    :data:`MAX_DIGITS` digits, or ``low``'s), written without leading zeros."""
     out = []
-    top = MAX_DIGITS if high is None else len(str(high))
+    top = max(MAX_DIGITS, len(str(low))) if high is None else len(str(high))
     for length in range(len(str(low)), top + 1):
         start = max(low, 10 ** (length - 1) if length > 1 else 0)
         end = 10 ** length - 1 if high is None else min(high, 10 ** length - 1)
         if start > end:
             continue
         if high is None and start == 10 ** (length - 1) and length > 1:
-            out.append(f"[1-9] [0-9]{{{length - 1},{MAX_DIGITS - 1}}}")  # and all longer
+            out.append(f"[1-9] [0-9]{{{length - 1},{top - 1}}}")  # and all longer
             break
         if start == 10 ** (length - 1) and end == 10 ** length - 1 and length > 1:
             out.append(f"[1-9] [0-9]{{{length - 1}}}")

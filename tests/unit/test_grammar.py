@@ -200,6 +200,16 @@ def test_an_integer_range_is_exactly_the_integers_between_its_bounds(
     assert not any(pattern.fullmatch(text) for text in ("-0", "01", "-01", "007", ""))
 
 
+def test_an_integer_range_beyond_sixteen_digits_is_still_one() -> None:
+    for least, greatest in ((10**17, None), (None, -(10**17)), (3, 10**20), (10**17 + 5,
+                                                                         10**17 + 5)):
+        pattern = re.compile(integer_range(least, greatest).replace('"', "").replace(" ", ""))
+        for n in (least, greatest):
+            if n is not None:
+                assert pattern.fullmatch(str(n)) and not pattern.fullmatch(str(n + (
+                    -1 if n == least else 1)))
+
+
 def test_an_integer_s_bounds_are_kept_to_by_the_grammar_llama_cpp_runs(
         model: LlamaModel) -> None:
     """minimum, maximum and their exclusive forms (numbers, or draft 4's booleans), in a
