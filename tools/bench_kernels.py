@@ -11,9 +11,10 @@ single tokens included; no repacking; tiled K-quant kernels off), ``fast`` (llam
 defaults: what llama-server runs) and ``builtin`` (the library llama-cpp-python was built
 with by tools/setup.sh: no llamafile, no repacking; the deterministic choice before the
 sets existed); a set's name with ``+fa`` runs it with flash attention (llama-server's
-default on CPU; the deterministic set computes it by its vec-only path alone, batch-invariant
-too: tools/patches/ggml-flash-attn-batch-invariant.patch). Each round runs every set in a fresh process (the kernels load once per
-process), in alternating order so a noisy machine weighs on all: a prefill of
+default on CPU; the deterministic set computes it by its vec-only path alone,
+batch-invariant too: tools/patches/ggml-flash-attn-batch-invariant.patch). Each round
+runs every set in a fresh process (the kernels load once per process), in alternating
+order so a noisy machine weighs on all: a prefill of
 ``--prompt`` tokens in one batch; a context of ``--context`` tokens, then a suffix of
 ``--suffix`` tokens on it (a new user message after a long shared system prompt: what a
 live or restored prefix hit prefills) and ``--decode`` single-token decodes (median ms),
@@ -144,7 +145,8 @@ def main() -> int:
             for name, rows in runs.items()}
     base = sets.get(kernels.DETERMINISTIC)
     ratios = {name: {f"{k}_over_deterministic": round(s[k] / base[k], 3)
-                     for k in ("prefill_s", "suffix_ms", "decode_ms", "streams_decode_ms")}
+                     for k in ("prefill_s", "suffix_ms", "decode_ms", "streams_decode_ms")
+                     if base[k]}  # (no step of several streams with --streams 1)
               for name, s in sets.items() if base is not None and name != kernels.DETERMINISTIC}
     emit_json({"benchmark": "kernels", "command": "python tools/bench_kernels.py " +
                " ".join(sys.argv[1:]), "model": os.path.basename(args.model),
