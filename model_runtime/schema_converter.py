@@ -65,6 +65,8 @@ def compact_repetition(item_rule: str, min_items: int, max_items: int | None,
 # Digits of an integer at most, as the port's integer rule allows (an integral part of 16).
 MAX_DIGITS = 16
 INTEGER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# Keywords the port's visit reads before a schema's type (bounds beside them are theirs).
+DECIDED_BEFORE_TYPE = ("$ref", "oneOf", "anyOf", "const", "enum")
 
 
 def integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
@@ -180,12 +182,14 @@ def converter_class() -> type:
             list (each type with the schema's other keywords)."""
             kind = schema.get("type")
             rule_name = name + "-" if name in port.RESERVED_NAMES else name or "root"
-            if isinstance(kind, list) and not any(k in schema for k in (
-                    "$ref", "oneOf", "anyOf", "const", "enum")):
+            # (in the port's order: a reference or a union, then a type list, then a
+            # constant or an enum, then the type)
+            if not any(k in schema for k in ("$ref", "oneOf", "anyOf")) and isinstance(
+                    kind, list):
                 return str(self._add_rule(rule_name, self._generate_union_rule(
                     name, [{**schema, "type": t} for t in kind])))
-            if kind == "integer" and any(k in schema for k in INTEGER_BOUNDS) and not any(
-                    k in schema for k in ("$ref", "oneOf", "anyOf", "const", "enum")):
+            if not any(k in schema for k in DECIDED_BEFORE_TYPE) and kind == "integer" and any(
+                    k in schema for k in INTEGER_BOUNDS):
                 least, greatest = integer_bounds(schema)
                 if least is not None or greatest is not None:
                     return str(self._add_rule(

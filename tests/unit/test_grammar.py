@@ -213,7 +213,8 @@ def test_an_integer_range_beyond_sixteen_digits_is_still_one() -> None:
 def test_an_integer_s_bounds_are_kept_to_by_the_grammar_llama_cpp_runs(
         model: LlamaModel) -> None:
     """minimum, maximum and their exclusive forms (numbers, or draft 4's booleans), in a
-    type list too; bounds no integer meets, or that are not numbers, are refused."""
+    type list too (which keeps an enum as well); bounds no integer meets, or that are not
+    numbers, are refused."""
     def allows(schema: dict[str, object], text: str) -> bool:
         tokens = model.tokenize(text, add_special=False, parse_special=False)
         with SamplerChain(model, Sampling(), grammar=json_schema_grammar(schema)) as chain:
@@ -225,6 +226,8 @@ def test_an_integer_s_bounds_are_kept_to_by_the_grammar_llama_cpp_runs(
     nullable = {"type": ["integer", "null"], "minimum": -2.5, "maximum": 8}
     assert allows(nullable, "null ") and allows(nullable, "-2 ") and allows(nullable, "8 ")
     assert not allows(nullable, "-3 ") and not allows(nullable, "9 ")
+    either = {"type": ["string", "null"], "enum": ["ab", None]}  # (the port dropped it)
+    assert allows(either, '"ab"') and allows(either, "null") and not allows(either, '"b"')
     optional = {"anyOf": [{"type": "integer", "exclusiveMinimum": True, "minimum": 0},
                           {"type": "null"}]}
     assert allows(optional, "1 ") and not allows(optional, "0 ")
