@@ -187,6 +187,9 @@ def test_forced_tool_use_and_tool_result_round_trip(gw: Gateway) -> None:
             *question, {"role": "user", "content": [
                 {"type": "tool_result", "tool_use_id": "toolu_unknown", "content": "x"}]}])
     assert err.value.body["error"]["type"] == "invalid_request_error"
+    assert err.value.body["error"]["message"].startswith(
+        "messages.1.content.0: unexpected `tool_use_id` found in `tool_result` blocks: "
+        "toolu_unknown.")
 
 
 def cached_system(text: str, ttl: str | None = None) -> list[dict[str, Any]]:
@@ -508,6 +511,52 @@ def test_breakpoints_are_the_ends_of_their_messages() -> None:
     assert proto.prefix_chars == 0
     assert list(proto.boundary_chars) == [system_end, user_end]
     assert list(proto.boundary_ttl_seconds) == [300, 3600]
+
+
+def test_tool_use_and_tool_result_pair_up_as_anthropic_requires() -> None:
+    """Each tool_use is answered in the next (user) turn and each tool_result answers a
+    tool_use of the turn before it; otherwise one 400 in Anthropic's own words, naming
+    its message (Anthropic's index, not the chat's)."""
+    def refusal(messages: list[dict[str, Any]]) -> str:
+        with pytest.raises(ApiError) as err:
+            parse_messages_request({"model": "m", "max_tokens": 8, "tools": [WEATHER],
+                                    "messages": messages}, {})
+        status, body = error_body(err.value)
+        assert status == 400 and body["error"]["type"] == "invalid_request_error"
+        return str(body["error"]["message"])
+
+    ask = user("Oslo and Rome?")
+    calls = {"role": "assistant", "content": [
+        {"type": "text", "text": "Looking."},
+        *({"type": "tool_use", "id": f"toolu_{city}", "name": "get_weather",
+           "input": {"city": city}} for city in ("oslo", "rome"))]}
+
+    def results(*ids: str) -> dict[str, Any]:
+        return {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": i, "content": "Rain."} for i in ids]}
+
+    assert refusal([*ask, calls, *user("And Paris?")]) == (
+        "messages.1: `tool_use` ids were found without `tool_result` blocks immediately "
+        "after: toolu_oslo, toolu_rome. Each `tool_use` block must have a corresponding "
+        "`tool_result` block in the next message.")
+    assert refusal([*ask, calls, results("toolu_rome")]).startswith(
+        "messages.1: `tool_use` ids were found without `tool_result` blocks immediately "
+        "after: toolu_oslo.")
+    assert refusal([*ask, calls, results("toolu_oslo", "toolu_rome", "toolu_paris")]) == (
+        "messages.2.content.2: unexpected `tool_use_id` found in `tool_result` blocks: "
+        "toolu_paris. Each `tool_result` block must have a corresponding `tool_use` block "
+        "in the previous message.")
+    # An answer to a call two turns back is no answer: the previous turn's calls only.
+    answered = [*ask, calls, results("toolu_oslo", "toolu_rome"),
+                {"role": "assistant", "content": "Rain in both."}]
+    assert refusal([*answered, results("toolu_oslo")]).startswith(
+        "messages.4.content.0: unexpected `tool_use_id`")
+    assert refusal([results("toolu_oslo")]).startswith("messages.0.content.0: unexpected")
+    chat = parse_messages_request({"model": "m", "max_tokens": 8, "tools": [WEATHER],
+                                   "messages": [*answered, *user("Thanks.")]}, {}).request.chat
+    assert chat is not None
+    assert [m.role for m in chat.messages] == ["user", "assistant", "tool", "tool",
+                                               "assistant", "user"]
 
 
 @pytest.mark.slow

@@ -278,6 +278,40 @@ def _messages(value: Any, marks: _Breakpoints, out: list[ChatMessage]) -> None:
         raise invalid(f"messages.{len(value) - 1}.role", "The last message must be the "
                       "user's: continuing a partial assistant turn (prefill) is not "
                       "supported by this server.")
+    _check_tool_pairs(value)
+
+
+def _block_ids(turn: Mapping[str, Any], kind: str, key: str) -> list[tuple[int, Any]]:
+    """Where each block of ``kind`` sits in a turn (checked already), and its ``key``."""
+    content = turn["content"]
+    return [(j, block[key]) for j, block in enumerate(content)
+            if block["type"] == kind] if isinstance(content, list) else []
+
+
+def _check_tool_pairs(turns: list[Mapping[str, Any]]) -> None:
+    """Anthropic's rule, refused in its words: the user turn right after an assistant's
+    ``tool_use`` blocks answers each of them with a ``tool_result``, and a ``tool_result``
+    answers a ``tool_use`` of the turn right before it (the model would otherwise go on
+    from a call it never saw answered, or see an answer to nothing)."""
+    for i, turn in enumerate(turns):
+        if turn["role"] == "assistant":
+            used = [call for _, call in _block_ids(turn, "tool_use", "id")]
+            answered = {result for _, result in
+                        _block_ids(turns[i + 1], "tool_result", "tool_use_id")}
+            missing = [call for call in used if call not in answered]
+            if missing:
+                raise invalid(f"messages.{i}", "`tool_use` ids were found without "
+                              "`tool_result` blocks immediately after: " + ", ".join(missing)
+                              + ". Each `tool_use` block must have a corresponding "
+                              "`tool_result` block in the next message.")
+            continue
+        asked = {call for _, call in _block_ids(turns[i - 1], "tool_use", "id")} if i else set()
+        for j, result in _block_ids(turn, "tool_result", "tool_use_id"):
+            if result not in asked:
+                raise invalid(f"messages.{i}.content.{j}", "unexpected `tool_use_id` found "
+                              f"in `tool_result` blocks: {result}. Each `tool_result` block "
+                              "must have a corresponding `tool_use` block in the previous "
+                              "message.")
 
 
 def _tools(value: Any, marks: _Breakpoints) -> tuple[list[Tool], list[tuple[Any, str]]]:
