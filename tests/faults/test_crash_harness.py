@@ -33,10 +33,20 @@ from tests.support.entries import BLOCK, IDENT, DaemonFactory, counters, leftove
 # -- the harness ----------------------------------------------------------------------------
 
 
+def run_and_remove(settings: Settings) -> dict[str, object]:
+    """The harness's run. One that was not ok keeps its folders for inspection (in /tmp
+    and /dev/shm); a test run removes them, leaving nothing behind. For a look, run the
+    harness with the failure's seed and ``--keep``."""
+    result = run(settings)
+    if "kept" in result:
+        subprocess.run(str(result["remove_with"]), shell=True, check=False)
+    return result
+
+
 def assert_nothing_lost(result: dict[str, object], seed: int, kills: int) -> None:
     summary = json.dumps({k: v for k, v in result.items() if k != "problems"})
     problems = "\n".join(result["problems"])  # type: ignore[arg-type]
-    where = f"seed {seed}; kept: {result.get('remove_with')}\n{summary}\n{problems}"
+    where = f"seed {seed} (folders removed: see run_and_remove)\n{summary}\n{problems}"
     assert result["kills"] >= kills and result["kills_under_load"] >= kills, where
     # Some restarted daemons were killed again while they checked index and files.
     assert result["kills_during_recovery"] > 0, where
@@ -64,7 +74,8 @@ def test_a_hundred_kills_lose_nothing() -> None:
     safety net for a very slow machine (the run takes ~2 minutes on 2 shared cores): the
     assertions are about what survived, not how fast."""
     seed = random.randrange(1 << 31)
-    assert_nothing_lost(run(Settings(kills=100, seconds=900.0, seed=seed)), seed, 100)
+    assert_nothing_lost(run_and_remove(Settings(kills=100, seconds=900.0, seed=seed)), seed,
+                        100)
 
 
 @pytest.mark.slow
@@ -74,7 +85,8 @@ def test_a_thousand_kills_lose_nothing_and_bring_nothing_back() -> None:
     """The campaign: 1,000 SIGKILLs, the kill phase bounded so that the run fits CI's
     90-minute budget. Only when asked (``pytest --campaign``): it takes tens of minutes."""
     seed = random.randrange(1 << 31)
-    result = run(Settings(kills=CAMPAIGN_KILLS, seconds=CAMPAIGN_SECONDS, seed=seed))
+    result = run_and_remove(Settings(kills=CAMPAIGN_KILLS, seconds=CAMPAIGN_SECONDS,
+                                     seed=seed))
     assert_nothing_lost(result, seed, CAMPAIGN_KILLS)
 
 
@@ -87,9 +99,9 @@ def test_kills_in_the_checks_and_the_reclaimers_passes_of_a_full_large_index() -
     are evicted; no pinned one goes, no read returns other bytes, nothing pruned or
     deleted comes back."""
     seed = random.randrange(1 << 31)
-    result = run(Settings(kills=6, seconds=600.0, seed=seed, prefill=5_000,
-                          recovery_kill_p=1.0, reclaim_kill_p=1.0))
-    where = f"seed {seed}: {json.dumps(result)}"
+    result = run_and_remove(Settings(kills=6, seconds=600.0, seed=seed, prefill=5_000,
+                                     recovery_kill_p=1.0, reclaim_kill_p=1.0))
+    where = f"seed {seed} (folders removed: see run_and_remove): {json.dumps(result)}"
     assert result["kills_during_recovery"] > 0 and result["kills_during_reclaim"] > 0, where
     prefill = result["prefill"]
     assert isinstance(prefill, dict) and prefill["pinned"] == 50, where
