@@ -5,7 +5,9 @@
 #   bash tools/build_kernels.sh        # idempotent; tools/setup.sh runs it
 #
 #   deterministic  llamafile's tinyBLAS for every float product, single tokens included
-#                  (tools/patches/ggml-llamafile-batch-invariant.patch), flash attention
+#                  (tools/patches/ggml-llamafile-batch-invariant.patch; a single token's
+#                  products dealt to the threads without a shared counter or barriers:
+#                  tools/patches/ggml-llamafile-single-column.patch), flash attention
 #                  by its vec-only path alone (tools/patches/ggml-flash-attn-batch-invariant.patch),
 #                  no weight repacking: a token is computed alike alone or anywhere in a
 #                  batch, so warm equals cold; the default.
@@ -23,7 +25,8 @@ VENV=${VENV:-.venv}
 PYTHON="$VENV/bin/python"
 JOBS=${JOBS:-2}
 PATCHES=("$PWD/tools/patches/ggml-llamafile-batch-invariant.patch"
-         "$PWD/tools/patches/ggml-flash-attn-batch-invariant.patch")
+         "$PWD/tools/patches/ggml-flash-attn-batch-invariant.patch"
+         "$PWD/tools/patches/ggml-llamafile-single-column.patch")
 DEST="$VENV/kvcache-kernels"
 
 VERSION=$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))')

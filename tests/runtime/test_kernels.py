@@ -71,6 +71,44 @@ with Runtime(path, cache_address=None, config=RuntimeConfig(
 """
 
 
+# A token's scores after 300 cells with two threads: decoded alone (single-column
+# products, whose row tiles the deterministic set deals to the threads in turn), in a
+# batch (tiles shared through a counter), and beside another sequence's token in one step
+# (a single column per KV stream).
+SPLIT_BETWEEN_THREADS = """
+import json, sys
+import numpy as np
+from model_runtime import kernels
+from model_runtime.llama_backend import ContextParams, LlamaContext, LlamaModel
+path, n = sys.argv[1], 300
+with LlamaModel(path) as model:
+    toks = [(5 * i + 3) % (model.n_vocab - 20) + 10 for i in range(n)]
+    with LlamaContext(model, ContextParams(n_ctx=1024, n_batch=512, n_ubatch=512,
+                                           n_seq_max=2, n_threads=2)) as ctx:
+        def last_scores(cut):
+            ctx.clear()
+            for a, b in ((0, cut), (cut, n)):
+                ctx.decode(toks[a:b], list(range(a, b)), [0] * (b - a),
+                           [False] * (b - a - 1) + [True])
+            return ctx.logits(b - a - 1)
+
+        def side_by_side():
+            ctx.clear()
+            for seq in (0, 1):
+                ctx.decode(toks[:n - 1], list(range(n - 1)), [seq] * (n - 1),
+                           [False] * (n - 1))
+            ctx.decode([toks[n - 1]] * 2, [n - 1] * 2, [0, 1], [True, True])
+            return ctx.logits(0), ctx.logits(1)
+
+        whole = last_scores(n // 2)
+        alone = last_scores(n - 1)
+        step = side_by_side()
+        print(json.dumps({"kernels": kernels.active(),
+                          "alone": bool(np.array_equal(whole, alone)),
+                          "beside": all(bool(np.array_equal(whole, s)) for s in step)}))
+"""
+
+
 def report(model: Path, script: str = REPORT, **env: str) -> dict[str, object]:
     environ = {k: v for k, v in os.environ.items()
                if k not in (kernels.ENV, kernels.LIB_PATH_ENV)}
@@ -124,6 +162,16 @@ def test_flash_attention_is_computed_alike_alone_and_in_a_batch_by_the_determini
                      **{kernels.LIB_PATH_ENV: str(Path(spec.origin).parent / "lib")})
     assert builtin["alike"] is False and builtin["batch_invariant"] is False
     assert builtin["flash_attn"] == "true" and builtin["variant_options"] == ["FLASH_ATTN"]
+
+
+def test_the_deterministic_set_deals_a_single_token_s_products_to_two_threads_alike(
+        tiny_model: Path, sets_built: None) -> None:
+    """With two threads a token decoded alone, or beside another sequence's token, gets
+    the scores it gets in a batch (tools/patches/ggml-llamafile-single-column.patch: a
+    single column's row tiles go to the threads in turn, each element summed as in a
+    batch)."""
+    got = report(tiny_model, SPLIT_BETWEEN_THREADS)
+    assert got == {"kernels": "deterministic", "alone": True, "beside": True}
 
 
 def test_a_fast_set_not_built_is_a_clear_error(tiny_model: Path, tmp_path: Path) -> None:
