@@ -9,9 +9,11 @@ with its own ``libggml-cpu``:
 ``deterministic`` (the default)
     llamafile's tinyBLAS for every float product, single tokens included (a one-line
     patch: llama.cpp leaves products of one token to ggml's vec_dot, which sums in another
-    order), and no weight repacking or tiled K-quant kernels. A token is computed bit for
-    bit alike alone or anywhere in a batch: every reuse of KV continues exactly as a cold
-    prefill would (README, "Warm equals cold").
+    order; a second deals a single token's row tiles to the threads in turn, without
+    tinyBLAS's shared counter and barriers, which cost such small products more than
+    their sums), and no weight repacking or tiled K-quant kernels. A token is computed
+    bit for bit alike alone or anywhere in a batch: every reuse of KV continues exactly
+    as a cold prefill would (README, "Warm equals cold").
 ``fast``
     llama.cpp's defaults, as llama-server runs them: llamafile as shipped, weight
     repacking and tiled K-quant kernels. A reused state may continue otherwise than a
