@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchlib import Daemon, emit_json, log, machine_info, summarize
+from benchlib import Daemon, at_least_one, emit_json, log, machine_info, summarize
 from harness.make_tiny_gguf import HERMES_TEMPLATE
 from harness.procs import Gateway, short_workdir
 from harness.system_prompt import build_system_prompt
@@ -356,9 +356,9 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None, help="GGUF (default: SmolLM2)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--n-ctx", type=int, default=4096, help="per sequence")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--requests", type=int, default=4, help="per client and round")
+    parser.add_argument("--steps", type=at_least_one, default=8)
+    parser.add_argument("--rounds", type=at_least_one, default=2)
+    parser.add_argument("--requests", type=at_least_one, default=4, help="per client and round")
     parser.add_argument("--workloads", default="agent,concurrent,json")
     parser.add_argument("--llama-server", type=Path, default=DEFAULT_BINARY)
     parser.add_argument("--without-llama-server", action="store_true",

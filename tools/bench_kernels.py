@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchlib import emit_json, log, machine_info
+from benchlib import at_least_one, emit_json, log, machine_info
 
 from model_runtime import kernels
 from model_runtime.runtime import default_model_path
@@ -127,7 +127,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1800)
     ap.add_argument("--suffix", type=int, default=32)
     ap.add_argument("--decode", type=int, default=48)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=at_least_one, default=3)
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--sets", default="deterministic,deterministic+fa,fast,fast+fa,builtin")
     ap.add_argument("--out", type=Path, default=None)

@@ -6,6 +6,7 @@ Kept free of any import from tests/ (tools must run without the test suite).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import ctypes.util
@@ -36,6 +37,18 @@ def log(message: str, name: str = "bench") -> None:
 
 
 # -- timing and statistics -------------------------------------------------------------------
+
+
+def at_least_one(text: str) -> int:
+    """An argparse type: a count of rounds, requests or steps, which a median needs one of
+    (zero left a benchmark to fail at its end, with nothing to take the median of)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: at least 1")
+    return value
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
