@@ -1,13 +1,19 @@
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from harness.procs import Daemon
 
+from kvcache.config import ENV_DIR
 from tests.support import leftovers
 from tests.support.daemon_proc import started_daemons
+
+_CACHE_HOME = pytest.StashKey[str]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -28,12 +34,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
+    """The run's own kvcache directory: runtimes memoize model fingerprints in it (by
+    default ~/.cache/kvcache, which a run then created and left behind); every process the
+    suite starts inherits it."""
+    session.stash[_CACHE_HOME] = tempfile.mkdtemp(prefix="kvxdg-")
+    os.environ["XDG_CACHE_HOME"] = session.stash[_CACHE_HOME]
+    os.environ.pop(ENV_DIR, None)
     leftovers.record(session)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """A RAM-tier folder or a process the run left behind fails it (see
     tests/support/leftovers.py)."""
+    shutil.rmtree(session.stash[_CACHE_HOME], ignore_errors=True)
     leftovers.check(session)
 
 
