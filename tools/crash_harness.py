@@ -60,8 +60,9 @@ five are killed again while their background check runs. A kill counts in
 ``kills_during_reclaim`` when the reclaimer began a pass or evicted within 0.5 s before it
 and the tier was still above its low watermark (where a pass ends). The oldest prefilled
 entries (1%, at most 200) are pinned. The ledger then takes evictions: an unpinned entry
-may go (``evicted``, decided after a restart, once no reclaimer pass runs), a pinned one
-never (``lost``); a read still never returns other bytes, and a pruned or deleted entry
+may go (``evicted``, decided after a restart, once no reclaimer pass runs, or
+``evicted_after_listing`` when a pass began during the checks), a pinned one never
+(``lost``); a read still never returns other bytes, and a pruned or deleted entry
 never comes back. A sample of the prefilled entries is loaded after each restart; Verify
 covers all of them at the end.
 """
@@ -98,6 +99,7 @@ from harness.crash_workload import (
 from harness.procs import Daemon
 
 from kvcache.client import CacheClient, CacheError
+from kvcache.store import NO_SUCH_ENTRY
 from kvcache.v1 import kvcache_pb2 as pb
 
 # The campaign (--campaign, and tests/faults/test_crash_harness.py with --campaign): 1,000 kills;
@@ -169,6 +171,7 @@ class CrashHarness:
         self.daemon_counters: Counter[str] = Counter()
         self.quarantined_seen = 0
         self.verified_state: dict[bytes, tuple[int, bool]] = {}
+        self.moves_at_listing = (0, 0)  # the reclaimer's passes and evictions then
         self.check_seconds = 0.0
         # The checker's clients live across restarts: closing a connected gRPC channel
         # takes ~200 ms, and a channel whose daemon died just reconnects on its next call.
@@ -383,6 +386,7 @@ class CrashHarness:
         the look begins: a disagreement is looked at again, up to three times, once no
         pass has been seen for a while; what still disagrees is reported."""
         for attempt in range(3):
+            self.moves_at_listing = large.reclaimer_moves(self.fast.stats())
             listed = {e.key: e for e in self.fast.list_entries()}
             found = index_against_files(self.data_dir, self.ram_dir, listed)
             if not found or not self.ledger.evictable or attempt == 2:
@@ -411,11 +415,28 @@ class CrashHarness:
         results = list(self.fast.verify(wanted, timeout=600.0)) if wanted else []
         ledger.count("verified_entries", len(results))
         for r in results:
-            if not r.ok:
+            if not r.ok and not (r.error == NO_SUCH_ENTRY
+                                 and self.evicted_since_listing(r.key, listed[r.key].pinned)):
                 ledger.problem("unverified", f"{r.key.hex()}: {r.error}")
         if {r.key for r in results} != set(wanted):
             ledger.problem("index_file_mismatches", "Verify and List saw other entries")
         self.verified_state = state
+
+    def evicted_since_listing(self, key: bytes, pinned: bool) -> bool:
+        """An unpinned entry that was listed and is no longer indexed, in a full tier whose
+        reclaimer has begun a pass or evicted since the listing (a pass may start whenever
+        the tier is over its watermark): evicted, not lost, and no longer expected."""
+        if not self.ledger.evictable or pinned or (
+                large.reclaimer_moves(self.fast.stats()) == self.moves_at_listing):
+            return False
+        if [r.error for r in self.fast.verify([key])] != [NO_SUCH_ENTRY]:
+            return False  # still indexed: whatever failed, it was not an eviction
+        self.ledger.count("evicted_after_listing")
+        with self.ledger.lock:
+            acknowledged = key in self.ledger.acked
+        if acknowledged:
+            self.ledger.evicted(key)
+        return True
 
     def recovered(self, client: CacheClient) -> pb.StatsResponse:
         """Stats once the daemon's check after a kill (kvcache.store.recovery: it serves
@@ -436,6 +457,8 @@ class CrashHarness:
     def full_check(self, client: CacheClient, key: bytes, tokens: list[int]) -> bool:
         hit = client.lookup(KEPT, tokens)
         if hit is None or hit.key != key or hit.matched_tokens != len(tokens):
+            if self.evicted_since_listing(key, self.ledger.pin_state.get(key) is True):
+                return False
             self.ledger.lose(key, f"lookup after restart {self.restarts} answered {hit}")
             return False
         try:
@@ -590,6 +613,8 @@ class CrashHarness:
             # Unpinned acknowledged entries the full tier gave up (--prefill only).
             "evicted_acknowledged": n["evicted_acknowledged"],
             "evicted_entries_missed_in_run": n["evicted_entries_missed_in_run"],
+            # Listed after a restart, then gone in a pass begun during the checks.
+            "evicted_after_listing": n["evicted_after_listing"],
             # Looks at index and files taken again: a reclaimer pass was still under way.
             "file_looks_repeated": n["file_looks_repeated"],
             "prefill": {"entries": self.settings.prefill, "pinned": len(self.prefill_pinned),
