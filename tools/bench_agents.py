@@ -31,7 +31,9 @@ Prints ONE JSON document on stdout (progress on stderr).
   arm, one client, ``--requests`` x ``--rounds`` requests each, alternating. Tokens per
   second of decoding (completion tokens after the first / time from first to last chunk);
   ratios constrained / unconstrained per arm, and kvcache / llama-server constrained;
-  also each request's whole time (median), blind to how a server groups tokens in chunks.
+  also each request's whole time (median), blind to how a server groups tokens in chunks,
+  and the constrained request not streamed (``whole``: as instructor and most SDK calls
+  send it), its time to the whole answer.
 
 llama-server comes from ``tools/build_llama_server.sh`` (the llama.cpp vendored in the
 llama-cpp-python sdist); without it the benchmark says so and stops, unless
@@ -156,6 +158,16 @@ class Arm:
                 "message": message}
 
 
+    def whole(self, messages: list[dict[str, Any]], max_tokens: int,
+              **extra: Any) -> dict[str, Any]:
+        """One request not streamed: its time to the whole answer, and its tokens."""
+        start = time.perf_counter()
+        reply = self.client.chat.completions.create(
+            model=self.model, messages=messages, max_tokens=max_tokens, temperature=0, **extra)
+        return {"total_s": time.perf_counter() - start,
+                "completion_tokens": reply.usage.completion_tokens if reply.usage else 0}
+
+
 def agent_loop(arm: Arm, steps: int, force: bool,
                transcript: list[list[dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
     """The loop; each step's messages are appended to ``transcript`` when given."""
@@ -276,9 +288,9 @@ def json_runs(arms: list[Arm], requests: int, rounds: int) -> dict[str, Any]:
     rates: dict[str, dict[str, list[float]]] = {
         arm.name: {"free": [], "schema": []} for arm in arms}
     tokens: dict[str, dict[str, list[int]]] = {
-        arm.name: {"free": [], "schema": []} for arm in arms}
+        arm.name: {"free": [], "schema": [], "whole": []} for arm in arms}
     totals: dict[str, dict[str, list[float]]] = {
-        arm.name: {"free": [], "schema": []} for arm in arms}
+        arm.name: {"free": [], "schema": [], "whole": []} for arm in arms}
     for round_no in range(rounds):
         for arm in (arms if round_no % 2 == 0 else arms[::-1]):
             log(f"json: round {round_no + 1}, {arm.name}")
@@ -294,6 +306,9 @@ def json_runs(arms: list[Arm], requests: int, rounds: int) -> dict[str, Any]:
                         rates[arm.name][kind].append(rate)
                     tokens[arm.name][kind].append(got["completion_tokens"])
                     totals[arm.name][kind].append(got["total_s"])
+                got = arm.whole(messages, JSON_TOKENS, response_format=schema)
+                tokens[arm.name]["whole"].append(got["completion_tokens"])
+                totals[arm.name]["whole"].append(got["total_s"])
     doc: dict[str, Any] = {}
     for name, by_kind in rates.items():
         free = statistics.median(by_kind["free"]) if by_kind["free"] else None
@@ -307,7 +322,10 @@ def json_runs(arms: list[Arm], requests: int, rounds: int) -> dict[str, Any]:
                      "request_ms_median_free": round(statistics.median(
                          totals[name]["free"]) * 1e3, 1),
                      "request_ms_median_schema": round(statistics.median(
-                         totals[name]["schema"]) * 1e3, 1)}
+                         totals[name]["schema"]) * 1e3, 1),
+                     "completion_tokens_whole": tokens[name]["whole"],
+                     "request_ms_median_whole": round(statistics.median(
+                         totals[name]["whole"]) * 1e3, 1)}
     ours, theirs = doc.get("kvcache"), doc.get("llama-server")
     doc["ratios"] = None if not theirs or not ours or not theirs["tokens_per_s_schema"] \
         or not ours["tokens_per_s_schema"] else {
@@ -316,7 +334,10 @@ def json_runs(arms: list[Arm], requests: int, rounds: int) -> dict[str, Any]:
         # The whole request (prompt, 96 tokens, answer): blind to how a server groups
         # tokens into chunks, which a rate between first and last chunk is not.
         "schema_request_time": round(ours["request_ms_median_schema"] /
-                                     theirs["request_ms_median_schema"], 3)}
+                                     theirs["request_ms_median_schema"], 3),
+        # Not streamed: the time to the whole answer.
+        "whole_request_time": round(ours["request_ms_median_whole"] /
+                                    theirs["request_ms_median_whole"], 3)}
     return doc
 
 
