@@ -177,6 +177,11 @@ class CompletionRequest:
     ``tenant``: the cache namespace's salt for this request (None: the runtime's
     ``config.tenant``). Tenants never share anything: not a saved state, not a live
     sequence, not a session.
+
+    ``whole``: the caller reads the answer whole, not as it is generated (the gateway's
+    requests without ``stream``): the text pieces come with the final record, in one
+    step, instead of one by one (their reader, and its process, wake once, not once a
+    token beside llama.cpp's threads). The events and the answer are the same.
     """
 
     input: Input
@@ -188,6 +193,7 @@ class CompletionRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     speculation: Speculation = field(default_factory=Speculation)
+    whole: bool = False
 
     @classmethod
     def of(cls, **fields: Any) -> CompletionRequest:

@@ -101,6 +101,10 @@ class RuntimeConfig:
     # request's cache answer (a lookup takes ~2 ms) so the request starts in that batch,
     # not one batch later (model_thread.py).
     resolve_wait_ms: int = 4
+    # After a step, the model thread waits this long at most for the readers that keep up
+    # to send the tokens it gave them, before the next step (Engine._hand_off): sent
+    # during it, they would take a core from llama.cpp's threads. 0: no wait.
+    hand_off_ms: float = 1.0
     cache_timeout_s: float = 2.0  # a cache call slower than this is given up (cold)
     max_pending_saves: int = 8  # saves queued for the sender beyond this are dropped
     # A save waits this long for another writer's save of a longer shared prefix to be
@@ -131,6 +135,7 @@ class RuntimeConfig:
             check_int(name, getattr(self, name), 0)
         check_number("shutdown_deadline_s", self.shutdown_deadline_s, 0)
         check_number("cache_timeout_s", self.cache_timeout_s, 0, above=True)
+        check_number("hand_off_ms", self.hand_off_ms, 0)
         check_number("cache_check_interval_s", self.cache_check_interval_s, 0, above=True)
         check_choice("type_k", self.type_k, set(KV_CACHE_TYPES))
         check_choice("type_v", self.type_v, set(KV_CACHE_TYPES))

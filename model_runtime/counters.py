@@ -43,6 +43,8 @@ COUNTERS: dict[str, str] = {
                                "queued saves that serve more of the prompt than the "
                                "daemon's answer or a live sequence "
                                "(session_resume_wait_ms)",
+    "hand_offs_cut_short": "Steps that began before every reader keeping up had sent the "
+                           "token it was given (hand_off_ms)",
     "lookups_awaited": "Cache answers the model thread held the running requests' next "
                        "batch for, so the new request started in it (resolve_wait_ms)",
     **{f"restores_{kind}": f"States restored into a sequence for {kind} hits"

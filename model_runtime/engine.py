@@ -59,6 +59,7 @@ from .request import (
     Call,
     Cancel,
     Completion,
+    EventQueue,
     Message,
     Phase,
     Request,
@@ -69,12 +70,13 @@ from .request import (
     Shutdown,
     Submit,
     TokenEvent,
+    WholeAnswerEvents,
 )
 from .resolver import Resolver
 from .sampling import SamplingParams
 from .save_points import SavePoints
 from .saver import Saver
-from .scheduler import Admission, Reuse, Row, Scheduler
+from .scheduler import Admission, BatchPlan, Reuse, Row, Scheduler
 from .speculation import OFF, StepCost
 from .speculator import Candidate, Speculator
 
@@ -154,10 +156,12 @@ class Engine:
                parent_key: bytes = b"", boundary: int = 0,
                boundaries: tuple[tuple[int, int], ...] = (), n: int = 1,
                tenant: str | None = None, received: float = 0.0,
-               speculative: bool | None = None, prediction: Sequence[int] = ()) -> Request:
+               speculative: bool | None = None, prediction: Sequence[int] = (),
+               whole: bool = False) -> Request:
         """Queue a request of ``n`` choices under ``tenant`` (None: the runtime's).
         ``received``: when its caller got it (perf_counter), for its timeline.
-        ``speculative`` and ``prediction``: see Speculator.for_request."""
+        ``speculative`` and ``prediction``: see Speculator.for_request. ``whole``: its
+        caller reads the answer whole (its text comes with its end: WholeAnswerEvents)."""
         if not tokens:
             raise RequestError("invalid_argument", "empty prompt")
         if len(tokens) + 1 > self.ctx.n_ctx:
@@ -179,7 +183,8 @@ class Engine:
                       boundary if 0 < boundary < len(tokens) else 0,
                       boundaries=tuple((at, ttl) for at, ttl in boundaries
                                        if 0 < at < len(tokens)), n=n, tenant=tenant,
-                      spec=self.speculator.for_request(tokens, speculative, prediction))
+                      spec=self.speculator.for_request(tokens, speculative, prediction),
+                      events=WholeAnswerEvents() if whole else EventQueue())
         req.timings.received = received
         # Checked and queued under the lock close() takes to set _stopping: a request is
         # either refused here or queued before the shutdown message (which answers it).
@@ -261,6 +266,9 @@ class EngineCore:
         # of each token sampled from its scores to its reader (TokenEvent.decoded_ns).
         self._decoded_ns = 0
         self.ticks = 0  # batches run
+        # This step's tokens given to readers that were waiting for them, with the mark
+        # each reader comes back past once it has sent its token (_hand_off).
+        self._handed: list[tuple[EventQueue, int]] = []
 
     def handle(self, msg: Message) -> None:
         match msg:
@@ -418,6 +426,12 @@ class EngineCore:
         plan = self.scheduler.plan(self.config.prefill_chunk, self._drafts())
         if plan is None:
             return
+        try:
+            self._step(plan)
+        finally:
+            self._hand_off()
+
+    def _step(self, plan: BatchPlan) -> None:
         self.ticks += 1
         t0 = time.perf_counter()
         try:
@@ -447,6 +461,24 @@ class EngineCore:
             self.save_points.after_prefill(req)
             if prompt_done:
                 self._first_token(req)
+
+    def _hand_off(self) -> None:
+        """Before the next step, let the readers that keep up send the tokens this step
+        gave them, up to ``hand_off_ms``: waiting here releases the GIL, which a reader
+        (a gRPC stream's thread) needs to send; otherwise it gets the GIL only when the
+        next step enters llama_decode, and takes a core from llama.cpp's threads in the
+        middle of it, where both wait for the slower at every barrier
+        (tools/bench_threads_wait.py --gateway). A reader that is behind is not waited
+        for."""
+        handed, self._handed = self._handed, []
+        wait = self.config.hand_off_ms / 1000
+        if not handed or wait <= 0:
+            return
+        deadline = time.perf_counter() + wait
+        for events, mark in handed:
+            if not events.wait_taken(mark, deadline - time.perf_counter()):
+                self.count("hand_offs_cut_short")
+                return
 
     def _drafts(self) -> dict[Request, tuple[int, ...]]:
         """What each decoding request that speculates drafts this tick (see
@@ -540,8 +572,10 @@ class EngineCore:
             req.spec.emitted(token)
         text, stopped = req.stream.add(self.model.token_to_piece(
             token, render_special=req.sampling.special_tokens))
-        req.events.put(TokenEvent(token, text, logprob, choice=req.choice,
-                                  decoded_ns=self._decoded_ns))
+        mark = req.events.put_watched(TokenEvent(token, text, logprob, choice=req.choice,
+                                                 decoded_ns=self._decoded_ns))
+        if mark is not None:
+            self._handed.append((req.events, mark))
         if stopped:
             self._finish(req, "stop")
             return False

@@ -132,6 +132,79 @@ class TokenEvent:
     decoded_ns: int = 0
 
 
+class EventQueue(queue.Queue[Any]):
+    """A request's events, from the model thread to their reader, who says when it comes
+    back for more: the model thread can then wait, between two steps, for a reader that
+    keeps up to have sent the token it was just given (Engine's hand-off), rather than
+    have it send while llama.cpp's threads need both cores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._readers_waiting = 0
+        self._comebacks = 0  # blocking gets begun so far
+        self._came_back = threading.Condition(self.mutex)
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        if not block:
+            return super().get(block, timeout)
+        with self.mutex:
+            self._readers_waiting += 1
+            self._comebacks += 1
+            self._came_back.notify_all()
+        try:
+            return super().get(block, timeout)
+        finally:
+            with self.mutex:
+                self._readers_waiting -= 1
+
+    def reader_waiting(self) -> bool:
+        """Whether a reader waits for events now."""
+        return self._readers_waiting > 0
+
+    def put_watched(self, item: Any) -> int | None:
+        """Put ``item``; when its reader was waiting for events (keeping up: it takes all
+        that is there when it wakes), the mark that :meth:`wait_taken` waits past."""
+        with self.mutex:
+            keeping_up = self.reader_waiting()
+            mark = self._comebacks
+        self.put(item)
+        return mark if keeping_up else None
+
+    def wait_taken(self, mark: int, timeout: float) -> bool:
+        """Wait until the reader has taken everything put and come back for more since
+        ``mark``, up to ``timeout`` seconds (the GIL released meanwhile)."""
+        with self.mutex:
+            return self._came_back.wait_for(
+                lambda: self._comebacks > mark and not self._qsize(), max(0.0, timeout))
+
+
+class WholeAnswerEvents(EventQueue):
+    """The events of a request whose caller reads its answer whole (it streams nothing to
+    anyone: the gateway's requests without ``stream``). Its text pieces are held and
+    queued with the final record or error that ends it, in their order, at once: the
+    caller and the process serving it wake once, not once a token, beside llama.cpp's
+    threads. Only the model thread puts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._held: list[TokenEvent] = []
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        if isinstance(item, TokenEvent):
+            self._held.append(item)
+            return
+        items, self._held = [*self._held, item], []
+        with self.not_full:  # (unbounded: never waits) one wake-up for all of them
+            for event in items:
+                self._put(event)
+            self.unfinished_tasks += len(items)
+            self.not_empty.notify()
+
+    def put_watched(self, item: Any) -> int | None:
+        self.put(item)
+        return None  # nothing to hand off before the end
+
+
 @dataclass
 class CacheUse:
     """What the cache gave a request and what was saved of it."""
@@ -231,7 +304,7 @@ class Request:
     pending: int = -1  # sampled, not yet decoded
     cache: CacheUse = field(default_factory=CacheUse)
     timings: Timings = field(default_factory=Timings)
-    events: queue.Queue[Any] = field(default_factory=queue.Queue)
+    events: EventQueue = field(default_factory=EventQueue)
     stream: TextStream = field(init=False)
     # Its llama.cpp sampler chain: made when it gets a sequence, closed when it ends.
     sampler: RequestSampler | None = None

@@ -385,7 +385,8 @@ class Runtime:
         return self.engine.submit(toks, sampling, session_id=hints.session_id,
                                   parent_key=parent, boundary=boundary, boundaries=boundaries,
                                   n=request.n, tenant=tenant, received=received,
-                                  speculative=speculative, prediction=predicted)
+                                  speculative=speculative, prediction=predicted,
+                                  whole=request.whole)
 
     def _continue(self, parent: bytes, given: Input, prefix_tokens: int, prefix_chars: int,
                   tenant: str | None, cancelled: Callable[[], bool] | None

@@ -153,7 +153,8 @@ def request_from_message(request: pb.CompleteRequest) -> CompletionRequest:
         input_from_message(request), sampling, constraints, cache,
         tenant=optional.get("tenant"), n=request.n or 1, logprobs=request.logprobs,
         top_logprobs=request.top_logprobs,
-        speculation=Speculation(optional.get("speculative"), request.prediction))
+        speculation=Speculation(optional.get("speculative"), request.prediction),
+        whole=request.whole)
 
 
 def refuse(context: Any, exc: RequestError | ValueError) -> NoReturn:

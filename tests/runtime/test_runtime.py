@@ -939,6 +939,72 @@ def test_a_reader_that_fell_behind_takes_what_is_ready_in_one_batch(plain: Runti
     assert texts(flat) == texts(late[0]) and isinstance(late[0][-1], Completion)
 
 
+def test_a_request_read_whole_gets_its_text_with_its_end_in_one_batch(plain: Runtime) -> None:
+    """``whole`` (the gateway's requests without stream): read while it runs, the prompt's
+    record, then one batch of every piece and the final record (one message, one
+    wake-up); the same pieces and answer as when streamed. Cut short (cancelled), the
+    text generated so far still comes, before its record."""
+    tokens = plain.tokenize("The quick brown fox jumps over the lazy dog. " * 3)
+    ask = dict(tokens=tokens, max_tokens=12, ignore_eos=True)
+    streamed = [e for batch in plain.event_batches(plain.submit(CompletionRequest.of(**ask)))
+                for e in batch]
+    batches = list(plain.event_batches(plain.submit(CompletionRequest.of(**ask, whole=True))))
+    assert len(batches) == 2 and not isinstance(batches[0][0], TokenEvent), batches
+    whole = batches[1]
+    assert isinstance(whole[-1], Completion) and whole[-1].finish_reason == "length"
+    assert [(e.token, e.text) for e in whole[:-1]] == [
+        (e.token, e.text) for e in streamed if isinstance(e, TokenEvent)]
+    assert whole[-1].text == streamed[-1].text and len(whole[-1].tokens) == 12
+
+    req = plain.submit(CompletionRequest.of(tokens=tokens, max_tokens=400, ignore_eos=True,
+                                            whole=True))
+    wait_for(lambda: len(req.generated) >= 3, "three tokens generated", timeout=60)
+    plain.cancel(req)
+    cut = [e for batch in plain.event_batches(req) for e in batch][1:]
+    end = cut[-1]
+    assert isinstance(end, Completion) and end.finish_reason == "cancelled"
+    assert "".join(e.text for e in cut[:-1] if isinstance(e, TokenEvent)) == end.text
+    assert len(end.tokens) >= 3
+
+
+def test_a_step_waits_for_a_reader_that_keeps_up_to_send_its_token(
+        make_runtime: Callable[..., Runtime]) -> None:
+    """hand_off_ms: after a step, the model thread waits for each reader that was waiting
+    for its token to come back for more (it has sent it) before the next step, so every
+    token after the first was decoded after its reader came back from the one before; a
+    reader slower than hand_off_ms is waited for that long, no more (counted)."""
+    rt = make_runtime(cache=None, hand_off_ms=60_000.0)
+    tokens: list[tuple[int, int]] = []  # (decoded, its reader came back) a token
+    # (a prompt of five chunks: the reader waits before the first token comes)
+    for batch in rt.event_batches(rt.submit(CompletionRequest.of(
+            tokens=prompt(rt, 600), max_tokens=8, ignore_eos=True))):
+        decoded = [e.decoded_ns for e in batch if isinstance(e, TokenEvent) and e.token >= 0]
+        assert len(decoded) <= 1, batch  # kept up: one token a batch
+        if decoded:
+            time.sleep(0.02)  # sending it
+        tokens += [(ns, time.monotonic_ns()) for ns in decoded]
+    assert len(tokens) == 8 and rt.stats()["hand_offs_cut_short"] == 0
+    assert all(tokens[i + 1][0] > tokens[i][1] for i in range(7)), tokens
+
+    brief = make_runtime(cache=None, hand_off_ms=1.0)
+    for batch in brief.event_batches(brief.submit(CompletionRequest.of(
+            tokens=prompt(brief, 600), max_tokens=4, ignore_eos=True))):
+        if any(isinstance(e, TokenEvent) for e in batch):
+            time.sleep(0.05)
+    assert brief.stats()["hand_offs_cut_short"] >= 1
+
+
+def test_a_reader_that_is_behind_is_not_waited_for(
+        make_runtime: Callable[..., Runtime]) -> None:
+    """A request nobody reads while it runs (its reader comes for the events at the end)
+    is not waited for at all, however long hand_off_ms: it finishes on its own."""
+    rt = make_runtime(cache=None, hand_off_ms=600_000.0)
+    req = rt.submit(CompletionRequest.of(tokens=prompt(rt, 30), max_tokens=16,
+                                         ignore_eos=True))
+    wait_for(lambda: req.phase.value == "done", "the unread request finished", timeout=120)
+    assert rt.stats()["hand_offs_cut_short"] == 0
+
+
 def test_a_new_request_s_cache_answer_is_waited_for_before_the_next_batch(
         make_runtime: Callable[..., Runtime]) -> None:
     """While a request decodes, a new one's cache lookup (on a resolver thread) is waited

@@ -136,6 +136,19 @@ def test_complete_streams_text_pieces_then_the_final_record(
     assert again.cache_tier == "live"
 
 
+def test_a_request_read_whole_gets_its_text_in_one_message_before_the_final_record(
+        stub: pb_grpc.ModelRuntimeStub, tokenize: Callable[[str], list[int]]) -> None:
+    """``whole``: the prompt's record, one message of all the text, the final record;
+    the same text as streamed."""
+    tokens = sample_prompt(tokenize, 70)
+    ask = dict(tokens=tokens, max_tokens=10, ignore_eos=True)
+    streamed = list(stub.Complete(request(**ask), timeout=60))
+    whole = list(stub.Complete(request(**ask, whole=True), timeout=60))
+    assert [e.WhichOneof("event") for e in whole] == ["prompt", "text", "done"], whole
+    assert whole[1].text == whole[2].done.text == streamed[-1].done.text
+    assert list(whole[2].done.tokens) == list(streamed[-1].done.tokens)
+
+
 def test_the_prompt_is_told_once_before_the_first_token(
         stack: tuple[DaemonProcess, RuntimeProcess], stub: pb_grpc.ModelRuntimeStub,
         tokenize: Callable[[str], list[int]]) -> None:

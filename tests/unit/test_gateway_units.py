@@ -66,6 +66,7 @@ def test_chat_defaults_follow_openai() -> None:
     proto = req.to_proto()
     assert proto.max_tokens == 0 and proto.until_context_full  # no limit given
     assert not proto.HasField("seed")
+    assert proto.whole  # not streamed: the runtime sends the text with the end
 
 
 def test_chat_fields_are_mapped() -> None:
@@ -81,6 +82,7 @@ def test_chat_fields_are_mapped() -> None:
     assert req.max_tokens == 7 and req.seed == 3 and req.stop == ["END"]
     proto = req.to_proto()  # a limit given: it must fit with the prompt, or be refused
     assert proto.max_tokens == 7 and not proto.until_context_full
+    assert not proto.whole  # streamed: each piece as it comes
     assert call.include_usage and req.session_id == "from-header"
     assert req.chat is not None
     assert [(m.role, m.content) for m in req.chat.messages] == [

@@ -67,7 +67,8 @@ class GenRequest:
             until_context_full=self.max_tokens is None, temperature=self.temperature,
             top_p=self.top_p, top_k=self.top_k, stop=self.stop, logprobs=self.logprobs,
             top_logprobs=self.top_logprobs, keep_stop=self.keep_stop,
-            ignore_eos=self.ignore_eos, special_tokens=self.special_tokens)
+            ignore_eos=self.ignore_eos, special_tokens=self.special_tokens,
+            whole=not self.stream)  # nothing to stream: the text comes with the end
         if self.seed is not None:
             req.seed = self.seed
         sampler: dict[str, Any] = {
