@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchlib import at_least_one, emit_json, log, machine_info
+from benchlib import at_least, at_least_one, emit_json, log, machine_info
 from harness.procs import Gateway
 from llama_server_arm import DEFAULT_BINARY, LlamaServer
 
@@ -143,7 +143,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=default_model_path())
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--tokens", type=at_least(2), default=64,
+                    help="tokens a request generates (a time a token needs two)")
     ap.add_argument("--rounds", type=at_least_one, default=3)
     ap.add_argument("--loads", default="0,2")
     ap.add_argument("--llama-server", type=Path, default=DEFAULT_BINARY)

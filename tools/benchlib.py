@@ -39,16 +39,22 @@ def log(message: str, name: str = "bench") -> None:
 # -- timing and statistics -------------------------------------------------------------------
 
 
-def at_least_one(text: str) -> int:
-    """An argparse type: a count of rounds, requests or steps, which a median needs one of
-    (zero left a benchmark to fail at its end, with nothing to take the median of)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: at least 1")
-    return value
+def at_least(least: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least ``least``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value}: at least {least}")
+        return value
+    return parse
+
+
+# A count of rounds, requests or steps, which a median needs one of (zero left a benchmark
+# to fail at its end, with nothing to take the median of).
+at_least_one = at_least(1)
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
