@@ -110,11 +110,8 @@ def runtime_options(f: Any) -> Any:
                           "--model to verify."),
         click.option("--draft-max", type=int, default=_DEFAULTS.draft_max, show_default=True,
                      help="Drafted tokens verified at most per request and step."),
-        click.option("--hand-off-ms", type=float, default=_DEFAULTS.hand_off_ms,
-                     show_default=True,
-                     help="After each step, wait up to this long for the streams that keep "
-                          "up to send the tokens it gave them, before the next step (0: "
-                          "no wait)."),
+        click.option("--hand-off-ms", type=float, default=_DEFAULTS.hand_off_ms, show_default=True,
+                     help="After a step, wait up to this for streams to send its tokens (0: off)."),
         click.option("--kernels", type=click.Choice(kernels.CHOICES), default=None,
                      expose_value=False, is_eager=True, callback=_choose_llama_cpu,
                      help=f"llama.cpp's CPU kernels: deterministic (warm equals cold) or "

@@ -102,7 +102,7 @@ class RuntimeConfig:
     # not one batch later (model_thread.py).
     resolve_wait_ms: int = 4
     # After a step, the model thread waits this long at most for the readers that keep up
-    # to send the tokens it gave them, before the next step (Engine._hand_off): sent
+    # to send the tokens it gave them, before the next step (request.HandOffs): sent
     # during it, they would take a core from llama.cpp's threads. 0: no wait.
     hand_off_ms: float = 1.0
     cache_timeout_s: float = 2.0  # a cache call slower than this is given up (cold)

@@ -60,6 +60,7 @@ from .request import (
     Cancel,
     Completion,
     EventQueue,
+    HandOffs,
     Message,
     Phase,
     Request,
@@ -266,9 +267,7 @@ class EngineCore:
         # of each token sampled from its scores to its reader (TokenEvent.decoded_ns).
         self._decoded_ns = 0
         self.ticks = 0  # batches run
-        # This step's tokens given to readers that were waiting for them, with the mark
-        # each reader comes back past once it has sent its token (_hand_off).
-        self._handed: list[tuple[EventQueue, int]] = []
+        self.hand_offs = HandOffs()  # this step's tokens, sent before the next step
 
     def handle(self, msg: Message) -> None:
         match msg:
@@ -428,8 +427,9 @@ class EngineCore:
             return
         try:
             self._step(plan)
-        finally:
-            self._hand_off()
+        finally:  # the streams keeping up send between steps (HandOffs)
+            if not self.hand_offs.wait(self.config.hand_off_ms / 1000):
+                self.count("hand_offs_cut_short")
 
     def _step(self, plan: BatchPlan) -> None:
         self.ticks += 1
@@ -461,24 +461,6 @@ class EngineCore:
             self.save_points.after_prefill(req)
             if prompt_done:
                 self._first_token(req)
-
-    def _hand_off(self) -> None:
-        """Before the next step, let the readers that keep up send the tokens this step
-        gave them, up to ``hand_off_ms``: waiting here releases the GIL, which a reader
-        (a gRPC stream's thread) needs to send; otherwise it gets the GIL only when the
-        next step enters llama_decode, and takes a core from llama.cpp's threads in the
-        middle of it, where both wait for the slower at every barrier
-        (tools/bench_threads_wait.py --gateway). A reader that is behind is not waited
-        for."""
-        handed, self._handed = self._handed, []
-        wait = self.config.hand_off_ms / 1000
-        if not handed or wait <= 0:
-            return
-        deadline = time.perf_counter() + wait
-        for events, mark in handed:
-            if not events.wait_taken(mark, deadline - time.perf_counter()):
-                self.count("hand_offs_cut_short")
-                return
 
     def _drafts(self) -> dict[Request, tuple[int, ...]]:
         """What each decoding request that speculates drafts this tick (see
@@ -572,10 +554,8 @@ class EngineCore:
             req.spec.emitted(token)
         text, stopped = req.stream.add(self.model.token_to_piece(
             token, render_special=req.sampling.special_tokens))
-        mark = req.events.put_watched(TokenEvent(token, text, logprob, choice=req.choice,
-                                                 decoded_ns=self._decoded_ns))
-        if mark is not None:
-            self._handed.append((req.events, mark))
+        self.hand_offs.put(req.events, TokenEvent(token, text, logprob, choice=req.choice,
+                                                  decoded_ns=self._decoded_ns))
         if stopped:
             self._finish(req, "stop")
             return False

@@ -135,7 +135,7 @@ class TokenEvent:
 class EventQueue(queue.Queue[Any]):
     """A request's events, from the model thread to their reader, who says when it comes
     back for more: the model thread can then wait, between two steps, for a reader that
-    keeps up to have sent the token it was just given (Engine's hand-off), rather than
+    keeps up to have sent the token it was just given (:class:`HandOffs`), rather than
     have it send while llama.cpp's threads need both cores."""
 
     def __init__(self) -> None:
@@ -176,6 +176,33 @@ class EventQueue(queue.Queue[Any]):
         with self.mutex:
             return self._came_back.wait_for(
                 lambda: self._comebacks > mark and not self._qsize(), max(0.0, timeout))
+
+
+class HandOffs:
+    """A step's tokens given to readers that were waiting for them (EventQueue), and the
+    wait, after the step, until those readers have sent them: the GIL released, which a
+    reader (a gRPC stream's thread) needs to send. Without it a reader gets the GIL only
+    when the next step enters llama_decode, and takes a core from llama.cpp's threads in
+    the middle of it, where both wait for the slower at every barrier. A reader that is
+    behind is not waited for. Model thread only."""
+
+    def __init__(self) -> None:
+        self._handed: list[tuple[EventQueue, int]] = []
+
+    def put(self, events: EventQueue, item: Any) -> None:
+        mark = events.put_watched(item)
+        if mark is not None:
+            self._handed.append((events, mark))
+
+    def wait(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` in all for this step's readers to have sent their tokens;
+        False when one had not by then (the wait cut short). Then a new step begins."""
+        handed, self._handed = self._handed, []
+        if not handed or seconds <= 0:
+            return True
+        deadline = time.perf_counter() + seconds
+        return all(events.wait_taken(mark, deadline - time.perf_counter())
+                   for events, mark in handed)
 
 
 class WholeAnswerEvents(EventQueue):
