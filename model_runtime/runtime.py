@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -480,7 +481,8 @@ class Runtime:
         """Run one request: ``request``, or the request of ``fields``
         (:meth:`CompletionRequest.of`: ``rt.complete(prompt="Hi", max_tokens=8)``).
         Non-streaming: the :class:`Completion` (with ``n`` > 1, the choices' Completions in
-        choice order). Streaming: an iterator of :class:`TokenEvent` ending with the
+        choice order), the request read whole (``whole``: no wake-up a token; ``timeout``
+        then bounds the wait for the whole answer). Streaming: an iterator of :class:`TokenEvent` ending with the
         :class:`Completion` (with ``n`` > 1, the choices' events interleaved as they are
         generated, each with its ``choice``; the iterator ends after the last choice's
         Completion)."""
@@ -488,6 +490,8 @@ class Runtime:
             request = CompletionRequest.of(**fields)
         elif fields:
             raise TypeError(f"give a request or its fields, not both: {sorted(fields)}")
+        if not stream:  # nothing is read until the end: the text comes with it, at once
+            request = dataclasses.replace(request, whole=True)
         req = self.submit(request)
         events = self._events(req, timeout)
         if stream:  # (closing this closes ``events``, which cancels the request)

@@ -967,6 +967,27 @@ def test_a_request_read_whole_gets_its_text_with_its_end_in_one_batch(plain: Run
     assert len(end.tokens) >= 3
 
 
+def test_a_completion_not_streamed_is_read_whole(plain: Runtime,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runtime.complete without ``stream`` asks for its answer whole (its caller would
+    otherwise wake, and be waited for, once a token); streamed, it does not. The answer
+    is the same."""
+    asked: list[bool] = []
+    submit = plain.engine.submit
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        asked.append(kwargs["whole"])
+        return submit(*args, **kwargs)
+
+    monkeypatch.setattr(plain.engine, "submit", recording)
+    tokens = plain.tokenize("The quick brown fox jumps over the lazy dog. " * 3)
+    done = plain.complete(tokens=tokens, max_tokens=6, ignore_eos=True)
+    streamed = list(plain.complete(tokens=tokens, max_tokens=6, ignore_eos=True, stream=True))
+    assert asked == [True, False]
+    assert isinstance(done, Completion) and isinstance(streamed[-1], Completion)
+    assert done.tokens == streamed[-1].tokens and done.text == streamed[-1].text
+
+
 def test_a_step_waits_for_a_reader_that_keeps_up_to_send_its_token(
         make_runtime: Callable[..., Runtime]) -> None:
     """hand_off_ms: after a step, the model thread waits for each reader that was waiting
