@@ -158,11 +158,12 @@ class Engine:
                boundaries: tuple[tuple[int, int], ...] = (), n: int = 1,
                tenant: str | None = None, received: float = 0.0,
                speculative: bool | None = None, prediction: Sequence[int] = (),
-               whole: bool = False) -> Request:
+               whole: bool = False, events: EventQueue | None = None) -> Request:
         """Queue a request of ``n`` choices under ``tenant`` (None: the runtime's).
         ``received``: when its caller got it (perf_counter), for its timeline.
         ``speculative`` and ``prediction``: see Speculator.for_request. ``whole``: its
-        caller reads the answer whole (its text comes with its end: WholeAnswerEvents)."""
+        caller reads the answer whole (its text comes with its end: WholeAnswerEvents).
+        ``events``: where its events go instead (event_channel.ChannelEvents)."""
         if not tokens:
             raise RequestError("invalid_argument", "empty prompt")
         if len(tokens) + 1 > self.ctx.n_ctx:
@@ -185,7 +186,8 @@ class Engine:
                       boundaries=tuple((at, ttl) for at, ttl in boundaries
                                        if 0 < at < len(tokens)), n=n, tenant=tenant,
                       spec=self.speculator.for_request(tokens, speculative, prediction),
-                      events=WholeAnswerEvents() if whole else EventQueue())
+                      events=events if events is not None else
+                      WholeAnswerEvents() if whole else EventQueue())
         req.timings.received = received
         # Checked and queued under the lock close() takes to set _stopping: a request is
         # either refused here or queued before the shutdown message (which answers it).

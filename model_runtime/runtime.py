@@ -47,6 +47,7 @@ from .llama_backend import (
 from .metrics import runtime_metrics
 from .request import (
     Completion,
+    EventQueue,
     Phase,
     PromptDone,
     Request,
@@ -338,14 +339,17 @@ class Runtime:
     # -- completion -------------------------------------------------------------------------
 
     def submit(self, request: CompletionRequest,
-               cancelled: Callable[[], bool] | None = None) -> Request:
+               cancelled: Callable[[], bool] | None = None,
+               events: EventQueue | None = None) -> Request:
         """Queue one request (what each of its fields does:
         :mod:`model_runtime.completion_request`); read its events with :meth:`events` (or
         run it with :meth:`complete`).
 
         ``cancelled``: asked while the prompt is tokenized (true: the caller went away;
         refused with ``cancelled``). Once queued, :meth:`cancel` ends the request at
-        once, between two prefill chunks at the latest.
+        once, between two prefill chunks at the latest. ``events``: where its events go
+        (default: a queue :meth:`events` reads; ChannelEvents writes them to the event
+        channel).
         """
         received = time.perf_counter()
         given, hints, limits = request.input, request.cache, request.constraints
@@ -387,7 +391,7 @@ class Runtime:
                                   parent_key=parent, boundary=boundary, boundaries=boundaries,
                                   n=request.n, tenant=tenant, received=received,
                                   speculative=speculative, prediction=predicted,
-                                  whole=request.whole)
+                                  whole=request.whole, events=events)
 
     def _continue(self, parent: bytes, given: Input, prefix_tokens: int, prefix_chars: int,
                   tenant: str | None, cancelled: Callable[[], bool] | None

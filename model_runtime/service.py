@@ -25,6 +25,7 @@ from .completion_request import (
     Speculation,
 )
 from .config import MAX_REQUEST_MESSAGE_BYTES, REFUSAL_METADATA_KEY, SettingError
+from .event_channel import ChannelEvents, EventChannel
 from .llama_backend import batch_variant_options
 from .request import Completion, PromptDone, RequestError, TokenEvent
 from .runtime import Runtime
@@ -208,8 +209,9 @@ def event_messages(batch: list[PromptDone | TokenEvent | Completion],
 
 
 class RuntimeService(pb_grpc.ModelRuntimeServicer):
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, channel: EventChannel | None = None) -> None:
         self.runtime = runtime
+        self.channel = channel  # where streamed requests that ask may have their events
 
     def piece(self, token: int) -> bytes:
         return self.runtime.model.token_to_piece(token, render_special=True)
@@ -220,15 +222,28 @@ class RuntimeService(pb_grpc.ModelRuntimeServicer):
         termination callback cancels it: a prefill sends no event, so the stream alone
         would learn of it only at the first token). (tests/gateway/test_gateway_limits.py)"""
         rt = self.runtime
+        on_channel = self._channel_events(request)
         try:
             req = rt.submit(request_from_message(request),
-                            cancelled=lambda: not context.is_active())
+                            cancelled=lambda: not context.is_active(), events=on_channel)
             if not context.add_callback(lambda: rt.cancel(req)):
                 rt.cancel(req)  # it terminated already
             for batch in rt.event_batches(req):
-                yield from event_messages(batch, self.piece)
+                if on_channel is None:
+                    yield from event_messages(batch, self.piece)
         except (RequestError, ValueError) as exc:
             refuse(context, exc)
+        if on_channel is not None:
+            yield pb.CompleteEvent(channel_end=on_channel.sent)
+
+    def _channel_events(self, request: pb.CompleteRequest) -> ChannelEvents | None:
+        """Where a request that asks for the event channel has its events written (None:
+        on the stream, as every other request)."""
+        channel = self.channel
+        if not request.channel_id or request.whole or channel is None or channel.closed:
+            return None
+        return ChannelEvents(channel, request.channel_id, lambda event: [
+            message.SerializeToString() for message in event_messages([event], self.piece)])
 
     def CountTokens(self, request: pb.CompleteRequest, context: Any) -> pb.TokenCount:
         try:
@@ -261,11 +276,15 @@ class RuntimeServer:
     owner-only and goes without."""
 
     def __init__(self, runtime: Runtime, socket: OwnedSocket | None, listen: str | None,
-                 auth: ServerAuth | None = None, insecure_tcp: bool = False) -> None:
+                 auth: ServerAuth | None = None, insecure_tcp: bool = False,
+                 channel: EventChannel | None = None) -> None:
+        """``channel``: the event channel (default: the one the gateway that started this
+        process gave it, if any: :meth:`EventChannel.inherited`)."""
         self.runtime = runtime
         self.auth = auth or ServerAuth()
         refuse_unprotected_tcp(listen, self.auth, insecure_tcp)
-        self.service = RuntimeService(runtime)
+        self.channel = channel if channel is not None else EventChannel.inherited()
+        self.service = RuntimeService(runtime, self.channel)
         self.health = health.HealthServicer()
         self.servers: list[grpc.Server] = []
         self.addresses: list[str] = []
@@ -316,6 +335,8 @@ class RuntimeServer:
         for stopping in [server.stop(grace=2) for server in self.servers]:
             stopping.wait()
         self.runtime.close()
+        if self.channel is not None:
+            self.channel.close()
         if self.socket:
             self.socket.remove()
         log.info("model runtime stopped")

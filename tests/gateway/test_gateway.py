@@ -128,6 +128,33 @@ def test_each_request_says_where_its_time_went_and_a_stream_each_tokens_way(
     assert counts.get("tiny", 0) >= path["messages"]
 
 
+def channels(gw: GatewayProcess, model: str) -> tuple[int, int]:
+    """Requests and messages the event channels of ``model``'s workers carried so far."""
+    seen = [w["event_channel"] for w in gw.status()["workers"] if w["model"] == model]
+    assert all(channel["open"] for channel in seen)
+    return sum(c["requests"] for c in seen), sum(c["messages"] for c in seen)
+
+
+def test_a_streamed_answer_comes_on_the_workers_event_channel(gw: GatewayProcess) -> None:
+    """Its prompt, text and final record are written by the worker's model thread on the
+    channel the gateway gave it (model_runtime/event_channel.py), not sent by a gRPC
+    stream's thread; an answer read whole comes on its call, in one message."""
+    client = gw.client()
+    messages = chat("Channel. " + SYSTEM, "Where are the saws?")
+    requests, sent = channels(gw, "tiny")
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
+                                           temperature=0)
+    assert channels(gw, "tiny") == (requests, sent)
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, temperature=0, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    texts = sum(1 for c in chunks if c.choices and c.choices[0].delta.content)
+    after = channels(gw, "tiny")
+    assert after[0] == requests + 1
+    assert after[1] - sent >= texts + 2  # the prompt's account, the text, the final record
+
+
 def test_completions_streamed_and_not_agree_and_take_token_prompts(gw: GatewayProcess) -> None:
     client = gw.client()
     whole = client.completions.create(model="tiny", prompt="The quick brown fox",

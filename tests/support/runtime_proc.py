@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -13,19 +14,25 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from harness.procs import Proc
 
+from model_runtime.event_channel import EVENT_FD_ENV
+
 SERVICE = "model_runtime.v1.ModelRuntime"
 
 
 class RuntimeProcess:
     """``python -m model_runtime.cli serve`` on a unix socket in a short private dir."""
 
-    def __init__(self, model: Path, cache_address: str, log_path: Path, *extra: str) -> None:
+    def __init__(self, model: Path, cache_address: str, log_path: Path, *extra: str,
+                 event_fd: int | None = None) -> None:
+        """``event_fd``: a socket it inherits as its event channel."""
         self.dir = Path(tempfile.mkdtemp(prefix="rtt", dir="/tmp"))
         self.socket = self.dir / "rt.sock"
         self.proc = Proc("model runtime", [
             sys.executable, "-m", "model_runtime.cli", "serve", "--model", str(model),
             "--cache", cache_address, "--socket", str(self.socket), "--threads", "1",
-            "--n-ctx", "1024", "--n-seq-max", "2", *extra], log_path)
+            "--n-ctx", "1024", "--n-seq-max", "2", *extra], log_path,
+            **({} if event_fd is None else {
+                "env": {**os.environ, EVENT_FD_ENV: str(event_fd)}, "pass_fds": (event_fd,)}))
 
     @property
     def address(self) -> str:

@@ -80,11 +80,12 @@ class Proc:
     death_signal = "TERM"
 
     def __init__(self, name: str, argv: Sequence[str], log_path: Path, *,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, pass_fds: Sequence[int] = ()) -> None:
         self.name = name
         self.command = list(argv)
         self.log_path = log_path
         self.env = dict(env) if env is not None else None
+        self.pass_fds = tuple(pass_fds)  # descriptors it inherits
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_offset = 0  # where the current run's output starts in the log
         self.start_seconds = 0.0  # spawn to serving, of the last start
@@ -109,7 +110,8 @@ class Proc:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(dies_with_parent(self.argv(), self.death_signal),
                                          stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=self.env)
+                                         stdin=subprocess.DEVNULL, env=self.env,
+                                         pass_fds=self.pass_fds)
         return self.proc
 
     def start(self: P, timeout: float | None = None) -> P:

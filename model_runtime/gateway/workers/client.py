@@ -15,6 +15,7 @@ from ...config import REFUSAL_METADATA_KEY
 from ...v1 import runtime_pb2 as pb
 from ...v1 import runtime_pb2_grpc as pb_grpc
 from .errors import RuntimeRefused, WorkerFailure
+from .events import EventSink
 from .process import RuntimeProcess
 from .slots import Flight
 
@@ -52,32 +53,61 @@ class WorkerClient:
         """The runtime's events for ``request``. Raises :class:`WorkerFailure` when the
         worker fails meanwhile, :class:`RuntimeRefused` when the runtime refuses it.
         Closing the iterator early (a client gone) cancels the call, which frees the
-        runtime's sequence."""
+        runtime's sequence. A streamed request's events come on the worker's event
+        channel (events.py), its end and errors on its call."""
         stub = self._serving_stub()
         # Every call carries the tenant of the flight's API key, set here, on the one way
         # to a worker, so no route can forget it: workers serve every tenant, and a
         # caller cannot name one (a "tenant" field of a body is refused as unknown).
         request.tenant = flight.tenant
+        channel = self.process.event_channel
+        if channel is None or channel.closed or request.whole:
+            channel_id, sink = 0, EventSink(None)
+        else:
+            channel_id, sink = channel.open()
+            request.channel_id = channel_id
         call = stub.Complete(request)
         flight.call = call
+        reading = asyncio.ensure_future(self._read_call(flight, call, sink))
         try:
             while True:
                 flight.wait_since = time.monotonic()
                 try:
-                    event = await call.read()
-                except asyncio.CancelledError:
-                    if flight.failure is not None:  # cancelled by supervision, not by us
-                        raise flight.failure from None
-                    raise
-                except grpc.aio.AioRpcError as exc:
-                    raise await self.classify(flight, exc) from None
+                    event = await sink.get()
                 finally:
                     flight.wait_since = None
-                if event is grpc.aio.EOF:
+                if event is None:
                     return
                 yield event
         finally:
+            if channel is not None and channel_id:
+                channel.forget(channel_id)
+            reading.cancel()
             call.cancel()
+
+    async def _read_call(self, flight: Flight, call: grpc.aio.UnaryStreamCall,
+                         sink: EventSink) -> None:
+        """What the call says, to ``sink``: its events (a request not on the channel),
+        its end, or its error."""
+        try:
+            while True:
+                event = await call.read()
+                if event is grpc.aio.EOF:
+                    if sink.expected is None:
+                        sink.end(sink.received)
+                    return
+                if event.WhichOneof("event") == "channel_end":
+                    sink.end(event.channel_end)
+                else:
+                    sink.put(event, from_channel=False)
+        except asyncio.CancelledError:
+            if flight.failure is None:  # we closed the request
+                raise
+            sink.fail(flight.failure)  # cancelled by supervision
+        except grpc.aio.AioRpcError as exc:
+            sink.fail(await self.classify(flight, exc))
+        except Exception as exc:  # (a bug) its reader hears of it rather than waits forever
+            sink.fail(exc)
 
     async def tokenize(self, flight: Flight, request: pb.CompleteRequest) -> list[int]:
         """The request's prompt tokens, as the runtime tokenizes it."""

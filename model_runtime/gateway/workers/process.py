@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -32,6 +34,7 @@ from ...chat.templates import ChatTemplate, TemplateError
 from ...v1 import runtime_pb2 as pb
 from ...v1 import runtime_pb2_grpc as pb_grpc
 from ..settings import ModelSpec, Supervision
+from .events import EVENT_FD_ENV, ChannelReader, open_channel
 from .supervisor import StartError, Supervised, spawned_command
 
 __all__ = ["BUSY_FRACTION", "ProcessHooks", "RuntimeInfo", "RuntimeProcess", "TemplateSpec",
@@ -109,8 +112,17 @@ class RuntimeProcess(Supervised):
         self.kv_events = kv_events  # where it publishes its live sequences, if anywhere
         self.hooks = hooks
         self.info = RuntimeInfo()
+        # The event channel of the process serving now (events.py), and the worker's end
+        # of the next one while it is being spawned.
+        self.event_channel: ChannelReader | None = None
+        self._worker_end: socket.socket | None = None
         self.cpu_progress_at = 0.0
         self._cpu_seen: tuple[float, float | None] = (0.0, None)  # (when, CPU seconds)
+
+    def status(self) -> dict[str, Any]:
+        channel = self.event_channel
+        return {**super().status(),
+                "event_channel": channel.status() if channel is not None else None}
 
     def command(self) -> list[str]:
         """No ``--tenant``: every request names its tenant (the runtime's default tenant,
@@ -127,6 +139,35 @@ class RuntimeProcess(Supervised):
 
     def _on_failure(self, reason: str, detail: str) -> None:
         self.hooks.failing(reason, detail)
+
+    async def _spawn(self) -> None:
+        """Each process gets an event channel of its own: a socket pair, one end
+        inherited (EVENT_FD_ENV names it), the other read here."""
+        self._close_event_channel()
+        ours, self._worker_end = socket.socketpair()
+        try:
+            await super()._spawn()
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            self._worker_end.close()
+            self._worker_end = None
+        self.event_channel = await open_channel(ours)
+
+    def _spawn_options(self) -> dict[str, Any]:
+        assert self._worker_end is not None
+        fd = self._worker_end.fileno()
+        return {"pass_fds": (fd,), "env": {**os.environ, EVENT_FD_ENV: str(fd)}}
+
+    async def _kill(self) -> None:
+        await super()._kill()
+        self._close_event_channel()
+
+    def _close_event_channel(self) -> None:
+        if self.event_channel is not None:
+            self.event_channel.close()
+        self.event_channel = None
 
     def _spawned(self) -> None:
         self.hooks.spawned()

@@ -84,6 +84,11 @@ class Supervised:
         """The gRPC address its health service answers on."""
         raise NotImplementedError
 
+    def _spawn_options(self) -> dict[str, Any]:
+        """More of create_subprocess_exec's options for the next spawn (``pass_fds``,
+        ``env``)."""
+        return {}
+
     def _spawned(self) -> None:
         """After each spawn (the channel is open)."""
 
@@ -197,7 +202,8 @@ class Supervised:
             self.proc = await asyncio.create_subprocess_exec(
                 *self.command(), stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True, limit=1 << 20)  # its own session: its own group
+                start_new_session=True, limit=1 << 20,  # its own session: its own group
+                **self._spawn_options())
         except OSError as exc:
             raise StartError(f"cannot start {sys.executable}: {exc}") from None
         proc = self.proc
