@@ -53,6 +53,7 @@ from .request import (
     Request,
     RequestError,
     TokenEvent,
+    WholeAnswerEvents,
     common_prefix,
 )
 from .sampling import (
@@ -391,7 +392,8 @@ class Runtime:
                                   parent_key=parent, boundary=boundary, boundaries=boundaries,
                                   n=request.n, tenant=tenant, received=received,
                                   speculative=speculative, prediction=predicted,
-                                  whole=request.whole, events=events)
+                                  events=events if events is not None else
+                                  WholeAnswerEvents() if request.whole else None)
 
     def _continue(self, parent: bytes, given: Input, prefix_tokens: int, prefix_chars: int,
                   tenant: str | None, cancelled: Callable[[], bool] | None
