@@ -310,3 +310,4 @@ class Saver:
         with contextlib.suppress(queue.Full):
             self._queue.put(None, timeout=1.0)
         self._thread.join(timeout=1.0)
+        self.buffers.close()
