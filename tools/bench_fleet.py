@@ -34,7 +34,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from harness.procs import Daemon, Gateway, RedisServer
+from harness.procs import Daemon, Gateway, RedisServer, use_own_kvcache_dir
 from harness.routers import VllmRouter, free_port
 from harness.system_prompt import build_system_prompt
 from llama_server_arm import DEFAULT_BINARY, LlamaServer
@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
+    use_own_kvcache_dir()  # a benchmark leaves no ~/.cache/kvcache behind
     model = args.model or default_model_path()
     base = build_system_prompt(args.system_words)
     systems = [f"[Desk {i}] " + base for i in range(args.systems)]

@@ -29,6 +29,7 @@ from harness import procs
 from kvcache.index import dir_fsync
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+procs.use_own_kvcache_dir()  # a benchmark leaves no ~/.cache/kvcache behind
 
 
 def log(message: str, name: str = "bench") -> None:

@@ -13,6 +13,7 @@ SIGTERM, then SIGKILL if it lingers:
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -47,6 +48,18 @@ P = TypeVar("P", bound="Proc")
 def short_workdir(prefix: str) -> Path:
     """A new private directory in /tmp: a unix socket path must fit in 107 bytes."""
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+def use_own_kvcache_dir() -> None:
+    """For the rest of this process and every process it starts, a kvcache directory of
+    its own (KVCACHE_DIR, unless one is set), removed at exit: a runtime memoizes model
+    fingerprints there, by default in ~/.cache/kvcache, which a benchmark would then
+    leave behind. (The test session sets its own: tests/conftest.py.)"""
+    if os.environ.get(ENV_DIR):
+        return
+    path = tempfile.mkdtemp(prefix="kvtool-")
+    os.environ[ENV_DIR] = path
+    atexit.register(shutil.rmtree, path, True)
 
 
 def dies_with_parent(argv: list[str], signal_name: str = "TERM") -> list[str]:
