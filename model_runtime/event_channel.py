@@ -17,6 +17,7 @@ else can write to it. Frames: request id (u64), length (u32), a serialized
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -113,9 +114,12 @@ class EventChannel:
             self._backlog_ready.notify()
 
     def _break(self, exc: BaseException) -> None:
-        """Lock held."""
+        """Lock held. The gateway sees the channel end: a request whose events were lost
+        fails rather than waits for them; later requests go on their gRPC stream."""
         if not self.closed:
             log.warning("event channel closed: %s", exc)
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
         self.closed = True
         self._backlog.clear()
         self._backlog_ready.notify()

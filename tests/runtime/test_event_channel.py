@@ -126,6 +126,32 @@ def test_an_answer_read_whole_comes_on_its_call(
     assert nothing_more(ours)
 
 
+def test_a_runtime_whose_channel_broke_sends_later_events_on_the_stream(
+        tmp_path: Path, tiny_model: Path, module_daemon: DaemonProcess,
+        prompt: list[int]) -> None:
+    """The gateway's end gone: the request that found the channel broken has lost its
+    events (its call still says how many went: the gateway fails it); the next ones
+    asking for the channel have theirs on their stream."""
+    ours, theirs = socket.socketpair()
+    runtime = RuntimeProcess(tiny_model, module_daemon.address, tmp_path / "runtime.log",
+                             event_fd=theirs.fileno())
+    try:
+        runtime.start()
+        theirs.close()
+        ours.close()
+        with grpc.insecure_channel(runtime.address) as channel:
+            stub = pb_grpc.ModelRuntimeStub(channel)
+            (end,) = stub.Complete(complete(prompt, channel_id=1), timeout=60)
+            assert end.channel_end >= 3
+            events = list(stub.Complete(complete(prompt, channel_id=2), timeout=60))
+            assert events[-1].WhichOneof("event") == "done" and events[-1].done.text
+        assert "event channel closed" in runtime.log()
+    finally:
+        theirs.close()
+        ours.close()
+        runtime.close()
+
+
 # --------------------------------------------------------------------------- framing
 
 
@@ -181,6 +207,9 @@ def test_a_channel_never_read_is_closed_at_its_backlogs_bound(
         for i in range(1000):
             channel.send(frame(i, b"z" * 1000))
         assert channel.closed
+        ours.settimeout(10)
+        while ours.recv(1 << 16):  # what was sent, then the end: the reader is told
+            pass
     finally:
         channel.close()
         ours.close()
