@@ -279,27 +279,29 @@ class RuntimeServer:
                  auth: ServerAuth | None = None, insecure_tcp: bool = False,
                  channel: EventChannel | None = None) -> None:
         """``channel``: the event channel (default: the one the gateway that started this
-        process gave it, if any: :meth:`EventChannel.inherited`)."""
+        process gave it, if any: :meth:`EventChannel.inherited`). Only the unix socket's
+        callers (its owner: the gateway) may have events written there; a TCP caller's
+        ``channel_id`` is ignored, or it could write into the gateway's streams."""
         self.runtime = runtime
         self.auth = auth or ServerAuth()
         refuse_unprotected_tcp(listen, self.auth, insecure_tcp)
         self.channel = channel if channel is not None else EventChannel.inherited()
-        self.service = RuntimeService(runtime, self.channel)
         self.health = health.HealthServicer()
         self.servers: list[grpc.Server] = []
         self.addresses: list[str] = []
         self.socket = socket
         if socket:
-            self.servers.append(self._server([]))
+            self.servers.append(self._server([], RuntimeService(runtime, self.channel)))
             socket.bind(self.servers[-1])
             self.addresses.append(socket.address)
         if listen:
-            self.servers.append(self._server(self.auth.interceptors()))
+            self.servers.append(self._server(self.auth.interceptors(), RuntimeService(runtime)))
             self.addresses.append(add_tcp_port(self.servers[-1], listen, self.auth))
 
-    def _server(self, interceptors: list[grpc.ServerInterceptor]) -> grpc.Server:
+    def _server(self, interceptors: list[grpc.ServerInterceptor],
+                service: RuntimeService) -> grpc.Server:
         return grpc_server(
-            lambda server: pb_grpc.add_ModelRuntimeServicer_to_server(self.service, server),
+            lambda server: pb_grpc.add_ModelRuntimeServicer_to_server(service, server),
             SERVICE_NAME, self.health, 16,
             [("grpc.max_receive_message_length", MAX_REQUEST_MESSAGE_BYTES)],
             interceptors, thread_name_prefix="runtime-rpc")

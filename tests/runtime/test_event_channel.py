@@ -9,10 +9,12 @@ import select
 import socket
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
+from harness.routers import free_port
 
 from model_runtime import event_channel
 from model_runtime.event_channel import EventChannel, FrameReader, frame
@@ -43,20 +45,29 @@ def nothing_more(sock: socket.socket, wait: float = 0.3) -> bool:
     return not select.select([sock], [], [], wait)[0]
 
 
+@dataclass
+class Served:
+    stub: pb_grpc.ModelRuntimeStub  # on the unix socket
+    tcp: pb_grpc.ModelRuntimeStub  # on its TCP listener
+    ours: socket.socket  # our end of its event channel
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path,
-           module_daemon: DaemonProcess
-           ) -> Iterator[tuple[pb_grpc.ModelRuntimeStub, socket.socket]]:
-    """A runtime with an event channel, and our end of it."""
+           module_daemon: DaemonProcess) -> Iterator[Served]:
+    """A runtime with an event channel, on a unix socket and on TCP."""
     ours, theirs = socket.socketpair()
+    port = free_port()
     runtime = RuntimeProcess(tiny_model, module_daemon.address,
                              tmp_path_factory.mktemp("channel") / "runtime.log",
-                             "--continued-interval", "0", event_fd=theirs.fileno())
+                             "--continued-interval", "0", "--listen", f"127.0.0.1:{port}",
+                             "--insecure-tcp", event_fd=theirs.fileno())
     try:
         runtime.start()
         theirs.close()
-        with grpc.insecure_channel(runtime.address) as channel:
-            yield pb_grpc.ModelRuntimeStub(channel), ours
+        with grpc.insecure_channel(runtime.address) as channel, \
+                grpc.insecure_channel(f"127.0.0.1:{port}") as tcp:
+            yield Served(pb_grpc.ModelRuntimeStub(channel), pb_grpc.ModelRuntimeStub(tcp), ours)
     finally:
         theirs.close()
         runtime.close()
@@ -76,8 +87,8 @@ def complete(tokens: list[int], **options: object) -> pb.CompleteRequest:
 
 
 def test_a_request_that_asks_has_its_events_on_the_channel_and_its_end_on_the_call(
-        served: tuple[pb_grpc.ModelRuntimeStub, socket.socket], prompt: list[int]) -> None:
-    stub, ours = served
+        served: Served, prompt: list[int]) -> None:
+    stub, ours = served.stub, served.ours
     on_stream = list(stub.Complete(complete(prompt), timeout=60))
     assert nothing_more(ours)  # a request that does not ask: every event on its call
     (end,) = stub.Complete(complete(prompt, channel_id=7), timeout=60)
@@ -96,8 +107,8 @@ def test_a_request_that_asks_has_its_events_on_the_channel_and_its_end_on_the_ca
 
 
 def test_every_choice_and_its_end_come_on_the_channel(
-        served: tuple[pb_grpc.ModelRuntimeStub, socket.socket], prompt: list[int]) -> None:
-    stub, ours = served
+        served: Served, prompt: list[int]) -> None:
+    stub, ours = served.stub, served.ours
     (end,) = stub.Complete(complete(prompt[:40], channel_id=8, n=2, temperature=0.9, seed=3),
                            timeout=60)
     events = [event for _, event in read_frames(ours, end.channel_end)]
@@ -109,8 +120,8 @@ def test_every_choice_and_its_end_come_on_the_channel(
 
 
 def test_a_refusal_comes_on_the_call_and_nothing_on_the_channel(
-        served: tuple[pb_grpc.ModelRuntimeStub, socket.socket], prompt: list[int]) -> None:
-    stub, ours = served
+        served: Served, prompt: list[int]) -> None:
+    stub, ours = served.stub, served.ours
     with pytest.raises(grpc.RpcError) as refused:
         list(stub.Complete(complete(prompt * 40, channel_id=9), timeout=60))  # > n_ctx
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -118,9 +129,19 @@ def test_a_refusal_comes_on_the_call_and_nothing_on_the_channel(
     assert nothing_more(ours)
 
 
+def test_a_tcp_caller_cannot_have_events_written_to_the_gateways_channel(
+        served: Served, prompt: list[int]) -> None:
+    """Only the unix socket's callers (its owner) may: a TCP caller's channel_id is
+    ignored, or it could put text into the gateway's streams of other tenants."""
+    events = list(served.tcp.Complete(complete(prompt, channel_id=1), timeout=60))
+    assert events[-1].WhichOneof("event") == "done" and events[-1].done.text
+    assert "channel_end" not in {e.WhichOneof("event") for e in events}
+    assert nothing_more(served.ours)
+
+
 def test_an_answer_read_whole_comes_on_its_call(
-        served: tuple[pb_grpc.ModelRuntimeStub, socket.socket], prompt: list[int]) -> None:
-    stub, ours = served
+        served: Served, prompt: list[int]) -> None:
+    stub, ours = served.stub, served.ours
     events = list(stub.Complete(complete(prompt, channel_id=10, whole=True), timeout=60))
     assert events[-1].WhichOneof("event") == "done" and events[-1].done.text
     assert nothing_more(ours)
