@@ -163,6 +163,12 @@ class Ledger:
                 self.acked_base[key] = base
                 self.acked_keys.append(key)
                 self.since_check.append(key)
+            elif self.evictable and self.acked_size[key] != size:
+                # Evicted unseen (a full tier), then saved anew with another codec or on
+                # another parent: the entry is now this save's blob. (Where nothing is
+                # evicted, a new blob for an acknowledged key is a loss the check reports.)
+                self.acked_size[key] = size
+                self.acked_base[key] = base
             self.counts["saves_acknowledged"] += 1
 
     def random_acked(self, rng: random.Random) -> tuple[bytes, list[int]] | None:
