@@ -29,7 +29,8 @@ from harness import procs
 from kvcache.index import dir_fsync
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-procs.use_own_kvcache_dir()  # a benchmark leaves no ~/.cache/kvcache behind
+if "pytest" not in sys.modules:  # (a test that imports a benchmark: the session has one)
+    procs.use_own_kvcache_dir()  # a benchmark leaves no ~/.cache/kvcache behind
 
 
 def log(message: str, name: str = "bench") -> None:
