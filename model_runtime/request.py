@@ -248,14 +248,17 @@ class CacheUse:
 class Timings:
     """A request's timeline, in seconds (perf_counter): when the runtime received it
     (before its prompt was tokenized), queued it, gave it a sequence, had its cache
-    lookup's answer, had its prompt in the sequence and sampled its first token; and the
+    lookup's answer (on the resolver thread) and took it (on the model thread, once the
+    batch it was running ended), had its prompt in the sequence and sampled its first
+    token; and the
     time spent restoring, prefilling and decoding (a batch's time is shared by its
     tokens). A step that did not happen keeps 0 (a live hit looks nothing up)."""
 
     arrived: float = field(default_factory=time.perf_counter)  # queued (Engine.submit)
     received: float = 0.0  # Runtime.submit called (0: the engine was called directly)
     admitted: float = 0.0
-    resolved: float = 0.0
+    answered: float = 0.0  # the resolver had the cache answer (0: none was asked)
+    resolved: float = 0.0  # the model thread took it (or, with none asked, went on)
     prompt_done: float = 0.0
     first: float = 0.0
     restore: float = 0.0
@@ -280,7 +283,8 @@ class Timings:
             "total_ms": span(start, now),
             "tokenize_ms": span(self.received, self.arrived),
             "queue_ms": span(self.arrived, self.admitted),
-            "lookup_ms": span(self.admitted, self.resolved),
+            "lookup_ms": span(self.admitted, self.answered or self.resolved),
+            "answer_wait_ms": span(self.answered, self.resolved),
             "sample_ms": span(self.prompt_done, self.first),
         }
 

@@ -75,6 +75,7 @@ class Resolver:
             self._count("cache_errors")
         if chain and not self.beats_live(self.serves(chain, req), req):
             chain = None  # the live sequence serves (about) as much without a restore
+        req.timings.answered = time.perf_counter()
         done(req, chain)
 
     def beats_live(self, served: int, req: Request) -> bool:

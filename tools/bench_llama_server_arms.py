@@ -65,7 +65,7 @@ class SideArm:
 
 
 # The runtime's steps before a first token (Completion.timings), in order.
-TIMELINE_STEPS = ("tokenize", "queue", "lookup", "restore", "prefill", "sample")
+TIMELINE_STEPS = ("tokenize", "queue", "lookup", "answer_wait", "restore", "prefill", "sample")
 
 
 def serve_runtime(rt: Runtime, max_tokens: int, **prompt: Any) -> Served:

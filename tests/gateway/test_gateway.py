@@ -106,8 +106,8 @@ def test_each_request_says_where_its_time_went_and_a_stream_each_tokens_way(
                                            temperature=0)
     details = extra(whole)
     timeline = details["timeline"]
-    assert list(timeline) == ["tokenize_ms", "queue_ms", "lookup_ms", "restore_ms",
-                              "prefill_ms", "sample_ms"]
+    assert list(timeline) == ["tokenize_ms", "queue_ms", "lookup_ms", "answer_wait_ms",
+                              "restore_ms", "prefill_ms", "sample_ms"]
     assert all(v >= 0 for v in timeline.values()) and timeline["prefill_ms"] > 0
     assert sum(timeline.values()) <= details["ttft_ms"] + 0.01
     assert details["gateway"]["before_worker_ms"] > 0

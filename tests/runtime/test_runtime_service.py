@@ -196,8 +196,8 @@ def test_each_request_carries_its_timeline_and_each_token_when_it_was_decoded(
     cold, live = records
     assert (cold.cache_hit_kind, live.cache_tier) == ("cold", "live")
     for t in (cold.timings, live.timings):
-        steps = [t.tokenize_ms, t.queue_ms, t.lookup_ms, t.restore_ms, t.prefill_ms,
-                 t.sample_ms]
+        steps = [t.tokenize_ms, t.queue_ms, t.lookup_ms, t.answer_wait_ms, t.restore_ms,
+                 t.prefill_ms, t.sample_ms]
         assert all(0 <= step <= t.ttft_ms for step in steps)
         assert sum(steps) <= t.ttft_ms + 0.01 and t.ttft_ms <= t.total_ms
         assert t.tokenize_ms > 0 and t.sample_ms > 0 and t.prefill_ms > 0

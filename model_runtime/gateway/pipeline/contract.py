@@ -26,7 +26,8 @@ __all__ = ["SSE_HEADERS", "Call", "Endpoint", "Formatter", "kvcache_details"]
 
 # A stream's headers, whatever the API: no cache, and no proxy buffering its events.
 # The runtime's steps within its time to the first token, in order (pb.Timings).
-TIMELINE = ("tokenize_ms", "queue_ms", "lookup_ms", "restore_ms", "prefill_ms", "sample_ms")
+TIMELINE = ("tokenize_ms", "queue_ms", "lookup_ms", "answer_wait_ms", "restore_ms", "prefill_ms",
+            "sample_ms")
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
