@@ -47,6 +47,9 @@ COUNTERS: dict[str, str] = {
                            "token it was given (hand_off_ms)",
     "lookups_awaited": "Cache answers the model thread held the running requests' next "
                        "batch for, so the new request started in it (resolve_wait_ms)",
+    "lookups_after_batch": "Cache answers that came after the model thread had held the "
+                           "next batch as long as it would and run it: the new request "
+                           "started a batch later",
     **{f"restores_{kind}": f"States restored into a sequence for {kind} hits"
        for kind in RESTORED_KINDS},
     "live_reuses": "Requests served in place by an idle sequence's live KV (tier live, "

@@ -27,10 +27,9 @@ its own.
 
 This module: :class:`Engine`, the public API (any thread), which builds the parts and
 starts the model thread (:mod:`.model_thread`, its loop over the inbox); and
-:class:`EngineCore`, what the model
-thread does with each message and each tick, completion and shutdown included. Only
-``state_seq_get`` runs on the model thread for a save; the bytes go to the background
-:class:`~model_runtime.saver.Saver`.
+:class:`EngineCore`, what the model thread does with each message and each tick,
+completion and shutdown included. Only ``state_seq_get`` runs on the model thread for a
+save; the bytes go to the background :class:`~model_runtime.saver.Saver`.
 """
 
 from __future__ import annotations
@@ -266,6 +265,7 @@ class EngineCore:
         # of each token sampled from its scores to its reader (TokenEvent.decoded_ns).
         self._decoded_ns = 0
         self.ticks = 0  # batches run
+        self.step_s = 0.0  # how long the last batch took
         self.hand_offs = HandOffs()  # this step's tokens, sent before the next step
         # A step's finished requests end once every row's token is out: a finish copies a
         # state to save it (~4 ms for 1,000 tokens of SmolLM2), which they would wait for.
@@ -277,8 +277,9 @@ class EngineCore:
                 self._admit(req)
             case Resolved(req, chain):
                 self.scheduler.resolved(req)
-                if self.scheduler.running and req.admitted_tick == self.ticks:
-                    self.count("lookups_awaited")  # (no batch ran while it was looked up)
+                if self.scheduler.running:  # (did a batch run while it was looked up?)
+                    self.count("lookups_awaited" if req.admitted_tick == self.ticks
+                               else "lookups_after_batch")
                 self._start(req, chain)
             case Cancel(req):
                 req.cancelled = True
@@ -444,7 +445,7 @@ class EngineCore:
                                                      f"llama_decode failed: {exc}"))
             return
         self._decoded_ns = time.monotonic_ns()
-        elapsed = time.perf_counter() - t0
+        elapsed = self.step_s = time.perf_counter() - t0
         self._ending = []
         try:
             for row in plan.rows:

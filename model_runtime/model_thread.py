@@ -19,6 +19,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("model_runtime")
 
+# The longest hold of a batch for a cache answer, in resolve_wait_ms (see answer_hold).
+HOLD_MAX_WAITS = 5
+
+
+def answer_hold(resolve_wait_ms: int, last_batch_s: float) -> float:
+    """Seconds the next batch may be held for a new request's cache answer:
+    ``resolve_wait_ms`` or, where batches take longer, a quarter of the last one's time,
+    at most HOLD_MAX_WAITS x resolve_wait_ms. The longer a batch, the more a missed answer
+    costs the new request; the hold costs the running ones a fraction of one, once."""
+    wait = resolve_wait_ms / 1000
+    return max(wait, min(last_batch_s / 4, HOLD_MAX_WAITS * wait))
+
 
 class ModelThread:
     def __init__(self, engine: Engine) -> None:
@@ -49,9 +61,10 @@ class ModelThread:
                 return
             # A new request's cache answer due in moments is waited for, so that the
             # request starts in the next batch rather than the one after it (a batch of
-            # running requests takes 10-40 ms; the answer ~2): its TTFT loses a batch,
-            # theirs wait at most resolve_wait_ms once. As llama-server's loop, which
-            # matches a new prompt against its cache before its next batch.
+            # running requests takes 10-120 ms; the answer ~2, now and then 5-15 on two
+            # busy cores): missed, its TTFT loses a batch; held, theirs wait a fraction of
+            # one, once. As llama-server's loop, which matches a new prompt against its
+            # cache before its next batch.
             while (wait := self._resolution_due()) > 0:
                 msg = self._next(block=True, timeout=wait)
                 if msg is None:
@@ -76,13 +89,14 @@ class ModelThread:
 
     def _resolution_due(self) -> float:
         """Seconds left to hold the next batch for a cache answer: while requests run
-        (else the loop blocks for messages anyway), up to resolve_wait_ms after the
-        latest request sent to the resolver; 0 for none."""
+        (else the loop blocks for messages anyway), :func:`answer_hold` after the latest
+        request sent to the resolver; 0 for none."""
         scheduler = self.engine.scheduler
         if not scheduler.running or not scheduler.resolving:
             return 0.0
         sent = max(r.timings.admitted for r in scheduler.resolving)
-        return sent + self.engine.config.resolve_wait_ms / 1000 - time.perf_counter()
+        hold = answer_hold(self.engine.config.resolve_wait_ms, self.engine.core.step_s)
+        return sent + hold - time.perf_counter()
 
     def _next(self, *, block: bool, timeout: float | None = None) -> Message | None:
         try:

@@ -1075,3 +1075,21 @@ def test_a_new_request_s_cache_answer_is_waited_for_before_the_next_batch(
         assert rt.stats()["lookups_awaited"] == 1
     finally:
         running.close()  # type: ignore[attr-defined]
+
+
+def test_a_cache_answer_after_the_batch_is_counted(
+        make_runtime: Callable[..., Runtime]) -> None:
+    """Not held for (resolve_wait_ms 0), a new request's cache answer comes after the
+    next batch has run: counted as lookups_after_batch, and the request starts in the
+    batch after it."""
+    rt = make_runtime(resolve_wait_ms=0, n_seq_max=2)
+    running = rt.complete(tokens=prompt(rt, 40), max_tokens=400, ignore_eos=True, stream=True)
+    assert isinstance(next(iter(running)), TokenEvent)  # decoding now
+    try:
+        new = rt.complete(tokens=prompt(rt, 30, TEXT_B), max_tokens=2)
+        assert new.finish_reason == "length" and new.cache_hit_kind == "cold"
+        stats = rt.stats()
+        assert (stats["lookups_after_batch"], stats["lookups_awaited"]) == (1, 0)
+        assert new.timings["answer_wait_ms"] >= 0
+    finally:
+        running.close()  # type: ignore[attr-defined]
