@@ -17,6 +17,10 @@ from dataclasses import dataclass, field
 
 from .request import Phase, Request, RequestError, Seq, SessionKey, common_prefix, servable
 
+# Batches in a row a prefilling request may be passed over for shorter prompts
+# (Scheduler._prefill_order).
+PREFILL_MAX_PASSES = 4
+
 
 @dataclass(frozen=True)
 class Admission:
@@ -96,6 +100,8 @@ class Scheduler:
         self.waiting: list[Request] = []  # admitted, waiting for a sequence (oldest first)
         self.resolving: set[Request] = set()  # waiting for cache I/O
         self.running: list[Request] = []  # prefill or decode, in the order they started
+        # Prefilling requests and the batches in a row that ran another's prompt (plan).
+        self.passed_over: dict[Request, int] = {}
         self.n_batch = n_batch  # tokens per llama_decode, across sequences
         # Whether a sequence may be cut: a restored one where states can be cut (plain
         # attention); a live one unless the model is recurrent (see can_cut).
@@ -236,6 +242,7 @@ class Scheduler:
         finished sequence keeps its KV: the next request sharing a prefix with it can
         reuse it in place, as llama.cpp's server does with its slots."""
         req.phase = Phase.DONE
+        self.passed_over.pop(req, None)
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
@@ -254,10 +261,16 @@ class Scheduler:
     def plan(self, prefill_chunk: int, drafts: Mapping[Request, Sequence[int]] | None = None
              ) -> BatchPlan | None:
         """The next batch: one token of every decoding request and the tokens ``drafts``
-        has for it while the batch has room beyond one token of each, then prompt chunks
-        of at most ``prefill_chunk`` tokens while the batch has room (None: nothing
-        runs). A chunk stops at the request's cold save boundary: a state can only be
-        taken of the whole sequence, so prefill pauses there for the save."""
+        has for it while the batch has room beyond one token of each, then a chunk of
+        one prompt, of at most ``prefill_chunk`` tokens, while the batch has room (None:
+        nothing runs). A chunk stops at the request's cold save boundary: a state can
+        only be taken of the whole sequence, so prefill pauses there for the save.
+
+        One prompt a batch, the one with the fewest tokens left (see _prefill_order):
+        on the CPU a batch's time grows with its tokens, so prompts run side by side
+        all wait for the sum of them, where one after another each waits only for
+        those before it (four clients' 19-token prompts arriving together: the first
+        token of each after one batch of 76 tokens, or after 19, 38, 57 and 76)."""
         plan = BatchPlan()
         budget = self.n_batch
         decoding = [r for r in self.running if r.phase is Phase.DECODE]
@@ -271,9 +284,12 @@ class Scheduler:
                      drafts=drafted)
             budget -= 1 + len(drafted)
             spare -= len(drafted)
-        for req in [r for r in self.running if r.phase is Phase.PREFILL]:
-            if budget == 0:
-                break
+        prefilling = [r for r in self.running if r.phase is Phase.PREFILL]
+        if prefilling and budget:
+            req = min(prefilling, key=self._prefill_order)
+            for other in prefilling:
+                self.passed_over[other] = 0 if other is req else \
+                    self.passed_over.get(other, 0) + 1
             at_boundary = req.save_at > req.n_past
             stop = req.save_at if at_boundary else len(req.tokens)
             n = min(prefill_chunk, budget, stop - req.n_past)
@@ -283,8 +299,18 @@ class Scheduler:
             plan.add(req, req.tokens[req.n_past : req.n_past + n], req.n_past, decode=False,
                      wants_logits=req.n_past + n == stop and (req.save_scores or
                                                               not at_boundary))
-            budget -= n
         return plan if plan.rows else None
+
+    def _prefill_order(self, req: Request) -> tuple[int, ...]:
+        """Which prompt runs first: the one with the fewest tokens left (the order that
+        gets the most first tokens out soonest), ties to the older; but one passed over
+        PREFILL_MAX_PASSES batches in a row goes before any other (the oldest such
+        first): shorter prompts arriving all the time never hold a long one back for
+        good."""
+        order = self.running.index(req)
+        if self.passed_over.get(req, 0) >= PREFILL_MAX_PASSES:
+            return (0, order)
+        return (1, len(req.tokens) - req.n_past, order)
 
     def advance(self, row: Row) -> bool:
         """The batch ran: the row's tokens are in its sequence (a decode row's drafted

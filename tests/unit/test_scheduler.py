@@ -11,7 +11,7 @@ import pytest
 
 from model_runtime.request import Phase, Request, Seq
 from model_runtime.sampling import SamplingParams
-from model_runtime.scheduler import Admission, Binding, Reuse, Row, Scheduler
+from model_runtime.scheduler import PREFILL_MAX_PASSES, Admission, Binding, Reuse, Row, Scheduler
 
 _ids = iter(range(1, 1_000_000))
 
@@ -308,6 +308,49 @@ def test_the_batch_budget_goes_to_decoding_requests_first() -> None:
     s.n_batch = 2
     plan = s.plan(128)
     assert plan is not None and [r.request for r in plan.rows] == d[:2]
+
+
+def prefilled_in_turn(s: Scheduler) -> list[tuple[Request, int]]:
+    """Batches planned and run until no prompt is left: whose prompt each ran, how much."""
+    turns = []
+    while (plan := s.plan(128)) is not None and \
+            (rows := [r for r in plan.rows if not r.decode]):
+        (row,) = rows  # one prompt a batch
+        turns.append((row.request, row.n))
+        for r in plan.rows:
+            s.advance(r)
+    return turns
+
+
+def test_one_prompt_a_batch_the_one_with_fewest_tokens_left_first() -> None:
+    """Prompts one after another, shortest first (ties to the older): each first token
+    waits only for the prompts before it, not for all of them side by side."""
+    s = scheduler(n_seq=4, n_batch=512)
+    long, short, short2, mid = (prefilling(s, 300), prefilling(s, 19), prefilling(s, 19),
+                                prefilling(s, 40))
+    assert prefilled_in_turn(s) == [(short, 19), (short2, 19), (mid, 40), (long, 128),
+                                    (long, 128), (long, 44)]
+
+
+def test_a_prompt_passed_over_again_and_again_goes_first() -> None:
+    """Shorter prompts arriving all the time never hold a long one back for good: one
+    passed over PREFILL_MAX_PASSES batches in a row runs next."""
+    s = scheduler(n_seq=2 + PREFILL_MAX_PASSES, n_batch=512)
+    long = prefilling(s, 300)
+    shorts = [prefilling(s, 10) for _ in range(PREFILL_MAX_PASSES + 1)]
+    turns = prefilled_in_turn(s)
+    assert turns[:PREFILL_MAX_PASSES + 1] == \
+        [(r, 10) for r in shorts[:PREFILL_MAX_PASSES]] + [(long, 128)]
+    assert turns[PREFILL_MAX_PASSES + 1] == (shorts[-1], 10)
+
+
+def test_a_released_request_leaves_no_count_behind() -> None:
+    s = scheduler(n_seq=2)
+    a, b = prefilling(s, 50), prefilling(s, 20)
+    assert s.plan(128) is not None and s.passed_over == {a: 1, b: 0}
+    s.release(a)
+    s.release(b)
+    assert s.passed_over == {}
 
 
 def test_decode_and_prefill_advance_their_sequences() -> None:
