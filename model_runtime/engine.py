@@ -264,8 +264,7 @@ class EngineCore:
         # When the last llama_decode returned (time.monotonic_ns): the start of the way
         # of each token sampled from its scores to its reader (TokenEvent.decoded_ns).
         self._decoded_ns = 0
-        self.ticks = 0  # batches run
-        self.step_s = 0.0  # how long the last batch took
+        self.ticks, self.step_s = 0, 0.0  # batches run, the last one's time
         self.hand_offs = HandOffs()  # this step's tokens, sent before the next step
         # A step's finished requests end once every row's token is out: a finish copies a
         # state to save it (~4 ms for 1,000 tokens of SmolLM2), which they would wait for.
@@ -332,14 +331,15 @@ class EngineCore:
         # Sticky: the session's live sequence already holds a prefix of this prompt.
         if binding.reuse is Reuse.STICKY and self.executor.truncate(seq, binding.keep):
             req.cache.hit_kind = HIT_STICKY
-            req.cache.tokens_read = binding.keep
-            req.n_past = binding.keep
+            req.cache.tokens_read = req.n_past = binding.keep
             self._begin_prefill(req)
             return
         if binding.reuse is not Reuse.LIVE:  # (also a sticky sequence that could not be cut)
             self.executor.clear(seq)
-        elif binding.keep >= len(req.tokens) - 1 or not self.has_cache:
-            self._start(req, None)  # the live KV serves all it can: nothing covers more
+        elif binding.keep >= len(req.tokens) - 1 or not self.has_cache or \
+                self.resolver.live_serves_best(req):  # no state found would be restored
+            self.resolver.note_use(req)
+            self._start(req, None)
             return
         # Cache resolution; a live sequence's KV is kept until it is known whether the
         # daemon covers more of the prompt.

@@ -92,6 +92,32 @@ class Resolver:
         margin = self.config.min_save_tokens if self.plain_kv else 1
         return served >= req.live_keep + max(1, margin)
 
+    def live_serves_best(self, req: Request) -> bool:
+        """Whether an idle sequence's live KV serves the request as well as any saved
+        state could: the prompt's rest is shorter than the margin by which a state must
+        beat it (:meth:`beats_live`), so no answer of the daemon would be restored."""
+        margin = self.config.min_save_tokens if self.plain_kv else 1
+        return bool(req.live_keep) and len(req.tokens) < req.live_keep + max(1, margin)
+
+    def note_use(self, req: Request) -> None:
+        """A request that a live sequence serves without waiting for a cache answer
+        (:meth:`live_serves_best`): its lookup is still sent, in the background and its
+        answer dropped, so the daemon counts the use of the entries the prompt shares
+        (hit counts and last use, which its eviction order and prune read)."""
+        cache, tokens = self.cache, list(req.tokens)
+        if cache is None:
+            return
+        identity = self.identities.of(req.tenant)
+
+        def ask() -> None:
+            with contextlib.suppress(CacheError):
+                cache.lookup(identity, tokens, max_tokens=len(tokens),
+                             common_prefix=self.plain_kv,
+                             timeout=self.config.cache_timeout_s)  # (opens no pieces)
+
+        with contextlib.suppress(RuntimeError):  # the pool is shutting down
+            self.pool.submit(ask)
+
     @staticmethod
     def serves(chain: Chain, req: Request) -> int:
         """Prompt tokens a restore of ``chain`` would not compute again."""

@@ -273,6 +273,35 @@ def test_an_idle_sequence_serves_a_shared_prefix_in_place(
     assert first.cache_hit_kind == "cold"
 
 
+def test_a_live_sequence_no_saved_state_could_beat_starts_without_waiting_for_the_cache(
+        make_runtime: Callable[..., Runtime], plain: Runtime) -> None:
+    """Where the prompt's rest after an idle sequence's live KV is shorter than
+    min_save_tokens, no state the daemon holds would be restored (it must serve that
+    many more): the request starts at once, its lookup sent in the background only so
+    the daemon counts the use. A longer rest waits for the daemon's answer."""
+    # (No finish saves: the daemon's lookups are then the requests' own.)
+    rt = make_runtime(reuse_live=True, n_seq_max=1, min_save_tokens=32, save_finish=False)
+    address = rt.cache.address  # type: ignore[union-attr]
+    p = prompt(rt, 100)
+    first = rt.complete(tokens=p, max_tokens=8)
+    flush(rt)
+    lookups = daemon_counters(address)["lookups"]
+    step = p + first.tokens + prompt(rt, 10, TEXT_C)  # a rest of about 18 tokens
+    nxt = rt.complete(tokens=step, max_tokens=8)
+    assert (nxt.cache_hit_kind, nxt.cache_tier) == ("partial", "live")
+    assert nxt.timings["answer_wait_ms"] == 0  # no answer was waited for
+    assert nxt.tokens == plain.complete(tokens=step, max_tokens=8).tokens
+    deadline = time.monotonic() + 10
+    while daemon_counters(address)["lookups"] == lookups:
+        assert time.monotonic() < deadline, "the use was never sent to the daemon"
+        time.sleep(0.02)
+    assert daemon_counters(address)["lookups"] == lookups + 1
+    longer = step + nxt.tokens + prompt(rt, 40, TEXT_B)  # a rest of about 48 tokens
+    last = rt.complete(tokens=longer, max_tokens=4)
+    assert (last.cache_hit_kind, last.cache_tier) == ("partial", "live")
+    assert last.timings["answer_wait_ms"] > 0  # the resolver's answer came first
+
+
 def test_the_source_that_covers_more_serves_and_a_live_sequence_wins_a_tie(
         make_runtime: Callable[..., Runtime], plain: Runtime) -> None:
     rt = make_runtime(reuse_live=True, n_seq_max=1)
