@@ -250,9 +250,9 @@ class Timings:
     (before its prompt was tokenized), queued it, gave it a sequence, had its cache
     lookup's answer (on the resolver thread) and took it (on the model thread, once the
     batch it was running ended), had its prompt in the sequence and sampled its first
-    token; and the
-    time spent restoring, prefilling and decoding (a batch's time is shared by its
-    tokens). A step that did not happen keeps 0 (a live hit looks nothing up)."""
+    token; and the time spent restoring, prefilling and decoding (a batch's time is
+    shared by its tokens). A step that did not happen keeps 0 (a live hit waits for no
+    answer)."""
 
     arrived: float = field(default_factory=time.perf_counter)  # queued (Engine.submit)
     received: float = 0.0  # Runtime.submit called (0: the engine was called directly)
