@@ -67,7 +67,7 @@ RUNTIME_EXCLUDED: dict[str, str] = {
     "restored_from_remote": "provoked in tests/remote/test_remote_daemon.py",
     # This traffic holds every batch for its cache answer (resolve_wait_ms below); one
     # that comes after the batch is provoked (resolve_wait_ms 0) and asserted in
-    # tests/runtime/test_runtime.py::test_a_cache_answer_after_the_batch_is_counted.
+    # tests/runtime/test_runtime.py::test_a_new_request_s_cache_answer_is_waited_for_before_the_next_batch.
     "lookups_after_batch": "provoked in tests/runtime/test_runtime.py",
 }
 
