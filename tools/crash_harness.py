@@ -335,6 +335,12 @@ class CrashHarness:
             if entry is None and ledger.evictable and ledger.pin_state.get(key) is not True:
                 ledger.evicted(key)  # unpinned, in a full tier: evicted, not lost
                 del acked[key]
+            elif entry is not None and entry.size != sizes[key] and ledger.evictable and \
+                    ledger.pin_state.get(key) is not True:
+                # Evicted unseen (a full tier), then saved again by a save whose answer a
+                # kill cut off: the entry is that save's blob, whose bytes the full check
+                # below holds to its tokens and base like any other's.
+                ledger.resaved(key, entry.size, entry.base)
             elif (entry is None or entry.size != sizes[key]) and key not in lost_already:
                 ledger.lose(key, f"not listed after restart {self.restarts}"
                             if entry is None else f"listed with size {entry.size}")
@@ -613,6 +619,7 @@ class CrashHarness:
             # Unpinned acknowledged entries the full tier gave up (--prefill only).
             "evicted_acknowledged": n["evicted_acknowledged"],
             "evicted_entries_missed_in_run": n["evicted_entries_missed_in_run"],
+            "resaved_unacknowledged": n["resaved_unacknowledged"],
             # Listed after a restart, then gone in a pass begun during the checks.
             "evicted_after_listing": n["evicted_after_listing"],
             # Looks at index and files taken again: a reclaimer pass was still under way.

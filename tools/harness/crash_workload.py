@@ -155,6 +155,14 @@ class Ledger:
             self.pin_state.pop(key, None)
             self.counts["evicted_acknowledged"] += 1
 
+    def resaved(self, key: bytes, size: int, base: int) -> None:
+        """An unpinned acknowledged entry listed with other bytes where entries may be
+        evicted: evicted unseen and saved again (see ack). Expected as it is now."""
+        with self.lock:
+            self.acked_size[key] = size
+            self.acked_base[key] = base
+            self.counts["resaved_unacknowledged"] += 1
+
     def ack(self, key: bytes, tokens: list[int], size: int, base: int = 0) -> None:
         with self.lock:
             if key not in self.acked:
