@@ -96,8 +96,7 @@ class Resolver:
         """Whether an idle sequence's live KV serves the request as well as any saved
         state could: the prompt's rest is shorter than the margin by which a state must
         beat it (:meth:`beats_live`), so no answer of the daemon would be restored."""
-        margin = self.config.min_save_tokens if self.plain_kv else 1
-        return bool(req.live_keep) and len(req.tokens) < req.live_keep + max(1, margin)
+        return bool(req.live_keep) and not self.beats_live(len(req.tokens), req)
 
     def note_use(self, req: Request) -> None:
         """A request that a live sequence serves without waiting for a cache answer

@@ -159,9 +159,13 @@ class Ledger:
         """An unpinned acknowledged entry listed with other bytes where entries may be
         evicted: evicted unseen and saved again (see ack). Expected as it is now."""
         with self.lock:
-            self.acked_size[key] = size
-            self.acked_base[key] = base
+            self._take_blob(key, size, base)
             self.counts["resaved_unacknowledged"] += 1
+
+    def _take_blob(self, key: bytes, size: int, base: int) -> None:
+        """(Under the lock) the acknowledged key's entry is now this blob."""
+        self.acked_size[key] = size
+        self.acked_base[key] = base
 
     def ack(self, key: bytes, tokens: list[int], size: int, base: int = 0) -> None:
         with self.lock:
@@ -175,8 +179,7 @@ class Ledger:
                 # Evicted unseen (a full tier), then saved anew with another codec or on
                 # another parent: the entry is now this save's blob. (Where nothing is
                 # evicted, a new blob for an acknowledged key is a loss the check reports.)
-                self.acked_size[key] = size
-                self.acked_base[key] = base
+                self._take_blob(key, size, base)
             self.counts["saves_acknowledged"] += 1
 
     def random_acked(self, rng: random.Random) -> tuple[bytes, list[int]] | None:
