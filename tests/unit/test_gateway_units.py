@@ -13,7 +13,13 @@ import grpc
 import pytest
 
 from model_runtime.gateway.apis.openai.adapter import parse_chat, parse_completion
-from model_runtime.gateway.apis.openai.formatter import chunk, usage
+from model_runtime.gateway.apis.openai.formatter import (
+    OpenAIFormatter,
+    chunk,
+    sse,
+    text_chunk_template,
+    usage,
+)
 from model_runtime.gateway.errors import ApiError
 from model_runtime.gateway.keys import (
     ApiKeys,
@@ -140,6 +146,45 @@ def test_chunks_have_openai_s_shape() -> None:
     body = chunk(text, "abc")
     assert body["object"] == "text_completion" and "usage" not in body
     assert body["choices"][0]["text"] == "abc"
+
+
+TRICKY_TEXTS = ["", "abc", ' "quoted" ', "back\\slash", "line\nbreak\ttab", "\x00\x1f",
+                "ünïcödé", "日本語", "\U0001f600", "</script>", "\u2028\u2029"]
+
+
+def test_a_text_chunk_made_from_its_template_is_the_chunk_made_whole() -> None:
+    # The stream's token chunks come from a template made once per choice: byte for
+    # byte the chunk made and encoded whole, for chat and completions, with and without
+    # the usage field, any choice, any model name, any text.
+    for model in ("m", 'a "quoted" \\ model', "модель"):
+        for include_usage in (False, True):
+            options = {"stream_options": {"include_usage": True}} if include_usage else {}
+            chat = parse_chat({"model": model, "messages": [{"role": "user", "content": "x"}],
+                               "stream": True, "n": 2, **options})
+            text = parse_completion({"model": model, "prompt": "p", "stream": True, "n": 2,
+                                     **options})
+            for call in (chat, text):
+                for index in (0, 1):
+                    template = text_chunk_template(call, index)
+                    assert template is not None
+                    for piece in TRICKY_TEXTS:
+                        whole = sse(chunk(call, delta={"content": piece}, index=index)
+                                    if call.chat else chunk(call, piece, index=index))
+                        made = (template[0] + json.dumps(piece, ensure_ascii=False)
+                                + template[1]).encode()
+                        assert made == whole, (model, include_usage, index, piece)
+
+
+def test_a_completion_s_streamed_token_is_its_chunk() -> None:
+    call = parse_completion({"model": "m", "prompt": "p", "stream": True, "logprobs": 1})
+    formatter = OpenAIFormatter(call, None, "w0", "")
+    for piece in TRICKY_TEXTS[1:]:
+        assert formatter.text(pb.CompleteEvent(text=piece)) == sse(chunk(call, piece))
+    # A token with its log probability is made whole (its chunk carries them).
+    event = pb.CompleteEvent(text="x", logprob=pb.TokenLogprob(token=5, logprob=-0.5,
+                                                               piece=b"x"))
+    with_logprobs = json.loads(formatter.text(event).decode()[len("data: "):])
+    assert with_logprobs["choices"][0]["logprobs"]["token_logprobs"] == [-0.5]
 
 
 def test_a_conversation_s_next_turn_extends_its_routing_text() -> None:

@@ -49,6 +49,8 @@ from .timeline import TokenPath
 __all__ = ["complete", "count_tokens", "prompt_tokens"]
 
 C = TypeVar("C", bound=Call)
+# A stream's token ways go into the histogram this many at a time, and at its end.
+TOKEN_PATH_BATCH = 64
 
 
 async def complete(request: web.Request, endpoint: Endpoint[C]) -> web.StreamResponse:
@@ -193,6 +195,7 @@ class Exchange:
         self.prompt: pb.PromptDone | None = None  # the runtime's account of the prompt
         self.finished: list[pb.Completion] = []  # each choice's final record
         self.token_path = TokenPath()  # each streamed token's way from llama.cpp
+        self._observed = 0  # of which the histogram has that many
 
     async def run(self, events: AsyncIterator[pb.CompleteEvent]) -> web.StreamResponse:
         """The answer. Raises before the stream starts (so errors keep their status),
@@ -227,6 +230,8 @@ class Exchange:
                 raise
             self.served.outcome = "disconnected"
             return self.response
+        finally:
+            self.observe_token_path()
 
     async def write(self, data: bytes) -> None:
         """The one place where the stream is written."""
@@ -235,10 +240,20 @@ class Exchange:
 
     def passed(self, decoded_ns: int) -> None:
         """A streamed token's bytes are on their way to the client: its way from
-        llama.cpp's scores to here, counted (timeline.py)."""
-        way = self.token_path.passed(decoded_ns, time.monotonic_ns())
-        if way is not None:
-            self.fleet.metrics.token_path.labels(self.call.request.model).observe(way)
+        llama.cpp's scores to here, noted (timeline.py); the histogram takes the ways
+        TOKEN_PATH_BATCH at a time, off the way of each token."""
+        self.token_path.passed(decoded_ns, time.monotonic_ns())
+        if len(self.token_path.ms) - self._observed >= TOKEN_PATH_BATCH:
+            self.observe_token_path()
+
+    def observe_token_path(self) -> None:
+        """The ways noted since the last call, into the token path histogram."""
+        new = self.token_path.ms[self._observed:]
+        if new:
+            histogram = self.fleet.metrics.token_path.labels(self.call.request.model)
+            for ms in new:
+                histogram.observe(ms / 1000)
+            self._observed += len(new)
 
     async def start(self, first: pb.CompleteEvent) -> None:
         """The runtime accepted the request: from here on, errors are events."""
@@ -262,6 +277,7 @@ class Exchange:
             await self.write(self.formatter.choice_done(done))
             return None
         self.account()
+        self.observe_token_path()
         token_path = self.token_path.summary()
         if token_path is not None:
             self.formatter.gateway["token_path_ms"] = token_path

@@ -19,7 +19,7 @@ from ...pipeline.request import served_text
 from .adapter import OpenAICall
 
 __all__ = ["DONE", "Choice", "OpenAIFormatter", "chunk", "finish_reason", "response_body",
-           "sse", "usage"]
+           "sse", "text_chunk_template", "usage"]
 
 
 def usage(done: pb.Completion, completion_tokens: int | None = None,
@@ -238,6 +238,23 @@ def sse(data: dict[str, Any] | str) -> bytes:
 
 
 DONE = sse("[DONE]")
+# Stands for a chunk's text in a rendered chunk (text_chunk_template): no model writes it.
+_TEXT_MARK = "\x00\x01text\x01\x00"
+
+
+def text_chunk_template(call: OpenAICall, index: int) -> tuple[str, str] | None:
+    """A choice's plain text chunk (a content delta, or a completion's text, without
+    logprobs) as the text before and after its JSON string, so that a token's chunk is
+    ``before + json.dumps(text) + after`` — the bytes :func:`chunk` and :func:`sse` make,
+    without building and encoding the whole chunk once a token. None when the mark
+    cannot be told apart (then each chunk is made whole)."""
+    body = chunk(call, delta={"content": _TEXT_MARK}, index=index) if call.chat \
+        else chunk(call, _TEXT_MARK, index=index)
+    before, mark, after = sse(body).decode().partition(json.dumps(_TEXT_MARK,
+                                                                  ensure_ascii=False))
+    if not mark or json.dumps(_TEXT_MARK, ensure_ascii=False) in after:
+        return None
+    return before, after
 
 
 class OpenAIFormatter(Formatter):
@@ -256,6 +273,9 @@ class OpenAIFormatter(Formatter):
         self.choices = [Choice(i, plan.parser(call.separate_reasoning)
                                if plan is not None else None, call.include_reasoning,
                                call.stream_reasoning) for i in range(call.request.n)]
+        # Each choice's plain text chunk, made once (the stream's most frequent chunk).
+        self._text_templates = [text_chunk_template(call, i) if self.stream else None
+                                for i in range(call.request.n)]
 
     def opening(self, prompt: pb.PromptDone | pb.Completion) -> bytes:
         if not self.call.chat:
@@ -274,6 +294,12 @@ class OpenAIFormatter(Formatter):
         logprobs = choice.logprobs_body([event.logprob], chat) \
             if event.HasField("logprob") else None
         pieces = choice.feed(event.text)
+        template = self._text_templates[choice.index]
+        if logprobs is None and template is not None and len(pieces) == 1:
+            text = pieces[0].get("content" if chat else "text")
+            if text is not None and len(pieces[0]) == 1:
+                return (template[0] + json.dumps(text, ensure_ascii=False)
+                        + template[1]).encode()
         if not pieces and logprobs is not None:
             pieces = [{}] if chat else [{"text": ""}]
         out = []
