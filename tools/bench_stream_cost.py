@@ -59,13 +59,14 @@ def tree_cpu_s(pid: int) -> float:
 
 class Arm:
     """One server behind OpenAI's API; ``pid``: its process (a gateway's workers are its
-    children)."""
+    children, and ``gateway`` has its own figures reported too)."""
 
-    def __init__(self, name: str, base_url: str, pid: int) -> None:
+    def __init__(self, name: str, base_url: str, pid: int, *, gateway: bool = False) -> None:
         import openai
 
         self.name = name
         self.pid = pid
+        self.gateway = gateway
         self.client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0,
                                     timeout=900)
 
@@ -85,11 +86,10 @@ class Arm:
                 n, decode_ms = chunk.usage.completion_tokens, _decode_ms(chunk.model_extra)
         return n, decode_ms
 
-    def run(self, way: str, requests: int, tokens: int, gateway_pid: int | None,
-            first: int) -> dict[str, float]:
+    def run(self, way: str, requests: int, tokens: int, first: int) -> dict[str, float]:
         """``requests`` completions one after another; their figures per token."""
         cpu0 = tree_cpu_s(self.pid)
-        gw0 = process_cpu_s(gateway_pid) if gateway_pid else 0.0
+        gw0 = process_cpu_s(self.pid)
         own0 = time.process_time()
         t0 = time.perf_counter()
         n, decode_ms = 0, 0.0
@@ -101,8 +101,8 @@ class Arm:
         out = {"tokens": n, "wall_ms": wall * 1e3 / n,
                "server_cpu_ms": (tree_cpu_s(self.pid) - cpu0) * 1e3 / n,
                "client_cpu_ms": (time.process_time() - own0) * 1e3 / n}
-        if gateway_pid:
-            out["gateway_cpu_ms"] = (process_cpu_s(gateway_pid) - gw0) * 1e3 / n
+        if self.gateway:
+            out["gateway_cpu_ms"] = (process_cpu_s(self.pid) - gw0) * 1e3 / n
             out["decode_ms"] = decode_ms / n
         return out
 
@@ -147,23 +147,23 @@ def main() -> None:
     try:
         gateway.start(timeout=300)
         assert gateway.proc is not None
-        arms = [(Arm("kvcache", f"{gateway.url}/v1", gateway.proc.pid), gateway.proc.pid)]
+        arms = [Arm("kvcache", f"{gateway.url}/v1", gateway.proc.pid, gateway=True)]
         if server is not None:
             server.start()
             assert server.proc is not None
-            arms.append((Arm("llama-server", f"http://127.0.0.1:{server.port}/v1",
-                             server.proc.pid), None))
-        for arm, _ in arms:  # (warm: the template, the first allocations)
+            arms.append(Arm("llama-server", f"http://127.0.0.1:{server.port}/v1",
+                            server.proc.pid))
+        for arm in arms:  # (warm: the template, the first allocations)
             arm.request(0, 8, stream=True)
         runs: dict[str, dict[str, list[dict[str, float]]]] = {
-            arm.name: {way: [] for way in WAYS} for arm, _ in arms}
+            arm.name: {way: [] for way in WAYS} for arm in arms}
         for r in range(args.rounds):
             order = arms if r % 2 == 0 else arms[::-1]
             for way in (WAYS if r % 2 == 0 else WAYS[::-1]):
-                for arm, gateway_pid in order:
+                for arm in order:
                     log(f"round {r + 1}/{args.rounds}: {arm.name}, {way}")
                     runs[arm.name][way].append(arm.run(way, args.requests, args.tokens,
-                                                       gateway_pid, 1 + r * args.requests))
+                                                       1 + r * args.requests))
         results: dict[str, Any] = {}
         for name, by_way in runs.items():
             results[name] = {way: medians(by_way[way]) for way in WAYS}
