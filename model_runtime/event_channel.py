@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .request import Completion, EventQueue, PromptDone, TokenEvent
+from .request import Completion, EventQueue, PromptDone, RequestError, TokenEvent
 
 log = logging.getLogger("model_runtime")
 
@@ -171,7 +171,16 @@ class ChannelEvents(EventQueue):
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
         if isinstance(item, (PromptDone, TokenEvent, Completion)):
             with self._sending:
-                messages = self._encode(item)
+                try:
+                    messages = self._encode(item)
+                except Exception as exc:
+                    # Put by the model thread, often after the request was released: an
+                    # event that cannot be encoded (a bug) must end the call with an
+                    # error, not leave its caller waiting for an end that never comes.
+                    log.exception("an event of channel request %d could not be encoded",
+                                  self._id)
+                    super().put(RequestError("internal", f"internal error: {exc!r}"))
+                    return
                 self._channel.send(b"".join(frame(self._id, m) for m in messages))
                 self.sent += len(messages)
             if not isinstance(item, Completion):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,6 +32,7 @@ from kvcache.client import CacheClient
 from model_runtime.chat.templates import ChatTemplate
 from model_runtime.completion_request import CompletionRequest
 from model_runtime.counters import COUNTERS
+from model_runtime.event_channel import ChannelEvents, EventChannel
 from model_runtime.request import (
     Completion,
     PromptDone,
@@ -973,6 +975,35 @@ def test_a_reader_that_fell_behind_takes_what_is_ready_in_one_batch(plain: Runti
         return [e.text for e in events if isinstance(e, TokenEvent)]
 
     assert texts(flat) == texts(late[0]) and isinstance(late[0][-1], Completion)
+
+
+def test_a_final_record_the_event_channel_cannot_encode_fails_its_request_at_once(
+        plain: Runtime) -> None:
+    """A streamed request on the event channel has its events encoded by the model
+    thread, its final record after the request was released: one that cannot be encoded
+    (a bug, or generated messages older than the runtime) ends the request with an
+    internal error, rather than leave its caller waiting for an end that never comes.
+    The runtime goes on serving."""
+    tokens = plain.tokenize("The quick brown fox jumps over the lazy dog.")
+    ours, theirs = socket.socketpair()
+    channel = EventChannel(ours)
+
+    def encode(event: Any) -> list[bytes]:
+        if isinstance(event, Completion):
+            raise ValueError("Protocol message Timings has no field answer_wait_ms")
+        return [b"event"]
+
+    try:
+        req = plain.submit(CompletionRequest.of(tokens=tokens, max_tokens=4),
+                           events=ChannelEvents(channel, 7, encode))
+        with pytest.raises(RequestError) as err:
+            for _batch in plain.event_batches(req, timeout=30):
+                pass
+        assert err.value.code == "internal" and "answer_wait_ms" in str(err.value)
+        assert plain.complete(tokens=tokens, max_tokens=2).finish_reason == "length"
+    finally:
+        channel.close()
+        theirs.close()
 
 
 def test_a_request_read_whole_gets_its_text_with_its_end_in_one_batch(plain: Runtime) -> None:
