@@ -109,6 +109,9 @@ CAMPAIGN_KILLS = 1000
 CAMPAIGN_SECONDS = 80 * 60.0
 # How long a restarted daemon's background check may take before it counts as a problem.
 RECOVERY_SECONDS = 120.0
+# A reclaimer pass counts a batch it removed once its rows are gone (see
+# CrashHarness.reclaimer_moved_since_listing): how long a check waits for the count.
+COUNT_CATCH_UP_S = 2.0
 
 @dataclass
 class Settings:
@@ -432,16 +435,28 @@ class CrashHarness:
         """An unpinned entry that was listed and is no longer indexed, in a full tier whose
         reclaimer has begun a pass or evicted since the listing (a pass may start whenever
         the tier is over its watermark): evicted, not lost, and no longer expected."""
-        if not self.ledger.evictable or pinned or (
-                large.reclaimer_moves(self.fast.stats()) == self.moves_at_listing):
+        if not self.ledger.evictable or pinned:
             return False
         if [r.error for r in self.fast.verify([key])] != [NO_SUCH_ENTRY]:
             return False  # still indexed: whatever failed, it was not an eviction
+        if not self.reclaimer_moved_since_listing():
+            return False
         self.ledger.count("evicted_after_listing")
         with self.ledger.lock:
             acknowledged = key in self.ledger.acked
         if acknowledged:
             self.ledger.evicted(key)
+        return True
+
+    def reclaimer_moved_since_listing(self) -> bool:
+        """Whether the reclaimer began a pass or evicted since the listing. A pass deletes
+        a batch's rows before it counts them (kvcache.store.reclaim): a row seen gone just
+        before its count is waited for, up to COUNT_CATCH_UP_S."""
+        deadline = time.monotonic() + COUNT_CATCH_UP_S
+        while large.reclaimer_moves(self.fast.stats()) == self.moves_at_listing:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
         return True
 
     def recovered(self, client: CacheClient) -> pb.StatsResponse:
