@@ -366,6 +366,12 @@ def concurrent_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             "timeline_ms_median": {step: round(statistics.median(t.get(step, 0.0)
                                                                  for t in timelines), 2)
                                    for step in timelines[0]} if timelines else None,
+            # and their means: the wait for the running batch (``queue_ms``) has two
+            # humps, the rest of a decode step or of a longer prompt step, and its median
+            # jumps from one to the other when a few requests move between them.
+            "timeline_ms_mean": {step: round(statistics.mean(t.get(step, 0.0)
+                                                             for t in timelines), 2)
+                                 for step in timelines[0]} if timelines else None,
             "prompt_tokens_median": statistics.median(
                 [p for r in rounds for p in r["prompt_tokens"] if p] or [0]),
             "prefilled_median": statistics.median(
