@@ -29,14 +29,12 @@ class TokenPath:
     def __init__(self) -> None:
         self.ms: list[float] = []
 
-    def passed(self, decoded_ns: int, written_ns: int) -> float | None:
+    def passed(self, decoded_ns: int, written_ns: int) -> None:
         """Record a token written at ``written_ns`` whose scores were ready at
-        ``decoded_ns``; its way in seconds, or None when it carries no usable stamp."""
+        ``decoded_ns`` (nothing when it carries no usable stamp)."""
         way = written_ns - decoded_ns
-        if decoded_ns <= 0 or not 0 <= way < MAX_PLAUSIBLE_NS:
-            return None
-        self.ms.append(way / 1e6)
-        return way / 1e9
+        if decoded_ns > 0 and 0 <= way < MAX_PLAUSIBLE_NS:
+            self.ms.append(way / 1e6)
 
     def summary(self) -> dict[str, Any] | None:
         """Median, p99 and largest way in ms and how many messages were measured (one

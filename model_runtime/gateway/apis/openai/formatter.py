@@ -240,6 +240,7 @@ def sse(data: dict[str, Any] | str) -> bytes:
 DONE = sse("[DONE]")
 # Stands for a chunk's text in a rendered chunk (text_chunk_template): no model writes it.
 _TEXT_MARK = "\x00\x01text\x01\x00"
+_TEXT_MARK_JSON = json.dumps(_TEXT_MARK, ensure_ascii=False)
 
 
 def text_chunk_template(call: OpenAICall, index: int) -> tuple[str, str] | None:
@@ -250,9 +251,8 @@ def text_chunk_template(call: OpenAICall, index: int) -> tuple[str, str] | None:
     cannot be told apart (then each chunk is made whole)."""
     body = chunk(call, delta={"content": _TEXT_MARK}, index=index) if call.chat \
         else chunk(call, _TEXT_MARK, index=index)
-    before, mark, after = sse(body).decode().partition(json.dumps(_TEXT_MARK,
-                                                                  ensure_ascii=False))
-    if not mark or json.dumps(_TEXT_MARK, ensure_ascii=False) in after:
+    before, mark, after = sse(body).decode().partition(_TEXT_MARK_JSON)
+    if not mark or _TEXT_MARK_JSON in after:
         return None
     return before, after
 
