@@ -27,6 +27,7 @@ from kvcache.client import (
     SaveResult,
 )
 from kvcache.config import CHUNK_BYTES
+from kvcache.store import NO_SUCH_ENTRY
 
 BLOCK = 16
 KEPT = Identity("fp-crash-kept", {"type_k": "f16"}, model_name="kept.gguf")
@@ -480,7 +481,15 @@ class Worker:
         if picked is None:
             return
         for result in client.verify([picked[0]], timeout=10.0):
-            if not result.ok:
+            if result.ok:
+                continue
+            if result.error == NO_SUCH_ENTRY:
+                # Gone, as a lookup or load finding nothing: lost, unless entries may be
+                # evicted (a full tier evicts while the clients run); then the check after
+                # the next restart decides by its pin.
+                self.ledger.missing(result.key, "verify during the run answered "
+                                                f"{NO_SUCH_ENTRY}")
+            else:
                 self.ledger.problem("unverified", f"{result.key.hex()}: {result.error}")
 
     def op_prune(self, client: CacheClient) -> None:
